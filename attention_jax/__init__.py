@@ -1,0 +1,48 @@
+"""attention_jax: attention mechanisms as pure JAX functions.
+
+Shape glossary used throughout: B batch, T query length, S key/value length,
+N query heads, K key/value heads, H head dim, D model dim.
+
+Nothing here is jitted internally: wrap calls in ``jax.jit`` (with the
+keyword flags such as ``is_causal`` as static arguments) at your boundary.
+"""
+
+from attention_jax.additive import additive_attention
+from attention_jax.additive import additive_score
+from attention_jax.additive import init_additive_params
+from attention_jax.additive import precompute_additive_keys
+from attention_jax.dot_product import scaled_dot_product_attention
+from attention_jax.luong import init_luong_params
+from attention_jax.luong import luong_attention
+from attention_jax.luong import precompute_luong_keys
+from attention_jax.masks import causal_mask
+from attention_jax.masks import combine_masks
+from attention_jax.masks import make_attention_mask
+from attention_jax.masks import padding_mask
+from attention_jax.multi_head import init_multi_head_params
+from attention_jax.multi_head import merge_heads
+from attention_jax.multi_head import multi_head_attention
+from attention_jax.multi_head import split_heads
+from attention_jax.softmax import masked_softmax
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "additive_attention",
+    "additive_score",
+    "causal_mask",
+    "combine_masks",
+    "init_additive_params",
+    "init_luong_params",
+    "init_multi_head_params",
+    "luong_attention",
+    "make_attention_mask",
+    "masked_softmax",
+    "merge_heads",
+    "multi_head_attention",
+    "padding_mask",
+    "precompute_additive_keys",
+    "precompute_luong_keys",
+    "scaled_dot_product_attention",
+    "split_heads",
+]

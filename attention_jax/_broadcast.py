@@ -1,0 +1,54 @@
+"""Run a single-example function over broadcast leading dimensions with vmap.
+
+The attention maths in this package is written for one head and one example
+(``[T, H]`` queries against ``[S, H]`` keys). ``broadcast_vmap`` lifts such a
+function to operands with any leading batch dimensions that broadcast like
+NumPy's: one ``jax.vmap`` per leading dimension, mapping the operands that
+have that dimension and passing the others (size 1 or absent) unmapped. A
+size-1 key/value head dimension against ``G`` query heads is therefore shared,
+never copied, which is how grouped-query attention stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+
+def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
+                   operands: Sequence[Any]) -> Any:
+  """Applies ``fn`` to operands with broadcast leading (batch) dimensions.
+
+  Args:
+    fn: function of the per-example operands (``None`` operands are passed
+      through as ``None``).
+    core_ndims: for each operand, how many trailing dimensions ``fn`` sees.
+    operands: arrays (or ``None``) whose leading dims, beyond their core dims,
+      broadcast against each other. The caller has validated that they do.
+
+  Returns:
+    ``fn``'s outputs with the broadcast batch shape prepended to each leaf.
+  """
+  batch_ndim = max((op.ndim - c for op, c in zip(operands, core_ndims)
+                    if op is not None), default=0)
+  padded = []
+  for op, c in zip(operands, core_ndims):
+    if op is not None:
+      op = op.reshape((1,) * (batch_ndim - (op.ndim - c)) + op.shape)
+    padded.append(op)
+  return _map_leading(fn, batch_ndim, tuple(padded))
+
+
+def _map_leading(fn, depth: int, ops: tuple[Any, ...]) -> Any:
+  if depth == 0:
+    return fn(*ops)
+  # Operands whose leading size is 1 are shared across this dimension.
+  in_axes = tuple(None if op is None or op.shape[0] == 1 else 0 for op in ops)
+  ops = tuple(op[0] if op is not None and ax is None else op
+              for op, ax in zip(ops, in_axes))
+  inner = lambda *o: _map_leading(fn, depth - 1, o)
+  if all(ax is None for ax in in_axes):
+    return jax.tree.map(lambda x: x[None], inner(*ops))
+  return jax.vmap(inner, in_axes=in_axes)(*ops)

@@ -1,0 +1,104 @@
+"""What Bahdanau and Luong attention share: inputs, masking, the weighted sum.
+
+Shape glossary: B batch, T decoder steps (queries), S encoder length, Dq query
+features, Dk key features, Dv value features.
+
+Both mechanisms score one decoder state against every encoder state. The
+score is written for one query vector (``score_one(q [Dq]) -> [S]``), vmapped
+over the T decoder steps and the B examples; the rest (mask, softmax,
+context) is the same for every score and lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from attention_jax import _checks
+from attention_jax import softmax
+
+
+class Inputs(NamedTuple):
+  query: jax.Array  # [B, T, Dq] float32
+  keys: jax.Array  # [B, S, Dk] float32
+  values: jax.Array  # [B, S, Dv] float32
+  mask: jax.Array | None  # [B|1, T|1, S] bool
+  single_step: bool  # the query came as [B, Dq]
+  out_dtype: jnp.dtype
+
+
+def prepare(query, keys, values, mask) -> Inputs:
+  """Validates and normalises ``(query, keys, values, mask)``."""
+  values = keys if values is None else values
+  for name, x in (("query", query), ("keys", keys), ("values", values)):
+    _checks.check_float_array(name, x)
+  _checks.check_rank("query", query, (2, 3), "[B, Dq] or [B, T, Dq]")
+  _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
+  _checks.check_rank("values", values, (3,), "[B, S, Dv]")
+  q_shape, k_shape, v_shape = map(_checks.shape_of, (query, keys, values))
+  if k_shape[:2] != v_shape[:2]:
+    raise ValueError(f"keys {k_shape} and values {v_shape} must have the same "
+                     "[B, S].")
+  if q_shape[0] != k_shape[0]:
+    raise ValueError(f"query {q_shape} and keys {k_shape} must have the same "
+                     "batch size B.")
+  single_step = len(q_shape) == 2
+  out_dtype = jnp.result_type(query, keys, values)
+  f32 = jnp.float32
+  query = jnp.asarray(query, f32)
+  if single_step:
+    query = query[:, None, :]  # [B, 1, Dq]
+  b, t = query.shape[:2]
+  s = k_shape[1]
+  if mask is not None:
+    _checks.check_mask_dtype("mask", mask)
+    m_shape = _checks.shape_of(mask)
+    if len(m_shape) == 2:  # [B, S]: key padding, the same for every step
+      _checks.check_broadcastable_to("mask", m_shape, (b, s), "[B, S]")
+      mask = jnp.asarray(mask)[:, None, :]
+    else:
+      _checks.check_rank("mask", mask, (2, 3), "[B, S] or [B, T, S]")
+      _checks.check_broadcastable_to("mask", m_shape, (b, t, s), "[B, T, S]")
+    mask = _checks.as_bool_mask(mask)
+  return Inputs(query, jnp.asarray(keys, f32), jnp.asarray(values, f32),
+                mask, single_step, out_dtype)
+
+
+def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],
+           inputs: Inputs, key_features: jax.Array
+           ) -> tuple[jax.Array, jax.Array]:
+  """Scores, masked softmax and context for every step and example.
+
+  Args:
+    score_one: ``(q [Dq], key_features [S, F]) -> scores [S]`` for one query
+      vector of one example.
+    inputs: from ``prepare``.
+    key_features: ``[B, S, F]`` what ``score_one`` compares against (raw or
+      projected keys).
+
+  Returns:
+    ``(context, weights)``: ``[B, T, Dv]`` and float32 ``[B, T, S]``, or
+    ``[B, Dv]`` and ``[B, S]`` for a single-step query.
+  """
+  per_step = jax.vmap(score_one, in_axes=(0, None))  # over T
+  scores = jax.vmap(per_step)(inputs.query, key_features)  # [B, T, S]
+  mask = inputs.mask
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, scores.shape)
+  weights = softmax.masked_softmax(scores, mask)  # [B, T, S]
+  context = jnp.einsum("BTS,BSV->BTV", weights, inputs.values)  # [B, T, Dv]
+  context = context.astype(inputs.out_dtype)
+  if inputs.single_step:
+    return context[:, 0], weights[:, 0]
+  return context, weights
+
+
+def check_projected_keys(projected, keys, features: int, how: str) -> None:
+  expected = _checks.shape_of(keys)[:2] + (features,)
+  got = _checks.shape_of(projected)
+  if got != expected:
+    raise ValueError(f"projected_keys has shape {got}, expected {expected} "
+                     f"([B, S] of keys, {features} features) from {how}.")

@@ -1,0 +1,250 @@
+"""Multi-head attention as pure functions over a parameter dict.
+
+Shape glossary: B batch, T query length, S key/value length, N query heads,
+K key/value heads (grouped-query attention; ``K == N`` is ordinary MHA,
+``K == 1`` multi-query), G = N // K query heads per key/value head, H head
+dim = D // N, D model dim.
+
+Parameters follow the lesson's names: ``{"W_q", "W_k", "W_v", "W_o"}``, each
+``{"kernel": [in, out], "bias": [out]}`` with ``y = x @ kernel + bias``.
+
+How the heads are computed (the project's design, kept literal so readers can
+follow it): a kernel's output features are split into per-head kernels
+(``split_heads``), one pure per-head projection (``project``) is
+``jax.vmap``-ed over them, the single-head attention of ``dot_product.py`` is
+vmapped over the head axes, and the head outputs are concatenated again
+(``merge_heads``) before ``W_o``. There is no reshape-and-broadcast shortcut:
+a key/value head is shared by its G query heads through ``vmap`` (unmapped
+operand), not copied.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from attention_jax import _checks
+from attention_jax import dot_product
+
+Params = dict[str, dict[str, jax.Array]]
+
+
+def _check_heads(d_model: int, num_heads: int,
+                 num_kv_heads: int | None) -> int:
+  _checks.check_positive_int("d_model", d_model)
+  _checks.check_positive_int("num_heads", num_heads)
+  if num_kv_heads is None:
+    num_kv_heads = num_heads
+  _checks.check_positive_int("num_kv_heads", num_kv_heads)
+  if d_model % num_heads:
+    raise ValueError(f"d_model={d_model} must be divisible by num_heads="
+                     f"{num_heads}.")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_heads={num_heads} must be divisible by "
+                     f"num_kv_heads={num_kv_heads}.")
+  return num_kv_heads
+
+
+def init_multi_head_params(
+    rng: jax.Array,
+    d_model: int,
+    num_heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    use_bias: bool = True,
+    dtype: jnp.dtype = jnp.float32,
+) -> Params:
+  """Initialises ``W_q``, ``W_k``, ``W_v``, ``W_o`` for ``multi_head_attention``.
+
+  Kernels are LeCun-normal (flax's ``nnx.Linear`` default), biases zero.
+
+  Args:
+    rng: ``jax.random.key``.
+    d_model: ``D``, input and output features.
+    num_heads: ``N``; must divide ``d_model``.
+    num_kv_heads: ``K``; must divide ``num_heads``. ``None`` means ``N``.
+    use_bias: whether each projection has a bias.
+    dtype: parameter dtype.
+
+  Returns:
+    ``{"W_q": {"kernel": [D, N*H], "bias": [N*H]}, "W_k": {... [D, K*H]},
+    "W_v": {... [D, K*H]}, "W_o": {"kernel": [N*H, D], "bias": [D]}}``
+    (no ``"bias"`` entries when ``use_bias=False``).
+
+  Example:
+    >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)
+    >>> p["W_k"]["kernel"].shape
+    (8, 4)
+  """
+  num_kv_heads = _check_heads(d_model, num_heads, num_kv_heads)
+  head_dim = d_model // num_heads
+  init = jax.nn.initializers.lecun_normal()
+  shapes = {"W_q": (d_model, num_heads * head_dim),
+            "W_k": (d_model, num_kv_heads * head_dim),
+            "W_v": (d_model, num_kv_heads * head_dim),
+            "W_o": (num_heads * head_dim, d_model)}
+  params = {}
+  for rng_i, (name, shape) in zip(jax.random.split(rng, 4), shapes.items()):
+    params[name] = {"kernel": init(rng_i, shape, dtype)}
+    if use_bias:
+      params[name]["bias"] = jnp.zeros(shape[1:], dtype)
+  return params
+
+
+def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
+  """Splits the last axis into heads, heads first: ``[..., N*H] -> [N, ..., H]``."""
+  *lead, features = x.shape
+  x = x.reshape(*lead, num_heads, features // num_heads)
+  return jnp.moveaxis(x, -2, 0)
+
+
+def merge_heads(x: jax.Array) -> jax.Array:
+  """Concatenates heads: ``[B, N, T, H] -> [B, T, N*H]`` (the lesson's concat)."""
+  b, n, t, h = x.shape
+  return jnp.transpose(x, (0, 2, 1, 3)).reshape(b, t, n * h)
+
+
+def project(x: jax.Array, kernel: jax.Array,
+            bias: jax.Array | None) -> jax.Array:
+  """One dense projection ``x @ kernel + bias``: ``[B, T, D] @ [D, F] -> [B, T, F]``."""
+  y = jnp.einsum("BTD,DF->BTF", x, kernel)
+  return y if bias is None else y + bias[None, None, :]
+
+
+def project_heads(x: jax.Array, layer: dict[str, jax.Array],
+                  num_heads: int) -> jax.Array:
+  """Per-head projection, vmapped over heads: ``[B, T, D] -> [B, N, T, H]``."""
+  kernels = split_heads(layer["kernel"], num_heads)  # [N, D, H]
+  bias = layer.get("bias")
+  biases = None if bias is None else split_heads(bias, num_heads)  # [N, H]
+  return jax.vmap(project, in_axes=(None, 0, 0 if biases is not None else None),
+                  out_axes=1)(x, kernels, biases)  # [B, N, T, H]
+
+
+def _check_params(params, d_model: int, num_heads: int,
+                  num_kv_heads: int) -> None:
+  head_dim = d_model // num_heads
+  expected = {"W_q": (d_model, num_heads * head_dim),
+              "W_k": (d_model, num_kv_heads * head_dim),
+              "W_v": (d_model, num_kv_heads * head_dim),
+              "W_o": (num_heads * head_dim, d_model)}
+  for name, shape in expected.items():
+    if name not in params or "kernel" not in params[name]:
+      raise ValueError(f"params must have {name}['kernel'], got keys "
+                       f"{sorted(params)}.")
+    got = _checks.shape_of(params[name]["kernel"])
+    if got != shape:
+      raise ValueError(
+          f"params['{name}']['kernel'] has shape {got}, expected {shape} for "
+          f"d_model={d_model}, num_heads={num_heads}, "
+          f"num_kv_heads={num_kv_heads}.")
+    if "bias" in params[name]:
+      got = _checks.shape_of(params[name]["bias"])
+      if got != shape[1:]:
+        raise ValueError(f"params['{name}']['bias'] has shape {got}, "
+                         f"expected {shape[1:]}.")
+
+
+def _group_heads(x, num_kv_heads: int):
+  """``[B|1, N|1, ...] -> [B|1, K|1, G|1, ...]`` so K/V heads can be shared."""
+  if x is None:
+    return None
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)  # [B?, N?, T?, S?]
+  b, n, t, s = x.shape
+  if n == 1:
+    return x.reshape(b, 1, 1, t, s)
+  return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
+
+
+def multi_head_attention(
+    params: Params,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    bias: ArrayLike | None = None,
+    is_causal: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """The lesson's ``MultiHeadAttention.forward`` as a pure function.
+
+  Args:
+    params: from ``init_multi_head_params``.
+    query: float ``[B, T, D]``.
+    key: float ``[B, S, D]``.
+    value: float ``[B, S, D]``.
+    mask: optional bool/integer broadcastable to ``[B, N, T, S]`` (True =
+      may attend), e.g. from ``make_attention_mask``.
+    num_heads: ``N`` (static).
+    num_kv_heads: ``K`` (static); ``None`` means ``N``.
+    bias: optional float broadcastable to ``[B, N, T, S]`` added to logits.
+    is_causal: bottom-right aligned causal masking (static).
+    dropout_rate: dropout on attention weights, in ``[0, 1)`` (static).
+    dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
+
+  Returns:
+    ``(output [B, T, D], weights float32 [B, N, T, S])``.
+
+  Example:
+    >>> p = init_multi_head_params(jax.random.key(0), 16, 4)
+    >>> x = jnp.ones((2, 5, 16))
+    >>> out, w = multi_head_attention(p, x, x, x, num_heads=4, is_causal=True)
+    >>> out.shape, w.shape
+    ((2, 5, 16), (2, 4, 5, 5))
+  """
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    _checks.check_float_array(name, x)
+  _checks.check_rank("query", query, (3,), "[B, T, D]")
+  _checks.check_rank("key", key, (3,), "[B, S, D]")
+  _checks.check_rank("value", value, (3,), "[B, S, D]")
+  q_shape, k_shape, v_shape = map(_checks.shape_of, (query, key, value))
+  d_model = q_shape[-1]
+  if k_shape[-1] != d_model or v_shape[-1] != d_model:
+    raise ValueError(
+        f"query, key and value must share the model dim D: query {q_shape}, "
+        f"key {k_shape}, value {v_shape}.")
+  if k_shape[:2] != v_shape[:2]:
+    raise ValueError(f"key {k_shape} and value {v_shape} must have the same "
+                     "[B, S].")
+  if q_shape[0] != k_shape[0]:
+    raise ValueError(f"query {q_shape} and key {k_shape} must have the same "
+                     "batch size B.")
+  num_kv_heads = _check_heads(d_model, num_heads, num_kv_heads)
+  _check_params(params, d_model, num_heads, num_kv_heads)
+  b, t, s = q_shape[0], q_shape[1], k_shape[1]
+  full = (b, num_heads, t, s)
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is not None:
+      _checks.check_broadcastable_to(name, _checks.shape_of(x), full,
+                                     "[B, N, T, S]")
+  if mask is not None:
+    _checks.check_mask_dtype("mask", mask)
+    mask = _checks.as_bool_mask(mask)
+  if bias is not None:
+    _checks.check_float_array("bias", bias)
+    bias = jnp.asarray(bias)
+
+  group = num_heads // num_kv_heads
+  q = project_heads(query, params["W_q"], num_heads)  # [B, N, T, H]
+  k = project_heads(key, params["W_k"], num_kv_heads)  # [B, K, S, H]
+  v = project_heads(value, params["W_v"], num_kv_heads)  # [B, K, S, H]
+  head_dim = q.shape[-1]
+  q = q.reshape(b, num_kv_heads, group, t, head_dim)  # [B, K, G, T, H]
+  k = k[:, :, None]  # [B, K, 1, S, H]: shared by the group's G query heads
+  v = v[:, :, None]  # [B, K, 1, S, H]
+  out, weights = dot_product.scaled_dot_product_attention(
+      q, k, v, _group_heads(mask, num_kv_heads),
+      bias=_group_heads(bias, num_kv_heads), scale=1.0 / math.sqrt(head_dim),
+      is_causal=is_causal, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  out = out.reshape(b, num_heads, t, head_dim)  # [B, N, T, H]
+  weights = weights.reshape(full)  # [B, N, T, S]
+  output = project(merge_heads(out), params["W_o"]["kernel"],
+                   params["W_o"].get("bias"))  # [B, T, D]
+  return output, weights
