@@ -55,6 +55,11 @@ def check_mask_dtype(name: str, mask) -> None:
         "mask is ambiguous: pass additive values through `bias` instead.")
 
 
+def compute_dtype(*xs) -> jnp.dtype:
+  """float32 for float16/bfloat16/float32 inputs, float64 for float64 ones."""
+  return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
 def as_bool_mask(mask) -> jax.Array:
   mask = jnp.asarray(mask)
   return mask if mask.dtype == jnp.bool_ else mask != 0

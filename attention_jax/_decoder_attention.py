@@ -22,12 +22,13 @@ from attention_jax import softmax
 
 
 class Inputs(NamedTuple):
-  query: jax.Array  # [B, T, Dq] float32
-  keys: jax.Array  # [B, S, Dk] float32
-  values: jax.Array  # [B, S, Dv] float32
+  query: jax.Array  # [B, T, Dq] in compute_dtype
+  keys: jax.Array  # [B, S, Dk] in compute_dtype
+  values: jax.Array  # [B, S, Dv] in compute_dtype
   mask: jax.Array | None  # [B|1, T|1, S] bool
   single_step: bool  # the query came as [B, Dq]
-  out_dtype: jnp.dtype
+  out_dtype: jnp.dtype  # the inputs' promoted dtype
+  compute_dtype: jnp.dtype  # float32, or float64 for float64 inputs
 
 
 def prepare(query, keys, values, mask) -> Inputs:
@@ -47,7 +48,7 @@ def prepare(query, keys, values, mask) -> Inputs:
                      "batch size B.")
   single_step = len(q_shape) == 2
   out_dtype = jnp.result_type(query, keys, values)
-  f32 = jnp.float32
+  f32 = _checks.compute_dtype(out_dtype)
   query = jnp.asarray(query, f32)
   if single_step:
     query = query[:, None, :]  # [B, 1, Dq]
@@ -64,7 +65,7 @@ def prepare(query, keys, values, mask) -> Inputs:
       _checks.check_broadcastable_to("mask", m_shape, (b, t, s), "[B, T, S]")
     mask = _checks.as_bool_mask(mask)
   return Inputs(query, jnp.asarray(keys, f32), jnp.asarray(values, f32),
-                mask, single_step, out_dtype)
+                mask, single_step, out_dtype, f32)
 
 
 def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],
@@ -80,7 +81,8 @@ def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],
       projected keys).
 
   Returns:
-    ``(context, weights)``: ``[B, T, Dv]`` and float32 ``[B, T, S]``, or
+    ``(context, weights)``: ``[B, T, Dv]`` and ``[B, T, S]`` in the compute
+    dtype (float32, or float64 for float64 inputs), or
     ``[B, Dv]`` and ``[B, S]`` for a single-step query.
   """
   per_step = jax.vmap(score_one, in_axes=(0, None))  # over T

@@ -88,12 +88,12 @@ def precompute_additive_keys(params: Params, keys: ArrayLike) -> jax.Array:
     keys: float ``[B, S, Dk]``.
 
   Returns:
-    float32 ``[B, S, A]``.
+    ``[B, S, A]`` in float32 (float64 for float64 inputs).
   """
   _checks.check_float_array("keys", keys)
   _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
   _check_params(params, None, _checks.shape_of(keys))
-  f32 = jnp.float32
+  f32 = _checks.compute_dtype(keys, params["W_k"])
   projected = jnp.einsum("BSK,KA->BSA", jnp.asarray(keys, f32),
                          params["W_k"].astype(f32))
   if "b" in params:
@@ -125,7 +125,8 @@ def additive_attention(
   Returns:
     ``(context, weights)``: ``[B, Dv]`` and float32 ``[B, S]`` for a
     single-step query, else ``[B, T, Dv]`` and ``[B, T, S]``. Scores and
-    softmax run in float32; ``context`` has the inputs' promoted dtype. A row
+    softmax run in float32 (float64 for float64 inputs, as are the weights);
+    ``context`` has the inputs' promoted dtype. A row
     with nothing to attend to gets zero weights and a zero context.
 
   Example:
@@ -143,7 +144,7 @@ def additive_attention(
     _checks.check_float_array("projected_keys", projected_keys)
     _decoder_attention.check_projected_keys(
         projected_keys, keys, hidden, "precompute_additive_keys")
-  f32 = jnp.float32
+  f32 = inputs.compute_dtype
   w_q, v = params["W_q"].astype(f32), params["v"].astype(f32)
 
   def score_one(q, key_hidden):  # [Dq], [S, A] -> [S]

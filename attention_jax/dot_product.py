@@ -9,10 +9,11 @@ The maths is written once, for a single head (``_single_head_attention``:
 one ``jax.vmap`` per dimension (``_broadcast.broadcast_vmap``).
 
 Numerics: whatever the input dtype (float16, bfloat16 included), logits are
-accumulated, scaled, biased, masked and soft-maxed in float32; the weighted
-sum of values accumulates in float32 and is cast back to the inputs' dtype at
-the very end. There is one path: the numbers do not change when the weights
-are returned or dropout is switched on.
+accumulated, scaled, biased, masked and soft-maxed in float32 (float64 when
+the inputs are float64); the weighted sum of values accumulates in that
+precision and is cast back to the inputs' dtype at the very end. There is one
+path: the numbers do not change when the weights are returned or dropout is
+switched on.
 
 Fully masked rows: a query that may attend to no key gets all-zero weights
 and a zero output, with zero (finite) gradients; see ``softmax.py``.
@@ -33,9 +34,11 @@ from attention_jax import softmax
 
 
 def _single_head_attention(query, key, value, mask, bias, keep, *, scale,
-                           is_causal, dropout_rate, out_dtype):
-  """One head, one example. Shapes: q [T, H], k [S, H], v [S, Hv]."""
-  f32 = jnp.float32
+                           is_causal, dropout_rate, out_dtype, f32):
+  """One head, one example. Shapes: q [T, H], k [S, H], v [S, Hv].
+
+  ``f32`` is the compute dtype: float32, or float64 for float64 inputs.
+  """
   t, s = query.shape[0], key.shape[0]
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=f32)  # [T, S]
@@ -48,7 +51,7 @@ def _single_head_attention(query, key, value, mask, bias, keep, *, scale,
   if is_causal:
     causal = masks.causal_mask(t, s)
     allowed = causal if allowed is None else allowed & causal
-  weights = softmax.masked_softmax(logits, allowed)  # [T, S] float32
+  weights = softmax.masked_softmax(logits, allowed)  # [T, S] in f32
   probs = weights
   if keep is not None:  # inverted dropout: E[probs] == weights
     probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
@@ -94,7 +97,8 @@ def scaled_dot_product_attention(
 
   Returns:
     ``(output, weights)``: ``output`` ``[..., T, Hv]`` in the promoted dtype of
-    the inputs; ``weights`` float32 ``[..., T, S]``, the softmax probabilities
+    the inputs; ``weights`` float32 (float64 for float64 inputs)
+    ``[..., T, S]``, the softmax probabilities
     before dropout (rows sum to 1, or are all 0 for a query that may attend
     to nothing, whose output is then 0).
 
@@ -157,11 +161,12 @@ def scaled_dot_product_attention(
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate,
                                 batch_shape + (t, s))  # [..., T, S]
   out_dtype = jnp.result_type(query, key, value)
+  f32 = _checks.compute_dtype(out_dtype)
 
   def head_fn(q, k, v, m, b, kp):
     return _single_head_attention(
         q, k, v, m, b, kp, scale=scale, is_causal=is_causal,
-        dropout_rate=dropout_rate, out_dtype=out_dtype)
+        dropout_rate=dropout_rate, out_dtype=out_dtype, f32=f32)
 
   operands = (jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), mask,
               bias, keep)

@@ -129,19 +129,20 @@ def precompute_luong_keys(keys: ArrayLike, *, score: str = "dot",
     params: the score's parameters.
 
   Returns:
-    float32 ``[B, S, F]``: the keys themselves for ``dot`` (``F = Dk``),
-    ``keys @ W^T`` for ``general`` (``F = Dq``), ``keys @ W[Dq:]`` for
-    ``concat`` (``F = A``).
+    ``[B, S, F]`` in float32 (float64 for float64 inputs): the keys
+    themselves for ``dot`` (``F = Dk``), ``keys @ W^T`` for ``general``
+    (``F = Dq``), ``keys @ W[Dq:]`` for ``concat`` (``F = A``).
   """
   _check_score(score)
   _checks.check_float_array("keys", keys)
   _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
   dk = _checks.shape_of(keys)[-1]
   _check_params(score, params, None, dk)
-  keys = jnp.asarray(keys, jnp.float32)
+  f32 = _checks.compute_dtype(keys, *(params or {}).values())
+  keys = jnp.asarray(keys, f32)
   if score == "dot":
     return keys
-  w = params["W"].astype(jnp.float32)
+  w = params["W"].astype(f32)
   if score == "general":
     return jnp.einsum("BSK,QK->BSQ", keys, w)  # [B, S, Dq]
   return jnp.einsum("BSK,KA->BSA", keys, w[w.shape[0] - dk:])  # [B, S, A]
@@ -175,8 +176,9 @@ def luong_attention(
       params=...)``, reused across decoder steps.
 
   Returns:
-    ``(context, weights)``: ``[B, Dv]`` and float32 ``[B, S]`` for a
-    single-step query, else ``[B, T, Dv]`` and ``[B, T, S]``.
+    ``(context, weights)``: ``[B, Dv]`` and float32 (float64 for float64
+    inputs) ``[B, S]`` for a single-step query, else ``[B, T, Dv]`` and
+    ``[B, T, S]``.
 
   Example:
     >>> ctx, w = luong_attention(jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4)))
@@ -193,7 +195,7 @@ def luong_attention(
     _checks.check_float_array("projected_keys", projected_keys)
     _decoder_attention.check_projected_keys(
         projected_keys, keys, width, "precompute_luong_keys")
-  f32 = jnp.float32
+  f32 = inputs.compute_dtype
   params = {} if params is None else params
   multiplier = jnp.asarray(1.0 if scale is None else scale, f32)
   if "scale" in params:

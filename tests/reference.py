@@ -1,0 +1,116 @@
+"""Independent float64 NumPy references, written from the lesson's formulas.
+
+Nothing here imports attention_jax: these are the yardsticks. Shapes follow
+the package glossary (B, T, S, N, K, H, D). Fully masked query rows follow
+the package's documented policy (weights 0, output 0), which the lesson's
+``-1e9`` fill would instead turn into a uniform average.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def softmax(scores: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+  scores = np.asarray(scores, np.float64)
+  if mask is None:
+    mask = np.ones(scores.shape, bool)
+  shape = np.broadcast_shapes(scores.shape, np.shape(mask))
+  scores = np.broadcast_to(scores, shape)
+  allowed = np.broadcast_to(np.asarray(mask) != 0, shape)
+  safe = np.where(allowed, scores, -np.inf)
+  row_max = safe.max(-1, keepdims=True)
+  row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+  e = np.where(allowed, np.exp(np.where(allowed, safe - row_max, 0.0)), 0.0)
+  total = e.sum(-1, keepdims=True)
+  return e / np.where(total > 0, total, 1.0)
+
+
+def causal(t: int, s: int) -> np.ndarray:
+  return np.tril(np.ones((t, s), bool), k=s - t)
+
+
+def sdpa(q, k, v, mask=None, bias=None, scale=None, is_causal=False):
+  """The lesson's scaled_dot_product_attention in float64."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  if scale is None:
+    scale = 1.0 / np.sqrt(q.shape[-1])
+  scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale  # [..., T, S]
+  if bias is not None:
+    scores = scores + np.asarray(bias, np.float64)
+  if is_causal:
+    c = causal(q.shape[-2], k.shape[-2])
+    mask = c if mask is None else (np.asarray(mask) != 0) & c
+  weights = softmax(scores, mask)
+  return np.matmul(weights, v), weights
+
+
+def linear(x, layer):
+  y = np.asarray(x, np.float64) @ np.asarray(layer["kernel"], np.float64)
+  if "bias" in layer:
+    y = y + np.asarray(layer["bias"], np.float64)
+  return y
+
+
+def multi_head_attention(params, query, key, value, mask=None, *, num_heads,
+                         num_kv_heads=None, is_causal=False):
+  """The lesson's MultiHeadAttention.forward (view/transpose/concat), + GQA."""
+  num_kv_heads = num_kv_heads or num_heads
+  b, t, d = np.shape(query)
+  s = np.shape(key)[1]
+  h = d // num_heads
+
+  def split(x, heads, length):  # [B, L, heads*H] -> [B, heads, L, H]
+    return x.reshape(b, length, heads, h).transpose(0, 2, 1, 3)
+
+  q = split(linear(query, params["W_q"]), num_heads, t)
+  k = split(linear(key, params["W_k"]), num_kv_heads, s)
+  v = split(linear(value, params["W_v"]), num_kv_heads, s)
+  group = num_heads // num_kv_heads
+  k = np.repeat(k, group, axis=1)  # explicit head repetition for GQA
+  v = np.repeat(v, group, axis=1)
+  out, weights = sdpa(q, k, v, mask, is_causal=is_causal)
+  out = out.transpose(0, 2, 1, 3).reshape(b, t, num_heads * h)  # concat heads
+  return linear(out, params["W_o"]), weights
+
+
+def _context(scores, values, mask):
+  if mask is not None and np.ndim(mask) == 2:
+    mask = np.asarray(mask)[:, None, :]
+  weights = softmax(scores, mask)
+  return weights @ np.asarray(values, np.float64), weights
+
+
+def additive(params, query, keys, values=None, mask=None):
+  """Bahdanau: e_tj = v . tanh(q_t W_q + k_j W_k + b), query [B, T, Dq]."""
+  values = keys if values is None else values
+  p = {n: np.asarray(x, np.float64) for n, x in params.items()}
+  q = np.asarray(query, np.float64) @ p["W_q"]  # [B, T, A]
+  k = np.asarray(keys, np.float64) @ p["W_k"]  # [B, S, A]
+  hidden = q[:, :, None, :] + k[:, None, :, :] + p.get("b", 0.0)
+  return _context(np.tanh(hidden) @ p["v"], values, mask)
+
+
+def luong(query, keys, values=None, mask=None, *, score="dot", params=None,
+          scale=None):
+  """Luong dot/general/concat, query [B, T, Dq]."""
+  values = keys if values is None else values
+  p = {n: np.asarray(x, np.float64) for n, x in (params or {}).items()}
+  q = np.asarray(query, np.float64)
+  k = np.asarray(keys, np.float64)
+  if score == "dot":
+    scores = q @ np.swapaxes(k, -1, -2)
+  elif score == "general":
+    scores = q @ p["W"] @ np.swapaxes(k, -1, -2)
+  else:  # concat: v . tanh([q; k] W), built by literal concatenation
+    t, s = q.shape[1], k.shape[1]
+    pairs = np.concatenate(
+        [np.broadcast_to(q[:, :, None, :], q.shape[:2] + (s, q.shape[2])),
+         np.broadcast_to(k[:, None, :, :], (k.shape[0], t) + k.shape[1:])],
+        axis=-1)  # [B, T, S, Dq + Dk]
+    scores = np.tanh(pairs @ p["W"]) @ p["v"]
+  if scale is not None:
+    scores = scores * scale
+  if "scale" in p:
+    scores = scores * p["scale"]
+  return _context(scores, values, mask)

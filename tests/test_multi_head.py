@@ -1,0 +1,149 @@
+"""multi_head_attention against the lesson's MultiHeadAttention in NumPy."""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_jax as aj
+from tests import _data
+from tests import reference
+
+# float32 vs float64 through four D x D projections and an attention: each
+# output sums ~D = 16 products of O(1) terms after two rounded matmuls, so
+# errors are ~1e-6; 2e-5 leaves headroom without hiding a wrong head order.
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _inputs(b=2, t=4, s=6, d=16, seed=0):
+  return _data.normal(seed, (b, t, d)), _data.normal(seed + 1, (b, s, d))
+
+
+class MultiHeadTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      ("self_attention", 4, None, "self", False, None, True),
+      ("cross_attention_s_ne_t", 4, None, "cross", False, "padding", True),
+      ("causal_self", 2, None, "self", True, None, True),
+      ("causal_self_padded", 4, None, "self", True, "padding", True),
+      ("gqa", 4, 2, "cross", False, "padding", True),
+      ("mqa_causal", 4, 1, "self", True, None, True),
+      ("no_bias", 2, None, "cross", False, None, False),
+  )
+  def test_matches_numpy_lesson(self, num_heads, num_kv_heads, kind,
+                                is_causal, mask_kind, use_bias):
+    x, y = _inputs()
+    key = x if kind == "self" else y
+    b, t, s = x.shape[0], x.shape[1], key.shape[1]
+    params = _data.params(aj.init_multi_head_params, 1, 16, num_heads,
+                          num_kv_heads=num_kv_heads, use_bias=use_bias)
+    mask = None
+    if mask_kind == "padding":
+      mask = aj.make_attention_mask(
+          aj.padding_mask(jnp.array([t, t - 1]), t),
+          aj.padding_mask(jnp.array([s, 2]), s))
+    fn = self.variant(functools.partial(
+        aj.multi_head_attention, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, is_causal=is_causal))
+    out, weights = fn(params, x, key, key, mask)
+    ref_out, ref_w = reference.multi_head_attention(
+        params, x, key, key, mask, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, is_causal=is_causal)
+    chex.assert_shape(out, (b, t, 16))
+    chex.assert_shape(weights, (b, num_heads, t, s))
+    chex.assert_trees_all_close(out, ref_out.astype(np.float32), **TOL)
+    chex.assert_trees_all_close(weights, ref_w.astype(np.float32), **TOL)
+
+  def test_gqa_equals_mha_with_repeated_kv_heads(self):
+    x, y = _inputs()
+    gqa = _data.params(aj.init_multi_head_params, 2, 16, 4, num_kv_heads=2)
+    # Repeat each KV head's projection columns for its 2 query heads.
+    def repeat_heads(w):
+      return jnp.repeat(w.reshape(w.shape[:-1] + (2, 4)), 2,
+                        axis=-2).reshape(w.shape[:-1] + (16,))
+    mha = dict(gqa)
+    for name in ("W_k", "W_v"):
+      mha[name] = jax.tree.map(repeat_heads, gqa[name])
+    got = aj.multi_head_attention(gqa, x, y, y, num_heads=4, num_kv_heads=2)
+    want = aj.multi_head_attention(mha, x, y, y, num_heads=4)
+    chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
+
+  def test_per_head_loop_equals_vmapped_heads(self):
+    x, y = _inputs()
+    params = _data.params(aj.init_multi_head_params, 3, 16, 4)
+    _, weights = aj.multi_head_attention(params, x, y, y, num_heads=4)
+    q = x @ params["W_q"]["kernel"] + params["W_q"]["bias"][None, None]
+    k = y @ params["W_k"]["kernel"] + params["W_k"]["bias"][None, None]
+    v = y @ params["W_v"]["kernel"] + params["W_v"]["bias"][None, None]
+    for n in range(4):
+      cols = slice(4 * n, 4 * (n + 1))
+      _, w = aj.scaled_dot_product_attention(q[..., cols], k[..., cols],
+                                             v[..., cols])
+      chex.assert_trees_all_close(weights[:, n], w, atol=1e-6, rtol=1e-6)
+
+  def test_init_shapes_and_scale(self):
+    params = aj.init_multi_head_params(jax.random.key(0), 64, 8,
+                                       num_kv_heads=2)
+    shapes = jax.tree.map(jnp.shape, params)
+    self.assertEqual(shapes, {
+        "W_q": {"kernel": (64, 64), "bias": (64,)},
+        "W_k": {"kernel": (64, 16), "bias": (16,)},
+        "W_v": {"kernel": (64, 16), "bias": (16,)},
+        "W_o": {"kernel": (64, 64), "bias": (64,)}})
+    np.testing.assert_array_equal(params["W_o"]["bias"], 0.0)
+    # LeCun normal: std 1/sqrt(fan_in) = 0.125; 4096 draws put the sample
+    # std within ~3% of it (a 10% band is > 3 sigma).
+    self.assertAlmostEqual(float(params["W_q"]["kernel"].std()), 0.125,
+                           delta=0.0125)
+    no_bias = aj.init_multi_head_params(jax.random.key(0), 8, 2,
+                                        use_bias=False)
+    self.assertEqual(set(no_bias["W_q"]), {"kernel"})
+
+  def test_split_merge_heads_round_trip(self):
+    x = jnp.arange(2 * 3 * 8, dtype=jnp.float32).reshape(2, 3, 8)
+    heads = aj.split_heads(x, 4)  # [N, B, T, H]
+    chex.assert_shape(heads, (4, 2, 3, 2))
+    np.testing.assert_array_equal(aj.merge_heads(jnp.moveaxis(heads, 0, 1)), x)
+
+  def test_dropout_is_reproducible_and_keeps_weights(self):
+    x, _ = _inputs()
+    params = _data.params(aj.init_multi_head_params, 4, 16, 4)
+    clean = aj.multi_head_attention(params, x, x, x, num_heads=4)
+    run = lambda rng: aj.multi_head_attention(
+        params, x, x, x, num_heads=4, dropout_rate=0.3, dropout_rng=rng)
+    a, b = run(jax.random.key(5)), run(jax.random.key(5))
+    chex.assert_trees_all_close(a, b, atol=0, rtol=0)
+    np.testing.assert_array_equal(a[1], clean[1])
+    self.assertGreater(float(jnp.abs(a[0] - clean[0]).max()), 1e-3)
+
+  def test_causality_by_gradient(self):
+    x, _ = _inputs(b=1, t=5)
+    params = _data.params(aj.init_multi_head_params, 6, 16, 4,
+                                       num_kv_heads=2)
+    fn = lambda x: aj.multi_head_attention(params, x, x, x, num_heads=4,
+                                           num_kv_heads=2, is_causal=True)[0]
+    jac = jax.jit(jax.jacrev(fn))(x)  # [1, T, D, 1, T, D]
+    for t in range(5):
+      np.testing.assert_array_equal(jac[0, t, :, 0, t + 1:], 0.0)
+      self.assertGreater(float(jnp.abs(jac[0, t, :, 0, : t + 1]).max()), 0.0)
+
+  def test_no_retrace(self):
+    params = _data.params(aj.init_multi_head_params, 7, 16, 4)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def fn(params, x):
+      return aj.multi_head_attention(params, x, x, x, num_heads=4,
+                                     is_causal=True)
+
+    for seed in range(3):
+      fn(params, _inputs(seed=seed)[0])
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,154 @@
+"""Bad input gets a ValueError/TypeError that names the argument and shapes."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+
+import attention_jax as aj
+from tests import _data
+
+f32 = jnp.float32
+Q, K, V = jnp.ones((2, 4, 8)), jnp.ones((2, 6, 8)), jnp.ones((2, 6, 5))
+MHA = _data.params(aj.init_multi_head_params, 0, 16, 4)
+X = jnp.ones((2, 3, 16))
+ADD = _data.params(aj.init_additive_params, 0, 6, 4, 8)
+GEN = _data.params(aj.init_luong_params, 0, 6, 4, score="general")
+DQ, KEYS = jnp.ones((2, 6)), jnp.ones((2, 5, 4))
+sdpa = aj.scaled_dot_product_attention
+mha = aj.multi_head_attention
+
+CASES = [
+    # (name, call, exception, message regex)
+    ("sdpa_query_rank", lambda: sdpa(jnp.ones(8), K, V), ValueError,
+     r"query must have rank >= 2.*\(8,\)"),
+    ("sdpa_head_dim", lambda: sdpa(jnp.ones((2, 4, 7)), K, V), ValueError,
+     r"same head dim H.*query \(2, 4, 7\), key \(2, 6, 8\)"),
+    ("sdpa_kv_length", lambda: sdpa(Q, K, jnp.ones((2, 5, 5))), ValueError,
+     r"same length S.*key \(2, 6, 8\), value \(2, 5, 5\)"),
+    ("sdpa_batch", lambda: sdpa(jnp.ones((3, 4, 8)), K, V), ValueError,
+     r"do not broadcast: query \(3,\), key \(2,\)"),
+    ("sdpa_mask_shape", lambda: sdpa(Q, K, V, jnp.ones((4, 5), bool)),
+     ValueError, r"mask with shape \(4, 5\) is not broadcastable to \[T, S\] "
+     r"= \(4, 6\)"),
+    ("sdpa_mask_batch", lambda: sdpa(Q, K, V, jnp.ones((3, 4, 6), bool)),
+     ValueError, r"mask \(3,\)"),
+    ("sdpa_float_mask", lambda: sdpa(Q, K, V, jnp.ones((4, 6))), TypeError,
+     r"mask must be a bool or integer array.*float32"),
+    ("sdpa_int_query", lambda: sdpa(jnp.ones((4, 8), jnp.int32), K[0], V[0]),
+     TypeError, r"query must be a real floating-point array.*int32"),
+    ("sdpa_complex_key", lambda: sdpa(Q, K.astype(jnp.complex64), V),
+     TypeError, r"key must be a real floating-point.*complex64"),
+    ("sdpa_int_bias", lambda: sdpa(Q, K, V, bias=jnp.ones((4, 6), jnp.int32)),
+     TypeError, r"bias must be a real floating-point"),
+    ("sdpa_bias_shape", lambda: sdpa(Q, K, V, bias=jnp.ones((3, 6))),
+     ValueError, r"bias with shape \(3, 6\) is not broadcastable"),
+    ("sdpa_dropout_rate_high", lambda: sdpa(Q, K, V, dropout_rate=1.0,
+                                            dropout_rng=jax.random.key(0)),
+     ValueError, r"dropout_rate must be in \[0, 1\), got 1.0"),
+    ("sdpa_dropout_rate_negative", lambda: sdpa(Q, K, V, dropout_rate=-0.1),
+     ValueError, r"dropout_rate must be in \[0, 1\), got -0.1"),
+    ("sdpa_dropout_no_rng", lambda: sdpa(Q, K, V, dropout_rate=0.2),
+     ValueError, r"dropout_rate=0.2 needs a dropout_rng"),
+    ("causal_zero", lambda: aj.causal_mask(0), ValueError,
+     r"q_len must be positive, got 0"),
+    ("causal_float", lambda: aj.causal_mask(2.5), TypeError,
+     r"q_len must be a Python int, got 2.5"),
+    ("padding_float_lengths", lambda: aj.padding_mask(jnp.ones(2), 3),
+     TypeError, r"lengths must be an integer array.*float32"),
+    ("padding_rank", lambda: aj.padding_mask(jnp.ones((2, 2), jnp.int32), 3),
+     ValueError, r"lengths must have rank 1 \(\[B\]\), got shape \(2, 2\)"),
+    ("padding_max_len", lambda: aj.padding_mask(jnp.array([1]), -1),
+     ValueError, r"max_len must be positive, got -1"),
+    ("attention_mask_batch", lambda: aj.make_attention_mask(
+        jnp.ones((2, 3), bool), jnp.ones((3, 4), bool)), ValueError,
+     r"query_valid \(2, 3\) and key_valid \(3, 4\)"),
+    ("attention_mask_float", lambda: aj.make_attention_mask(
+        jnp.ones((2, 3)), jnp.ones((2, 4), bool)), TypeError,
+     r"query_valid must be a bool or integer"),
+    ("combine_shapes", lambda: aj.combine_masks(
+        jnp.ones((2, 3), bool), jnp.ones((4, 3), bool)), ValueError,
+     r"masks\[0\] \(2, 3\), masks\[1\] \(4, 3\)"),
+    ("init_d_model", lambda: aj.init_multi_head_params(
+        jax.random.key(0), 10, 4), ValueError,
+     r"d_model=10 must be divisible by num_heads=4"),
+    ("init_kv_heads", lambda: aj.init_multi_head_params(
+        jax.random.key(0), 16, 4, num_kv_heads=3), ValueError,
+     r"num_heads=4 must be divisible by num_kv_heads=3"),
+    ("init_zero_heads", lambda: aj.init_multi_head_params(
+        jax.random.key(0), 16, 0), ValueError, r"num_heads must be positive"),
+    ("mha_query_rank", lambda: mha(MHA, X[0], X, X, num_heads=4), ValueError,
+     r"query must have rank 3 \(\[B, T, D\]\), got shape \(3, 16\)"),
+    ("mha_model_dim", lambda: mha(MHA, X, jnp.ones((2, 3, 8)),
+                                  jnp.ones((2, 3, 8)), num_heads=4),
+     ValueError, r"share the model dim D: query \(2, 3, 16\), key \(2, 3, 8\)"),
+    ("mha_kv_heads_vs_params", lambda: mha(MHA, X, X, X, num_heads=4,
+                                           num_kv_heads=2),
+     ValueError, r"params\['W_k'\]\['kernel'\] has shape \(16, 16\), expected "
+     r"\(16, 8\) for d_model=16, num_heads=4, num_kv_heads=2"),
+    ("mha_heads_divide", lambda: mha(MHA, X, X, X, num_heads=5), ValueError,
+     r"d_model=16 must be divisible by num_heads=5"),
+    ("mha_mask_shape", lambda: mha(MHA, X, X, X, jnp.ones((2, 3, 3, 3), bool),
+                                   num_heads=4), ValueError,
+     r"mask with shape \(2, 3, 3, 3\) is not broadcastable to \[B, N, T, S\] "
+     r"= \(2, 4, 3, 3\)"),
+    ("mha_kv_batch", lambda: mha(MHA, X, jnp.ones((1, 3, 16)),
+                                 jnp.ones((1, 3, 16)), num_heads=4),
+     ValueError, r"same batch size B"),
+    ("additive_query_rank", lambda: aj.additive_attention(
+        ADD, jnp.ones((2, 1, 1, 6)), KEYS), ValueError,
+     r"query must have rank 2 or 3"),
+    ("additive_query_features", lambda: aj.additive_attention(
+        ADD, jnp.ones((2, 5)), KEYS), ValueError,
+     r"query has 5 features \(shape \(2, 5\)\) but params\['W_q'\] is "
+     r"\(6, 8\)"),
+    ("additive_mask_shape", lambda: aj.additive_attention(
+        ADD, DQ, KEYS, mask=jnp.ones((2, 4), bool)), ValueError,
+     r"mask with shape \(2, 4\) is not broadcastable to \[B, S\] = \(2, 5\)"),
+    ("additive_values_length", lambda: aj.additive_attention(
+        ADD, DQ, KEYS, jnp.ones((2, 4, 3))), ValueError,
+     r"keys \(2, 5, 4\) and values \(2, 4, 3\)"),
+    ("additive_projected_keys", lambda: aj.additive_attention(
+        ADD, DQ, KEYS, projected_keys=jnp.ones((2, 5, 7))), ValueError,
+     r"projected_keys has shape \(2, 5, 7\), expected \(2, 5, 8\)"),
+    ("additive_init_hidden", lambda: aj.init_additive_params(
+        jax.random.key(0), 6, 4, 0), ValueError,
+     r"hidden_features must be positive"),
+    ("luong_unknown_score", lambda: aj.luong_attention(DQ, KEYS,
+                                                       score="cosine"),
+     ValueError, r"score must be one of \('dot', 'general', 'concat'\), got "
+     r"'cosine'"),
+    ("luong_dot_features", lambda: aj.luong_attention(DQ, KEYS), ValueError,
+     r"score='dot' needs query and keys with the same features, got Dq=6 and "
+     r"Dk=4"),
+    ("luong_missing_params", lambda: aj.luong_attention(
+        DQ, KEYS, score="general"), ValueError,
+     r"score='general' needs params\['W'\]"),
+    ("luong_general_shape", lambda: aj.luong_attention(
+        jnp.ones((2, 5)), KEYS, score="general", params=GEN), ValueError,
+     r"params\['W'\] has shape \(6, 4\), expected \[Dq, Dk\] = \[5, 4\]"),
+    ("luong_concat_needs_hidden", lambda: aj.init_luong_params(
+        jax.random.key(0), 6, 4, score="concat"), ValueError,
+     r"score='concat' needs hidden_features"),
+    ("luong_float_mask", lambda: aj.luong_attention(
+        DQ, KEYS, score="general", params=GEN, mask=jnp.ones((2, 5))),
+     TypeError, r"mask must be a bool or integer array"),
+]
+
+
+class InvalidInputTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*CASES)
+  def test_raises_with_message(self, call, exception, pattern):
+    with self.assertRaisesRegex(exception, pattern):
+      call()
+
+  @parameterized.named_parameters(*CASES)
+  def test_raises_at_trace_time_under_jit(self, call, exception, pattern):
+    # The checks read static shapes and dtypes only, so jit raises the same.
+    with self.assertRaisesRegex(exception, pattern):
+      jax.jit(call)()
+
+
+if __name__ == "__main__":
+  absltest.main()
