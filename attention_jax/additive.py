@@ -76,7 +76,12 @@ def _check_params(params, query_shape, keys_shape) -> int:
 
 def additive_score(query_hidden: jax.Array, key_hidden: jax.Array,
                    v: jax.Array) -> jax.Array:
-  """``v . tanh(query_hidden + key_hidden_j)`` for one query: ``[A], [S, A] -> [S]``."""
+  """``v . tanh(query_hidden + key_hidden_j)`` for one query: ``[A], [S, A] -> [S]``.
+
+  Example:
+    >>> additive_score(jnp.zeros(3), jnp.zeros((4, 3)), jnp.ones(3))
+    Array([0., 0., 0., 0.], dtype=float32)
+  """
   return jnp.tanh(query_hidden[None, :] + key_hidden) @ v  # [S]
 
 
@@ -89,6 +94,14 @@ def precompute_additive_keys(params: Params, keys: ArrayLike) -> jax.Array:
 
   Returns:
     ``[B, S, A]`` in float32 (float64 for float64 inputs).
+
+  Example:
+    >>> p = init_additive_params(jax.random.key(0), 6, 4, 8)
+    >>> keys = jnp.ones((2, 5, 4))
+    >>> pk = precompute_additive_keys(p, keys)  # once per sequence
+    >>> ctx, w = additive_attention(p, jnp.ones((2, 6)), keys, projected_keys=pk)
+    >>> pk.shape, ctx.shape
+    ((2, 5, 8), (2, 4))
   """
   _checks.check_float_array("keys", keys)
   _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")

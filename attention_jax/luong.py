@@ -132,6 +132,12 @@ def precompute_luong_keys(keys: ArrayLike, *, score: str = "dot",
     ``[B, S, F]`` in float32 (float64 for float64 inputs): the keys
     themselves for ``dot`` (``F = Dk``), ``keys @ W^T`` for ``general``
     (``F = Dq``), ``keys @ W[Dq:]`` for ``concat`` (``F = A``).
+
+  Example:
+    >>> p = init_luong_params(jax.random.key(0), 6, 4, score="concat",
+    ...                       hidden_features=8)
+    >>> precompute_luong_keys(jnp.ones((2, 5, 4)), score="concat", params=p).shape
+    (2, 5, 8)
   """
   _check_score(score)
   _checks.check_float_array("keys", keys)

@@ -95,28 +95,57 @@ def init_multi_head_params(
 
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
-  """Splits the last axis into heads, heads first: ``[..., N*H] -> [N, ..., H]``."""
+  """Splits the last axis into heads, heads first: ``[..., N*H] -> [N, ..., H]``.
+
+  Example:
+    >>> split_heads(jnp.ones((2, 5, 12)), 3).shape  # [B, T, N*H] -> [N, B, T, H]
+    (3, 2, 5, 4)
+  """
   *lead, features = x.shape
   x = x.reshape(*lead, num_heads, features // num_heads)
   return jnp.moveaxis(x, -2, 0)
 
 
 def merge_heads(x: jax.Array) -> jax.Array:
-  """Concatenates heads: ``[B, N, T, H] -> [B, T, N*H]`` (the lesson's concat)."""
+  """Concatenates heads: ``[B, N, T, H] -> [B, T, N*H]`` (the lesson's concat).
+
+  Example:
+    >>> merge_heads(jnp.ones((2, 3, 5, 4))).shape
+    (2, 5, 12)
+  """
   b, n, t, h = x.shape
   return jnp.transpose(x, (0, 2, 1, 3)).reshape(b, t, n * h)
 
 
 def project(x: jax.Array, kernel: jax.Array,
             bias: jax.Array | None) -> jax.Array:
-  """One dense projection ``x @ kernel + bias``: ``[B, T, D] @ [D, F] -> [B, T, F]``."""
+  """One dense projection ``x @ kernel + bias``: ``[B, T, D] @ [D, F] -> [B, T, F]``.
+
+  Example:
+    >>> project(jnp.ones((2, 5, 8)), jnp.ones((8, 4)), jnp.zeros(4)).shape
+    (2, 5, 4)
+  """
   y = jnp.einsum("BTD,DF->BTF", x, kernel)
   return y if bias is None else y + bias[None, None, :]
 
 
 def project_heads(x: jax.Array, layer: dict[str, jax.Array],
                   num_heads: int) -> jax.Array:
-  """Per-head projection, vmapped over heads: ``[B, T, D] -> [B, N, T, H]``."""
+  """Per-head projection, vmapped over heads: ``[B, T, D] -> [B, N, T, H]``.
+
+  Args:
+    x: ``[B, T, D]``.
+    layer: ``{"kernel": [D, N*H], "bias": [N*H]}`` (bias optional).
+    num_heads: ``N``.
+
+  Returns:
+    ``[B, N, T, H]``: ``project`` applied with each head's kernel slice.
+
+  Example:
+    >>> layer = {"kernel": jnp.ones((8, 12))}
+    >>> project_heads(jnp.ones((2, 5, 8)), layer, 3).shape
+    (2, 3, 5, 4)
+  """
   kernels = split_heads(layer["kernel"], num_heads)  # [N, D, H]
   bias = layer.get("bias")
   biases = None if bias is None else split_heads(bias, num_heads)  # [N, H]
