@@ -20,7 +20,9 @@ operand), not copied.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,8 @@ from attention_jax import _checks
 from attention_jax import dot_product
 
 Params = dict[str, dict[str, jax.Array]]
+# Anything with scaled_dot_product_attention's signature and return value.
+AttentionFn = Callable[..., tuple[jax.Array, Any]]
 
 
 def _check_heads(d_model: int, num_heads: int,
@@ -188,6 +192,59 @@ def _group_heads(x, num_kv_heads: int):
   return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
 
 
+def attend_heads(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    bias: jax.Array | None = None,
+    is_causal: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    attention_fn: AttentionFn | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Attention of N query heads over K shared key/value heads.
+
+  Args:
+    query: ``[B, N, T, H]`` projected queries.
+    key: ``[B, K, S, H]`` projected keys; ``K`` divides ``N``.
+    value: ``[B, K, S, H]`` projected values.
+    mask: optional bool broadcastable to ``[B, N, T, S]``.
+    bias: optional float broadcastable to ``[B, N, T, S]``.
+    is_causal: bottom-right aligned causal masking.
+    dropout_rate: dropout on the attention weights.
+    dropout_rng: key for dropout.
+    attention_fn: replaces ``scaled_dot_product_attention`` (same signature
+      and return value); it sees ``[B, K, G, T, H]`` queries and
+      ``[B, K, 1, S, H]`` keys/values.
+
+  Returns:
+    ``(out [B, N, T, H], weights [B, N, T, S])``.
+
+  Example:
+    >>> q, kv = jnp.ones((2, 4, 3, 8)), jnp.ones((2, 2, 5, 8))  # N=4, K=2
+    >>> out, w = attend_heads(q, kv, kv)
+    >>> out.shape, w.shape
+    ((2, 4, 3, 8), (2, 4, 3, 5))
+  """
+  b, num_heads, t, head_dim = query.shape
+  num_kv_heads, s = key.shape[1], key.shape[2]
+  group = num_heads // num_kv_heads
+  attention_fn = attention_fn or dot_product.scaled_dot_product_attention
+  q = query.reshape(b, num_kv_heads, group, t, head_dim)  # [B, K, G, T, H]
+  k = key[:, :, None]  # [B, K, 1, S, H]: shared by the group's G query heads
+  v = value[:, :, None]  # [B, K, 1, S, H]
+  out, weights = attention_fn(
+      q, k, v, _group_heads(mask, num_kv_heads),
+      bias=_group_heads(bias, num_kv_heads), scale=1.0 / math.sqrt(head_dim),
+      is_causal=is_causal, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  out = out.reshape(b, num_heads, t, value.shape[-1])  # [B, N, T, H]
+  if weights is not None:
+    weights = weights.reshape(b, num_heads, t, s)  # [B, N, T, S]
+  return out, weights
+
+
 def multi_head_attention(
     params: Params,
     query: ArrayLike,
@@ -201,6 +258,7 @@ def multi_head_attention(
     is_causal: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    attention_fn: AttentionFn | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
@@ -217,6 +275,8 @@ def multi_head_attention(
     is_causal: bottom-right aligned causal masking (static).
     dropout_rate: dropout on attention weights, in ``[0, 1)`` (static).
     dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
+    attention_fn: optional replacement for ``scaled_dot_product_attention``
+      (same signature and return value), e.g. a memory-efficient kernel.
 
   Returns:
     ``(output [B, T, D], weights float32 [B, N, T, S])``.
@@ -260,20 +320,12 @@ def multi_head_attention(
     _checks.check_float_array("bias", bias)
     bias = jnp.asarray(bias)
 
-  group = num_heads // num_kv_heads
   q = project_heads(query, params["W_q"], num_heads)  # [B, N, T, H]
   k = project_heads(key, params["W_k"], num_kv_heads)  # [B, K, S, H]
   v = project_heads(value, params["W_v"], num_kv_heads)  # [B, K, S, H]
-  head_dim = q.shape[-1]
-  q = q.reshape(b, num_kv_heads, group, t, head_dim)  # [B, K, G, T, H]
-  k = k[:, :, None]  # [B, K, 1, S, H]: shared by the group's G query heads
-  v = v[:, :, None]  # [B, K, 1, S, H]
-  out, weights = dot_product.scaled_dot_product_attention(
-      q, k, v, _group_heads(mask, num_kv_heads),
-      bias=_group_heads(bias, num_kv_heads), scale=1.0 / math.sqrt(head_dim),
-      is_causal=is_causal, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  out = out.reshape(b, num_heads, t, head_dim)  # [B, N, T, H]
-  weights = weights.reshape(full)  # [B, N, T, S]
+  out, weights = attend_heads(
+      q, k, v, mask, bias=bias, is_causal=is_causal, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, attention_fn=attention_fn)
   output = project(merge_heads(out), params["W_o"]["kernel"],
                    params["W_o"].get("bias"))  # [B, T, D]
   return output, weights
