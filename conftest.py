@@ -1,5 +1,6 @@
 """Repository-wide pytest set-up: doctest namespace and strict broadcasting."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,4 +13,4 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 @pytest.fixture(autouse=True)
 def _doctest_namespace(doctest_namespace):
-  doctest_namespace.update(jax=jax, jnp=jnp, np=np)
+  doctest_namespace.update(jax=jax, jnp=jnp, np=np, nnx=nnx)

@@ -1,4 +1,4 @@
-"""attention_jax: attention mechanisms as pure JAX functions.
+"""attention_jax: attention mechanisms as pure JAX functions and Flax NNX modules.
 
 Shape glossary used throughout: B batch, T query length, S key/value length,
 N query heads, K key/value heads, H head dim, D model dim.
@@ -12,6 +12,7 @@ from attention_jax.additive import additive_score
 from attention_jax.additive import init_additive_params
 from attention_jax.additive import precompute_additive_keys
 from attention_jax.dot_product import scaled_dot_product_attention
+from attention_jax.kv_cache import update_kv_cache
 from attention_jax.luong import init_luong_params
 from attention_jax.luong import luong_attention
 from attention_jax.luong import precompute_luong_keys
@@ -19,6 +20,10 @@ from attention_jax.masks import causal_mask
 from attention_jax.masks import combine_masks
 from attention_jax.masks import make_attention_mask
 from attention_jax.masks import padding_mask
+from attention_jax.modules.multi_head import MultiHeadAttention
+from attention_jax.modules.seq2seq import BahdanauAttention
+from attention_jax.modules.seq2seq import LuongAttention
+from attention_jax.multi_head import attend_heads
 from attention_jax.multi_head import init_multi_head_params
 from attention_jax.multi_head import merge_heads
 from attention_jax.multi_head import multi_head_attention
@@ -28,6 +33,11 @@ from attention_jax.softmax import masked_softmax
 __version__ = "0.1.0"
 
 __all__ = [
+    "BahdanauAttention",
+    "LuongAttention",
+    "MultiHeadAttention",
+    "attend_heads",
+    "update_kv_cache",
     "additive_attention",
     "additive_score",
     "causal_mask",

@@ -1,0 +1,1 @@
+"""Flax NNX modules: thin owners of parameters around the pure functions."""

@@ -1,0 +1,241 @@
+"""``MultiHeadAttention``: the lesson's module in Flax NNX, with a KV cache.
+
+Shape glossary: B batch, T query length, S key/value length, N query heads,
+K key/value heads, H head dim = D // N, D model dim, L cache capacity.
+
+The module owns ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``nnx.Linear``) and, after
+``init_cache``, the cache variables. The maths is
+``attention_jax.multi_head`` (projection per head, attention of N query heads
+over K shared KV heads) and ``attention_jax.kv_cache``.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+from flax.nnx.module import first_from
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from attention_jax import _checks
+from attention_jax import kv_cache
+from attention_jax import masks
+from attention_jax import multi_head
+from attention_jax.modules import _rngs
+
+_LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
+_ZEROS = nnx.initializers.zeros_init()
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head attention for self-, cross- and causal (cached) attention.
+
+  Args:
+    d_model: ``D``, input and output features.
+    num_heads: ``N``; divides ``d_model``.
+    rngs: ``nnx.Rngs`` for parameter init (``params`` stream) and dropout
+      (``dropout`` stream, falling back to the default one).
+    num_kv_heads: ``K`` key/value heads (grouped-query attention); divides
+      ``num_heads``. ``None`` means ``N``; 1 is multi-query attention.
+    dropout_rate: dropout on the attention weights, in ``[0, 1)``.
+    deterministic: default for calls; ``True`` disables dropout. ``model.eval()``
+      and ``nnx.view(model, deterministic=...)`` set it, as for flax's modules.
+    use_bias: biases in the four projections.
+    dtype: computation dtype of the projections (``None``: inferred from
+      inputs and params). Attention itself runs in float32 for <=32-bit
+      inputs.
+    param_dtype: parameter dtype.
+    kernel_init: initialiser for the four kernels (LeCun normal).
+    bias_init: initialiser for the biases (zeros).
+    attention_fn: replacement for ``aj.scaled_dot_product_attention`` with the
+      same signature and return value (e.g. a memory-efficient kernel).
+
+  Example:
+    >>> mha = MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 5, 16))
+    >>> mha(x).shape                                   # self-attention
+    (2, 5, 16)
+    >>> out, w = mha(x, jnp.ones((2, 7, 16)), return_weights=True)  # cross
+    >>> w.shape
+    (2, 4, 5, 7)
+    >>> mha.init_cache(batch_size=2, max_length=8)     # causal decoding
+    >>> prompt = mha(x, decode=True)                   # prefill 5 tokens
+    >>> step = mha(jnp.ones((2, 1, 16)), decode=True)  # then one at a time
+    >>> int(mha.cache_index[...])
+    6
+  """
+
+  def __init__(
+      self,
+      d_model: int,
+      num_heads: int,
+      *,
+      rngs: nnx.Rngs,
+      num_kv_heads: int | None = None,
+      dropout_rate: float = 0.0,
+      deterministic: bool = False,
+      use_bias: bool = True,
+      dtype: jnp.dtype | None = None,
+      param_dtype: jnp.dtype = jnp.float32,
+      kernel_init: nnx.Initializer = _LECUN_NORMAL,
+      bias_init: nnx.Initializer = _ZEROS,
+      attention_fn: multi_head.AttentionFn | None = None,
+  ):
+    num_kv_heads = multi_head._check_heads(d_model, num_heads, num_kv_heads)
+    _checks.check_dropout(dropout_rate, dropout_rng=0)  # range only
+    self.d_model = d_model
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = d_model // num_heads
+    self.dropout_rate = dropout_rate
+    self.deterministic = deterministic
+    self.attention_fn = attention_fn
+    kv_features = num_kv_heads * self.head_dim
+
+    def linear(n_in, n_out):
+      return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype,
+                        param_dtype=param_dtype, kernel_init=kernel_init,
+                        bias_init=bias_init, rngs=rngs)
+
+    self.W_q = linear(d_model, d_model)
+    self.W_k = linear(d_model, kv_features)
+    self.W_v = linear(d_model, kv_features)
+    self.W_o = linear(d_model, d_model)
+    self.rngs = _rngs.dropout_stream(rngs, dropout_rate)
+    self.cached_key: nnx.Cache | None = nnx.data(None)
+    self.cached_value: nnx.Cache | None = nnx.data(None)
+    self.cache_index: nnx.Cache | None = nnx.data(None)
+
+  def params_dict(self) -> multi_head.Params:
+    """The parameters in ``aj.multi_head_attention``'s layout (no copies)."""
+    dtype = self.W_q.dtype
+    out = {}
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+      layer = getattr(self, name)
+      out[name] = {"kernel": layer.kernel[...]}
+      if layer.bias is not None:
+        out[name]["bias"] = layer.bias[...]
+      if dtype is not None:
+        out[name] = jax.tree.map(lambda p: p.astype(dtype), out[name])
+    return out
+
+  def init_cache(self, batch_size: int, max_length: int,
+                 dtype: jnp.dtype | None = None) -> None:
+    """Creates an empty KV cache of ``max_length`` positions.
+
+    Args:
+      batch_size: ``B``.
+      max_length: ``L``, the most tokens (prompt + generated) it will hold.
+      dtype: cache dtype; defaults to the module's ``dtype`` or
+        ``param_dtype``.
+    """
+    _checks.check_positive_int("batch_size", batch_size)
+    _checks.check_positive_int("max_length", max_length)
+    dtype = dtype or self.W_k.dtype or self.W_k.param_dtype
+    shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))  # [B, K, L, H]
+    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))  # [B, K, L, H]
+    self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+  def __call__(
+      self,
+      query: ArrayLike,
+      key: ArrayLike | None = None,
+      value: ArrayLike | None = None,
+      mask: ArrayLike | None = None,
+      *,
+      bias: ArrayLike | None = None,
+      is_causal: bool = False,
+      deterministic: bool | None = None,
+      rngs: nnx.Rngs | jax.Array | None = None,
+      return_weights: bool = False,
+      decode: bool = False,
+  ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attends ``query`` to ``key``/``value``.
+
+    Args:
+      query: ``[B, T, D]``.
+      key: ``[B, S, D]``; defaults to ``query`` (self-attention).
+      value: ``[B, S, D]``; defaults to ``key`` (cross-attention passes the
+        encoder output once).
+      mask: bool/integer broadcastable to ``[B, N, T, S]`` (True = may
+        attend); with ``decode=True``, to ``[B, N, T, L]`` over cache slots.
+      bias: float broadcastable like ``mask``, added to the logits.
+      is_causal: bottom-right aligned causal masking (implied by ``decode``).
+      deterministic: overrides the constructor's; True disables dropout.
+      rngs: overrides the module's dropout stream for this call.
+      return_weights: also return the attention weights.
+      decode: append this call's keys/values to the cache (``init_cache``
+        first) and attend causally to everything cached. Any number of tokens
+        per call; the result equals full causal attention over the sequence.
+
+    Returns:
+      ``output [B, T, D]``, or ``(output, weights [B, N, T, S])`` (``S = L``
+      when decoding) with ``return_weights=True``.
+    """
+    key = query if key is None else key
+    value = key if value is None else value
+    for name, x in (("query", query), ("key", key), ("value", value)):
+      _checks.check_rank(name, x, (3,), "[B, T or S, D]")
+      if _checks.shape_of(x)[-1] != self.d_model:
+        raise ValueError(
+            f"{name} has {_checks.shape_of(x)[-1]} features (shape "
+            f"{_checks.shape_of(x)}), but the module was built with "
+            f"d_model={self.d_model}.")
+    if self.W_q.dtype is not None:  # as nnx.Linear: compute in `dtype`
+      query, key, value = (jnp.asarray(x, self.W_q.dtype)
+                           for x in (query, key, value))
+    deterministic = first_from(deterministic, self.deterministic,
+                               error_msg="deterministic is unset")
+    rate = 0.0 if deterministic else self.dropout_rate
+    dropout_rng = _rngs.dropout_key(rngs, self.rngs) if rate > 0 else None
+    params = self.params_dict()
+    if not decode:
+      out, weights = multi_head.multi_head_attention(
+          params, query, key, value, mask, num_heads=self.num_heads,
+          num_kv_heads=self.num_kv_heads, bias=bias, is_causal=is_causal,
+          dropout_rate=rate, dropout_rng=dropout_rng,
+          attention_fn=self.attention_fn)
+      return (out, weights) if return_weights else out
+    out, weights = self._decode(params, query, key, value, mask, bias, rate,
+                                dropout_rng)
+    return (out, weights) if return_weights else out
+
+  def _decode(self, params, query, key, value, mask, bias, rate, dropout_rng):
+    if self.cache_index is None:
+      raise ValueError("decode=True needs a cache: call "
+                       "init_cache(batch_size, max_length) first.")
+    b, t = _checks.shape_of(query)[:2]
+    cache_shape = self.cached_key.shape  # [B, K, L, H]
+    if _checks.shape_of(key)[:2] != (b, t) or b != cache_shape[0]:
+      raise ValueError(
+          f"decode=True appends this call's tokens: query "
+          f"{_checks.shape_of(query)} and key {_checks.shape_of(key)} must "
+          f"share [B, T], and B must equal the cache's batch {cache_shape[0]}.")
+    q = multi_head.project_heads(jnp.asarray(query), params["W_q"],
+                                 self.num_heads)  # [B, N, T, H]
+    k = multi_head.project_heads(jnp.asarray(key), params["W_k"],
+                                 self.num_kv_heads)  # [B, K, T, H]
+    v = multi_head.project_heads(jnp.asarray(value), params["W_v"],
+                                 self.num_kv_heads)  # [B, K, T, H]
+    index = self.cache_index[...]
+    cached_k, cached_v, visible = kv_cache.update_kv_cache(
+        self.cached_key[...], self.cached_value[...], index, k, v)
+    full = (b, self.num_heads, t, cache_shape[2])
+    for name, x in (("mask", mask), ("bias", bias)):
+      if x is not None:
+        _checks.check_broadcastable_to(name, _checks.shape_of(x), full,
+                                       "[B, N, T, L] (decoding)")
+    if mask is not None:
+      _checks.check_mask_dtype("mask", mask)
+    out, weights = multi_head.attend_heads(
+        q, cached_k, cached_v, masks.combine_masks(mask, visible), bias=bias,
+        dropout_rate=rate, dropout_rng=dropout_rng,
+        attention_fn=self.attention_fn)
+    self.cached_key[...] = cached_k
+    self.cached_value[...] = cached_v
+    self.cache_index[...] = index + t
+    output = multi_head.project(multi_head.merge_heads(out),
+                                params["W_o"]["kernel"],
+                                params["W_o"].get("bias"))  # [B, T, D]
+    return output, weights

@@ -1,0 +1,288 @@
+"""aj.MultiHeadAttention (Flax NNX) against the functions and the lesson."""
+
+import functools
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+from flax import linen
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+import attention_jax as aj
+from tests import _data
+from tests import reference
+
+# Same reasoning as test_multi_head.py: float32 through four D x D matmuls
+# and a softmax against float64, errors ~1e-6.
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _module(num_heads=4, num_kv_heads=None, seed=0, **kwargs):
+  return aj.MultiHeadAttention(16, num_heads, num_kv_heads=num_kv_heads,
+                               rngs=nnx.Rngs(seed), **kwargs)
+
+
+def _x(seed=0, b=2, t=5, d=16):
+  return _data.normal(seed, (b, t, d))
+
+
+class MatchesReferencesTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("self", None, "self", False, False),
+      ("self_padded", None, "self", False, True),
+      ("cross_s_ne_t_padded", None, "cross", False, True),
+      ("causal", None, "self", True, False),
+      ("gqa_causal_padded", 2, "self", True, True),
+      ("mqa_cross", 1, "cross", False, False),
+  )
+  def test_equals_function_and_numpy_lesson(self, kv_heads, kind, causal,
+                                            padded):
+    mha = _module(num_kv_heads=kv_heads)
+    x = _x()
+    y = x if kind == "self" else _x(seed=3, t=7)
+    mask = None
+    if padded:
+      mask = aj.make_attention_mask(
+          aj.padding_mask(jnp.array([5, 4]), 5),
+          aj.padding_mask(jnp.array([y.shape[1], 2]), y.shape[1]))
+    key = None if kind == "self" else y  # key=None means self-attention
+    out, weights = mha(x, key, mask=mask, is_causal=causal,
+                       return_weights=True)
+    params = mha.params_dict()
+    fn_out, fn_weights = aj.multi_head_attention(
+        params, x, y, y, mask, num_heads=4, num_kv_heads=kv_heads,
+        is_causal=causal)
+    chex.assert_trees_all_close((out, weights), (fn_out, fn_weights),
+                                atol=0, rtol=0)
+    ref_out, ref_weights = reference.multi_head_attention(
+        jax.tree.map(np.asarray, params), x, y, y, mask, num_heads=4,
+        num_kv_heads=kv_heads, is_causal=causal)
+    chex.assert_trees_all_close(out, ref_out.astype(np.float32), **TOL)
+    chex.assert_trees_all_close(weights, ref_weights.astype(np.float32),
+                                **TOL)
+
+  def test_weights_rows_sum_to_one_and_masked_are_zero(self):
+    mha = _module()
+    x, enc = _x(), _x(seed=5, t=6)
+    key_valid = aj.padding_mask(jnp.array([6, 3]), 6)
+    out, weights = mha(x, enc, mask=key_valid[:, None, None, :],
+                       return_weights=True)
+    chex.assert_shape((out, weights), ((2, 5, 16), (2, 4, 5, 6)))
+    chex.assert_trees_all_close(weights.sum(-1), jnp.ones((2, 4, 5)),
+                                atol=1e-6)
+    np.testing.assert_array_equal(weights[1, :, :, 3:], 0.0)
+
+  def test_value_defaults_to_key(self):
+    mha, x, enc = _module(), _x(), _x(seed=5, t=6)
+    chex.assert_trees_all_close(mha(x, enc), mha(x, enc, enc), atol=0, rtol=0)
+
+  def test_attention_fn_is_used(self):
+    calls = []
+
+    def spy(*args, **kwargs):
+      calls.append(kwargs["is_causal"])
+      return aj.scaled_dot_product_attention(*args, **kwargs)
+
+    mha = _module(attention_fn=spy)
+    plain = _module()
+    x = _x()
+    chex.assert_trees_all_close(mha(x, is_causal=True),
+                                plain(x, is_causal=True), atol=0, rtol=0)
+    self.assertEqual(calls, [True])
+
+
+class KVCacheTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(("mha", None), ("gqa", 2), ("mqa", 1))
+  def test_prefill_then_steps_equals_full_causal(self, kv_heads):
+    mha = _module(num_kv_heads=kv_heads)
+    x = _x(t=8)
+    full, full_w = mha(x, is_causal=True, return_weights=True)
+    mha.init_cache(batch_size=2, max_length=10)
+    self.assertEqual(mha.cached_key.shape, (2, kv_heads or 4, 10, 4))
+    step = nnx.jit(functools.partial(type(mha).__call__, decode=True,
+                                     return_weights=True))
+    pieces, weights = [], []
+    for start, stop in ((0, 5), (5, 6), (6, 7), (7, 8)):  # prefill 5, then 1s
+      out, w = step(mha, x[:, start:stop])
+      pieces.append(out)
+      weights.append(w[..., :8])
+    chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
+                                rtol=2e-6)
+    chex.assert_trees_all_close(jnp.concatenate(weights, 2), full_w,
+                                atol=2e-6, rtol=2e-6)
+    self.assertEqual(int(mha.cache_index[...]), 8)
+
+  def test_cache_respects_a_padding_mask_over_slots(self):
+    mha = _module()
+    x = _x(t=4, b=1)
+    valid = jnp.array([[False, True, True, True]])  # left-padded prompt
+    full = mha(x, mask=aj.combine_masks(valid[:, None, None, :]),
+               is_causal=True)
+    mha.init_cache(1, 6)
+    slot_valid = jnp.array([[False, True, True, True, True, True]])
+    out = mha(x, mask=slot_valid[:, None, None, :], decode=True)
+    chex.assert_trees_all_close(out[:, 1:], full[:, 1:], atol=2e-6, rtol=2e-6)
+
+  def test_no_retrace_for_single_steps(self):
+    mha = _module()
+    mha.init_cache(2, 6)
+
+    @nnx.jit
+    @chex.assert_max_traces(n=1)
+    def step(module, token):
+      return module(token, decode=True)
+
+    x = _x(t=6)
+    for i in range(6):
+      step(mha, x[:, i:i + 1])
+    self.assertEqual(int(mha.cache_index[...]), 6)
+
+  def test_overflow_is_an_error_eagerly_and_under_jit(self):
+    mha = _module()
+    mha.init_cache(2, 4)
+    mha(_x(t=3), decode=True)
+    with self.assertRaisesRegex(ValueError, r"KV cache overflow: 3 positions "
+                                r"are filled and this call brings 2 more, but "
+                                r"max_length is 4"):
+      mha(_x(t=2), decode=True)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    with self.assertRaisesRegex(Exception, r"KV cache overflow"):
+      jax.block_until_ready(step(mha, _x(t=2)))
+    with self.assertRaisesRegex(ValueError, r"brings 5 tokens but max_length "
+                                r"is 4"):
+      step(mha, _x(t=5))
+
+  def test_decode_without_cache_is_an_error(self):
+    with self.assertRaisesRegex(ValueError, r"call init_cache"):
+      _module()(_x(), decode=True)
+
+
+class DropoutTest(absltest.TestCase):
+
+  def test_deterministic_and_training_modes(self):
+    mha = _module(dropout_rate=0.3, seed=1)
+    x = _x()
+    a, b = mha(x, deterministic=True), mha(x, deterministic=True)
+    chex.assert_trees_all_close(a, b, atol=0, rtol=0)
+    t1, t2 = mha(x), mha(x)  # the module's dropout stream advances
+    self.assertGreater(float(jnp.abs(t1 - a).max()), 1e-3)
+    self.assertGreater(float(jnp.abs(t1 - t2).max()), 1e-3)
+    # Reproducible: a fresh module from the same seeds draws the same masks.
+    twin = _module(dropout_rate=0.3, seed=1)
+    chex.assert_trees_all_close(twin(x), t1, atol=0, rtol=0)
+    # Per-call rngs and eval() as in flax.
+    key = jax.random.key(7)
+    chex.assert_trees_all_close(mha(x, rngs=key), mha(x, rngs=key), atol=0,
+                                rtol=0)
+    mha.eval()
+    chex.assert_trees_all_close(mha(x), a, atol=0, rtol=0)
+
+
+class FlaxIntegrationTest(absltest.TestCase):
+
+  def test_gradients_reach_every_parameter(self):
+    mha = _module(num_kv_heads=2)
+    x = _x()
+
+    def loss(module):
+      return jnp.mean(module(x, is_causal=True) ** 2)
+
+    grads = nnx.grad(loss)(mha)
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    self.assertLen(leaves, 8)  # 4 kernels + 4 biases
+    chex.assert_tree_all_finite(leaves)
+    for g in leaves:
+      self.assertGreater(float(jnp.abs(g).max()), 0.0)
+
+  def test_nnx_jit_no_retrace_and_optimizer_step(self):
+    mha = _module()
+    optimizer = nnx.Optimizer(mha, optax.adam(1e-2), wrt=nnx.Param)
+    x, target = _x(), _x(seed=9)
+
+    @nnx.jit
+    @chex.assert_max_traces(n=1)
+    def train_step(module, optimizer):
+      loss, grads = nnx.value_and_grad(
+          lambda m: jnp.mean((m(x) - target) ** 2))(module)
+      optimizer.update(module, grads)
+      return loss
+
+    losses = [float(train_step(mha, optimizer)) for _ in range(5)]
+    self.assertLess(losses[-1], losses[0])
+
+  def test_split_merge_and_orbax_round_trip(self):
+    mha = _module(num_kv_heads=2)
+    x = _x()
+    graphdef, state = nnx.split(mha)
+    chex.assert_trees_all_close(nnx.merge(graphdef, state)(x), mha(x),
+                                atol=0, rtol=0)
+    with tempfile.TemporaryDirectory() as tmp:
+      checkpointer = ocp.StandardCheckpointer()
+      checkpointer.save(f"{tmp}/state", state)
+      checkpointer.wait_until_finished()
+      fresh = _module(num_kv_heads=2, seed=1)
+      abstract = nnx.state(fresh)
+      restored = checkpointer.restore(f"{tmp}/state", abstract)
+    nnx.update(fresh, restored)
+    chex.assert_trees_all_close(fresh(x), mha(x), atol=0, rtol=0)
+
+  def test_inside_a_linen_model_through_bridge(self):
+
+    class Block(linen.Module):
+
+      @linen.compact
+      def __call__(self, x):
+        attn = nnx.bridge.ToLinen(aj.MultiHeadAttention, args=(16, 4),
+                                  kwargs={"num_kv_heads": 2})
+        return x + attn(x)
+
+    x = _x()
+    variables = Block().init(jax.random.key(0), x)
+    out = Block().apply(variables, x)
+    params = variables["params"]["ToLinen_0"]
+    expected, _ = aj.multi_head_attention(
+        {name: dict(params[name]) for name in ("W_q", "W_k", "W_v", "W_o")},
+        x, x, x, num_heads=4, num_kv_heads=2)
+    chex.assert_trees_all_close(out, x + expected, atol=1e-6, rtol=1e-6)
+
+
+class InvalidTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("d_model", dict(d_model=10, num_heads=4), ValueError,
+       r"d_model=10 must be divisible by num_heads=4"),
+      ("kv_heads", dict(d_model=16, num_heads=4, num_kv_heads=3), ValueError,
+       r"num_heads=4 must be divisible by num_kv_heads=3"),
+      ("dropout", dict(d_model=16, num_heads=4, dropout_rate=1.5), ValueError,
+       r"dropout_rate must be in \[0, 1\), got 1.5"),
+  )
+  def test_construction(self, kwargs, exception, pattern):
+    with self.assertRaisesRegex(exception, pattern):
+      aj.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
+
+  @parameterized.named_parameters(
+      ("features", lambda m: m(jnp.ones((2, 5, 8))),
+       r"query has 8 features \(shape \(2, 5, 8\)\), but the module was built "
+       r"with d_model=16"),
+      ("key_features", lambda m: m(jnp.ones((2, 5, 16)), jnp.ones((2, 3, 12))),
+       r"key has 12 features"),
+      ("rank", lambda m: m(jnp.ones((5, 16))), r"query must have rank 3"),
+      ("mask", lambda m: m(jnp.ones((2, 5, 16)),
+                           mask=jnp.ones((2, 3, 5, 5), bool)),
+       r"mask with shape \(2, 3, 5, 5\) is not broadcastable to \[B, N, T, S\]"),
+  )
+  def test_call(self, call, pattern):
+    with self.assertRaisesRegex(ValueError, pattern):
+      call(_module())
+
+
+if __name__ == "__main__":
+  absltest.main()
