@@ -27,3 +27,14 @@ def markdown_table(headers: Sequence[str],
            "|" + "|".join("---" for _ in headers) + "|"]
   lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def jsonable(value: Any) -> Any:
+  """Tuples to lists, int keys to strings, NumPy scalars to Python numbers."""
+  if isinstance(value, dict):
+    return {str(k): jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [jsonable(v) for v in value]
+  if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+    return value.item()
+  return value

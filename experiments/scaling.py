@@ -18,6 +18,12 @@ scale:
   it by ``sqrt(d_k)`` while the softmax gradient collapses, so it is shown
   for completeness; the softmax gradient is what vanishes.
 
+Then a short training comparison: the same one-head Transformer (d_k =
+``train_d_model``) learns the copy task with and without the scale.
+
+Writes ``results.json``, ``summary.md``, ``scaling.png`` (metrics against
+d_k) and ``scaling_training.png`` (the two loss curves) to the workdir.
+
 Shape glossary: B queries (batch), S keys, H = d_k head dim.
 """
 
@@ -27,11 +33,17 @@ import dataclasses
 import math
 import os
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 
 import attention_jax as aj
+from experiments import data
+from experiments import metrics
+from experiments import plots
 from experiments import report
+from experiments import training
+from experiments import transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +54,9 @@ class ScalingConfig:
   num_queries: int = 512  # B: independent queries averaged over
   num_keys: int = 64  # S: keys each query attends over
   seed: int = 0
+  train_steps: int = 300  # per model in the training comparison; 0 skips it
+  train_d_model: int = 128  # = d_k: one head, one layer
+  train_max_len: int = 15  # copy task lengths 5..train_max_len
 
 
 def _measure(rng: jax.Array, head_dim: int, num_queries: int, num_keys: int,
@@ -72,6 +87,32 @@ def _measure(rng: jax.Array, head_dim: int, num_queries: int, num_keys: int,
       "logit_grad": jnp.mean(jnp.linalg.norm(grad_logits[:, 0], axis=-1)),
       "grad_norm": jnp.mean(jnp.linalg.norm(grad_q[:, 0], axis=-1)),
   }
+
+
+def _train_comparison(config: ScalingConfig) -> dict:
+  """Trains the same model with and without 1/sqrt(d_k); returns both runs."""
+  train_config = training.TrainConfig(
+      task="copy", steps=config.train_steps, max_len=config.train_max_len,
+      min_len=min(5, config.train_max_len),
+      seed=config.seed, checkpoint_every=0,
+      log_every=max(1, config.train_steps // 20))
+  runs = {}
+  for label, scale in (("scaled", None), ("unscaled", 1.0)):
+    model = transformer.TransformerSeq2Seq(transformer.TransformerConfig(
+        d_model=config.train_d_model, num_heads=1, num_layers=1,
+        ffn_dim=2 * config.train_d_model, attention_scale=scale),
+        rngs=nnx.Rngs(config.seed))
+    stats = training.train(f"scaling/{label}", model, train_config, None)
+    length = config.train_max_len
+    batch = data.eval_batch("copy", length, seed=config.seed,
+                            num_examples=128, vocab_size=20)
+    src, src_len, _, _, _ = training.batch_arrays(batch)
+    tokens = nnx.jit(transformer.greedy, static_argnums=3)(
+        model, src, src_len, length + 1)[0]
+    stats["eval_length"] = length
+    stats.update(metrics.sequence_metrics(jax.device_get(tokens), batch))
+    runs[label] = stats
+  return runs
 
 
 def run(config: ScalingConfig) -> dict:
@@ -108,7 +149,30 @@ def run(config: ScalingConfig) -> dict:
       "is the share of queries with a weight > 0.99; logit_grad is "
       "|d loss / d logits|, the gradient that passes the softmax; grad_norm "
       "is |d loss / d query|.\n\n" + table + "\n")
-  results = {"config": dataclasses.asdict(config), "rows": rows}
+  plots.scaling_metrics(
+      os.path.join(config.workdir, "scaling.png"), list(config.dims),
+      *({m: [by_dim[(d, scaled)][m] for d in config.dims]
+         for m in ("max_prob", "entropy", "saturated", "logit_grad")}
+        for scaled in (True, False)))
+  results = {"config": report.jsonable(dataclasses.asdict(config)),
+             "rows": rows}
+  if config.train_steps:
+    runs = _train_comparison(config)
+    results["training"] = runs
+    plots.loss_curves(os.path.join(config.workdir, "scaling_training.png"),
+                      {f"{k} (d_k={config.train_d_model})": v["loss_curve"]
+                       for k, v in runs.items()})
+    summary += (
+        f"\n## Training with and without the scale\n\nOne-head, one-layer "
+        f"Transformer, d_k = {config.train_d_model}, copy task, lengths "
+        f"5-{config.train_max_len}, {config.train_steps} steps each.\n\n"
+        + report.markdown_table(
+            ["model", "loss at 25%", "loss at 50%", "final loss",
+             f"token acc (len {config.train_max_len})", "seq acc"],
+            [[k, v["loss_curve"][len(v["loss_curve"]) // 4][1],
+              v["loss_curve"][len(v["loss_curve"]) // 2][1], v["final_loss"],
+              v["token_acc"], v["seq_acc"]] for k, v in runs.items()])
+        + "\n")
   report.write_json(os.path.join(config.workdir, "results.json"), results)
   with open(os.path.join(config.workdir, "summary.md"), "w") as f:
     f.write(summary)

@@ -1,0 +1,71 @@
+"""Orbax checkpoints of a model, its optimizer and the run's history.
+
+A checkpoint stores the NNX state of model and optimizer (arrays) and a JSON
+record: the step, the loss history and a fingerprint of the flags that shape
+the run. Restoring with different flags is refused with a message rather than
+silently loading weights of another model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flax import nnx
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  """Saves and restores ``(model, optimizer, meta)`` under ``directory``."""
+
+  def __init__(self, directory: str, fingerprint: dict[str, Any],
+               max_to_keep: int = 2):
+    self.fingerprint = fingerprint
+    self.manager = ocp.CheckpointManager(
+        os.path.abspath(directory),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                             create=True))
+
+  def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer,
+           history: list) -> None:
+    state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    meta = {"step": step, "history": history, "fingerprint": self.fingerprint}
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=True)
+
+  def restore(self, model: nnx.Module,
+              optimizer: nnx.Optimizer) -> tuple[int, list]:
+    """Loads the latest checkpoint into model and optimizer, if there is one.
+
+    Returns:
+      ``(step, history)``; ``(0, [])`` when there is nothing to resume.
+
+    Raises:
+      ValueError: the checkpoint was written by a run with other flags.
+    """
+    step = self.manager.latest_step()
+    if step is None:
+      return 0, []
+    meta = self.manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+    if meta["fingerprint"] != self.fingerprint:
+      diff = {k: (meta["fingerprint"].get(k), v)
+              for k, v in self.fingerprint.items()
+              if meta["fingerprint"].get(k) != v}
+      raise ValueError(
+          f"The checkpoint in {self.manager.directory} was written with other "
+          f"settings (saved, now): {diff}. Use another --workdir, or the same "
+          "flags to resume.")
+    abstract = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
+    return meta["step"], meta["history"]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()

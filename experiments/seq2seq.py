@@ -1,0 +1,192 @@
+"""The copy/reverse experiment: the bottleneck, and attention learning alignment.
+
+Trains each requested model with the same step budget on random-token
+sequences (``training.py``), then, for each evaluation length (longer ones
+than any seen in training included): greedy-decoding accuracy, and the
+alignment of teacher-forced attention with the gold positions
+(``metrics.py``). Writes to the workdir:
+
+* ``results.json``: every number; ``summary.md``: the tables;
+* ``accuracy_vs_length.png``: token accuracy per length, one line per model;
+* ``attention_<model>_len<L>.png``: attention heatmaps;
+* ``loss_curves.png``; ``checkpoints/<model>/``: orbax checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from flax import nnx
+import numpy as np
+
+from experiments import checkpoints
+from experiments import data
+from experiments import metrics
+from experiments import plots
+from experiments import report
+from experiments import rnn
+from experiments import training
+from experiments import transformer
+
+MODELS = ("none", "bahdanau", "luong", "transformer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqConfig:
+  """What ``python run.py`` (``--experiment=seq2seq``) runs."""
+  workdir: str = "runs/seq2seq"
+  models: tuple[str, ...] = ("none", "bahdanau")
+  encoder: str = "forward"  # forward | bidirectional (GRU models)
+  luong_score: str = "general"  # dot | general | concat
+  train: training.TrainConfig = training.TrainConfig()
+  eval_lengths: tuple[int, ...] = (5, 10, 15, 20, 25, 30, 35, 40)
+  eval_examples: int = 128  # per length
+  heatmap_lengths: tuple[int, ...] = (10, 30)
+  embed_dim: int = 32  # GRU models
+  encoder_dim: int = 64
+  decoder_dim: int = 128
+  d_model: int = 64  # transformer
+  num_heads: int = 4
+  num_layers: int = 2
+
+
+def build_model(name: str, config: Seq2SeqConfig) -> nnx.Module:
+  rngs = nnx.Rngs(config.train.seed)
+  if name == "transformer":
+    return transformer.TransformerSeq2Seq(transformer.TransformerConfig(
+        vocab_size=config.train.vocab_size, d_model=config.d_model,
+        num_heads=config.num_heads, num_layers=config.num_layers,
+        ffn_dim=2 * config.d_model), rngs=rngs)
+  if name not in rnn.ATTENTIONS:
+    raise ValueError(f"model must be one of {MODELS}, got {name!r}.")
+  return rnn.RNNSeq2Seq(rnn.RNNConfig(
+      attention=name, luong_score=config.luong_score, encoder=config.encoder,
+      vocab_size=config.train.vocab_size, embed_dim=config.embed_dim,
+      encoder_dim=config.encoder_dim, decoder_dim=config.decoder_dim),
+                        rngs=rngs)
+
+
+@nnx.jit
+def _teacher_forced(model, src, src_len, tgt_in):
+  return model(src, src_len, tgt_in)[1]
+
+
+@nnx.jit(static_argnums=3)
+def _greedy(model, src, src_len, num_steps):
+  if isinstance(model, transformer.TransformerSeq2Seq):
+    return transformer.greedy(model, src, src_len, num_steps)[0]
+  return model.greedy(src, src_len, num_steps)[0]
+
+
+def evaluate(model: nnx.Module, config: Seq2SeqConfig) -> dict:
+  """Per-length accuracy and alignment; attention maps for the heatmaps."""
+  task, per_length, maps = config.train.task, {}, {}
+  for length in config.eval_lengths:
+    batch = data.eval_batch(task, length, seed=config.train.seed,
+                            num_examples=config.eval_examples,
+                            vocab_size=config.train.vocab_size)
+    src, src_len, tgt_in, _, _ = training.batch_arrays(batch)
+    tokens = np.asarray(_greedy(model, src, src_len, length + 1))
+    row = metrics.sequence_metrics(tokens, batch)
+    attention = np.asarray(_teacher_forced(model, src, src_len, tgt_in))
+    if attention.ndim == 4:  # transformer: [B, N, T, S], one map per head
+      heads = [metrics.alignment_metrics(attention[:, n], length, task)
+               for n in range(attention.shape[1])]
+      best = int(np.argmax([h["align_acc"] for h in heads]))
+      row.update(heads[best], best_head=best, heads=heads)
+      attention = attention[:, best]
+    elif attention.any():  # the no-attention model has no maps
+      row.update(metrics.alignment_metrics(attention, length, task))
+    per_length[length] = row
+    maps[length] = attention[0, :length + 1, :length]
+  return {"per_length": per_length, "maps": maps}
+
+
+def _bucket_rows(config: Seq2SeqConfig, results: dict) -> list[list]:
+  """Token accuracy by length bucket, the shape the README reports."""
+  lo, hi = config.train.min_len, config.train.max_len
+  edges = [(lo, min(10, hi)), (11, min(20, hi)), (21, hi), (hi + 1, 10**9)]
+  names = [f"{a}-{b}" if b < 10**9 else f">{hi} (unseen)" for a, b in edges]
+  rows = []
+  for model, res in results.items():
+    row = [model]
+    for a, b in edges:
+      accs = [r["token_acc"] for n, r in res["eval"].items() if a <= n <= b]
+      row.append(float(np.mean(accs)) if accs else "-")
+    rows.append(row)
+  return [["model"] + names] + rows
+
+
+def _summary(config: Seq2SeqConfig, results: dict) -> str:
+  header, *bucket_rows = _bucket_rows(config, results)
+  parts = [
+      f"# {config.train.task} task: {', '.join(results)}\n",
+      f"{config.train.steps} steps, batch {config.train.batch_size}, lr "
+      f"{config.train.learning_rate}, training lengths "
+      f"{config.train.min_len}-{config.train.max_len}, encoder "
+      f"{config.encoder}, seed {config.train.seed}.\n",
+      "## Greedy token accuracy by length bucket\n",
+      report.markdown_table(header, bucket_rows) + "\n",
+      "## Per length\n",
+  ]
+  columns = ["token_acc", "seq_acc", "align_acc", "align_acc_pm1",
+             "gold_mass", "offset", "entropy"]
+  for model, res in results.items():
+    rows = [[n] + [r.get(c, "-") for c in columns]
+            for n, r in res["eval"].items()]
+    train = res["train"]
+    parts.append(f"### {model} ({train['steps']} steps, final loss "
+                 f"{train['final_loss']:.4g}, {train['steps_per_s']:.1f} "
+                 "steps/s)\n")
+    parts.append(report.markdown_table(["length"] + columns, rows) + "\n")
+  return "\n".join(parts)
+
+
+def run(config: Seq2SeqConfig) -> dict:
+  """Trains and evaluates every model in ``config.models``; writes the report."""
+  os.makedirs(config.workdir, exist_ok=True)
+  results, maps = {}, {}
+  for name in config.models:
+    model = build_model(name, config)
+    fingerprint = {"model": name, **dataclasses.asdict(config.train),
+                   **{k: v for k, v in dataclasses.asdict(config).items()
+                      if k not in ("workdir", "models", "train",
+                                   "eval_lengths", "eval_examples",
+                                   "heatmap_lengths")}}
+    fingerprint = report.jsonable(fingerprint)
+    ckpt = checkpoints.Checkpointer(
+        os.path.join(config.workdir, "checkpoints", name), fingerprint)
+    try:
+      train_stats = training.train(name, model, config.train, ckpt)
+    finally:
+      ckpt.close()
+    evaluation = evaluate(model, config)
+    results[name] = {"train": train_stats, "eval": evaluation["per_length"]}
+    maps[name] = evaluation["maps"]
+
+  lengths = list(config.eval_lengths)
+  train_range = (config.train.min_len, config.train.max_len)
+  plots.accuracy_vs_length(
+      os.path.join(config.workdir, "accuracy_vs_length.png"), lengths,
+      {m: [r["eval"][n]["token_acc"] for n in lengths]
+       for m, r in results.items()}, train_range, "greedy token accuracy",
+      f"{config.train.task}: accuracy vs source length")
+  for name in results:
+    if name == "none":
+      continue  # no attention to show
+    for length in config.heatmap_lengths:
+      if length in maps[name]:
+        plots.attention_heatmap(
+            os.path.join(config.workdir, f"attention_{name}_len{length}.png"),
+            maps[name][length], f"{name}, {config.train.task}, length {length}")
+  plots.loss_curves(os.path.join(config.workdir, "loss_curves.png"),
+                    {m: r["train"]["loss_curve"] for m, r in results.items()})
+  payload = {"config": report.jsonable(dataclasses.asdict(config)),
+             "models": report.jsonable(results)}
+  report.write_json(os.path.join(config.workdir, "results.json"), payload)
+  summary = _summary(config, results)
+  with open(os.path.join(config.workdir, "summary.md"), "w") as f:
+    f.write(summary)
+  print(summary)
+  return payload
