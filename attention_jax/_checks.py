@@ -94,13 +94,18 @@ def check_positive_int(name: str, value) -> None:
     raise ValueError(f"{name} must be positive, got {value}.")
 
 
+def check_dropout_rate(dropout_rate) -> None:
+  """A Python-number rate must lie in [0, 1) (traced rates are not checked)."""
+  if isinstance(dropout_rate, (int, float, np.number)) and not (
+      0.0 <= float(dropout_rate) < 1.0):
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
+
+
 def check_dropout(dropout_rate, dropout_rng) -> None:
   """Rate in [0, 1); a positive rate needs a key (no silent no-op)."""
-  if isinstance(dropout_rate, (int, float, np.number)):
-    if not 0.0 <= float(dropout_rate) < 1.0:
-      raise ValueError(
-          f"dropout_rate must be in [0, 1), got {dropout_rate}.")
-    if dropout_rate > 0.0 and dropout_rng is None:
-      raise ValueError(
-          f"dropout_rate={dropout_rate} needs a dropout_rng (a "
-          "jax.random.key); pass dropout_rate=0.0 for deterministic use.")
+  check_dropout_rate(dropout_rate)
+  if (isinstance(dropout_rate, (int, float, np.number)) and dropout_rate > 0.0
+      and dropout_rng is None):
+    raise ValueError(
+        f"dropout_rate={dropout_rate} needs a dropout_rng (a "
+        "jax.random.key); pass dropout_rate=0.0 for deterministic use.")

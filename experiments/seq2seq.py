@@ -143,20 +143,31 @@ def _summary(config: Seq2SeqConfig, results: dict) -> str:
   return "\n".join(parts)
 
 
+def _fingerprint(name: str, config: Seq2SeqConfig) -> dict:
+  """The settings a checkpoint must share with the run that resumes it.
+
+  Logging and checkpoint intervals and evaluation settings may change.
+  """
+  train = dataclasses.asdict(config.train)
+  for free in ("log_every", "checkpoint_every"):
+    train.pop(free)
+  architecture = {f.name: getattr(config, f.name)
+                  for f in dataclasses.fields(config)
+                  if f.name in ("encoder", "luong_score", "embed_dim",
+                                "encoder_dim", "decoder_dim", "d_model",
+                                "num_heads", "num_layers")}
+  return report.jsonable({"model": name, **train, **architecture})
+
+
 def run(config: Seq2SeqConfig) -> dict:
   """Trains and evaluates every model in ``config.models``; writes the report."""
   os.makedirs(config.workdir, exist_ok=True)
   results, maps = {}, {}
   for name in config.models:
     model = build_model(name, config)
-    fingerprint = {"model": name, **dataclasses.asdict(config.train),
-                   **{k: v for k, v in dataclasses.asdict(config).items()
-                      if k not in ("workdir", "models", "train",
-                                   "eval_lengths", "eval_examples",
-                                   "heatmap_lengths")}}
-    fingerprint = report.jsonable(fingerprint)
     ckpt = checkpoints.Checkpointer(
-        os.path.join(config.workdir, "checkpoints", name), fingerprint)
+        os.path.join(config.workdir, "checkpoints", name),
+        _fingerprint(name, config))
     try:
       train_stats = training.train(name, model, config.train, ckpt)
     finally:

@@ -43,15 +43,18 @@ def sinusoidal_positions(length: int, dim: int) -> jax.Array:
   return jnp.asarray(table)
 
 
-def _attention_fn(scale: float | None):
-  """The core attention with a fixed scale (to show what 1/sqrt(d_k) does)."""
-  if scale is None:
+def _attention_fn(fixed_scale: float | None):
+  """The core attention with a fixed scale (to show what 1/sqrt(d_k) does).
+
+  ``None`` keeps the default ``1/sqrt(d_k)`` that ``attend_heads`` passes.
+  """
+  if fixed_scale is None:
     return None
 
-  def attend(*args, scale=None, **kwargs):  # noqa: ARG001 - replaced below
-    return aj.scaled_dot_product_attention(*args, scale=fixed, **kwargs)
+  def attend(*args, scale=None, **kwargs):
+    del scale  # the caller's 1/sqrt(d_k) is what this model goes without
+    return aj.scaled_dot_product_attention(*args, scale=fixed_scale, **kwargs)
 
-  fixed = scale
   return attend
 
 

@@ -82,7 +82,7 @@ class MultiHeadAttention(nnx.Module):
       attention_fn: multi_head.AttentionFn | None = None,
   ):
     num_kv_heads = multi_head._check_heads(d_model, num_heads, num_kv_heads)
-    _checks.check_dropout(dropout_rate, dropout_rng=0)  # range only
+    _checks.check_dropout_rate(dropout_rate)
     self.d_model = d_model
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
