@@ -11,6 +11,7 @@ from attention_jax.additive import additive_attention
 from attention_jax.additive import additive_score
 from attention_jax.additive import init_additive_params
 from attention_jax.additive import precompute_additive_keys
+from attention_jax.blockwise import blockwise_attention
 from attention_jax.dot_product import scaled_dot_product_attention
 from attention_jax.kv_cache import update_kv_cache
 from attention_jax.luong import init_luong_params
@@ -37,6 +38,7 @@ __all__ = [
     "LuongAttention",
     "MultiHeadAttention",
     "attend_heads",
+    "blockwise_attention",
     "update_kv_cache",
     "additive_attention",
     "additive_score",

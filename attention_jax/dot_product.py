@@ -60,6 +60,117 @@ def _single_head_attention(query, key, value, mask, bias, keep, *, scale,
   return out.astype(out_dtype), weights
 
 
+IMPLEMENTATIONS = ("dense", "blockwise", "cudnn")
+# Below this many scores per head the dense path is as fast (see the README's
+# benchmark) and also yields the weights.
+BLOCKWISE_MIN_SCORES = 1024 * 1024
+
+
+def _cudnn_problem(query, key, value, mask, bias) -> str | None:
+  """Why jax.nn's cuDNN kernel cannot take these inputs, or None if it can."""
+  if jax.default_backend() != "gpu":
+    return f"it needs a GPU, the backend is {jax.default_backend()!r}"
+  dtype = jnp.result_type(query, key, value)
+  if dtype not in (jnp.float16, jnp.bfloat16):
+    return f"it needs float16/bfloat16 inputs, got {dtype}"
+  shapes = [_checks.shape_of(x) for x in (query, key, value)]
+  if any(len(s) != 4 for s in shapes) or shapes[1] != shapes[2]:
+    return f"it needs [B, N, T, H] inputs with equal key/value shapes: {shapes}"
+  h = shapes[0][-1]
+  if h > 128 or h % 8:
+    return f"it needs a head dim <= 128 and a multiple of 8, got {h}"
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is not None and x.ndim != 4:
+      return f"{name} must be 4-D [B|1, N|1, T|1, S|1], got {x.shape}"
+  return None
+
+
+def _choose_implementation(implementation, query, key, value, mask, bias,
+                           need_weights, dropout_on) -> str:
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of "
+                     f"{IMPLEMENTATIONS}, got {implementation!r}.")
+  if implementation in ("blockwise", "cudnn") and dropout_on:
+    raise ValueError(f"implementation={implementation!r} has no dropout; "
+                     "use 'dense' or dropout_rate=0.")
+  if implementation == "cudnn":
+    problem = _cudnn_problem(query, key, value, mask, bias)
+    if problem:
+      raise ValueError(f"implementation='cudnn' is not possible: {problem}.")
+  if implementation is not None:
+    return implementation
+  t, s = _checks.shape_of(query)[-2], _checks.shape_of(key)[-2]
+  if need_weights or dropout_on or t * s < BLOCKWISE_MIN_SCORES:
+    return "dense"
+  if _cudnn_problem(query, key, value, mask, bias) is None:
+    return "cudnn"
+  if jnp.result_type(query, key, value) == jnp.float64:
+    return "dense"  # blockwise computes in float32
+  return "blockwise"
+
+
+def _cudnn_attention(query, key, value, mask, bias, scale, is_causal):
+  """jax.nn's fused kernel; our bottom-right causal mask made explicit."""
+  t, s = query.shape[-2], key.shape[-2]
+  if is_causal and t != s:  # jax.nn aligns top-left; ours is bottom-right
+    causal = masks.causal_mask(t, s)[None, None]
+    mask = causal if mask is None else mask & causal
+    is_causal = False
+  swap = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, T, H] <-> [B, T, N, H]
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, mask.shape[:2] + (t, s))
+  out = jax.nn.dot_product_attention(
+      swap(query), swap(key), swap(value), bias=bias, mask=mask, scale=scale,
+      is_causal=is_causal, implementation="cudnn")
+  return swap(out)
+
+
+def validate_operands(query, key, value, mask, bias, **extra_leading):
+  """Checks the attention operands; returns ``(mask, bias, batch_shape)``.
+
+  ``mask`` comes back bool and ``mask``/``bias`` at least 2-D; ``batch_shape``
+  is the broadcast of every operand's leading dims (and of
+  ``extra_leading``'s shapes, e.g. key lengths).
+  """
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    _checks.check_float_array(name, x)
+  _checks.check_min_rank("query", query, 2, "[..., T, H]")
+  _checks.check_min_rank("key", key, 2, "[..., S, H]")
+  _checks.check_min_rank("value", value, 2, "[..., S, Hv]")
+  q_shape, k_shape, v_shape = map(_checks.shape_of, (query, key, value))
+  if q_shape[-1] != k_shape[-1]:
+    raise ValueError(
+        f"query and key must have the same head dim H (last axis): query "
+        f"{q_shape}, key {k_shape}.")
+  if k_shape[-2] != v_shape[-2]:
+    raise ValueError(
+        f"key and value must have the same length S (axis -2): key "
+        f"{k_shape}, value {v_shape}.")
+  t, s = q_shape[-2], k_shape[-2]
+  leading = {"query": q_shape[:-2], "key": k_shape[:-2],
+             "value": v_shape[:-2]}
+
+  if mask is not None:
+    _checks.check_mask_dtype("mask", mask)
+    mask = _checks.as_bool_mask(mask)
+    if mask.ndim < 2:
+      mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    _checks.check_broadcastable_to("mask", mask.shape[-2:], (t, s),
+                                   "[T, S]")
+    leading["mask"] = mask.shape[:-2]
+  if bias is not None:
+    _checks.check_float_array("bias", bias)
+    bias = jnp.asarray(bias)
+    if bias.ndim < 2:
+      bias = bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
+    _checks.check_broadcastable_to("bias", bias.shape[-2:], (t, s), "[T, S]")
+    leading["bias"] = bias.shape[:-2]
+  leading.update(extra_leading)
+  batch_shape = _checks.broadcast_shapes(
+      "leading (batch) dimensions of the attention operands", **leading)
+  return mask, bias, batch_shape
+
+
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -71,7 +182,9 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    implementation: str | None = None,
+    need_weights: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
   """``softmax(query @ key^T * scale + bias, where=mask) @ value``.
 
   Args:
@@ -90,6 +203,17 @@ def scaled_dot_product_attention(
     dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
+    implementation: ``"dense"`` (materialises the ``[T, S]`` weights),
+      ``"blockwise"`` (``blockwise_attention``: O(T + S) memory, no weights,
+      no dropout), ``"cudnn"`` (``jax.nn.dot_product_attention``'s fused GPU
+      kernel: GPU, float16/bfloat16, ``[B, N, T, H]`` inputs, H <= 128 and a
+      multiple of 8, no weights, no dropout) or ``None``: dense when
+      ``need_weights`` or dropout is on or ``T * S`` is below
+      ``BLOCKWISE_MIN_SCORES``; otherwise cuDNN where its constraints hold,
+      else blockwise. Every path gives the same numbers within float32
+      rounding (tested).
+    need_weights: whether the caller uses ``weights``. With False, the
+      returned weights may be ``None`` (the non-dense paths never form them).
 
   The leading dimensions ``...`` of all operands broadcast like NumPy's.
   Static arguments for ``jax.jit``: ``scale`` (if a Python float),
@@ -116,48 +240,27 @@ def scaled_dot_product_attention(
     >>> out.shape, w.shape
     ((2, 4, 8), (2, 4, 6))
   """
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    _checks.check_float_array(name, x)
-  _checks.check_min_rank("query", query, 2, "[..., T, H]")
-  _checks.check_min_rank("key", key, 2, "[..., S, H]")
-  _checks.check_min_rank("value", value, 2, "[..., S, Hv]")
-  q_shape, k_shape, v_shape = map(_checks.shape_of, (query, key, value))
-  if q_shape[-1] != k_shape[-1]:
-    raise ValueError(
-        f"query and key must have the same head dim H (last axis): query "
-        f"{q_shape}, key {k_shape}.")
-  if k_shape[-2] != v_shape[-2]:
-    raise ValueError(
-        f"key and value must have the same length S (axis -2): key "
-        f"{k_shape}, value {v_shape}.")
-  t, s, h = q_shape[-2], k_shape[-2], q_shape[-1]
-  leading = {"query": q_shape[:-2], "key": k_shape[:-2],
-             "value": v_shape[:-2]}
-
-  if mask is not None:
-    _checks.check_mask_dtype("mask", mask)
-    mask = _checks.as_bool_mask(mask)
-    if mask.ndim < 2:
-      mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
-    _checks.check_broadcastable_to("mask", mask.shape[-2:], (t, s),
-                                   "[T, S]")
-    leading["mask"] = mask.shape[:-2]
-  if bias is not None:
-    _checks.check_float_array("bias", bias)
-    bias = jnp.asarray(bias)
-    if bias.ndim < 2:
-      bias = bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
-    _checks.check_broadcastable_to("bias", bias.shape[-2:], (t, s), "[T, S]")
-    leading["bias"] = bias.shape[:-2]
-  batch_shape = _checks.broadcast_shapes(
-      "leading (batch) dimensions of the attention operands", **leading)
+  mask, bias, batch_shape = validate_operands(query, key, value, mask, bias)
+  t, s = _checks.shape_of(query)[-2], _checks.shape_of(key)[-2]
+  h = _checks.shape_of(query)[-1]
   _checks.check_dropout(dropout_rate, dropout_rng)
+  dropout_on = not (isinstance(dropout_rate, (int, float))
+                    and dropout_rate == 0.0)
+  implementation = _choose_implementation(
+      implementation, query, key, value, mask, bias, need_weights, dropout_on)
 
   if scale is None:
     scale = 1.0 / math.sqrt(h)
+  if implementation == "blockwise":
+    from attention_jax import blockwise  # noqa: PLC0415 - import cycle
+    return blockwise.blockwise_attention(
+        query, key, value, mask=mask, bias=bias, is_causal=is_causal,
+        scale=scale), None
+  if implementation == "cudnn":
+    return _cudnn_attention(query, key, value, mask, bias, scale,
+                            is_causal), None
   keep = None
-  if dropout_rng is not None and not (
-      isinstance(dropout_rate, (int, float)) and dropout_rate == 0.0):
+  if dropout_rng is not None and dropout_on:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate,
                                 batch_shape + (t, s))  # [..., T, S]
   out_dtype = jnp.result_type(query, key, value)

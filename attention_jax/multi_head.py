@@ -21,6 +21,7 @@ operand), not copied.
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 import math
 from typing import Any
 
@@ -203,7 +204,9 @@ def attend_heads(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     attention_fn: AttentionFn | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    implementation: str | None = None,
+    need_weights: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
   """Attention of N query heads over K shared key/value heads.
 
   Args:
@@ -218,9 +221,14 @@ def attend_heads(
     attention_fn: replaces ``scaled_dot_product_attention`` (same signature
       and return value); it sees ``[B, K, G, T, H]`` queries and
       ``[B, K, 1, S, H]`` keys/values.
+    implementation: passed to ``scaled_dot_product_attention`` (``None``
+      picks; ``"dense"``, ``"blockwise"``, ``"cudnn"``) when ``attention_fn``
+      is not given.
+    need_weights: whether the weights are used (``False`` lets the automatic
+      choice take a path that never forms them; weights may then be None).
 
   Returns:
-    ``(out [B, N, T, H], weights [B, N, T, S])``.
+    ``(out [B, N, T, H], weights [B, N, T, S] or None)``.
 
   Example:
     >>> q, kv = jnp.ones((2, 4, 3, 8)), jnp.ones((2, 2, 5, 8))  # N=4, K=2
@@ -231,7 +239,10 @@ def attend_heads(
   b, num_heads, t, head_dim = query.shape
   num_kv_heads, s = key.shape[1], key.shape[2]
   group = num_heads // num_kv_heads
-  attention_fn = attention_fn or dot_product.scaled_dot_product_attention
+  if attention_fn is None:
+    attention_fn = functools.partial(
+        dot_product.scaled_dot_product_attention,
+        implementation=implementation, need_weights=need_weights)
   q = query.reshape(b, num_kv_heads, group, t, head_dim)  # [B, K, G, T, H]
   k = key[:, :, None]  # [B, K, 1, S, H]: shared by the group's G query heads
   v = value[:, :, None]  # [B, K, 1, S, H]
@@ -259,7 +270,9 @@ def multi_head_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     attention_fn: AttentionFn | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    implementation: str | None = None,
+    need_weights: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
   Args:
@@ -277,9 +290,12 @@ def multi_head_attention(
     dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
     attention_fn: optional replacement for ``scaled_dot_product_attention``
       (same signature and return value), e.g. a memory-efficient kernel.
+    implementation: ``None`` | ``"dense"`` | ``"blockwise"`` | ``"cudnn"``;
+      see ``scaled_dot_product_attention``.
+    need_weights: False allows a path that returns weights None.
 
   Returns:
-    ``(output [B, T, D], weights float32 [B, N, T, S])``.
+    ``(output [B, T, D], weights float32 [B, N, T, S] or None)``.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 16, 4)
@@ -325,7 +341,8 @@ def multi_head_attention(
   v = project_heads(value, params["W_v"], num_kv_heads)  # [B, K, S, H]
   out, weights = attend_heads(
       q, k, v, mask, bias=bias, is_causal=is_causal, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, attention_fn=attention_fn)
+      dropout_rng=dropout_rng, attention_fn=attention_fn,
+      implementation=implementation, need_weights=need_weights)
   output = project(merge_heads(out), params["W_o"]["kernel"],
                    params["W_o"].get("bias"))  # [B, T, D]
   return output, weights

@@ -48,7 +48,10 @@ class MultiHeadAttention(nnx.Module):
     kernel_init: initialiser for the four kernels (LeCun normal).
     bias_init: initialiser for the biases (zeros).
     attention_fn: replacement for ``aj.scaled_dot_product_attention`` with the
-      same signature and return value (e.g. a memory-efficient kernel).
+      same signature and return value.
+    implementation: ``None`` (automatic: dense when weights are returned or
+      the problem is small, else cuDNN on GPU or blockwise), ``"dense"``,
+      ``"blockwise"`` or ``"cudnn"``; see ``aj.scaled_dot_product_attention``.
 
   Example:
     >>> mha = MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
@@ -80,6 +83,7 @@ class MultiHeadAttention(nnx.Module):
       kernel_init: nnx.Initializer = _LECUN_NORMAL,
       bias_init: nnx.Initializer = _ZEROS,
       attention_fn: multi_head.AttentionFn | None = None,
+      implementation: str | None = None,
   ):
     num_kv_heads = multi_head._check_heads(d_model, num_heads, num_kv_heads)
     _checks.check_dropout_rate(dropout_rate)
@@ -90,6 +94,7 @@ class MultiHeadAttention(nnx.Module):
     self.dropout_rate = dropout_rate
     self.deterministic = deterministic
     self.attention_fn = attention_fn
+    self.implementation = implementation
     kv_features = num_kv_heads * self.head_dim
 
     def linear(n_in, n_out):
@@ -195,13 +200,15 @@ class MultiHeadAttention(nnx.Module):
           params, query, key, value, mask, num_heads=self.num_heads,
           num_kv_heads=self.num_kv_heads, bias=bias, is_causal=is_causal,
           dropout_rate=rate, dropout_rng=dropout_rng,
-          attention_fn=self.attention_fn)
+          attention_fn=self.attention_fn, implementation=self.implementation,
+          need_weights=return_weights)
       return (out, weights) if return_weights else out
     out, weights = self._decode(params, query, key, value, mask, bias, rate,
-                                dropout_rng)
+                                dropout_rng, return_weights)
     return (out, weights) if return_weights else out
 
-  def _decode(self, params, query, key, value, mask, bias, rate, dropout_rng):
+  def _decode(self, params, query, key, value, mask, bias, rate, dropout_rng,
+              need_weights):
     if self.cache_index is None:
       raise ValueError("decode=True needs a cache: call "
                        "init_cache(batch_size, max_length) first.")
@@ -231,7 +238,8 @@ class MultiHeadAttention(nnx.Module):
     out, weights = multi_head.attend_heads(
         q, cached_k, cached_v, masks.combine_masks(mask, visible), bias=bias,
         dropout_rate=rate, dropout_rng=dropout_rng,
-        attention_fn=self.attention_fn)
+        attention_fn=self.attention_fn, implementation=self.implementation,
+        need_weights=need_weights)
     self.cached_key[...] = cached_k
     self.cached_value[...] = cached_v
     self.cache_index[...] = index + t
