@@ -74,7 +74,7 @@ class BlockwiseTest(chex.TestCase):
 
     got = jax.jit(jax.grad(ours, (0, 1, 2)))(q, k, v)
     with jax.enable_x64(True):
-      want = jax.grad(dense, (0, 1, 2))(
+      want = jax.jit(jax.grad(dense, (0, 1, 2)))(
           *(np.asarray(x, np.float64) for x in (q, k, v)))
     chex.assert_tree_all_finite(got)
     chex.assert_trees_all_close(got, jax.tree.map(
@@ -86,10 +86,10 @@ class BlockwiseTest(chex.TestCase):
     out = aj.blockwise_attention(q, k, v, bias=bias, **BLOCKS)
     ref, _ = reference.sdpa(q, k, v, bias=bias)
     chex.assert_trees_all_close(out, ref.astype(np.float32), **FWD_TOL)
-    g_block = jax.grad(lambda b: aj.blockwise_attention(
-        q, k, v, bias=b, **BLOCKS).sum())(bias)
-    g_dense = jax.grad(lambda b: aj.scaled_dot_product_attention(
-        q, k, v, bias=b)[0].sum())(bias)
+    g_block = jax.jit(jax.grad(lambda b: aj.blockwise_attention(
+        q, k, v, bias=b, **BLOCKS).sum()))(bias)
+    g_dense = jax.jit(jax.grad(lambda b: aj.scaled_dot_product_attention(
+        q, k, v, bias=b)[0].sum()))(bias)
     chex.assert_trees_all_close(g_block, g_dense, **GRAD_TOL)
 
   def test_fully_masked_rows_are_zero_with_finite_grads(self):
@@ -98,8 +98,8 @@ class BlockwiseTest(chex.TestCase):
                                       return_lse=True, block_q=4, block_k=2)
     np.testing.assert_array_equal(out[0, :4], 0.0)
     np.testing.assert_array_equal(lse[0, :4], -np.inf)
-    grads = jax.grad(lambda q, k, v: aj.blockwise_attention(
-        q, k, v, is_causal=True, block_q=4, block_k=2).sum(), (0, 1, 2))(
+    grads = jax.jit(jax.grad(lambda q, k, v: aj.blockwise_attention(
+        q, k, v, is_causal=True, block_q=4, block_k=2).sum(), (0, 1, 2)))(
             q, k, v)
     chex.assert_tree_all_finite(grads)
     np.testing.assert_array_equal(grads[0][0, :4], 0.0)
@@ -114,7 +114,7 @@ class BlockwiseTest(chex.TestCase):
     out = fn(q, k, v)
     ref, _ = reference.sdpa(q[:, :, :], k[:, :11], v[:, :11])
     chex.assert_trees_all_close(out, ref.astype(np.float32), **FWD_TOL)
-    grads = jax.grad(lambda *a: fn(*a).sum(), (0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(lambda *a: fn(*a).sum(), (0, 1, 2)))(q, k, v)
     chex.assert_tree_all_finite(grads)
 
   def test_lse_matches_logsumexp(self):
