@@ -182,6 +182,23 @@ def _check_params(params, d_model: int, num_heads: int,
                          f"expected {shape[1:]}.")
 
 
+def check_mask_and_bias(mask, bias, full: tuple[int, ...], layout: str):
+  """Validates per-head ``mask``/``bias`` against ``full``; returns them as arrays.
+
+  The mask comes back bool, the bias as a float array; ``None`` stays None.
+  """
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is not None:
+      _checks.check_broadcastable_to(name, _checks.shape_of(x), full, layout)
+  if mask is not None:
+    _checks.check_mask_dtype("mask", mask)
+    mask = _checks.as_bool_mask(mask)
+  if bias is not None:
+    _checks.check_float_array("bias", bias)
+    bias = jnp.asarray(bias)
+  return mask, bias
+
+
 def _group_heads(x, num_kv_heads: int):
   """``[B|1, N|1, ...] -> [B|1, K|1, G|1, ...]`` so K/V heads can be shared."""
   if x is None:
@@ -324,17 +341,8 @@ def multi_head_attention(
   num_kv_heads = _check_heads(d_model, num_heads, num_kv_heads)
   _check_params(params, d_model, num_heads, num_kv_heads)
   b, t, s = q_shape[0], q_shape[1], k_shape[1]
-  full = (b, num_heads, t, s)
-  for name, x in (("mask", mask), ("bias", bias)):
-    if x is not None:
-      _checks.check_broadcastable_to(name, _checks.shape_of(x), full,
-                                     "[B, N, T, S]")
-  if mask is not None:
-    _checks.check_mask_dtype("mask", mask)
-    mask = _checks.as_bool_mask(mask)
-  if bias is not None:
-    _checks.check_float_array("bias", bias)
-    bias = jnp.asarray(bias)
+  mask, bias = check_mask_and_bias(mask, bias, (b, num_heads, t, s),
+                                   "[B, N, T, S]")
 
   q = project_heads(query, params["W_q"], num_heads)  # [B, N, T, H]
   k = project_heads(key, params["W_k"], num_kv_heads)  # [B, K, S, H]

@@ -228,13 +228,9 @@ class MultiHeadAttention(nnx.Module):
     index = self.cache_index[...]
     cached_k, cached_v, visible = kv_cache.update_kv_cache(
         self.cached_key[...], self.cached_value[...], index, k, v)
-    full = (b, self.num_heads, t, cache_shape[2])
-    for name, x in (("mask", mask), ("bias", bias)):
-      if x is not None:
-        _checks.check_broadcastable_to(name, _checks.shape_of(x), full,
-                                       "[B, N, T, L] (decoding)")
-    if mask is not None:
-      _checks.check_mask_dtype("mask", mask)
+    mask, bias = multi_head.check_mask_and_bias(
+        mask, bias, (b, self.num_heads, t, cache_shape[2]),
+        "[B, N, T, L] (decoding)")
     out, weights = multi_head.attend_heads(
         q, cached_k, cached_v, masks.combine_masks(mask, visible), bias=bias,
         dropout_rate=rate, dropout_rng=dropout_rng,
