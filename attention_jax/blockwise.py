@@ -67,34 +67,56 @@ def _tile(x, i0, j0, bq: int, bk: int):
 
 
 def _key_rows(st: _Static, x, j0, length):
-  """Rows ``[j0, j0 + bk)`` of keys or values, zero past the valid length.
+  """Rows ``[j0, j0 + bk)`` of keys or values, zero past ``length``.
 
   Zeroing (not just masking the logits) keeps NaN or inf in padded key/value
-  positions out of ``p @ v`` and of the gradients (0 * NaN is NaN).
+  positions out of ``p @ v`` and of the gradients (0 * NaN is NaN). Rows past
+  ``S`` are already the zeros ``_single_head`` padded with.
   """
   rows = jax.lax.dynamic_slice_in_dim(x, j0, st.bk)
-  valid = j0 + jnp.arange(st.bk) < st.s
-  if length is not None:
-    valid = valid & (j0 + jnp.arange(st.bk) < length)
+  if length is None:
+    return rows
+  valid = j0 + jnp.arange(st.bk) < length
   return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
 
 
 def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length):
-  """Scaled, biased float32 logits of one block and where they are allowed."""
+  """Scaled, biased float32 logits of one block and where they are allowed.
+
+  ``ok`` is None when every entry is allowed, statically: the common
+  unmasked case then pays for no mask passes over the block. Padded query
+  rows (past ``T``) need no mask: their outputs are dropped and their
+  cotangents are zero.
+  """
   logits = jnp.einsum("TH,SH->TS", qi, kj,
                       preferred_element_type=jnp.float32) * st.scale
+  ok = None
+
+  def both(extra):
+    return extra if ok is None else ok & extra
+
+  cols = j0 + jnp.arange(st.bk)[None, :]  # [1, bk]
   if bias is not None:
     logits = logits + _tile(bias, i0, j0, st.bq, st.bk).astype(jnp.float32)
-  rows = i0 + jnp.arange(st.bq)[:, None]  # [bq, 1]
-  cols = j0 + jnp.arange(st.bk)[None, :]  # [1, bk]
-  ok = (cols < st.s) & (rows < st.t) & (logits > -jnp.inf)
+    ok = both(logits > -jnp.inf)
+  if st.s % st.bk:
+    ok = both(cols < st.s)
   if length is not None:
-    ok = ok & (cols < length)
+    ok = both(cols < length)
   if st.is_causal:
-    ok = ok & (cols <= rows + (st.s - st.t))
+    rows = i0 + jnp.arange(st.bq)[:, None]  # [bq, 1]
+    ok = both(cols <= rows + (st.s - st.t))
   if mask is not None:
-    ok = ok & _tile(mask, i0, j0, st.bq, st.bk)
+    ok = both(_tile(mask, i0, j0, st.bq, st.bk))
   return logits, ok
+
+
+def _masked_exp(logits, ok, shift):
+  """``exp(logits - shift)`` with 0 where not ``ok`` (no inf - inf NaN)."""
+  if ok is None:
+    return jnp.exp(logits - shift[:, None])
+  return jnp.where(ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0)),
+                   0.0)
 
 
 def _key_block_range(st: _Static, i0, length, num_k: int):
@@ -122,11 +144,10 @@ def _forward(st: _Static, q, k, v, mask, bias, length):
       kj = _key_rows(st, k, j0, length)  # [bk, H]
       vj = _key_rows(st, v, j0, length)  # [bk, Hv]
       logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length)
-      new_max = jnp.maximum(row_max, jnp.max(
-          jnp.where(ok, logits, -jnp.inf), -1))  # [bq]
+      allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
+      new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
       shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-      p = jnp.where(ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0)),
-                    0.0)  # [bq, bk]
+      p = _masked_exp(logits, ok, shift)  # [bq, bk]
       rescale = jnp.exp(row_max - shift)  # 0 while row_max is -inf
       total = total * rescale + p.sum(-1)
       acc = acc * rescale[:, None] + jnp.einsum(
@@ -189,10 +210,10 @@ def _attend_bwd(st, residuals, cotangents):
       qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)
       doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
       logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length)
-      ok = ok & jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
+      if ok is not None:  # rows with nothing to attend have lse = -inf
+        ok = ok & jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
       lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
-      p = jnp.where(ok, jnp.exp(jnp.where(ok, logits - lse_i[:, None], 0.0)),
-                    0.0)  # [bq, bk]
+      p = _masked_exp(logits, ok, lse_i)  # [bq, bk]
       dvj = dvj + jnp.einsum("TS,TV->SV", p, doi)
       dp = jnp.einsum("TV,SV->TS", doi, vj.astype(f32))
       ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i0, st.bq)[:, None])
@@ -257,8 +278,8 @@ def blockwise_attention(
     bias: ArrayLike | None = None,
     is_causal: bool = False,
     scale: float | None = None,
-    block_q: int = 256,
-    block_k: int = 512,
+    block_q: int = 1024,
+    block_k: int = 256,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention in O(T + S) memory: ``softmax(q k^T * scale + bias) v`` by blocks.
