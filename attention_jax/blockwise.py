@@ -18,6 +18,12 @@ causal bottom-right aligned, a query with nothing to attend to gets output 0
 and zero gradients, float32 logits and accumulation for 16-bit inputs (the
 probabilities meet the values in the values' dtype, so bf16 runs bf16 dots
 with float32 accumulation).
+
+Causality is written with an ``offset``: key column ``c`` is visible to query
+row ``r`` when ``c <= r + offset``. ``blockwise_attention`` passes the static
+``S - T`` (bottom-right alignment); ``ring.ring_attention`` passes, per step,
+the offset of the key block it holds relative to its query block, so blocks
+wholly in the future cost no work.
 """
 
 from __future__ import annotations
@@ -80,7 +86,20 @@ def _key_rows(st: _Static, x, j0, length):
   return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
 
 
-def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length):
+def _zero_like_all(*operands):
+  """A float32 scalar 0 that varies over every manual mesh axis the operands do.
+
+  Inside ``jax.shard_map`` a loop carry must keep its varying-axes type; fresh
+  constants (``jnp.zeros``) vary over none, so loop inits add this zero.
+  """
+  zero = jnp.zeros((), jnp.float32)
+  for x in operands:
+    if x is not None:
+      zero = zero + jnp.zeros_like(x, jnp.float32, shape=())
+  return zero
+
+
+def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length, offset):
   """Scaled, biased float32 logits of one block and where they are allowed.
 
   ``ok`` is None when every entry is allowed, statically: the common
@@ -105,7 +124,7 @@ def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length):
     ok = both(cols < length)
   if st.is_causal:
     rows = i0 + jnp.arange(st.bq)[:, None]  # [bq, 1]
-    ok = both(cols <= rows + (st.s - st.t))
+    ok = both(cols <= rows + offset)
   if mask is not None:
     ok = both(_tile(mask, i0, j0, st.bq, st.bk))
   return logits, ok
@@ -119,17 +138,17 @@ def _masked_exp(logits, ok, shift):
                    0.0)
 
 
-def _key_block_range(st: _Static, i0, length, num_k: int):
+def _key_block_range(st: _Static, i0, length, offset, num_k: int):
   """Key blocks ``[0, hi)`` that query block ``i0`` may see."""
   hi = num_k
-  if st.is_causal:  # the block's last row sees columns <= i0 + bq - 1 + S - T
-    hi = jnp.clip(_cdiv(i0 + st.bq + st.s - st.t, st.bk), 0, num_k)
+  if st.is_causal:  # the block's last row sees columns <= i0 + bq - 1 + offset
+    hi = jnp.clip(_cdiv(i0 + st.bq + offset, st.bk), 0, num_k)
   if length is not None:
     hi = jnp.minimum(hi, _cdiv(length, st.bk))
   return hi
 
 
-def _forward(st: _Static, q, k, v, mask, bias, length):
+def _forward(st: _Static, q, k, v, mask, bias, length, offset):
   """Online softmax; returns ``(out [Tp, Hv] f32, lse [Tp] f32)``."""
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   hv = v.shape[-1]
@@ -143,7 +162,8 @@ def _forward(st: _Static, q, k, v, mask, bias, length):
       j0 = j * st.bk
       kj = _key_rows(st, k, j0, length)  # [bk, H]
       vj = _key_rows(st, v, j0, length)  # [bk, Hv]
-      logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length)
+      logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
+                                 offset)
       allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
       new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
       shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -155,10 +175,11 @@ def _forward(st: _Static, q, k, v, mask, bias, length):
           preferred_element_type=jnp.float32)
       return new_max, total, acc
 
-    init = (jnp.full((st.bq,), -jnp.inf, jnp.float32),
-            jnp.zeros((st.bq,), jnp.float32),
-            jnp.zeros((st.bq, hv), jnp.float32))
-    hi = _key_block_range(st, i0, length, num_k)
+    zero = _zero_like_all(q, k, v, mask, bias, length, offset)
+    init = (jnp.full((st.bq,), -jnp.inf, jnp.float32) + zero,
+            jnp.zeros((st.bq,), jnp.float32) + zero,
+            jnp.zeros((st.bq, hv), jnp.float32) + zero)
+    hi = _key_block_range(st, i0, length, offset, num_k)
     row_max, total, acc = jax.lax.fori_loop(0, hi, key_block, init)
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[:, None]
@@ -171,19 +192,34 @@ def _forward(st: _Static, q, k, v, mask, bias, length):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: _Static, q, k, v, mask, bias, length):
-  out, lse = _forward(st, q, k, v, mask, bias, length)
+def _attend(st: _Static, q, k, v, mask, bias, length, offset):
+  out, lse = _forward(st, q, k, v, mask, bias, length, offset)
   return out.astype(v.dtype), lse
 
 
-def _attend_fwd(st, q, k, v, mask, bias, length):
-  out, lse = _forward(st, q, k, v, mask, bias, length)
+def _attend_fwd(st, q, k, v, mask, bias, length, offset):
+  out, lse = _forward(st, q, k, v, mask, bias, length, offset)
   out = out.astype(v.dtype)
-  return (out, lse), (q, k, v, mask, bias, length, out, lse)
+  return (out, lse), (q, k, v, mask, bias, length, offset, out, lse)
 
 
 def _attend_bwd(st, residuals, cotangents):
-  q, k, v, mask, bias, length, out, lse = residuals
+  q, k, v, mask, bias = residuals[:5]
+  dq, dk, dv, dbias = _backward(st, residuals, cotangents)
+  dbias = None if bias is None else dbias.astype(bias.dtype)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
+          dbias, None, None)
+
+
+def _backward(st, residuals, cotangents):
+  """FlashAttention-2 backward; float32 ``(dq, dk, dv, dbias)``.
+
+  ``out`` and ``lse`` in ``residuals`` may be those of a longer key sequence
+  of which ``k``/``v`` are one block (ring attention): ``P = exp(S - lse)``
+  are then that block's share of the global probabilities, and the returned
+  gradients are its share of the global ones.
+  """
+  q, k, v, mask, bias, length, offset, out, lse = residuals
   d_out, d_lse = cotangents
   f32 = jnp.float32
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
@@ -198,8 +234,8 @@ def _attend_bwd(st, residuals, cotangents):
     kj = _key_rows(st, k, j0, length)
     vj = _key_rows(st, v, j0, length)
     lo = 0
-    if st.is_causal:  # first query row that sees column j0: j0 - (S - T)
-      lo = jnp.clip((j0 - (st.s - st.t)) // st.bq, 0, num_q)
+    if st.is_causal:  # first query row that sees column j0: j0 - offset
+      lo = jnp.clip((j0 - offset) // st.bq, 0, num_q)
     hi = num_q
     if length is not None:
       hi = jnp.where(j0 < length, num_q, lo)  # a block of padding: skip
@@ -209,7 +245,8 @@ def _attend_bwd(st, residuals, cotangents):
       i0 = i * st.bq
       qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)
       doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
-      logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length)
+      logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
+                                 offset)
       if ok is not None:  # rows with nothing to attend have lse = -inf
         ok = ok & jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
       lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
@@ -233,18 +270,16 @@ def _attend_bwd(st, residuals, cotangents):
             dbias, jax.lax.dynamic_slice(dbias, at, tile.shape) + tile, at)
       return dkj, dvj, dq, dbias
 
-    init = (jnp.zeros(kj.shape, f32), jnp.zeros(vj.shape, f32), dq, dbias)
+    init = (jnp.zeros(kj.shape, f32) + zero, jnp.zeros(vj.shape, f32) + zero,
+            dq, dbias)
     dkj, dvj, dq, dbias = jax.lax.fori_loop(lo, hi, query_block, init)
     return (dq, dbias), (dkj, dvj)
 
-  dbias0 = None if bias is None else jnp.zeros(bias.shape, f32)
+  zero = _zero_like_all(q, k, v, mask, bias, length, offset, d_out, lse)
+  dbias0 = None if bias is None else jnp.zeros(bias.shape, f32) + zero
   (dq, dbias), (dk, dv) = jax.lax.scan(
-      key_block, (jnp.zeros(q.shape, f32), dbias0), jnp.arange(num_k))
-  dk = dk.reshape(k.shape)
-  dv = dv.reshape(v.shape)
-  dbias = None if bias is None else dbias.astype(bias.dtype)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
-          dbias, None)
+      key_block, (jnp.zeros(q.shape, f32) + zero, dbias0), jnp.arange(num_k))
+  return dq, dk.reshape(k.shape), dv.reshape(v.shape), dbias
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -264,7 +299,7 @@ def _single_head(q, k, v, mask, bias, length, *, scale, is_causal, block_q,
     mask = _pad_axis(_pad_axis(mask, 0, tp, False), 1, sp, False)
   if bias is not None:
     bias = _pad_axis(_pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
-  out, lse = _attend(st, q, k, v, mask, bias, length)
+  out, lse = _attend(st, q, k, v, mask, bias, length, s - t)
   return out[:t].astype(out_dtype), lse[:t]
 
 
