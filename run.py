@@ -7,6 +7,7 @@ about 3 minutes on 2 CPU cores. ``--experiment=scaling`` measures the
 experiment's ``run(config)`` does the rest; nothing else reads flags.
 """
 
+import os
 import sys
 
 from absl import app
@@ -14,6 +15,7 @@ from absl import flags
 from absl import logging
 
 from experiments import data
+from experiments import parallel
 from experiments import scaling
 from experiments import seq2seq
 from experiments import training
@@ -26,6 +28,21 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Where results and checkpoints go (default: "
     "runs/<experiment>). Rerunning with the same flags resumes.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for data and parameters.")
+_MESH = flags.DEFINE_string(
+    "mesh", "", "Device mesh for seq2seq training, e.g. 'data:2,model:4' "
+    "(batch split over data; Transformer heads and FFN over model; -1 = the "
+    "remaining devices). Default: all devices on data.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Multi-host: call jax.distributed.initialize() "
+    "first (also done when JAX_COORDINATOR_ADDRESS is set). Without the "
+    "three flags below JAX reads the cluster from its environment (TPU pod, "
+    "SLURM, Open MPI).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-host: host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Multi-host: number of processes.", lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "Multi-host: this process's index.", lower_bound=0)
 
 # seq2seq
 _TASK = flags.DEFINE_enum("task", "copy", list(data.TASKS), "The task.")
@@ -106,6 +123,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # hide JAX's backend probing
+  if _DISTRIBUTED.value or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                    _PROCESS_ID.value)
   workdir = _WORKDIR.value or f"runs/{_EXPERIMENT.value}"
   if _EXPERIMENT.value == "scaling":
     scaling.run(scaling.ScalingConfig(
@@ -117,7 +137,8 @@ def main(argv):
       task=_TASK.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
       learning_rate=_LEARNING_RATE.value, min_len=_MIN_LEN.value,
       max_len=_MAX_LEN.value, vocab_size=_VOCAB_SIZE.value, seed=_SEED.value,
-      checkpoint_every=_CHECKPOINT_EVERY.value, log_every=_LOG_EVERY.value)
+      checkpoint_every=_CHECKPOINT_EVERY.value, log_every=_LOG_EVERY.value,
+      mesh=_MESH.value)
   try:
     seq2seq.run(seq2seq.Seq2SeqConfig(
         workdir=workdir, models=tuple(_MODELS.value), encoder=_ENCODER.value,

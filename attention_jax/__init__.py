@@ -29,6 +29,7 @@ from attention_jax.multi_head import init_multi_head_params
 from attention_jax.multi_head import merge_heads
 from attention_jax.multi_head import multi_head_attention
 from attention_jax.multi_head import split_heads
+from attention_jax.ring import ring_attention
 from attention_jax.softmax import masked_softmax
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ __all__ = [
     "padding_mask",
     "precompute_additive_keys",
     "precompute_luong_keys",
+    "ring_attention",
     "scaled_dot_product_attention",
     "split_heads",
 ]

@@ -31,6 +31,7 @@ from jax.typing import ArrayLike
 
 from attention_jax import _checks
 from attention_jax import dot_product
+from attention_jax import sharding
 
 Params = dict[str, dict[str, jax.Array]]
 # Anything with scaled_dot_product_attention's signature and return value.
@@ -289,6 +290,7 @@ def multi_head_attention(
     attention_fn: AttentionFn | None = None,
     implementation: str | None = None,
     need_weights: bool = True,
+    head_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
@@ -310,6 +312,10 @@ def multi_head_attention(
     implementation: ``None`` | ``"dense"`` | ``"blockwise"`` | ``"cudnn"``;
       see ``scaled_dot_product_attention``.
     need_weights: False allows a path that returns weights None.
+    head_axis: mesh axis the heads are split over (head parallelism, see
+      ``attention_jax.sharding``); under ``jax.set_mesh`` with that axis the
+      projected heads are pinned to it, elsewhere it is ignored. ``N`` and
+      ``K`` must divide its size.
 
   Returns:
     ``(output [B, T, D], weights float32 [B, N, T, S] or None)``.
@@ -344,9 +350,11 @@ def multi_head_attention(
   mask, bias = check_mask_and_bias(mask, bias, (b, num_heads, t, s),
                                    "[B, N, T, S]")
 
+  sharding.check_heads_divide(num_heads, num_kv_heads, head_axis)
   q = project_heads(query, params["W_q"], num_heads)  # [B, N, T, H]
   k = project_heads(key, params["W_k"], num_kv_heads)  # [B, K, S, H]
   v = project_heads(value, params["W_v"], num_kv_heads)  # [B, K, S, H]
+  q, k, v = (sharding.constrain_heads(x, head_axis) for x in (q, k, v))
   out, weights = attend_heads(
       q, k, v, mask, bias=bias, is_causal=is_causal, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, attention_fn=attention_fn,

@@ -191,7 +191,8 @@ def ring_attention(
 
   Example:
     >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("seq",))
+    >>> mesh = jax.make_mesh((1,), ("seq",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
     >>> x = jnp.ones((2, 64, 16))  # [B, T, H], T split over "seq"
     >>> ring = jax.shard_map(
     ...     lambda q, k, v: ring_attention(q, k, v, axis_name="seq"),

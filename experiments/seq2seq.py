@@ -18,11 +18,13 @@ import dataclasses
 import os
 
 from flax import nnx
+import jax
 import numpy as np
 
 from experiments import checkpoints
 from experiments import data
 from experiments import metrics
+from experiments import parallel
 from experiments import plots
 from experiments import report
 from experiments import rnn
@@ -51,13 +53,18 @@ class Seq2SeqConfig:
   num_layers: int = 2
 
 
-def build_model(name: str, config: Seq2SeqConfig) -> nnx.Module:
+def build_model(name: str, config: Seq2SeqConfig,
+                mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+  """A fresh model; with a ``mesh`` whose ``model`` axis is > 1, the
+  Transformer's heads and FFN units are annotated to split over it (build
+  under ``jax.set_mesh(mesh)``)."""
   rngs = nnx.Rngs(config.train.seed)
   if name == "transformer":
     return transformer.TransformerSeq2Seq(transformer.TransformerConfig(
         vocab_size=config.train.vocab_size, d_model=config.d_model,
         num_heads=config.num_heads, num_layers=config.num_layers,
-        ffn_dim=2 * config.d_model), rngs=rngs)
+        ffn_dim=2 * config.d_model,
+        model_axis=parallel.model_axis(mesh) if mesh else None), rngs=rngs)
   if name not in rnn.ATTENTIONS:
     raise ValueError(f"model must be one of {MODELS}, got {name!r}.")
   return rnn.RNNSeq2Seq(rnn.RNNConfig(
@@ -149,7 +156,7 @@ def _fingerprint(name: str, config: Seq2SeqConfig) -> dict:
   Logging and checkpoint intervals and evaluation settings may change.
   """
   train = dataclasses.asdict(config.train)
-  for free in ("log_every", "checkpoint_every"):
+  for free in ("log_every", "checkpoint_every", "mesh"):
     train.pop(free)
   architecture = {f.name: getattr(config, f.name)
                   for f in dataclasses.fields(config)
@@ -163,19 +170,31 @@ def run(config: Seq2SeqConfig) -> dict:
   """Trains and evaluates every model in ``config.models``; writes the report."""
   os.makedirs(config.workdir, exist_ok=True)
   results, maps = {}, {}
+  mesh = training.make_mesh(config.train)
   for name in config.models:
-    model = build_model(name, config)
+    with jax.set_mesh(mesh):
+      model = build_model(name, config, mesh)
     ckpt = checkpoints.Checkpointer(
         os.path.join(config.workdir, "checkpoints", name),
         _fingerprint(name, config))
     try:
-      train_stats = training.train(name, model, config.train, ckpt)
+      train_stats = training.train(name, model, config.train, ckpt, mesh)
     finally:
       ckpt.close()
-    evaluation = evaluate(model, config)
+    with jax.set_mesh(mesh):
+      evaluation = evaluate(model, config)
     results[name] = {"train": train_stats, "eval": evaluation["per_length"]}
     maps[name] = evaluation["maps"]
+  payload = {"config": report.jsonable(dataclasses.asdict(config)),
+             "models": report.jsonable(results)}
+  if jax.process_index() == 0:  # one writer when several hosts run this
+    _write_report(config, results, maps, payload)
+  return payload
 
+
+def _write_report(config: Seq2SeqConfig, results: dict, maps: dict,
+                  payload: dict) -> None:
+  """The plots, results.json and summary.md (also printed)."""
   lengths = list(config.eval_lengths)
   train_range = (config.train.min_len, config.train.max_len)
   plots.accuracy_vs_length(
@@ -193,11 +212,8 @@ def run(config: Seq2SeqConfig) -> dict:
             maps[name][length], f"{name}, {config.train.task}, length {length}")
   plots.loss_curves(os.path.join(config.workdir, "loss_curves.png"),
                     {m: r["train"]["loss_curve"] for m, r in results.items()})
-  payload = {"config": report.jsonable(dataclasses.asdict(config)),
-             "models": report.jsonable(results)}
   report.write_json(os.path.join(config.workdir, "results.json"), payload)
   summary = _summary(config, results)
   with open(os.path.join(config.workdir, "summary.md"), "w") as f:
     f.write(summary)
   print(summary)
-  return payload

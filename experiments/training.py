@@ -11,11 +11,13 @@ import dataclasses
 import time
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import optax
 
 from experiments import checkpoints
 from experiments import data
+from experiments import parallel
 from experiments import progress
 
 
@@ -31,6 +33,7 @@ class TrainConfig:
   seed: int = 0
   checkpoint_every: int = 500  # 0: only at the end
   log_every: int = 50
+  mesh: str = ""  # "data:2,model:4"; "": all devices on data
 
 
 def make_optimizer(model: nnx.Module, config: TrainConfig) -> nnx.Optimizer:
@@ -56,23 +59,47 @@ def train_step(model, optimizer, src, src_len, tgt_in, tgt_out, tgt_mask):
   return loss
 
 
-def batch_arrays(batch: data.Batch):
-  return (jnp.asarray(batch.src), jnp.asarray(batch.src_len),
-          jnp.asarray(batch.tgt_in), jnp.asarray(batch.tgt_out),
-          jnp.asarray(batch.tgt_mask))
+def batch_arrays(batch: data.Batch, mesh: jax.sharding.Mesh | None = None):
+  """The batch as device arrays, split over the mesh's ``data`` axis."""
+  arrays = (batch.src, batch.src_len, batch.tgt_in, batch.tgt_out,
+            batch.tgt_mask)
+  if mesh is None:
+    return tuple(jnp.asarray(x) for x in arrays)
+  return parallel.shard_batch(arrays, mesh)
+
+
+def make_mesh(config: TrainConfig) -> jax.sharding.Mesh:
+  """The mesh ``config.mesh`` asks for; checks the batch splits over it."""
+  mesh = parallel.make_mesh(parallel.parse_mesh(config.mesh))
+  parallel.check_batch(config.batch_size, mesh)
+  return mesh
 
 
 def train(name: str, model: nnx.Module, config: TrainConfig,
-          checkpointer: checkpoints.Checkpointer | None) -> dict:
+          checkpointer: checkpoints.Checkpointer | None,
+          mesh: jax.sharding.Mesh | None = None) -> dict:
   """Trains ``model`` in place, resuming from ``checkpointer`` if it has one.
 
-  Ctrl-C saves a checkpoint of the last finished step, then re-raises.
+  With ``mesh`` (``make_mesh``; build the model under ``jax.set_mesh(mesh)``
+  so its annotations apply), model and optimizer state are placed on it and
+  every batch is split over ``data``; the loss curve equals the
+  single-device one up to float summation order. Ctrl-C saves a checkpoint
+  of the last finished step, then re-raises.
 
   Returns:
     ``{"steps", "final_loss", "seconds", "steps_per_s", "resumed_from",
     "loss_curve": [[step, loss], ...]}``.
   """
+  if mesh is None:
+    mesh = make_mesh(config)
+  with jax.set_mesh(mesh):
+    return _train(name, model, config, checkpointer, mesh)
+
+
+def _train(name, model, config, checkpointer, mesh):
+  parallel.shard_state(model, mesh)
   optimizer = make_optimizer(model, config)
+  parallel.shard_state(optimizer, mesh)
   start, history = (checkpointer.restore(model, optimizer)
                     if checkpointer else (0, []))
   if start:
@@ -85,7 +112,7 @@ def train(name: str, model: nnx.Module, config: TrainConfig,
           config.task, step, seed=config.seed, batch_size=config.batch_size,
           min_len=config.min_len, max_len=config.max_len,
           vocab_size=config.vocab_size)
-      loss = train_step(model, optimizer, *batch_arrays(batch))
+      loss = train_step(model, optimizer, *batch_arrays(batch, mesh))
       step += 1
       if step % config.log_every == 0 or step == config.steps:
         value = float(loss)

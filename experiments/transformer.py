@@ -31,6 +31,7 @@ class TransformerConfig:
   num_layers: int = 2  # per stack
   ffn_dim: int = 128
   attention_scale: float | None = None  # None: 1/sqrt(d_k); 1.0: unscaled
+  model_axis: str | None = None  # mesh axis for head/FFN (tensor) parallelism
 
 
 def sinusoidal_positions(length: int, dim: int) -> jax.Array:
@@ -60,9 +61,17 @@ def _attention_fn(fixed_scale: float | None):
 
 class FeedForward(nnx.Module):
 
-  def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs):
-    self.up = nnx.Linear(d_model, hidden, rngs=rngs)
-    self.down = nnx.Linear(hidden, d_model, rngs=rngs)
+  def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs,
+               model_axis: str | None = None):
+    up, down = {}, {}
+    if model_axis:  # Megatron: hidden units split, one all-reduce after down
+      init = nnx.initializers.lecun_normal()
+      up = {"kernel_init": nnx.with_partitioning(init, (None, model_axis)),
+            "bias_init": nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                               (model_axis,))}
+      down = {"kernel_init": nnx.with_partitioning(init, (model_axis, None))}
+    self.up = nnx.Linear(d_model, hidden, rngs=rngs, **up)
+    self.down = nnx.Linear(hidden, d_model, rngs=rngs, **down)
 
   def __call__(self, x):
     return self.down(jax.nn.gelu(self.up(x)))
@@ -75,9 +84,10 @@ class EncoderLayer(nnx.Module):
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.self_attention = aj.MultiHeadAttention(
         d, config.num_heads, attention_fn=_attention_fn(
-            config.attention_scale), rngs=rngs)
+            config.attention_scale), head_axis=config.model_axis, rngs=rngs)
     self.norm2 = nnx.LayerNorm(d, rngs=rngs)
-    self.ffn = FeedForward(d, config.ffn_dim, rngs=rngs)
+    self.ffn = FeedForward(d, config.ffn_dim, rngs=rngs,
+                           model_axis=config.model_axis)
 
   def __call__(self, x, mask):
     x = x + self.self_attention(self.norm1(x), mask=mask)
@@ -91,12 +101,15 @@ class DecoderLayer(nnx.Module):
     attention_fn = _attention_fn(config.attention_scale)
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.self_attention = aj.MultiHeadAttention(
-        d, config.num_heads, attention_fn=attention_fn, rngs=rngs)
+        d, config.num_heads, attention_fn=attention_fn,
+        head_axis=config.model_axis, rngs=rngs)
     self.norm2 = nnx.LayerNorm(d, rngs=rngs)
     self.cross_attention = aj.MultiHeadAttention(
-        d, config.num_heads, attention_fn=attention_fn, rngs=rngs)
+        d, config.num_heads, attention_fn=attention_fn,
+        head_axis=config.model_axis, rngs=rngs)
     self.norm3 = nnx.LayerNorm(d, rngs=rngs)
-    self.ffn = FeedForward(d, config.ffn_dim, rngs=rngs)
+    self.ffn = FeedForward(d, config.ffn_dim, rngs=rngs,
+                           model_axis=config.model_axis)
 
   def __call__(self, x, memory, memory_mask, decode: bool):
     """Returns the new ``x`` and the cross-attention weights ``[B, N, T, S]``."""

@@ -1,6 +1,10 @@
 """The benchmark script runs end to end on a tiny config (no timing asserted)."""
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
 import tempfile
 
 from absl.testing import absltest
@@ -24,6 +28,21 @@ class BenchmarkSmokeTest(absltest.TestCase):
       self.assertTrue(os.path.exists(os.path.join(out, name)))
     with open(os.path.join(out, "benchmark.md")) as f:
       self.assertIn("| aj_blockwise | 1x2 | 64 | float32 | fwd+bwd |", f.read())
+
+  def test_ring_memory_writes_its_table(self):
+    # Its own process: the script sets the simulated device count.
+    out = self.enterContext(tempfile.TemporaryDirectory())
+    root = pathlib.Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "benchmarks.ring_memory",
+                    "--lengths=256", "--heads=1", "--devices=2",
+                    f"--out={out}"], cwd=root, check=True,
+                   capture_output=True, timeout=300)
+    with open(os.path.join(out, "ring_memory.json")) as f:
+      (row,) = json.load(f)
+    # The dense backward holds several T x S score matrices (256 KiB each);
+    # a device of the ring holds blocks and its half of q, k, v only.
+    self.assertGreater(row["dense_1dev"], 256 * 256 * 4)
+    self.assertLess(row["ring_per_device"], row["dense_1dev"])
 
 
 if __name__ == "__main__":

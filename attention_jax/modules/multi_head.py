@@ -21,6 +21,7 @@ from attention_jax import _checks
 from attention_jax import kv_cache
 from attention_jax import masks
 from attention_jax import multi_head
+from attention_jax import sharding
 from attention_jax.modules import _rngs
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
@@ -52,6 +53,12 @@ class MultiHeadAttention(nnx.Module):
     implementation: ``None`` (automatic: dense when weights are returned or
       the problem is small, else cuDNN on GPU or blockwise), ``"dense"``,
       ``"blockwise"`` or ``"cudnn"``; see ``aj.scaled_dot_product_attention``.
+    head_axis: mesh axis for head (tensor) parallelism, e.g. ``"model"``:
+      ``W_q/W_k/W_v`` kernels are annotated ``(None, head_axis)`` (whole
+      heads per device), ``W_o`` ``(head_axis, None)``, so attention needs no
+      communication and ``W_o`` ends in one all-reduce. Build the module under
+      ``jax.set_mesh(mesh)`` (flax then shards the parameters as it creates
+      them); ``N`` and ``K`` must divide the axis size.
 
   Example:
     >>> mha = MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
@@ -84,8 +91,17 @@ class MultiHeadAttention(nnx.Module):
       bias_init: nnx.Initializer = _ZEROS,
       attention_fn: multi_head.AttentionFn | None = None,
       implementation: str | None = None,
+      head_axis: str | None = None,
   ):
     num_kv_heads = multi_head._check_heads(d_model, num_heads, num_kv_heads)
+    if (head_axis and nnx.using_eager_sharding()
+        and sharding.mesh_axis_size(head_axis) is None):
+      raise ValueError(
+          f"head_axis={head_axis!r} shards the parameters as they are "
+          "created, which needs a mesh with that axis: build the module "
+          "under `with jax.set_mesh(mesh):` (mesh axes: "
+          f"{jax.sharding.get_abstract_mesh().axis_names or 'none'}).")
+    sharding.check_heads_divide(num_heads, num_kv_heads, head_axis)
     _checks.check_dropout_rate(dropout_rate)
     self.d_model = d_model
     self.num_heads = num_heads
@@ -95,17 +111,23 @@ class MultiHeadAttention(nnx.Module):
     self.deterministic = deterministic
     self.attention_fn = attention_fn
     self.implementation = implementation
+    self.head_axis = head_axis
     kv_features = num_kv_heads * self.head_dim
+    specs = sharding.projection_specs(head_axis) if head_axis else {}
 
-    def linear(n_in, n_out):
+    def linear(name, n_in, n_out):
+      k_init, b_init = kernel_init, bias_init
+      if name in specs:  # flax shards these as it creates them
+        k_init = nnx.with_partitioning(k_init, specs[name]["kernel"])
+        b_init = nnx.with_partitioning(b_init, specs[name]["bias"])
       return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype,
-                        param_dtype=param_dtype, kernel_init=kernel_init,
-                        bias_init=bias_init, rngs=rngs)
+                        param_dtype=param_dtype, kernel_init=k_init,
+                        bias_init=b_init, rngs=rngs)
 
-    self.W_q = linear(d_model, d_model)
-    self.W_k = linear(d_model, kv_features)
-    self.W_v = linear(d_model, kv_features)
-    self.W_o = linear(d_model, d_model)
+    self.W_q = linear("W_q", d_model, d_model)
+    self.W_k = linear("W_k", d_model, kv_features)
+    self.W_v = linear("W_v", d_model, kv_features)
+    self.W_o = linear("W_o", d_model, d_model)
     self.rngs = _rngs.dropout_stream(rngs, dropout_rate)
     self.cached_key: nnx.Cache | None = nnx.data(None)
     self.cached_value: nnx.Cache | None = nnx.data(None)
@@ -138,8 +160,11 @@ class MultiHeadAttention(nnx.Module):
     _checks.check_positive_int("max_length", max_length)
     dtype = dtype or self.W_k.dtype or self.W_k.param_dtype
     shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
-    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))  # [B, K, L, H]
-    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))  # [B, K, L, H]
+    meta = {}
+    if sharding.mesh_axis_size(self.head_axis) is not None:  # K heads split
+      meta["out_sharding"] = (None, self.head_axis, None, None)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype), **meta)  # [B, K, L, H]
+    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype), **meta)
     self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
   def __call__(
@@ -201,7 +226,7 @@ class MultiHeadAttention(nnx.Module):
           num_kv_heads=self.num_kv_heads, bias=bias, is_causal=is_causal,
           dropout_rate=rate, dropout_rng=dropout_rng,
           attention_fn=self.attention_fn, implementation=self.implementation,
-          need_weights=return_weights)
+          need_weights=return_weights, head_axis=self.head_axis)
       return (out, weights) if return_weights else out
     out, weights = self._decode(params, query, key, value, mask, bias, rate,
                                 dropout_rng, return_weights)
@@ -225,6 +250,7 @@ class MultiHeadAttention(nnx.Module):
                                  self.num_kv_heads)  # [B, K, T, H]
     v = multi_head.project_heads(jnp.asarray(value), params["W_v"],
                                  self.num_kv_heads)  # [B, K, T, H]
+    q, k, v = (sharding.constrain_heads(x, self.head_axis) for x in (q, k, v))
     index = self.cache_index[...]
     cached_k, cached_v, visible = kv_cache.update_kv_cache(
         self.cached_key[...], self.cached_value[...], index, k, v)
