@@ -99,7 +99,8 @@ def _zero_like_all(*operands):
   return zero
 
 
-def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length, offset):
+def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length, offset,
+                  scale=None):
   """Scaled, biased float32 logits of one block and where they are allowed.
 
   ``ok`` is None when every entry is allowed, statically: the common
@@ -107,8 +108,11 @@ def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length, offset):
   rows (past ``T``) need no mask: their outputs are dropped and their
   cotangents are zero.
   """
+  scale = st.scale if scale is None else scale
   logits = jnp.einsum("TH,SH->TS", qi, kj,
-                      preferred_element_type=jnp.float32) * st.scale
+                      preferred_element_type=jnp.float32)  # [bq, bk]
+  if scale != 1.0:
+    logits = logits * scale
   ok = None
 
   def both(extra):
@@ -130,12 +134,12 @@ def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length, offset):
   return logits, ok
 
 
-def _masked_exp(logits, ok, shift):
-  """``exp(logits - shift)`` with 0 where not ``ok`` (no inf - inf NaN)."""
+def _masked_exp(logits, ok, shift, scale=1.0):
+  """``exp((logits - shift) * scale)``, 0 where not ``ok`` (no inf - inf)."""
   if ok is None:
-    return jnp.exp(logits - shift[:, None])
-  return jnp.where(ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0)),
-                   0.0)
+    return jnp.exp((logits - shift[:, None]) * scale)
+  return jnp.where(
+      ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0) * scale), 0.0)
 
 
 def _key_block_range(st: _Static, i0, length, offset, num_k: int):
@@ -152,6 +156,13 @@ def _forward(st: _Static, q, k, v, mask, bias, length, offset):
   """Online softmax; returns ``(out [Tp, Hv] f32, lse [Tp] f32)``."""
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   hv = v.shape[-1]
+  # Without a bias, softmax(scale * l) is computed on the raw logits l with
+  # the scale applied inside exp(): max(scale * l) = scale * max(l) for
+  # scale > 0, and XLA:CPU then runs no separate multiply pass over each
+  # [bq, bk] block (it would not fuse it into the dot). Row maxima are in
+  # raw-logit units; lse is converted back at the end.
+  defer = bias is None and st.scale > 0
+  later = st.scale if defer else 1.0
 
   def query_block(i):
     i0 = i * st.bq
@@ -163,12 +174,12 @@ def _forward(st: _Static, q, k, v, mask, bias, length, offset):
       kj = _key_rows(st, k, j0, length)  # [bk, H]
       vj = _key_rows(st, v, j0, length)  # [bk, Hv]
       logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
-                                 offset)
+                                 offset, scale=1.0 if defer else None)
       allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
       new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
       shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-      p = _masked_exp(logits, ok, shift)  # [bq, bk]
-      rescale = jnp.exp(row_max - shift)  # 0 while row_max is -inf
+      p = _masked_exp(logits, ok, shift, later)  # [bq, bk]
+      rescale = jnp.exp((row_max - shift) * later)  # 0 while row_max = -inf
       total = total * rescale + p.sum(-1)
       acc = acc * rescale[:, None] + jnp.einsum(
           "TS,SV->TV", p.astype(v.dtype), vj,
@@ -184,7 +195,7 @@ def _forward(st: _Static, q, k, v, mask, bias, length, offset):
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[:, None]
     lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-                    + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+                    * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
     return out, lse
 
   out, lse = jax.lax.map(query_block, jnp.arange(num_q))

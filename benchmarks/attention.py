@@ -41,6 +41,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per point.",
 _MEMORY = flags.DEFINE_bool("memory", True,
                             "Measure peak RSS per point (subprocesses).")
 _IMPLS = flags.DEFINE_list("impls", [], "Only these implementations.")
+_LENGTHS = flags.DEFINE_list("lengths", [], "Only these T = S (full preset).")
+_DTYPES = flags.DEFINE_list("dtypes", [], "Only these dtypes (full preset).")
 _MEMORY_ONLY = flags.DEFINE_bool(
     "memory_only", False,
     "Only the peak-RSS points (single head), each in its own process.")
@@ -87,8 +89,15 @@ def _torch():
   return torch
 
 
-def _configs(preset: str):
-  """(B, N, T, H, dtype, mode) points."""
+def _configs(preset: str, lengths=(), dtypes=()):
+  """(B, N, T, H, dtype, mode) points, optionally only some T / dtypes."""
+  points = _all_configs(preset)
+  return [p for p in points
+          if (not lengths or str(p[2]) in lengths)
+          and (not dtypes or p[4] in dtypes)]
+
+
+def _all_configs(preset: str):
   if preset == "tiny":
     return [(1, 2, 64, 16, "float32", mode) for mode in ("fwd", "fwd+bwd")]
   points = []
@@ -198,7 +207,7 @@ def _measure_memory(name, point) -> float | None:
 
 
 def run_benchmark(preset: str, out_dir: str, repeats: int, memory: bool,
-                  only: list[str]) -> list[dict]:
+                  only: list[str], lengths=(), dtypes=()) -> list[dict]:
   torch = _torch()
   names = list(jax_impls()) + (["torch"] if torch is not None else [])
   if only:
@@ -207,7 +216,7 @@ def run_benchmark(preset: str, out_dir: str, repeats: int, memory: bool,
   print(f"matmul peak here: float32 {peaks['float32']:.0f} GFLOP/s, bf16 "
         f"(float32 accumulation) {peaks['bfloat16']:.0f} GFLOP/s", flush=True)
   rows = []
-  for point in _configs(preset):
+  for point in _configs(preset, lengths, dtypes):
     b, n, t, h, dtype, mode = point
     arrays = _inputs(b, n, t, h, dtype)
     live = [x for x in names
@@ -322,7 +331,7 @@ def main(argv):
     run_memory(_PRESET.value, _OUT.value, _IMPLS.value)
     return
   run_benchmark(_PRESET.value, _OUT.value, _REPEATS.value, _MEMORY.value,
-                _IMPLS.value)
+                _IMPLS.value, _LENGTHS.value, _DTYPES.value)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,15 @@ class BenchmarkSmokeTest(absltest.TestCase):
     self.assertGreater(row["dense_1dev"], 256 * 256 * 4)
     self.assertLess(row["ring_per_device"], row["dense_1dev"])
 
+  def test_blockwise_bound_prints_its_table(self):
+    root = pathlib.Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.blockwise_bound", "--t=128",
+         "--block_q=64", "--block_k=32", "--repeats=1"], cwd=root,
+        check=True, capture_output=True, text=True, timeout=300)
+    for name in ("blockwise", "dots_only", "softmax_only"):
+      self.assertRegex(result.stdout, rf"\| {name} \| \d+\.\d+ \|")
+
 
 if __name__ == "__main__":
   absltest.main()

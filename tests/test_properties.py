@@ -1,0 +1,192 @@
+"""Property-based tests (hypothesis): random shapes, dtypes, masks and biases.
+
+Each example checks, for every ``implementation``: output shape and dtype;
+weights non-negative, rows summing to 1 (0 for rows with nothing to attend),
+exactly 0 where blocked; agreement with the float64 NumPy reference on the
+same rounded inputs; invariance to permuting keys with values (and mask and
+bias columns); causal rows that ignore the future; finite gradients.
+
+Profiles (``tests/conftest.py``): ``ci`` (default: few examples,
+derandomized, so CI is reproducible) and ``thorough``
+(``pytest --hypothesis-profile=thorough tests/test_properties.py``).
+Shapes come from small sets so that examples share compiled programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl.testing import absltest
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_jax as aj
+from tests import _data
+from tests import reference
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "float16": jnp.float16}
+# Output error vs float64 on the same rounded inputs, relative to max|v|:
+# float32 logits/softmax/sum (a few ulp, 1e-5 with headroom); 16-bit outputs
+# are rounded once at the end (bf16 ulp 2^-8 = 4e-3, fp16 2^-11 = 5e-4).
+OUT_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+# Logits of magnitude L carry float32 rounding ~L * 6e-8 into exp(): with
+# biases of 1e3 that is ~1e-4 relative in the weights.
+BIG_BIAS_TOL = 3e-4
+MASKS = ("none", "random", "causal", "padding", "empty_rows", "all_true")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  dtype: str
+  lead: tuple[int, ...]  # query leading dims
+  kv_lead: tuple[int, ...]  # key/value leading dims (1 = shared, GQA-like)
+  t: int
+  s: int
+  h: int
+  hv: int
+  mask: str
+  bias_scale: float  # 0: no bias
+  seed: int
+
+
+@st.composite
+def cases(draw) -> Case:
+  rank = draw(st.integers(0, 2))
+  lead = tuple(draw(st.sampled_from((1, 2, 3))) for _ in range(rank))
+  kv_lead = tuple(draw(st.sampled_from((1, n))) for n in lead)
+  return Case(
+      dtype=draw(st.sampled_from(sorted(DTYPES))), lead=lead, kv_lead=kv_lead,
+      t=draw(st.sampled_from((1, 3, 8))), s=draw(st.sampled_from((1, 5, 8))),
+      h=draw(st.sampled_from((4, 8))), hv=draw(st.sampled_from((3, 4))),
+      mask=draw(st.sampled_from(MASKS)),
+      bias_scale=draw(st.sampled_from((0.0, 1.0, 1e3))),
+      seed=draw(st.integers(0, 1000)))
+
+
+def _inputs(c: Case):
+  dtype = DTYPES[c.dtype]
+  q = _data.normal(c.seed, c.lead + (c.t, c.h), dtype)
+  k = _data.normal(c.seed + 1, c.kv_lead + (c.s, c.h), dtype)
+  v = _data.normal(c.seed + 2, c.kv_lead + (c.s, c.hv), dtype)
+  mask, causal = None, False
+  if c.mask == "random":
+    mask = _data.bernoulli(c.seed + 3, 0.6, c.lead + (c.t, c.s))
+  elif c.mask == "causal":
+    causal = True
+  elif c.mask == "padding":
+    lengths = np.arange(int(np.prod(c.lead, dtype=int))) % c.s + 1
+    mask = np.arange(c.s) < lengths.reshape(c.lead + (1, 1))
+  elif c.mask == "empty_rows":  # every other query may attend to nothing
+    mask = np.broadcast_to((np.arange(c.t) % 2 == 0)[:, None], (c.t, c.s))
+  elif c.mask == "all_true":
+    mask = np.ones((c.t, c.s), bool)
+  bias = None
+  if c.bias_scale:
+    bias = c.bias_scale * _data.normal(c.seed + 4, (c.t, c.s))
+  return q, k, v, None if mask is None else jnp.asarray(mask), bias, causal
+
+
+def _allowed(c: Case, mask, causal) -> np.ndarray:
+  allowed = np.ones(c.lead + (c.t, c.s), bool)
+  if mask is not None:
+    allowed = allowed & np.asarray(mask)
+  if causal:
+    allowed = allowed & reference.causal(c.t, c.s)
+  return allowed
+
+
+_ATTEND = jax.jit(aj.scaled_dot_product_attention,
+                  static_argnames=("is_causal", "implementation",
+                                   "need_weights"))
+
+
+def _check_case(test: absltest.TestCase, c: Case, implementation: str):
+  q, k, v, mask, bias, causal = _inputs(c)
+  dense = implementation == "dense"
+  out, w = _ATTEND(q, k, v, mask, bias=bias, is_causal=causal,
+                   implementation=implementation, need_weights=dense)
+  dtype = DTYPES[c.dtype]
+  test.assertEqual(out.shape, c.lead + (c.t, c.hv))
+  test.assertEqual(out.dtype, dtype)
+  test.assertTrue(np.isfinite(np.asarray(out, np.float32)).all())
+
+  ref_out, ref_w = reference.sdpa(
+      np.asarray(q, np.float64), np.asarray(k, np.float64),
+      np.asarray(v, np.float64), None if mask is None else np.asarray(mask),
+      None if bias is None else np.asarray(bias, np.float64),
+      is_causal=causal)
+  scale = max(1.0, float(np.abs(np.asarray(v, np.float64)).max()))
+  tol = OUT_TOL[c.dtype] + (BIG_BIAS_TOL if c.bias_scale >= 1e3 else 0.0)
+  np.testing.assert_allclose(np.asarray(out, np.float64), ref_out,
+                             atol=tol * scale, rtol=tol)
+
+  allowed = _allowed(c, mask, causal)
+  if dense:
+    w = np.asarray(w, np.float64)
+    test.assertTrue((w >= 0).all())
+    np.testing.assert_array_equal(w[~np.broadcast_to(allowed, w.shape)], 0.0)
+    sums = w.sum(-1)
+    want = np.broadcast_to(allowed, w.shape).any(-1).astype(float)
+    np.testing.assert_allclose(sums, want, atol=1e-5)  # float32 weights
+    np.testing.assert_allclose(w, ref_w, atol=1e-5 + tol, rtol=tol)
+
+  # Permuting keys with values (and mask/bias columns) changes nothing.
+  perm = np.random.default_rng(c.seed).permutation(c.s)
+  if not causal:  # causality fixes the key order
+    pk, pv = k[..., perm, :], v[..., perm, :]
+    pm = None if mask is None else mask[..., perm]
+    pb = None if bias is None else bias[..., perm]
+    p_out, _ = _ATTEND(q, pk, pv, pm, bias=pb, implementation=implementation,
+                       need_weights=False)
+    np.testing.assert_allclose(np.asarray(p_out, np.float64),
+                               np.asarray(out, np.float64),
+                               atol=tol * scale, rtol=tol)
+  else:  # changing keys in the future of query 0 leaves row 0 alone
+    first = 0 + (c.s - c.t) + 1  # first key query 0 may not see
+    if 0 < first < c.s:
+      k2 = k.at[..., first:, :].multiply(-3.0)
+      v2 = v.at[..., first:, :].add(5.0)
+      c_out, _ = _ATTEND(q, k2, v2, mask, bias=bias, is_causal=True,
+                         implementation=implementation, need_weights=False)
+      np.testing.assert_array_equal(np.asarray(c_out[..., 0, :]),
+                                    np.asarray(out[..., 0, :]))
+
+
+class AttentionPropertiesTest(absltest.TestCase):
+
+  @hypothesis.given(cases())
+  def test_dense(self, c):
+    _check_case(self, c, "dense")
+
+  @hypothesis.given(cases())
+  def test_blockwise(self, c):
+    _check_case(self, c, "blockwise")
+
+  @hypothesis.given(cases().filter(lambda c: c.dtype == "float32"))
+  def test_gradients_are_finite_and_agree(self, c):
+    q, k, v, mask, bias, causal = _inputs(c)
+
+    def loss(implementation, q, k, v, bias):
+      out, _ = aj.scaled_dot_product_attention(
+          q, k, v, mask, bias=bias, is_causal=causal,
+          implementation=implementation, need_weights=False)
+      return jnp.sum(out * jnp.cos(jnp.arange(out.shape[-1])))
+
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    dense = jax.jit(jax.grad(lambda *a: loss("dense", *a), argnums))(
+        q, k, v, bias)
+    block = jax.jit(jax.grad(lambda *a: loss("blockwise", *a), argnums))(
+        q, k, v, bias)
+    for d, b in zip(dense, block):
+      self.assertTrue(np.isfinite(np.asarray(d)).all())
+      # Both float32; large biases amplify rounding as in the forward.
+      tol = 5e-5 + (BIG_BIAS_TOL * 10 if c.bias_scale >= 1e3 else 0.0)
+      np.testing.assert_allclose(b, d, atol=tol, rtol=tol)
+
+
+if __name__ == "__main__":
+  absltest.main()
