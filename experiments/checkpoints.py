@@ -47,8 +47,13 @@ class Checkpointer:
     step = self.manager.latest_step()
     if step is None:
       return 0, []
-    meta = self.manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))["meta"]
+    try:
+      meta = self.manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))["meta"]
+      if not isinstance(meta, dict) or "fingerprint" not in meta:
+        raise ValueError(f"no run record in it: {meta!r:.200}")
+    except Exception as e:  # noqa: BLE001 - any failure means unreadable
+      raise self._unreadable(step, e) from e
     if meta["fingerprint"] != self.fingerprint:
       diff = {k: (meta["fingerprint"].get(k), v)
               for k, v in self.fingerprint.items()
@@ -58,11 +63,22 @@ class Checkpointer:
           f"settings (saved, now): {diff}. Use another --workdir, or the same "
           "flags to resume.")
     abstract = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))["state"]
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract)))["state"]
+    except Exception as e:  # noqa: BLE001 - any failure means unreadable
+      raise self._unreadable(step, e) from e
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
     return meta["step"], meta["history"]
+
+  def _unreadable(self, step: int, error: Exception) -> ValueError:
+    path = os.path.join(str(self.manager.directory), str(step))
+    return ValueError(
+        f"The checkpoint {path} cannot be read ({type(error).__name__}: "
+        f"{str(error)[:300]}). It was not loaded and nothing was "
+        "overwritten: delete that step's directory to resume from an "
+        "earlier one, or use another --workdir.")
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

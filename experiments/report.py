@@ -8,13 +8,40 @@ import os
 from typing import Any
 
 
-def write_json(path: str, payload: Any) -> None:
-  """Writes ``payload`` as JSON via a temporary file, so a reader never sees half."""
-  tmp = path + ".tmp"
+def write_text(path: str, text: str) -> None:
+  """Writes ``text`` atomically: a temporary file, fsync, then ``os.replace``.
+
+  A reader (or a run killed half-way) sees the old file or the new one,
+  never half of one.
+  """
+  tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
-    f.write("\n")
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
   os.replace(tmp, path)
+
+
+def write_json(path: str, payload: Any) -> None:
+  """Writes ``payload`` as JSON, atomically (``write_text``)."""
+  write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def check_writable(directory: str) -> None:
+  """Creates ``directory`` and proves it writable, or raises ValueError.
+
+  Called before any training so a bad ``--workdir`` fails in a second, not
+  after the first checkpoint is due.
+  """
+  try:
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, f".write_test{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(f"--workdir {directory!r} is not writable: "
+                     f"{e.strerror or e}.") from None
 
 
 def markdown_table(headers: Sequence[str],

@@ -122,7 +122,7 @@ def run(config: ScalingConfig) -> dict:
     ``{"config": ..., "rows": [{"d_k", "scaled", "max_prob", "entropy",
     "grad_norm"}, ...]}``.
   """
-  os.makedirs(config.workdir, exist_ok=True)
+  report.check_writable(config.workdir)
   measure = jax.jit(_measure, static_argnums=(1, 2, 3, 4))
   rows = []
   for i, dim in enumerate(config.dims):
@@ -174,7 +174,6 @@ def run(config: ScalingConfig) -> dict:
               v["token_acc"], v["seq_acc"]] for k, v in runs.items()])
         + "\n")
   report.write_json(os.path.join(config.workdir, "results.json"), results)
-  with open(os.path.join(config.workdir, "summary.md"), "w") as f:
-    f.write(summary)
+  report.write_text(os.path.join(config.workdir, "summary.md"), summary)
   print(summary)
   return results

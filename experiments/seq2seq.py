@@ -168,7 +168,7 @@ def _fingerprint(name: str, config: Seq2SeqConfig) -> dict:
 
 def run(config: Seq2SeqConfig) -> dict:
   """Trains and evaluates every model in ``config.models``; writes the report."""
-  os.makedirs(config.workdir, exist_ok=True)
+  report.check_writable(config.workdir)
   results, maps = {}, {}
   mesh = training.make_mesh(config.train)
   for name in config.models:
@@ -214,6 +214,5 @@ def _write_report(config: Seq2SeqConfig, results: dict, maps: dict,
                     {m: r["train"]["loss_curve"] for m, r in results.items()})
   report.write_json(os.path.join(config.workdir, "results.json"), payload)
   summary = _summary(config, results)
-  with open(os.path.join(config.workdir, "summary.md"), "w") as f:
-    f.write(summary)
+  report.write_text(os.path.join(config.workdir, "summary.md"), summary)
   print(summary)

@@ -7,7 +7,10 @@ with exactly the numbers of an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
+import threading
 import time
 
 from flax import nnx
@@ -84,7 +87,7 @@ def train(name: str, model: nnx.Module, config: TrainConfig,
   so its annotations apply), model and optimizer state are placed on it and
   every batch is split over ``data``; the loss curve equals the
   single-device one up to float summation order. Ctrl-C saves a checkpoint
-  of the last finished step, then re-raises.
+  of the last finished step, then re-raises; so does SIGTERM.
 
   Returns:
     ``{"steps", "final_loss", "seconds", "steps_per_s", "resumed_from",
@@ -92,8 +95,30 @@ def train(name: str, model: nnx.Module, config: TrainConfig,
   """
   if mesh is None:
     mesh = make_mesh(config)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), _terminate_as_interrupt():
     return _train(name, model, config, checkpointer, mesh)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+  """SIGTERM (``kill``, a scheduler's stop) takes Ctrl-C's path: save, exit.
+
+  Only the main thread may install signal handlers; elsewhere this is a
+  no-op. The previous handler comes back afterwards.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    del frame
+    raise KeyboardInterrupt(f"signal {signum}")
+
+  previous = signal.signal(signal.SIGTERM, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _train(name, model, config, checkpointer, mesh):
