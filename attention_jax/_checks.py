@@ -17,6 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def zero_unseen(seen, *arrays):
+  """Zeroes the rows of ``[..., S, F]`` arrays whose key no query may see.
+
+  ``seen`` is ``[..., S]`` bool (True where some query may attend to key j),
+  broadcastable against the arrays' leading dims. Masking the logits is not
+  enough: a NaN or inf stored in a padded key or value still meets a zero
+  weight in ``p @ v`` or in a gradient, and ``0 * NaN`` is NaN.
+  """
+  return tuple(None if x is None else
+               jnp.where(seen[..., None], x, jnp.zeros((), x.dtype))
+               for x in arrays)
+
+
 def shape_of(x) -> tuple[int, ...]:
   return tuple(np.shape(x))
 

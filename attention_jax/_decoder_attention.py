@@ -26,6 +26,7 @@ class Inputs(NamedTuple):
   keys: jax.Array  # [B, S, Dk] in compute_dtype
   values: jax.Array  # [B, S, Dv] in compute_dtype
   mask: jax.Array | None  # [B|1, T|1, S] bool
+  seen: jax.Array | None  # [B|1, S]: some step may attend to key j
   single_step: bool  # the query came as [B, Dq]
   out_dtype: jnp.dtype  # the inputs' promoted dtype
   compute_dtype: jnp.dtype  # float32, or float64 for float64 inputs
@@ -64,8 +65,19 @@ def prepare(query, keys, values, mask) -> Inputs:
       _checks.check_rank("mask", mask, (2, 3), "[B, S] or [B, T, S]")
       _checks.check_broadcastable_to("mask", m_shape, (b, t, s), "[B, T, S]")
     mask = _checks.as_bool_mask(mask)
-  return Inputs(query, jnp.asarray(keys, f32), jnp.asarray(values, f32),
-                mask, single_step, out_dtype, f32)
+  keys, values = jnp.asarray(keys, f32), jnp.asarray(values, f32)
+  seen = None
+  if mask is not None:  # padding may hold NaN: zero keys no step may see
+    seen = jnp.any(mask, axis=1)  # [B|1, S]
+    keys, values = _checks.zero_unseen(seen, keys, values)
+  return Inputs(query, keys, values, mask, seen, single_step, out_dtype, f32)
+
+
+def hide_unseen(inputs: Inputs, x):
+  """``x [B, S, F]`` with the rows of keys no step may see zeroed."""
+  if inputs.seen is None:
+    return x
+  return _checks.zero_unseen(inputs.seen, jnp.asarray(x))[0]
 
 
 def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],
@@ -85,6 +97,7 @@ def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],
     dtype (float32, or float64 for float64 inputs), or
     ``[B, Dv]`` and ``[B, S]`` for a single-step query.
   """
+  key_features = hide_unseen(inputs, key_features)
   per_step = jax.vmap(score_one, in_axes=(0, None))  # over T
   scores = jax.vmap(per_step)(inputs.query, key_features)  # [B, T, S]
   mask = inputs.mask

@@ -152,7 +152,8 @@ def additive_attention(
   hidden = _check_params(params, _checks.shape_of(query),
                          _checks.shape_of(keys))
   if projected_keys is None:
-    projected_keys = precompute_additive_keys(params, keys)
+    projected_keys = precompute_additive_keys(
+        params, _decoder_attention.hide_unseen(inputs, keys))
   else:
     _checks.check_float_array("projected_keys", projected_keys)
     _decoder_attention.check_projected_keys(

@@ -303,6 +303,8 @@ def _single_head(q, k, v, mask, bias, length, *, scale, is_causal, block_q,
   bq, bk = min(block_q, t), min(block_k, s)
   tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
   st = _Static(float(scale), bool(is_causal), t, s, bq, bk)
+  if mask is not None:  # keys no query sees may hold NaN: zero them
+    k, v = _checks.zero_unseen(jnp.any(mask, axis=0), k, v)  # [S|1]
   q = _pad_axis(q, 0, tp, 0)
   k = _pad_axis(k, 0, sp, 0)
   v = _pad_axis(v, 0, sp, 0)

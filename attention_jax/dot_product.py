@@ -40,6 +40,9 @@ def _single_head_attention(query, key, value, mask, bias, keep, *, scale,
   ``f32`` is the compute dtype: float32, or float64 for float64 inputs.
   """
   t, s = query.shape[0], key.shape[0]
+  if mask is not None:  # padding may hold NaN: keep it out of every product
+    seen = jnp.any(jnp.broadcast_to(mask, (t, s)), axis=0)  # [S]
+    key, value = _checks.zero_unseen(seen, key, value)
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=f32)  # [T, S]
   logits = logits * jnp.asarray(scale, f32)

@@ -196,7 +196,9 @@ def luong_attention(
   dq, dk = _checks.shape_of(query)[-1], _checks.shape_of(keys)[-1]
   width = _check_params(score, params, dq, dk)
   if projected_keys is None:
-    projected_keys = precompute_luong_keys(keys, score=score, params=params)
+    projected_keys = precompute_luong_keys(
+        _decoder_attention.hide_unseen(inputs, keys), score=score,
+        params=params)
   else:
     _checks.check_float_array("projected_keys", projected_keys)
     _decoder_attention.check_projected_keys(

@@ -351,6 +351,9 @@ def multi_head_attention(
                                    "[B, N, T, S]")
 
   sharding.check_heads_divide(num_heads, num_kv_heads, head_axis)
+  if mask is not None:  # padded inputs may hold NaN: zero them before W_k/W_v
+    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B|1, N|1, T|1, S|1]
+    key, value = _checks.zero_unseen(jnp.any(m, axis=(1, 2)), key, value)
   q = project_heads(query, params["W_q"], num_heads)  # [B, N, T, H]
   k = project_heads(key, params["W_k"], num_kv_heads)  # [B, K, S, H]
   v = project_heads(value, params["W_v"], num_kv_heads)  # [B, K, S, H]
