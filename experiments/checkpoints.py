@@ -21,6 +21,7 @@ class Checkpointer:
   def __init__(self, directory: str, fingerprint: dict[str, Any],
                max_to_keep: int = 2):
     self.fingerprint = fingerprint
+    self._last_saved = None
     self.manager = ocp.CheckpointManager(
         os.path.abspath(directory),
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
@@ -28,6 +29,10 @@ class Checkpointer:
 
   def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer,
            history: list) -> None:
+    """Saves ``step`` (asynchronously); a step already saved is skipped."""
+    if step in (self._last_saved, self.manager.latest_step()):
+      return
+    self._last_saved = step
     state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
     meta = {"step": step, "history": history, "fingerprint": self.fingerprint}
     self.manager.save(step, args=ocp.args.Composite(

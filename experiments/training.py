@@ -7,7 +7,6 @@ with exactly the numbers of an uninterrupted run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 import threading
@@ -95,33 +94,43 @@ def train(name: str, model: nnx.Module, config: TrainConfig,
   """
   if mesh is None:
     mesh = make_mesh(config)
-  with jax.set_mesh(mesh), _terminate_as_interrupt():
-    return _train(name, model, config, checkpointer, mesh)
+  with jax.set_mesh(mesh), _StopRequests() as stop:
+    return _train(name, model, config, checkpointer, mesh, stop)
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-  """SIGTERM (``kill``, a scheduler's stop) takes Ctrl-C's path: save, exit.
+class _StopRequests:
+  """Ctrl-C and SIGTERM ask the loop to stop at the next step boundary.
 
-  Only the main thread may install signal handlers; elsewhere this is a
-  no-op. The previous handler comes back afterwards.
+  Raising KeyboardInterrupt from a signal handler can land inside orbax's
+  checkpoint machinery and hang the save that follows, so the handler only
+  records the signal; the loop then saves and raises KeyboardInterrupt
+  itself. The first signal also restores the previous handlers, so a second
+  one acts at once. Installs nothing outside the main thread.
   """
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
 
-  def handler(signum, frame):
+  def __init__(self):
+    self.signum = None
+    self._previous = {}
+
+  def _handler(self, signum, frame):
     del frame
-    raise KeyboardInterrupt(f"signal {signum}")
+    self.signum = signum
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
-  previous = signal.signal(signal.SIGTERM, handler)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, previous)
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        self._previous[sig] = signal.signal(sig, self._handler)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    return False
 
 
-def _train(name, model, config, checkpointer, mesh):
+def _train(name, model, config, checkpointer, mesh, stop):
   parallel.shard_state(model, mesh)
   optimizer = make_optimizer(model, config)
   parallel.shard_state(optimizer, mesh)
@@ -146,6 +155,8 @@ def _train(name, model, config, checkpointer, mesh):
       if checkpointer and config.checkpoint_every and (
           step % config.checkpoint_every == 0):
         checkpointer.save(step, model, optimizer, history)
+      if stop.signum is not None:
+        raise KeyboardInterrupt(f"signal {stop.signum}")
   except KeyboardInterrupt:
     if checkpointer:
       print(f"\n[{name}] interrupted: saving step {step}")
