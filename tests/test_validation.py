@@ -2,6 +2,7 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
+from flax import nnx
 import jax
 import jax.numpy as jnp
 
@@ -133,6 +134,68 @@ CASES = [
     ("luong_float_mask", lambda: aj.luong_attention(
         DQ, KEYS, score="general", params=GEN, mask=jnp.ones((2, 5))),
      TypeError, r"mask must be a bool or integer array"),
+    ("blockwise_float_lengths", lambda: aj.blockwise_attention(
+        Q, K, V, key_lengths=jnp.ones((2,))), TypeError,
+     r"key_lengths must be an integer array, got dtype float32 with shape "
+     r"\(2,\)"),
+    ("blockwise_lengths_batch", lambda: aj.blockwise_attention(
+        Q, K, V, key_lengths=jnp.ones((3,), jnp.int32)), ValueError,
+     r"do not broadcast: .*key_lengths \(3,\)"),
+    ("blockwise_block_size", lambda: aj.blockwise_attention(
+        Q, K, V, block_q=0), ValueError, r"block_q must be positive, got 0"),
+    ("blockwise_complex", lambda: aj.blockwise_attention(
+        Q.astype(jnp.complex64), K, V), TypeError,
+     r"query must be a real floating-point array, got dtype complex64"),
+    ("blockwise_mask_shape", lambda: aj.blockwise_attention(
+        Q, K, V, mask=jnp.ones((4, 5), bool)), ValueError,
+     r"mask with shape \(4, 5\) is not broadcastable"),
+    ("sdpa_unknown_implementation", lambda: sdpa(Q, K, V,
+                                                 implementation="flash"),
+     ValueError, r"implementation must be None or one of .*'flash'"),
+    ("sdpa_blockwise_dropout", lambda: sdpa(
+        Q, K, V, implementation="blockwise", dropout_rate=0.1,
+        dropout_rng=jax.random.key(0)), ValueError,
+     r"implementation='blockwise' has no dropout"),
+    ("ring_outside_shard_map", lambda: aj.ring_attention(
+        Q, K, V, axis_name="seq"), ValueError,
+     r"axis_name='seq' is not bound: call ring_attention inside "
+     r"jax.shard_map"),
+    ("causal_mask_negative", lambda: aj.causal_mask(-1, 3), ValueError,
+     r"q_len must be positive, got -1"),
+    ("padding_mask_float", lambda: aj.padding_mask(jnp.ones((2,)), 4),
+     TypeError, r"lengths must be an integer array, got dtype float32"),
+]
+
+# Constructors and stateful calls: checked eagerly (modules are built
+# outside jit).
+MODULE_CASES = [
+    ("mha_heads_divide_d_model", lambda: aj.MultiHeadAttention(
+        16, 5, rngs=nnx.Rngs(0)), ValueError,
+     r"d_model=16 must be divisible by num_heads=5"),
+    ("mha_kv_heads_divide", lambda: aj.MultiHeadAttention(
+        16, 4, num_kv_heads=3, rngs=nnx.Rngs(0)), ValueError,
+     r"num_heads=4 must be divisible by num_kv_heads=3"),
+    ("mha_dropout_rate", lambda: aj.MultiHeadAttention(
+        16, 4, dropout_rate=1.5, rngs=nnx.Rngs(0)), ValueError,
+     r"dropout_rate must be in \[0, 1\), got 1.5"),
+    ("mha_zero_d_model", lambda: aj.MultiHeadAttention(
+        0, 4, rngs=nnx.Rngs(0)), ValueError, r"d_model must be positive, got 0"),
+    ("mha_head_axis_without_mesh", lambda: aj.MultiHeadAttention(
+        16, 4, head_axis="model", rngs=nnx.Rngs(0)), ValueError,
+     r"head_axis='model' shards the parameters"),
+    ("mha_call_features", lambda: aj.MultiHeadAttention(
+        16, 4, rngs=nnx.Rngs(0))(jnp.ones((2, 3, 8))), ValueError,
+     r"query has 8 features \(shape \(2, 3, 8\)\), but the module was built "
+     r"with d_model=16"),
+    ("mha_cache_length", lambda: aj.MultiHeadAttention(
+        16, 4, rngs=nnx.Rngs(0)).init_cache(2, -1), ValueError,
+     r"max_length must be positive, got -1"),
+    ("mha_decode_without_cache", lambda: aj.MultiHeadAttention(
+        16, 4, rngs=nnx.Rngs(0))(jnp.ones((2, 3, 16)), decode=True),
+     ValueError, r"decode=True needs a cache: call init_cache"),
+    ("bahdanau_hidden", lambda: aj.BahdanauAttention(
+        6, 4, 0, rngs=nnx.Rngs(0)), ValueError,
+     r"hidden_features must be positive, got 0"),
 ]
 
 
@@ -143,11 +206,49 @@ class InvalidInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(exception, pattern):
       call()
 
+  @parameterized.named_parameters(*MODULE_CASES)
+  def test_module_raises_with_message(self, call, exception, pattern):
+    with self.assertRaisesRegex(exception, pattern):
+      call()
+
   @parameterized.named_parameters(*CASES)
   def test_raises_at_trace_time_under_jit(self, call, exception, pattern):
     # The checks read static shapes and dtypes only, so jit raises the same.
     with self.assertRaisesRegex(exception, pattern):
       jax.jit(call)()
+
+
+class NoAssertTest(absltest.TestCase):
+  """Validation must survive ``python -O``, which strips ``assert``."""
+
+  def test_library_and_experiments_use_no_assert(self):
+    import ast  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+    root = pathlib.Path(__file__).resolve().parent.parent
+    found = []
+    for package in ("attention_jax", "experiments"):
+      for path in sorted((root / package).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        found += [f"{path.name}:{n.lineno}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Assert)]
+    self.assertEqual(found, [])
+
+  def test_optimised_python_raises_the_same(self):
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    code = ("import jax.numpy as jnp, attention_jax as aj\n"
+            "try:\n"
+            "  aj.scaled_dot_product_attention(jnp.ones((2, 4, 7)),"
+            " jnp.ones((2, 6, 8)), jnp.ones((2, 6, 5)))\n"
+            "except ValueError as e:\n"
+            "  print('ValueError:', e)\n")
+    result = subprocess.run([sys.executable, "-O", "-c", code],
+                            capture_output=True, text=True, timeout=120,
+                            cwd=str(__import__("pathlib").Path(
+                                __file__).resolve().parent.parent))
+    self.assertIn("ValueError: query and key must have the same head dim H",
+                  result.stdout,
+                  result.stderr[-2000:])
 
 
 if __name__ == "__main__":
