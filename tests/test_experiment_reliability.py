@@ -18,6 +18,7 @@ from absl.testing import absltest
 from experiments import checkpoints
 from experiments import seq2seq
 from experiments import training
+from tests import reliability_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # SIGKILL trials per run (more with AJ_KILL_TRIALS for a long local run).
@@ -52,10 +53,11 @@ def _steps_saved(workdir) -> list[int]:
 
 
 def _wait_for_checkpoint(proc, workdir, timeout=120.0) -> bool:
-  """True once a checkpoint exists; False if the run ended first."""
+  """True once this run saved a new checkpoint; False if it ended first."""
+  before = (_steps_saved(workdir) or [0])[-1]
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
-    if _steps_saved(workdir):
+    if (_steps_saved(workdir) or [0])[-1] > before:
       return True
     if proc.poll() is not None:
       return False
@@ -82,6 +84,9 @@ class KillAndResumeTest(absltest.TestCase):
         saved = int(out.split("interrupted: saving step")[1].split()[0])
         self.assertEqual(_steps_saved(workdir)[-1], saved)
       outcomes.append(("SIGTERM", proc.returncode))
+      reliability_report.record("kill", signal="SIGTERM",
+                                returncode=proc.returncode,
+                                saved=_steps_saved(workdir)[-1])
 
     # SIGKILL at random moments (mid-step, mid-save): whatever was
     # finalised stays restorable.
@@ -92,6 +97,9 @@ class KillAndResumeTest(absltest.TestCase):
         proc.kill()
       proc.communicate(timeout=120)
       outcomes.append(("SIGKILL", proc.returncode))
+      reliability_report.record("kill", signal="SIGKILL",
+                                returncode=proc.returncode,
+                                saved=(_steps_saved(workdir) or [0])[-1])
 
     final = subprocess.run(
         [sys.executable, "run.py", *FLAGS, f"--workdir={workdir}"], cwd=ROOT,
@@ -110,6 +118,7 @@ class KillAndResumeTest(absltest.TestCase):
                      [list(p) for p in want["train"]["loss_curve"]])
     self.assertEqual(got["eval"], json.loads(json.dumps(want["eval"])))
     self.assertNotEmpty(outcomes)
+    reliability_report.record("resumed", equal=True)
 
 
 class CheckpointAndWorkdirTest(absltest.TestCase):
@@ -148,6 +157,19 @@ class CheckpointAndWorkdirTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r"--workdir .* is not writable"):
       seq2seq.run(_same_config(os.path.join(blocker, "run")))
     self.assertLess(time.monotonic() - start, 5.0)  # nothing was trained
+
+
+class ReliabilityReadmeTest(absltest.TestCase):
+
+  def test_readme_carries_the_generated_table(self):
+    with open(os.path.join(ROOT, "README.md")) as f:
+      text = f.read()
+    begin = text.index(reliability_report.BEGIN)
+    block = text[begin:text.index(reliability_report.END)]
+    self.assertIn("| area | what was tried | test items |", block)
+    for area in ("property tests", "numerical extremes", "bad input",
+                 "experiments lose nothing"):
+      self.assertIn(f"| {area}", block)
 
 
 if __name__ == "__main__":

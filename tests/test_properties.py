@@ -26,6 +26,7 @@ import numpy as np
 import attention_jax as aj
 from tests import _data
 from tests import reference
+from tests import reliability_report
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
           "float16": jnp.float16}
@@ -105,6 +106,8 @@ _ATTEND = jax.jit(aj.scaled_dot_product_attention,
 
 
 def _check_case(test: absltest.TestCase, c: Case, implementation: str):
+  reliability_report.record("property", implementation=implementation,
+                            dtype=c.dtype, mask=c.mask)
   q, k, v, mask, bias, causal = _inputs(c)
   dense = implementation == "dense"
   out, w = _ATTEND(q, k, v, mask, bias=bias, is_causal=causal,
@@ -171,6 +174,8 @@ class AttentionPropertiesTest(absltest.TestCase):
       3, hypothesis.settings.default.max_examples // 3))
   @hypothesis.given(cases().filter(lambda c: c.dtype == "float32"))
   def test_gradients_are_finite_and_agree(self, c):
+    reliability_report.record("property", implementation="gradients",
+                              dtype=c.dtype, mask=c.mask)
     q, k, v, mask, bias, causal = _inputs(c)
 
     def loss(implementation, q, k, v, bias):
