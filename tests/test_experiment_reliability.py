@@ -22,7 +22,8 @@ from tests import reliability_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # SIGKILL trials per run (more with AJ_KILL_TRIALS for a long local run).
-KILL_TRIALS = int(os.environ.get("AJ_KILL_TRIALS", "2"))
+KILL_TRIALS = int(os.environ.get("AJ_KILL_TRIALS", "1"))
+_CACHE = tempfile.mkdtemp(prefix="aj_jax_cache_")
 FLAGS = ["--models=none", "--steps=64", "--batch_size=8", "--min_len=2",
          "--max_len=5", "--vocab_size=5", "--log_every=4",
          "--checkpoint_every=4", "--eval_lengths=3", "--eval_examples=4",
@@ -39,10 +40,17 @@ def _same_config(workdir, checkpoint_every=4):
       eval_lengths=(3,), eval_examples=4, heatmap_lengths=(3,))
 
 
+def _env():
+  """The runs share JAX's persistent compilation cache: only the first of
+  them compiles (the kill trials are about training, not XLA)."""
+  return dict(os.environ, JAX_COMPILATION_CACHE_DIR=_CACHE,
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
 def _start(workdir):
   return subprocess.Popen(
       [sys.executable, "run.py", *FLAGS, f"--workdir={workdir}"], cwd=ROOT,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _steps_saved(workdir) -> list[int]:
@@ -103,7 +111,7 @@ class KillAndResumeTest(absltest.TestCase):
 
     final = subprocess.run(
         [sys.executable, "run.py", *FLAGS, f"--workdir={workdir}"], cwd=ROOT,
-        capture_output=True, text=True, timeout=300)
+        env=_env(), capture_output=True, text=True, timeout=300)
     self.assertEqual(final.returncode, 0, final.stdout + final.stderr)
     with open(os.path.join(workdir, "results.json")) as f:
       got = json.load(f)["models"]["none"]
