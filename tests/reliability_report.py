@@ -93,10 +93,13 @@ def make_table() -> tuple[str, int]:
           f"{len(props)} random cases — implementations "
           f"{dict(sorted(by_impl.items()))}; dtypes "
           f"{dict(sorted(by_dtype.items()))}; masks "
-          f"{dict(sorted(by_mask.items()))}; biases up to 1e3; each checked "
-          "for shape/dtype, weights >= 0 summing to 1 or 0 and 0 where "
-          "blocked, float64 agreement, key permutation, causal future, "
-          "finite gradients", "test_properties"),
+          f"{dict(sorted(by_mask.items()))}; biases up to 1e3 — through "
+          "`scaled_dot_product_attention` (both paths, random ranks and "
+          "broadcast KV dims), `multi_head_attention` (random N, K heads, "
+          "causal), Bahdanau and Luong; checked for shape/dtype, weights "
+          ">= 0 summing to 1 or 0 and 0 where blocked, float64 agreement, "
+          "key permutation, causal future, finite gradients",
+          "test_properties"),
       row("numerical extremes",
           "logits ~1e4 (fp32), q.k near fp16's max, NaN/+inf/-inf in padded "
           "keys and values (dense, blockwise by mask and by lengths, "

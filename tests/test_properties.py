@@ -15,6 +15,7 @@ Shapes come from small sets so that examples share compiled programs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from absl.testing import absltest
 import hypothesis
@@ -195,6 +196,90 @@ class AttentionPropertiesTest(absltest.TestCase):
       # Both float32; large biases amplify rounding as in the forward.
       tol = 5e-5 + (BIG_BIAS_TOL * 10 if c.bias_scale >= 1e3 else 0.0)
       np.testing.assert_allclose(b, d, atol=tol, rtol=tol)
+
+
+@st.composite
+def head_cases(draw):
+  """(B, T, S, N, K, D, mask kind, causal, implementation, seed)."""
+  n = draw(st.sampled_from((1, 2, 4)))
+  k = draw(st.sampled_from([d for d in (1, 2, 4) if n % d == 0]))
+  return (draw(st.sampled_from((1, 2))), draw(st.sampled_from((1, 4, 7))),
+          draw(st.sampled_from((1, 5))), n, k, 4 * n,
+          draw(st.sampled_from(("none", "random", "padding"))),
+          draw(st.booleans()), draw(st.sampled_from(("dense", "blockwise"))),
+          draw(st.integers(0, 1000)))
+
+
+_MHA = jax.jit(aj.multi_head_attention,
+               static_argnames=("num_heads", "num_kv_heads", "is_causal",
+                                "implementation", "need_weights"))
+
+
+class ModulePropertiesTest(absltest.TestCase):
+
+  @hypothesis.given(head_cases())
+  def test_multi_head_attention_with_grouped_heads(self, case):
+    b, t, s, n, k, d, kind, causal, implementation, seed = case
+    reliability_report.record("property", implementation=implementation,
+                              dtype="float32", mask=kind)
+    params = _data.params(aj.init_multi_head_params, seed, d, n,
+                          num_kv_heads=k)
+    x = _data.normal(seed, (b, t, d))
+    mem = _data.normal(seed + 1, (b, s, d))
+    mask = None
+    if kind == "random":
+      mask = _data.bernoulli(seed + 2, 0.6, (b, 1, t, s))
+    elif kind == "padding":
+      mask = jnp.asarray(np.arange(s)[None, None, None, :] <
+                         (np.arange(b) % s + 1)[:, None, None, None])
+    out, w = _MHA(params, x, mem, mem, mask, num_heads=n, num_kv_heads=k,
+                  is_causal=causal, implementation=implementation,
+                  need_weights=implementation == "dense")
+    ref, ref_w = reference.multi_head_attention(
+        params, x, mem, mem, None if mask is None else np.asarray(mask),
+        num_heads=n, num_kv_heads=k, is_causal=causal)
+    self.assertEqual(out.shape, (b, t, d))
+    # float32 projections and attention vs float64: a few ulp of |out| ~ 1.
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+    if w is not None:
+      np.testing.assert_allclose(w, ref_w, atol=1e-5)
+
+  @hypothesis.given(st.sampled_from(("additive", "dot", "general", "concat")),
+                    st.sampled_from((1, 3)), st.sampled_from((1, 6)),
+                    st.sampled_from(("none", "padding", "empty_rows")),
+                    st.integers(0, 1000))
+  def test_bahdanau_and_luong(self, score, t, s, kind, seed):
+    reliability_report.record("property", implementation=score,
+                              dtype="float32", mask=kind)
+    q = _data.normal(seed, (2, t, 4))
+    keys = _data.normal(seed + 1, (2, s, 4))
+    values = _data.normal(seed + 2, (2, s, 3))
+    mask = None
+    if kind == "padding":
+      mask = jnp.asarray(np.arange(s)[None, :] < np.array([[s], [1]]))
+    elif kind == "empty_rows":  # example 1 may attend to nothing
+      mask = jnp.asarray(np.array([[True], [False]]).repeat(s, 1))
+    np_mask = None if mask is None else np.asarray(mask)
+    if score == "additive":
+      params = _data.params(aj.init_additive_params, seed, 4, 4, 5)
+      ctx, w = jax.jit(aj.additive_attention)(params, q, keys, values, mask)
+      ref, ref_w = reference.additive(params, q, keys, values, np_mask)
+    else:
+      params = (None if score == "dot" else _data.params(
+          aj.init_luong_params, seed, 4, 4, score=score,
+          **({"hidden_features": 5} if score == "concat" else {})))
+      ctx, w = jax.jit(functools.partial(aj.luong_attention, score=score))(
+          q, keys, values, mask, params=params)
+      ref, ref_w = reference.luong(q, keys, values, np_mask, score=score,
+                                   params=params)
+    w = np.asarray(w, np.float64)
+    self.assertTrue((w >= 0).all())
+    allowed = (np.ones((2, t, s), bool) if np_mask is None
+               else np.broadcast_to(np_mask[:, None, :], (2, t, s)))
+    np.testing.assert_array_equal(w[~allowed], 0.0)
+    np.testing.assert_allclose(w.sum(-1), allowed.any(-1), atol=1e-5)
+    np.testing.assert_allclose(ctx, ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(w, ref_w, atol=1e-5)
 
 
 if __name__ == "__main__":
