@@ -296,24 +296,56 @@ def _backward(st, residuals, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _single_head(q, k, v, mask, bias, length, *, scale, is_causal, block_q,
-                 block_k, out_dtype):
-  """One head: pads to whole blocks, attends, strips the padding."""
+def _padded(q, k, v, *, scale, is_causal, block_q, block_k):
+  """One head's static config and q, k, v padded to whole blocks."""
   t, s = q.shape[0], k.shape[0]
   bq, bk = min(block_q, t), min(block_k, s)
   tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
   st = _Static(float(scale), bool(is_causal), t, s, bq, bk)
+  return st, _pad_axis(q, 0, tp, 0), _pad_axis(k, 0, sp, 0), _pad_axis(
+      v, 0, sp, 0)
+
+
+def _single_head(q, k, v, mask, bias, length, *, out_dtype, **blocks):
+  """One head: pads to whole blocks, attends, strips the padding."""
   if mask is not None:  # keys no query sees may hold NaN: zero them
     k, v = _checks.zero_unseen(jnp.any(mask, axis=0), k, v)  # [S|1]
-  q = _pad_axis(q, 0, tp, 0)
-  k = _pad_axis(k, 0, sp, 0)
-  v = _pad_axis(v, 0, sp, 0)
+  st, q, k, v = _padded(q, k, v, **blocks)
+  tp, sp = q.shape[0], k.shape[0]
   if mask is not None:
     mask = _pad_axis(_pad_axis(mask, 0, tp, False), 1, sp, False)
   if bias is not None:
     bias = _pad_axis(_pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
-  out, lse = _attend(st, q, k, v, mask, bias, length, s - t)
-  return out[:t].astype(out_dtype), lse[:t]
+  out, lse = _attend(st, q, k, v, mask, bias, length, st.s - st.t)
+  return out[:st.t].astype(out_dtype), lse[:st.t]
+
+
+def _validate(name, query, key, value, mask, bias, key_lengths, block_q,
+              block_k, scale):
+  """Checks shared by ``blockwise_attention`` and ``ring_attention``.
+
+  Returns ``(mask, bias, lengths int32 or None, scale, out_dtype)``.
+  """
+  extra = {}
+  if key_lengths is not None:
+    dtype = jnp.result_type(key_lengths)
+    if not jnp.issubdtype(dtype, jnp.integer):
+      raise TypeError(f"key_lengths must be an integer array, got dtype "
+                      f"{dtype} with shape {_checks.shape_of(key_lengths)}.")
+    extra["key_lengths"] = _checks.shape_of(key_lengths)
+  mask, bias, _ = dot_product.validate_operands(query, key, value, mask,
+                                                bias, **extra)
+  _checks.check_positive_int("block_q", block_q)
+  _checks.check_positive_int("block_k", block_k)
+  h = _checks.shape_of(query)[-1]
+  scale = 1.0 / math.sqrt(h) if scale is None else scale
+  out_dtype = jnp.result_type(query, key, value)
+  if jnp.promote_types(out_dtype, jnp.float32) != jnp.float32:
+    raise TypeError(f"{name} computes in float32; got float64 inputs (use "
+                    "scaled_dot_product_attention for float64).")
+  lengths = None if key_lengths is None else jnp.asarray(key_lengths,
+                                                         jnp.int32)
+  return mask, bias, lengths, scale, out_dtype
 
 
 def blockwise_attention(
@@ -363,26 +395,9 @@ def blockwise_attention(
     >>> blockwise_attention(q, kv, kv, key_lengths=lengths, block_k=128).shape
     (2, 4, 100, 16)
   """
-  extra = {}
-  if key_lengths is not None:
-    dtype = jnp.result_type(key_lengths)
-    if not jnp.issubdtype(dtype, jnp.integer):
-      raise TypeError(f"key_lengths must be an integer array, got dtype "
-                      f"{dtype} with shape {_checks.shape_of(key_lengths)}.")
-    extra["key_lengths"] = _checks.shape_of(key_lengths)
-  mask, bias, _ = dot_product.validate_operands(query, key, value, mask,
-                                                bias, **extra)
-  _checks.check_positive_int("block_q", block_q)
-  _checks.check_positive_int("block_k", block_k)
-  h = _checks.shape_of(query)[-1]
-  scale = 1.0 / math.sqrt(h) if scale is None else scale
-  out_dtype = jnp.result_type(query, key, value)
-  compute = jnp.promote_types(out_dtype, jnp.float32)
-  if compute != jnp.float32:
-    raise TypeError("blockwise_attention computes in float32; got float64 "
-                    "inputs (use scaled_dot_product_attention for float64).")
-  lengths = None if key_lengths is None else jnp.asarray(key_lengths,
-                                                         jnp.int32)
+  mask, bias, lengths, scale, out_dtype = _validate(
+      "blockwise_attention", query, key, value, mask, bias, key_lengths,
+      block_q, block_k, scale)
   head = functools.partial(_single_head, scale=scale, is_causal=is_causal,
                            block_q=block_q, block_k=block_k,
                            out_dtype=out_dtype)

@@ -29,7 +29,6 @@ causal work).
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -37,9 +36,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax import _broadcast
-from attention_jax import _checks
 from attention_jax import blockwise
-from attention_jax import dot_product
 
 
 class _Ring(NamedTuple):
@@ -132,17 +129,10 @@ def _ring_bwd(rg, residuals, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _single_head(q, k, v, length, *, axis_name, size, scale, is_causal,
-                 block_q, block_k, out_dtype):
-  t, s = q.shape[0], k.shape[0]
-  bq, bk = min(block_q, t), min(block_k, s)
-  tp, sp = blockwise._cdiv(t, bq) * bq, blockwise._cdiv(s, bk) * bk
-  st = blockwise._Static(float(scale), bool(is_causal), t, s, bq, bk)
-  q = blockwise._pad_axis(q, 0, tp, 0)
-  k = blockwise._pad_axis(k, 0, sp, 0)
-  v = blockwise._pad_axis(v, 0, sp, 0)
+def _single_head(q, k, v, length, *, axis_name, size, out_dtype, **blocks):
+  st, q, k, v = blockwise._padded(q, k, v, **blocks)
   out, lse = _ring(_Ring(st, axis_name, size), q, k, v, length)
-  return out[:t].astype(out_dtype), lse[:t]
+  return out[:st.t].astype(out_dtype), lse[:st.t]
 
 
 def ring_attention(
@@ -200,16 +190,9 @@ def ring_attention(
     >>> ring(x, x, x).shape
     (2, 64, 16)
   """
-  extra = {}
-  if key_lengths is not None:
-    dtype = jnp.result_type(key_lengths)
-    if not jnp.issubdtype(dtype, jnp.integer):
-      raise TypeError(f"key_lengths must be an integer array, got dtype "
-                      f"{dtype} with shape {_checks.shape_of(key_lengths)}.")
-    extra["key_lengths"] = _checks.shape_of(key_lengths)
-  dot_product.validate_operands(query, key, value, None, None, **extra)
-  _checks.check_positive_int("block_q", block_q)
-  _checks.check_positive_int("block_k", block_k)
+  _, _, lengths, scale, out_dtype = blockwise._validate(
+      "ring_attention", query, key, value, None, None, key_lengths, block_q,
+      block_k, scale)
   try:
     size = jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -217,13 +200,6 @@ def ring_attention(
         f"axis_name={axis_name!r} is not bound: call ring_attention inside "
         "jax.shard_map over a mesh with that axis (the sequence dimension "
         f"sharded over it). ({e})") from None
-  h = _checks.shape_of(query)[-1]
-  scale = 1.0 / math.sqrt(h) if scale is None else scale
-  out_dtype = jnp.result_type(query, key, value)
-  if jnp.promote_types(out_dtype, jnp.float32) != jnp.float32:
-    raise TypeError("ring_attention computes in float32; got float64 inputs.")
-  lengths = None if key_lengths is None else jnp.asarray(key_lengths,
-                                                         jnp.int32)
   head = functools.partial(
       _single_head, axis_name=axis_name, size=size, scale=scale,
       is_causal=is_causal, block_q=block_q, block_k=block_k,
