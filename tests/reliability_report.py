@@ -1,11 +1,12 @@
-"""The README's Reliability table: ``python -m tests.reliability_report [--write]``.
+"""The reliability table: ``python -m tests.reliability_report [--write]``.
 
 Runs the hardening tests (property, extreme-value, bad-input and
 experiment-reliability files) with pytest, collects what they tried — each
 property example and kill trial is logged through ``record`` to the file
 named by ``AJ_RELIABILITY_LOG`` — and prints a markdown table of cases and
-outcomes. ``--write`` also replaces the table between the README's
-``reliability`` markers, so the README shows what the command printed.
+outcomes. ``--write`` also replaces the table between the ``reliability``
+markers of ``docs/reliability.md`` (``PAGE``), so the page shows what the
+command printed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "reliability.md"  # the page that carries the table
 BEGIN, END = "<!-- reliability:begin -->", "<!-- reliability:end -->"
 FILES = {
     "properties": "tests/test_properties.py",
@@ -123,10 +125,9 @@ def main(argv: list[str]) -> int:
   table, code = make_table()
   print(table)
   if "--write" in argv:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    text = PAGE.read_text()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    readme.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+    PAGE.write_text(text[:start] + "\n" + table + "\n" + text[end:])
   return code
 
 
