@@ -287,14 +287,16 @@ def _write(out_dir, rows, peaks) -> None:
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
-    for impl in sorted({r["impl"] for r in rows}):
-      pts = [(r["T"], r["seconds"]) for r in rows
-             if r["impl"] == impl and r["mode"] == mode and r["seconds"]
+    shown = [r for r in rows if r["mode"] == mode and r["seconds"]
              and r["dtype"] == "float32" and r["B"] * r["N"] > 1]
+    for impl in sorted({r["impl"] for r in rows}):
+      pts = [(r["T"], r["seconds"]) for r in shown if r["impl"] == impl]
       if pts:
         ax.plot(*zip(*pts), marker="o", label=impl)
+    shapes = sorted({(r["B"], r["N"], r["H"]) for r in shown})  # as measured
     ax.set(xscale="log", yscale="log", xlabel="T = S", ylabel="seconds",
-           title=f"{mode}, float32, B=4, N=8, H=64")
+           title=f"{mode}, float32, " + ("; ".join(
+               f"B={b}, N={n}, H={h}" for b, n, h in shapes) or "no points"))
     ax.grid(alpha=0.3)
   axes[0].legend()
   fig.tight_layout()
