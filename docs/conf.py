@@ -40,6 +40,7 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 autodoc_member_order = "bysource"
+autodoc_preserve_defaults = True  # dtype=jnp.float32, not <class ...>
 autodoc_typehints = "signature"
 autodoc_type_aliases = {name: name for name in ("ArrayLike", "Params",
                                                  "AttentionFn")}
