@@ -80,6 +80,20 @@ class MetricsTest(parameterized.TestCase):
     self.assertEqual(m["align_acc_pm1"], 1.0)
     self.assertAlmostEqual(m["offset"], (n - 1 - 1) / n)
 
+  @parameterized.product(task=("copy", "reverse"), shift=(1, 2))
+  def test_within_one_means_at_most_one_position_off(self, task, shift):
+    # Every row's argmax exactly `shift` positions from gold (right, or left
+    # where right runs off the end): 1 away counts for align_acc_pm1, 2
+    # away does not, so a wider tolerance fails here.
+    n = 8
+    gold = data.gold_position(n, task)
+    argmax = np.where(gold + shift < n, gold + shift, gold - shift)
+    a = np.zeros((2, n + 1, n))
+    a[:, np.arange(n), argmax] = 1.0
+    m = metrics.alignment_metrics(a, n, task)
+    self.assertEqual(m["align_acc"], 0.0)
+    self.assertEqual(m["align_acc_pm1"], 1.0 if shift == 1 else 0.0)
+
   def test_uniform_has_entropy_one(self):
     a = np.full((3, 5, 5), 0.2)
     m = metrics.alignment_metrics(a, 5, "copy")
