@@ -1,0 +1,273 @@
+"""Command-line flags generated from the config dataclasses, and back.
+
+A config field becomes a flag when its metadata carries a ``Flag`` (declared
+with ``field``): the flag's name is the field's (unless ``Flag.name`` says
+otherwise), its default is the value the experiment's default config holds
+there, its help and bounds are the ``Flag``'s, and its type follows the
+field's annotation (``int``, ``float``, ``str``, ``bool``, ``X | None``,
+``tuple[int, ...]``, ``tuple[str, ...]``). A ``str`` or ``tuple[str, ...]``
+field with ``choices`` becomes an enum or a list checked against them.
+Nested config fields are walked: every flagged field inside becomes a flag,
+unless the parent field (``nested``) names which ones, possibly with other
+``Flag``s (a second experiment exposing only some of ``TrainConfig``).
+
+Several experiments share one command line: ``define_flags`` defines each
+name once and refuses two fields that would give one flag different
+defaults, help or bounds, so no flag can mean two things.
+
+This is the only module that touches absl flags; ``run.py`` hands it
+``absl.flags.FLAGS``. Experiments themselves only ever see configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from absl import flags
+
+_FLAG = "flag"  # field metadata key: this field's Flag
+_NESTED = "nested_flags"  # field metadata key: the flags of a nested config
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """How a config field shows on the command line.
+
+  Attributes:
+    help: the flag's help text (and the field's documentation).
+    name: the flag's name; default: the field's.
+    lower_bound: smallest accepted value (numbers).
+    choices: accepted values (``str``: an enum; ``tuple[str, ...]``: a
+      non-empty list of them).
+    not_above: a sibling field this one must not exceed (``min_len`` of
+      ``max_len``); checked when both are flags.
+    default_none: the flag defaults to None, meaning "the experiment's own
+      default" (``--workdir``: ``runs/<experiment>``).
+  """
+  help: str
+  name: str | None = None
+  lower_bound: float | None = None
+  choices: tuple[str, ...] | None = None
+  not_above: str | None = None
+  default_none: bool = False
+
+
+def field(default: Any, help: str | Flag, **options: Any) -> Any:
+  """A dataclass field with ``default`` that is also a flag.
+
+  Args:
+    default: the field's default (and so the flag's).
+    help: the flag's help text, or a whole ``Flag`` (one shared by several
+      configs, such as ``WORKDIR``).
+    **options: the other ``Flag`` attributes (``lower_bound``, ``choices``,
+      ...), when ``help`` is a string.
+  """
+  flag = help if isinstance(help, Flag) else Flag(help, **options)
+  return dataclasses.field(default=default, metadata={_FLAG: flag})
+
+
+def nested(default: Any, expose: Mapping[str, Flag | None]) -> Any:
+  """A nested config field exposing only some of its fields as flags.
+
+  Args:
+    default: the nested config's default value.
+    expose: field name -> the ``Flag`` to use there, or None for the field's
+      own ``Flag``. Fields not named are not flags of this experiment.
+  """
+  return dataclasses.field(default=default, metadata={_NESTED: dict(expose)})
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagSpec:
+  """One flag of one config: where its value goes and what it accepts."""
+  name: str
+  path: tuple[str, ...]  # field names from the top config to the leaf
+  kind: str  # bool | int | float | str | enum | ints | strs
+  default: Any  # the value at ``path`` in the default config
+  flag: Flag
+
+  @property
+  def flag_default(self) -> Any:
+    """The absl default: lists as strings, None for ``default_none``."""
+    if self.flag.default_none:
+      return None
+    if self.kind in ("ints", "strs"):
+      return [str(v) for v in self.default]
+    return self.default
+
+  def to_field(self, value: Any) -> Any:
+    """The parsed flag value as the field's type."""
+    if self.kind == "ints":
+      return tuple(int(v) for v in value)
+    if self.kind == "strs":
+      return tuple(value)
+    return value
+
+
+def _kind(annotation: Any, flag: Flag, where: str) -> str:
+  """The flag kind of a field annotation; TypeError for unsupported ones."""
+  if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(args) == 1:
+      return _kind(args[0], flag, where)
+  elif typing.get_origin(annotation) is tuple:
+    args = typing.get_args(annotation)
+    if len(args) == 2 and args[1] is Ellipsis and args[0] in (int, str):
+      return "ints" if args[0] is int else "strs"
+  elif annotation in (bool, int, float):
+    return annotation.__name__
+  elif annotation is str:
+    return "enum" if flag.choices else "str"
+  raise TypeError(f"{where}: no flag type for the annotation {annotation!r}.")
+
+
+def flag_specs(config_cls: type) -> list[FlagSpec]:
+  """Every flag of ``config_cls`` (walking nested configs), in field order.
+
+  Raises:
+    TypeError: a flagged field whose annotation has no flag type.
+    ValueError: two fields of ``config_cls`` claim one flag name.
+  """
+  specs = _specs(config_cls, config_cls(), (), None)
+  names = [s.name for s in specs]
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise ValueError(f"{config_cls.__name__}: flags {repeated} are claimed "
+                     "by more than one field.")
+  return specs
+
+
+def _specs(cls: type, default: Any, path: tuple[str, ...],
+           only: Mapping[str, Flag | None] | None) -> list[FlagSpec]:
+  hints = typing.get_type_hints(cls)
+  specs = []
+  for f in dataclasses.fields(cls):
+    value = getattr(default, f.name)
+    if dataclasses.is_dataclass(hints[f.name]):
+      specs += _specs(hints[f.name], value, path + (f.name,),
+                      f.metadata.get(_NESTED))
+      continue
+    flag = f.metadata.get(_FLAG)
+    if only is not None:
+      if f.name not in only:
+        continue
+      flag = only[f.name] or flag
+    if flag is None:
+      continue
+    where = f"{cls.__name__}.{f.name}"
+    specs.append(FlagSpec(name=flag.name or f.name, path=path + (f.name,),
+                          kind=_kind(hints[f.name], flag, where),
+                          default=value, flag=flag))
+  return specs
+
+
+def _rules(specs: Sequence[FlagSpec]) -> list[tuple[str, str]]:
+  """``(low, high)`` flag names whose values must satisfy low <= high."""
+  by_path = {s.path: s for s in specs}
+  rules = []
+  for s in specs:
+    if s.flag.not_above:
+      other = by_path.get(s.path[:-1] + (s.flag.not_above,))
+      if other is not None:
+        rules.append((s.name, other.name))
+  return rules
+
+
+def _positive_ints(values) -> bool:
+  return all(v.strip().isdigit() and int(v) > 0 for v in values)
+
+
+def _define(spec: FlagSpec, flag_values: flags.FlagValues) -> None:
+  f, name, default = spec.flag, spec.name, spec.flag_default
+  common = {"flag_values": flag_values}
+  if spec.kind == "bool":
+    flags.DEFINE_bool(name, default, f.help, **common)
+  elif spec.kind == "int":
+    flags.DEFINE_integer(name, default, f.help, lower_bound=f.lower_bound,
+                         **common)
+  elif spec.kind == "float":
+    flags.DEFINE_float(name, default, f.help, lower_bound=f.lower_bound,
+                       **common)
+  elif spec.kind == "str":
+    flags.DEFINE_string(name, default, f.help, **common)
+  elif spec.kind == "enum":
+    flags.DEFINE_enum(name, default, list(f.choices), f.help, **common)
+  else:
+    flags.DEFINE_list(name, default, f.help, **common)
+    if spec.kind == "ints":
+      flags.register_validator(
+          name, _positive_ints, flag_values=flag_values,
+          message=f"--{name} must be a comma-separated list of positive "
+          "integers.")
+    elif f.choices:
+      choices = f.choices
+      flags.register_validator(
+          name, lambda vs: bool(vs) and all(v in choices for v in vs),
+          flag_values=flag_values,
+          message=f"--{name} must be a non-empty list from {list(choices)}.")
+
+
+def _same_flag(a: FlagSpec, b: FlagSpec) -> bool:
+  return (a.kind, a.flag_default, a.flag) == (b.kind, b.flag_default, b.flag)
+
+
+def define_flags(config_classes: Sequence[type],
+                 flag_values: flags.FlagValues) -> None:
+  """Defines the flags of every config in ``config_classes``, each once.
+
+  Args:
+    config_classes: dataclasses whose fields (nested ones walked) carry
+      ``Flag``s; a flag name may recur across them only with the same kind,
+      default and ``Flag``.
+    flag_values: where to define them (``absl.flags.FLAGS``). They belong
+      to this module: ``flags.adopt_module_key_flags(config_flags)`` in the
+      main module makes ``--help`` list them.
+
+  Raises:
+    ValueError: one flag name with two meanings.
+  """
+  defined, rules = {}, []
+  for cls in config_classes:
+    specs = flag_specs(cls)
+    for spec in specs:
+      if spec.name in defined:
+        if not _same_flag(defined[spec.name], spec):
+          raise ValueError(
+              f"--{spec.name} would mean two things: {defined[spec.name]} "
+              f"and {spec} ({cls.__name__}).")
+        continue
+      defined[spec.name] = spec
+      _define(spec, flag_values)
+    rules += [r for r in _rules(specs) if r not in rules]
+  for low, high in rules:
+    flags.register_multi_flags_validator(
+        [low, high], lambda v, low=low, high=high: v[low] <= v[high],
+        message=f"--{low} must not exceed --{high}.",
+        flag_values=flag_values)
+
+
+def _replace(config: Any, path: tuple[str, ...], value: Any) -> Any:
+  if len(path) == 1:
+    return dataclasses.replace(config, **{path[0]: value})
+  inner = _replace(getattr(config, path[0]), path[1:], value)
+  return dataclasses.replace(config, **{path[0]: inner})
+
+
+def from_flags(config_cls: type, flag_values: flags.FlagValues) -> Any:
+  """``config_cls`` built from parsed flags (its defaults where unflagged)."""
+  config = config_cls()
+  for spec in flag_specs(config_cls):
+    value = flag_values[spec.name].value
+    if value is None and spec.flag.default_none:
+      continue
+    config = _replace(config, spec.path, spec.to_field(value))
+  return config
+
+
+WORKDIR = Flag(
+    "Where results and checkpoints go (default: runs/<experiment>). "
+    "Rerunning with the same flags resumes.", default_none=True)
