@@ -1,9 +1,10 @@
 """Orbax checkpoints of a model, its optimizer and the run's history.
 
 A checkpoint stores the NNX state of model and optimizer (arrays) and a JSON
-record: the step, the loss history and a fingerprint of the flags that shape
-the run. Restoring with different flags is refused with a message rather than
-silently loading weights of another model.
+record: the step, the loss history and a fingerprint of the settings that
+shape the run (``seq2seq._fingerprint``: the config less what may change on
+resume). Restoring with different settings is refused with a message rather
+than silently loading weights of another model.
 """
 
 from __future__ import annotations

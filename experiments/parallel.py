@@ -17,7 +17,9 @@ so the numbers do not depend on the number of hosts.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 import math
+import os
 
 from flax import nnx
 import jax
@@ -25,7 +27,24 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
 
+from experiments import config_flags
+
 AXES = ("data", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Multi-host start-up (``initialize_distributed``); each field a flag."""
+  distributed: bool = config_flags.field(
+      False, "Multi-host: call jax.distributed.initialize() first (also done "
+      "when JAX_COORDINATOR_ADDRESS is set). Without the three flags below "
+      "JAX reads the cluster from its environment (TPU pod, SLURM, Open MPI).")
+  coordinator_address: str | None = config_flags.field(
+      None, "Multi-host: host:port of process 0.")
+  num_processes: int | None = config_flags.field(
+      None, "Multi-host: number of processes.", lower_bound=1)
+  process_id: int | None = config_flags.field(
+      None, "Multi-host: this process's index.", lower_bound=0)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -71,7 +90,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
   return sizes
 
 
-def make_mesh(sizes: dict[str, int]) -> jax.sharding.Mesh:
+def build_mesh(sizes: dict[str, int]) -> jax.sharding.Mesh:
   """A mesh with axes ``data`` and ``model`` (size 1 where not given)."""
   shape = tuple(sizes.get(a, 1) for a in AXES)
   return jax.make_mesh(shape, AXES,
@@ -119,15 +138,17 @@ def shard_batch(arrays: Sequence[np.ndarray], mesh: jax.sharding.Mesh):
   return tuple(out)
 
 
-def initialize_distributed(coordinator_address: str | None = None,
-                           num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
-  """``jax.distributed.initialize`` (multi-host); call before any JAX work.
+def initialize_distributed(config: DistributedConfig) -> None:
+  """Starts multi-host JAX if asked; call before any JAX work.
 
-  With no arguments JAX reads the cluster from the environment (TPU pods,
-  SLURM, Open MPI, or ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/
-  ``JAX_PROCESS_ID``).
+  Calls ``jax.distributed.initialize`` when ``config.distributed`` is set or
+  ``JAX_COORDINATOR_ADDRESS`` is (a launcher's environment). Without
+  addresses in ``config`` JAX reads the cluster from the environment (TPU
+  pods, SLURM, Open MPI, or ``JAX_COORDINATOR_ADDRESS``/
+  ``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``).
   """
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes,
-                             process_id=process_id)
+  if not (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+    return
+  jax.distributed.initialize(coordinator_address=config.coordinator_address,
+                             num_processes=config.num_processes,
+                             process_id=config.process_id)

@@ -53,7 +53,7 @@ def loss_curves(path: str, curves: dict[str, list[list[float]]]) -> None:
   plt.close(fig)
 
 
-def scaling_metrics(path: str, dims, scaled: dict[str, list[float]],
+def logit_scale_metrics(path: str, dims, scaled: dict[str, list[float]],
                     unscaled: dict[str, list[float]]) -> None:
   """One panel per metric, scaled vs unscaled against d_k (log x)."""
   names = list(scaled)

@@ -28,17 +28,21 @@ import jax
 import jax.numpy as jnp
 
 import attention_jax as aj
+from attention_jax import luong as aj_luong
+from experiments import config_flags
 from experiments import data
 
 ATTENTIONS = ("none", "bahdanau", "luong")
+ENCODERS = ("forward", "bidirectional")
 
 
 @dataclasses.dataclass(frozen=True)
 class RNNConfig:
-  attention: str = "bahdanau"  # none | bahdanau | luong
-  luong_score: str = "general"  # dot | general | concat
-  encoder: str = "forward"  # forward | bidirectional
-  vocab_size: int = 20  # content tokens (PAD/BOS/EOS come on top)
+  """The GRU architecture; the attention and vocabulary come per model."""
+  encoder: str = config_flags.field("forward", "GRU encoder direction.",
+                                    choices=ENCODERS)
+  luong_score: str = config_flags.field(
+      "general", "Score of the luong model.", choices=aj_luong.SCORES)
   embed_dim: int = 32  # E
   encoder_dim: int = 64  # GRU size per direction
   decoder_dim: int = 128  # Hd
@@ -79,8 +83,8 @@ def _reverse_within_length(x, lengths):
 class Encoder(nnx.Module):
   """Embedding + GRU (forward, or forward and backward)."""
 
-  def __init__(self, config: RNNConfig, *, rngs: nnx.Rngs):
-    vocab = config.vocab_size + data.NUM_SPECIAL
+  def __init__(self, config: RNNConfig, *, vocab_size: int, rngs: nnx.Rngs):
+    vocab = vocab_size + data.NUM_SPECIAL
     self.embed = nnx.Embed(vocab, config.embed_dim, rngs=rngs)
     self.forward = nnx.GRUCell(config.embed_dim, config.encoder_dim,
                                rngs=rngs)
@@ -106,26 +110,38 @@ class Encoder(nnx.Module):
 
 
 class RNNSeq2Seq(nnx.Module):
-  """GRU encoder-decoder with no, Bahdanau or Luong attention."""
+  """GRU encoder-decoder with no, Bahdanau or Luong attention.
 
-  def __init__(self, config: RNNConfig, *, rngs: nnx.Rngs):
-    if config.attention not in ATTENTIONS:
+  Args:
+    config: the architecture.
+    attention: one of ``ATTENTIONS``.
+    vocab_size: content tokens (PAD/BOS/EOS come on top).
+    rngs: parameter initialisation.
+  """
+
+  def __init__(self, config: RNNConfig, *, attention: str, vocab_size: int,
+               rngs: nnx.Rngs):
+    if attention not in ATTENTIONS:
       raise ValueError(f"attention must be one of {ATTENTIONS}, got "
-                       f"{config.attention!r}.")
+                       f"{attention!r}.")
+    if config.encoder not in ENCODERS:
+      raise ValueError(f"encoder must be one of {ENCODERS}, got "
+                       f"{config.encoder!r}.")
     self.config = config
-    vocab = config.vocab_size + data.NUM_SPECIAL
+    self.kind = attention
+    vocab = vocab_size + data.NUM_SPECIAL
     enc = config.encoder_dim * (2 if config.encoder == "bidirectional" else 1)
     dec, emb = config.decoder_dim, config.embed_dim
-    self.encoder = Encoder(config, rngs=rngs)
+    self.encoder = Encoder(config, vocab_size=vocab_size, rngs=rngs)
     self.embed = nnx.Embed(vocab, emb, rngs=rngs)
     self.init_state = nnx.Linear(enc, dec, rngs=rngs)
-    memory = combine = attention = None
-    if config.attention == "none":
+    memory = combine = module = None
+    if attention == "none":
       cell = nnx.GRUCell(emb + enc, dec, rngs=rngs)
       output = nnx.Linear(dec + enc, vocab, rngs=rngs)
-    elif config.attention == "bahdanau":
+    elif attention == "bahdanau":
       cell = nnx.GRUCell(emb + enc, dec, rngs=rngs)
-      attention = aj.BahdanauAttention(dec, enc, dec, rngs=rngs)
+      module = aj.BahdanauAttention(dec, enc, dec, rngs=rngs)
       output = nnx.Linear(dec + enc, vocab, rngs=rngs)
     else:
       keys = enc
@@ -134,12 +150,12 @@ class RNNSeq2Seq(nnx.Module):
         memory = nnx.Linear(enc, dec, use_bias=False, rngs=rngs)
         keys = dec
       cell = nnx.GRUCell(emb + dec, dec, rngs=rngs)
-      attention = aj.LuongAttention(dec, keys, score=config.luong_score,
-                                    hidden_features=dec, rngs=rngs)
+      module = aj.LuongAttention(dec, keys, score=config.luong_score,
+                                 hidden_features=dec, rngs=rngs)
       combine = nnx.Linear(enc + dec, dec, rngs=rngs)
       output = nnx.Linear(dec, vocab, rngs=rngs)
     self.cell, self.output = cell, output
-    self.attention = nnx.data(attention)
+    self.attention = nnx.data(module)
     self.memory = nnx.data(memory)
     self.combine = nnx.data(combine)
 
@@ -148,7 +164,7 @@ class RNNSeq2Seq(nnx.Module):
     states, final, mask = self.encoder(src, src_len)
     b = src.shape[0]
     h0 = jnp.tanh(self.init_state(final))  # [B, Hd]
-    kind = self.config.attention
+    kind = self.kind
     keys = self.memory(states) if self.memory is not None else states
     projected = None
     if kind != "none":

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from experiments import checkpoints
+from experiments import config_flags
 from experiments import data
 from experiments import metrics
 from experiments import parallel
@@ -31,26 +32,44 @@ from experiments import rnn
 from experiments import training
 from experiments import transformer
 
-MODELS = ("none", "bahdanau", "luong", "transformer")
+MODELS = (*rnn.ATTENTIONS, "transformer")
 
 
 @dataclasses.dataclass(frozen=True)
 class Seq2SeqConfig:
-  """What ``python run.py`` (``--experiment=seq2seq``) runs."""
-  workdir: str = "runs/seq2seq"
-  models: tuple[str, ...] = ("none", "bahdanau")
-  encoder: str = "forward"  # forward | bidirectional (GRU models)
-  luong_score: str = "general"  # dot | general | concat
+  """What ``python run.py`` (``--experiment=seq2seq``) runs.
+
+  Every model trains with ``train``; the GRU models share ``rnn``, the
+  Transformer is ``transformer``. Fields declared with ``config_flags.field``
+  (here and inside the nested configs) are ``run.py``'s flags.
+  """
+  workdir: str = config_flags.field("runs/seq2seq", config_flags.WORKDIR)
+  models: tuple[str, ...] = config_flags.field(
+      ("none", "bahdanau"),
+      f"Models to train, comma-separated, from {list(MODELS)}.",
+      choices=MODELS)
   train: training.TrainConfig = training.TrainConfig()
-  eval_lengths: tuple[int, ...] = (5, 10, 15, 20, 25, 30, 35, 40)
-  eval_examples: int = 128  # per length
-  heatmap_lengths: tuple[int, ...] = (10, 30)
-  embed_dim: int = 32  # GRU models
-  encoder_dim: int = 64
-  decoder_dim: int = 128
-  d_model: int = 64  # transformer
-  num_heads: int = 4
-  num_layers: int = 2
+  # These two fields share their modules' names: below them, `rnn` and
+  # `transformer` in this class body are the default configs, not modules.
+  rnn: rnn.RNNConfig = rnn.RNNConfig()
+  transformer: transformer.TransformerConfig = transformer.TransformerConfig()
+  eval_lengths: tuple[int, ...] = config_flags.field(
+      (5, 10, 15, 20, 25, 30, 35, 40),
+      "Source lengths to evaluate (longer than --max_len tests "
+      "extrapolation).")
+  eval_examples: int = config_flags.field(
+      128, "Examples per evaluation length.", lower_bound=1)
+  heatmap_lengths: tuple[int, ...] = config_flags.field(
+      (10, 30), "Lengths to draw attention maps for.")
+
+
+# Settings a checkpoint's run and the run resuming it may differ in: where
+# results go, what is evaluated, how often it logs and saves, and the devices
+# (a mesh changes only the order of float sums). Every other field shapes the
+# trained numbers and is fingerprinted.
+RESUMABLE_CHANGES = frozenset({
+    "workdir", "models", "eval_lengths", "eval_examples", "heatmap_lengths",
+    "train.log_every", "train.checkpoint_every", "train.mesh"})
 
 
 def build_model(name: str, config: Seq2SeqConfig,
@@ -59,18 +78,14 @@ def build_model(name: str, config: Seq2SeqConfig,
   Transformer's heads and FFN units are annotated to split over it (build
   under ``jax.set_mesh(mesh)``)."""
   rngs = nnx.Rngs(config.train.seed)
+  vocab_size = config.train.vocab_size
   if name == "transformer":
-    return transformer.TransformerSeq2Seq(transformer.TransformerConfig(
-        vocab_size=config.train.vocab_size, d_model=config.d_model,
-        num_heads=config.num_heads, num_layers=config.num_layers,
-        ffn_dim=2 * config.d_model,
-        model_axis=parallel.model_axis(mesh) if mesh else None), rngs=rngs)
+    return transformer.TransformerSeq2Seq(
+        config.transformer, vocab_size=vocab_size, rngs=rngs,
+        model_axis=parallel.model_axis(mesh) if mesh else None)
   if name not in rnn.ATTENTIONS:
     raise ValueError(f"model must be one of {MODELS}, got {name!r}.")
-  return rnn.RNNSeq2Seq(rnn.RNNConfig(
-      attention=name, luong_score=config.luong_score, encoder=config.encoder,
-      vocab_size=config.train.vocab_size, embed_dim=config.embed_dim,
-      encoder_dim=config.encoder_dim, decoder_dim=config.decoder_dim),
+  return rnn.RNNSeq2Seq(config.rnn, attention=name, vocab_size=vocab_size,
                         rngs=rngs)
 
 
@@ -132,7 +147,7 @@ def _summary(config: Seq2SeqConfig, results: dict) -> str:
       f"{config.train.steps} steps, batch {config.train.batch_size}, lr "
       f"{config.train.learning_rate}, training lengths "
       f"{config.train.min_len}-{config.train.max_len}, encoder "
-      f"{config.encoder}, seed {config.train.seed}.\n",
+      f"{config.rnn.encoder}, seed {config.train.seed}.\n",
       "## Greedy token accuracy by length bucket\n",
       report.markdown_table(header, bucket_rows) + "\n",
       "## Per length\n",
@@ -150,27 +165,35 @@ def _summary(config: Seq2SeqConfig, results: dict) -> str:
   return "\n".join(parts)
 
 
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  """``{"train": {"steps": 3}}`` -> ``{"train.steps": 3}``."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
 def _fingerprint(name: str, config: Seq2SeqConfig) -> dict:
   """The settings a checkpoint must share with the run that resumes it.
 
-  Logging and checkpoint intervals and evaluation settings may change.
+  Every field of ``config`` but ``RESUMABLE_CHANGES`` and the architecture of
+  the other model family (a GRU model's numbers do not depend on
+  ``transformer``, nor the Transformer's on ``rnn``), as dotted names.
   """
-  train = dataclasses.asdict(config.train)
-  for free in ("log_every", "checkpoint_every", "mesh"):
-    train.pop(free)
-  architecture = {f.name: getattr(config, f.name)
-                  for f in dataclasses.fields(config)
-                  if f.name in ("encoder", "luong_score", "embed_dim",
-                                "encoder_dim", "decoder_dim", "d_model",
-                                "num_heads", "num_layers")}
-  return report.jsonable({"model": name, **train, **architecture})
+  unused = "rnn." if name == "transformer" else "transformer."
+  settings = {k: v for k, v in _flatten(dataclasses.asdict(config)).items()
+              if k not in RESUMABLE_CHANGES and not k.startswith(unused)}
+  return report.jsonable({"model": name, **settings})
 
 
 def run(config: Seq2SeqConfig) -> dict:
   """Trains and evaluates every model in ``config.models``; writes the report."""
   report.check_writable(config.workdir)
   results, maps = {}, {}
-  mesh = training.make_mesh(config.train)
+  mesh = training.training_mesh(config.train)
   for name in config.models:
     with jax.set_mesh(mesh):
       model = build_model(name, config, mesh)

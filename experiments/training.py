@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from experiments import checkpoints
+from experiments import config_flags
 from experiments import data
 from experiments import parallel
 from experiments import progress
@@ -25,17 +26,28 @@ from experiments import progress
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  task: str = "copy"  # copy | reverse
-  steps: int = 1000
-  batch_size: int = 64
-  learning_rate: float = 3e-3  # peak; cosine decay to 10% over `steps`
-  min_len: int = 5
-  max_len: int = 30
-  vocab_size: int = 20
-  seed: int = 0
-  checkpoint_every: int = 500  # 0: only at the end
-  log_every: int = 50
-  mesh: str = ""  # "data:2,model:4"; "": all devices on data
+  """How one model is trained; each field is also a ``run.py`` flag."""
+  task: str = config_flags.field("copy", "The task.", choices=data.TASKS)
+  steps: int = config_flags.field(1000, "Training steps per model.",
+                                  lower_bound=1)
+  batch_size: int = config_flags.field(64, "Batch size.", lower_bound=1)
+  learning_rate: float = config_flags.field(
+      3e-3, "Peak Adam learning rate (cosine decay to 10%).",
+      lower_bound=1e-8)
+  min_len: int = config_flags.field(5, "Shortest training source.",
+                                    lower_bound=1, not_above="max_len")
+  max_len: int = config_flags.field(30, "Longest training source.",
+                                    lower_bound=1)
+  vocab_size: int = config_flags.field(20, "Content tokens.", lower_bound=2)
+  seed: int = config_flags.field(0, "Seed for data and parameters.")
+  checkpoint_every: int = config_flags.field(
+      500, "Steps between checkpoints (0: at the end only).", lower_bound=0)
+  log_every: int = config_flags.field(50, "Steps between logged losses.",
+                                      lower_bound=1)
+  mesh: str = config_flags.field(
+      "", "Device mesh for seq2seq training, e.g. 'data:2,model:4' (batch "
+      "split over data; Transformer heads and FFN over model; -1 = the "
+      "remaining devices). Default: all devices on data.")
 
 
 def make_optimizer(model: nnx.Module, config: TrainConfig) -> nnx.Optimizer:
@@ -70,9 +82,9 @@ def batch_arrays(batch: data.Batch, mesh: jax.sharding.Mesh | None = None):
   return parallel.shard_batch(arrays, mesh)
 
 
-def make_mesh(config: TrainConfig) -> jax.sharding.Mesh:
+def training_mesh(config: TrainConfig) -> jax.sharding.Mesh:
   """The mesh ``config.mesh`` asks for; checks the batch splits over it."""
-  mesh = parallel.make_mesh(parallel.parse_mesh(config.mesh))
+  mesh = parallel.build_mesh(parallel.parse_mesh(config.mesh))
   parallel.check_batch(config.batch_size, mesh)
   return mesh
 
@@ -82,7 +94,7 @@ def train(name: str, model: nnx.Module, config: TrainConfig,
           mesh: jax.sharding.Mesh | None = None) -> dict:
   """Trains ``model`` in place, resuming from ``checkpointer`` if it has one.
 
-  With ``mesh`` (``make_mesh``; build the model under ``jax.set_mesh(mesh)``
+  With ``mesh`` (``training_mesh``; build the model under ``jax.set_mesh(mesh)``
   so its annotations apply), model and optimizer state are placed on it and
   every batch is split over ``data``; the loss curve equals the
   single-device one up to float summation order. Ctrl-C saves a checkpoint
@@ -93,7 +105,7 @@ def train(name: str, model: nnx.Module, config: TrainConfig,
     "loss_curve": [[step, loss], ...]}``.
   """
   if mesh is None:
-    mesh = make_mesh(config)
+    mesh = training_mesh(config)
   with jax.set_mesh(mesh), _StopRequests() as stop:
     return _train(name, model, config, checkpointer, mesh, stop)
 

@@ -25,13 +25,12 @@ from experiments import data
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  vocab_size: int = 20  # content tokens (PAD/BOS/EOS come on top)
+  """The architecture; vocabulary and mesh axis come with each model."""
   d_model: int = 64  # D
   num_heads: int = 4  # N
   num_layers: int = 2  # per stack
-  ffn_dim: int = 128
+  ffn_dim: int = 128  # hidden units of each feed-forward block
   attention_scale: float | None = None  # None: 1/sqrt(d_k); 1.0: unscaled
-  model_axis: str | None = None  # mesh axis for head/FFN (tensor) parallelism
 
 
 def sinusoidal_positions(length: int, dim: int) -> jax.Array:
@@ -79,15 +78,16 @@ class FeedForward(nnx.Module):
 
 class EncoderLayer(nnx.Module):
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
+               model_axis: str | None = None):
     d = config.d_model
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.self_attention = aj.MultiHeadAttention(
         d, config.num_heads, attention_fn=_attention_fn(
-            config.attention_scale), head_axis=config.model_axis, rngs=rngs)
+            config.attention_scale), head_axis=model_axis, rngs=rngs)
     self.norm2 = nnx.LayerNorm(d, rngs=rngs)
     self.ffn = FeedForward(d, config.ffn_dim, rngs=rngs,
-                           model_axis=config.model_axis)
+                           model_axis=model_axis)
 
   def __call__(self, x, mask):
     x = x + self.self_attention(self.norm1(x), mask=mask)
@@ -96,20 +96,21 @@ class EncoderLayer(nnx.Module):
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
+               model_axis: str | None = None):
     d = config.d_model
     attention_fn = _attention_fn(config.attention_scale)
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.self_attention = aj.MultiHeadAttention(
         d, config.num_heads, attention_fn=attention_fn,
-        head_axis=config.model_axis, rngs=rngs)
+        head_axis=model_axis, rngs=rngs)
     self.norm2 = nnx.LayerNorm(d, rngs=rngs)
     self.cross_attention = aj.MultiHeadAttention(
         d, config.num_heads, attention_fn=attention_fn,
-        head_axis=config.model_axis, rngs=rngs)
+        head_axis=model_axis, rngs=rngs)
     self.norm3 = nnx.LayerNorm(d, rngs=rngs)
     self.ffn = FeedForward(d, config.ffn_dim, rngs=rngs,
-                           model_axis=config.model_axis)
+                           model_axis=model_axis)
 
   def __call__(self, x, memory, memory_mask, decode: bool):
     """Returns the new ``x`` and the cross-attention weights ``[B, N, T, S]``."""
@@ -122,17 +123,28 @@ class DecoderLayer(nnx.Module):
 
 
 class TransformerSeq2Seq(nnx.Module):
-  """Encoder-decoder Transformer for the copy/reverse tasks."""
+  """Encoder-decoder Transformer for the copy/reverse tasks.
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+  Args:
+    config: the architecture.
+    vocab_size: content tokens (PAD/BOS/EOS come on top).
+    rngs: parameter initialisation.
+    model_axis: mesh axis to split heads and FFN units over (tensor
+      parallelism; build under ``jax.set_mesh``), or None.
+  """
+
+  def __init__(self, config: TransformerConfig, *, vocab_size: int,
+               rngs: nnx.Rngs, model_axis: str | None = None):
     self.config = config
-    vocab = config.vocab_size + data.NUM_SPECIAL
+    vocab = vocab_size + data.NUM_SPECIAL
     self.src_embed = nnx.Embed(vocab, config.d_model, rngs=rngs)
     self.tgt_embed = nnx.Embed(vocab, config.d_model, rngs=rngs)
-    self.encoder = nnx.List([EncoderLayer(config, rngs=rngs)
-                             for _ in range(config.num_layers)])
-    self.decoder = nnx.List([DecoderLayer(config, rngs=rngs)
-                             for _ in range(config.num_layers)])
+    self.encoder = nnx.List([
+        EncoderLayer(config, rngs=rngs, model_axis=model_axis)
+        for _ in range(config.num_layers)])
+    self.decoder = nnx.List([
+        DecoderLayer(config, rngs=rngs, model_axis=model_axis)
+        for _ in range(config.num_layers)])
     self.final_norm = nnx.LayerNorm(config.d_model, rngs=rngs)
     self.output = nnx.Linear(config.d_model, vocab, rngs=rngs)
 

@@ -15,8 +15,13 @@ import jax
 import numpy as np
 
 from experiments import checkpoints
+from experiments import config_flags
+from experiments import logit_scale
+from experiments import parallel
+from experiments import rnn
 from experiments import seq2seq
 from experiments import training
+from experiments import transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,8 +34,9 @@ def _config(workdir, models, steps, checkpoint_every=0, **train):
                                  vocab_size=5, log_every=2,
                                  checkpoint_every=checkpoint_every, **train),
       eval_lengths=(3,), eval_examples=4, heatmap_lengths=(3,),
-      embed_dim=8, encoder_dim=8, decoder_dim=16, d_model=16, num_heads=2,
-      num_layers=1)
+      rnn=rnn.RNNConfig(embed_dim=8, encoder_dim=8, decoder_dim=16),
+      transformer=transformer.TransformerConfig(d_model=16, num_heads=2,
+                                                num_layers=1, ffn_dim=32))
 
 
 class SmokeTest(parameterized.TestCase):
@@ -64,12 +70,11 @@ class ResumeTest(absltest.TestCase):
   def test_checkpoint_of_other_flags_is_refused(self):
     workdir = self.enterContext(tempfile.TemporaryDirectory())
     seq2seq.run(_config(workdir, ("none",), steps=2))
-    with self.assertRaisesRegex(ValueError, r"other settings.*'batch_size'"):
-      config = _config(workdir, ("none",), steps=2)
-      config = config.__class__(**{
-          **config.__dict__,
-          "train": training.TrainConfig(**{**config.train.__dict__,
-                                           "batch_size": 4})})
+    config = _config(workdir, ("none",), steps=2)
+    config = dataclasses.replace(
+        config, train=dataclasses.replace(config.train, batch_size=4))
+    with self.assertRaisesRegex(ValueError,
+                                r"other settings.*'train.batch_size'"):
       seq2seq.run(config)
 
   def test_restored_parameters_are_identical(self):
@@ -90,6 +95,71 @@ class ResumeTest(absltest.TestCase):
                  nnx.state(model, nnx.Param))
 
 
+def _other(value, choices=None):
+  """Another value of a config field's type (another choice if it has any)."""
+  if choices:
+    return next(c for c in choices if c != value)
+  if value is None:
+    return 0.5  # attention_scale: None (1/sqrt(d_k)) -> a fixed scale
+  if isinstance(value, bool):
+    return not value
+  if isinstance(value, (int, float)):
+    return value * 2 + 1
+  if isinstance(value, tuple):
+    return value + value[:1]
+  return value + "x"
+
+
+def _variants(config, prefix=""):
+  """``(dotted field name, config with only that field changed)`` for every
+  leaf field, nested configs walked."""
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    if dataclasses.is_dataclass(value):
+      for path, inner in _variants(value, f"{prefix}{f.name}."):
+        yield path, dataclasses.replace(config, **{f.name: inner})
+    else:
+      flag = f.metadata.get("flag")
+      changed = _other(value, flag.choices if flag else None)
+      yield f"{prefix}{f.name}", dataclasses.replace(config,
+                                                     **{f.name: changed})
+
+
+class FingerprintTest(parameterized.TestCase):
+
+  def test_only_logging_saving_eval_and_devices_may_change(self):
+    # Pinned: widening this set lets a resume mix two different runs.
+    self.assertEqual(seq2seq.RESUMABLE_CHANGES, {
+        "workdir", "models", "eval_lengths", "eval_examples",
+        "heatmap_lengths", "train.log_every", "train.checkpoint_every",
+        "train.mesh"})
+
+  @parameterized.parameters(*seq2seq.MODELS)
+  def test_every_field_that_shapes_training_is_fingerprinted(self, name):
+    base = seq2seq.Seq2SeqConfig()
+    want = seq2seq._fingerprint(name, base)
+    # The other family's architecture does not shape this model.
+    unused = "rnn." if name == "transformer" else "transformer."
+    variants = dict(_variants(base))
+    self.assertContainsSubset({"train.steps", "train.log_every",
+                               "rnn.encoder", "transformer.d_model"},
+                              variants)
+    for path, config in variants.items():
+      got = seq2seq._fingerprint(name, config)
+      with self.subTest(path):
+        if path in seq2seq.RESUMABLE_CHANGES or path.startswith(unused):
+          self.assertEqual(got, want)
+        else:
+          self.assertNotEqual(got, want)
+
+  def test_log_every_does_not_change_it(self):
+    base = seq2seq.Seq2SeqConfig()
+    config = dataclasses.replace(
+        base, train=dataclasses.replace(base.train, log_every=7))
+    self.assertEqual(seq2seq._fingerprint("bahdanau", config),
+                     seq2seq._fingerprint("bahdanau", base))
+
+
 class FlagsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -101,6 +171,9 @@ class FlagsTest(parameterized.TestCase):
        "--eval_lengths must be a comma-separated"),
       ("task", ["--task=sort"], "value should be one of"),
       ("dims", ["--dims=4,-8"], "--dims must be a comma-separated list"),
+      ("old_experiment_name", ["--experiment=scaling"],
+       "value should be one of <seq2seq|logit_scale>"),
+      ("score", ["--luong_score=additive"], "value should be one of"),
   )
   def test_validators(self, argv, message):
     import run  # registers the flags on absl's global FLAGS once
@@ -109,6 +182,51 @@ class FlagsTest(parameterized.TestCase):
         run.flags.FLAGS(["run.py", *argv])
     finally:
       run.flags.FLAGS.unparse_flags()
+
+  def test_flag_defaults_are_the_config_defaults(self):
+    import run
+    configs = [parallel.DistributedConfig,
+               *(c for c, _ in run.EXPERIMENTS.values())]
+    try:
+      run.flags.FLAGS(["run.py"])
+      for config_cls in configs:
+        # No flags given: exactly the dataclass defaults, nested ones too.
+        self.assertEqual(
+            config_flags.from_flags(config_cls, run.flags.FLAGS),
+            config_cls())
+        for spec in config_flags.flag_specs(config_cls):
+          flag = run.flags.FLAGS[spec.name]
+          with self.subTest(f"{config_cls.__name__} --{spec.name}"):
+            # (absl puts an enum's choices in front: "<copy|reverse>: ...")
+            self.assertEndsWith(flag.help, spec.flag.help)
+            if spec.flag.default_none:  # --workdir: runs/<experiment>
+              self.assertIsNone(flag.default)
+            else:
+              self.assertEqual(spec.to_field(flag.default), spec.default)
+    finally:
+      run.flags.FLAGS.unparse_flags()
+
+  def test_flags_land_in_the_nested_configs(self):
+    import run
+    try:
+      run.flags.FLAGS([
+          "run.py", "--steps=7", "--encoder=bidirectional", "--seed=3",
+          "--eval_lengths=3,4", "--workdir=/w", "--scaling_train_steps=0",
+          "--models=transformer"])
+      got = config_flags.from_flags(seq2seq.Seq2SeqConfig, run.flags.FLAGS)
+      scale = config_flags.from_flags(logit_scale.LogitScaleConfig,
+                                      run.flags.FLAGS)
+    finally:
+      run.flags.FLAGS.unparse_flags()
+    want = seq2seq.Seq2SeqConfig()
+    self.assertEqual(got, dataclasses.replace(
+        want, workdir="/w", models=("transformer",), eval_lengths=(3, 4),
+        train=dataclasses.replace(want.train, steps=7, seed=3),
+        rnn=dataclasses.replace(want.rnn, encoder="bidirectional")))
+    want = logit_scale.LogitScaleConfig()
+    self.assertEqual(scale, dataclasses.replace(
+        want, workdir="/w",
+        train=dataclasses.replace(want.train, steps=0, seed=3)))
 
   def test_bad_flag_exits_non_zero_before_running(self):
     proc = subprocess.run(

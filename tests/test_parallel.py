@@ -38,7 +38,7 @@ class ParseMeshTest(parameterized.TestCase):
       parallel.parse_mesh(spec)
 
   def test_batch_must_split_over_data(self):
-    mesh = parallel.make_mesh({"data": 1})
+    mesh = parallel.build_mesh({"data": 1})
     parallel.check_batch(3, mesh)  # anything splits over one device
     self.assertEqual(dict(mesh.shape), {"data": 1, "model": 1})
 
@@ -53,7 +53,7 @@ class HeadAxisTest(absltest.TestCase):
   def test_one_device_mesh_gives_the_plain_numbers(self):
     x = _data.normal(0, (2, 5, 16))
     plain = aj.MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
-    mesh = parallel.make_mesh({"data": 1, "model": 1})
+    mesh = parallel.build_mesh({"data": 1, "model": 1})
     with jax.set_mesh(mesh):
       sharded = aj.MultiHeadAttention(16, 4, head_axis="model",
                                       rngs=nnx.Rngs(0))

@@ -14,10 +14,13 @@ from experiments import checkpoints
 from experiments import parallel
 from experiments import seq2seq
 from experiments import training
+from experiments import transformer
 
 CONFIG = seq2seq.Seq2SeqConfig(
-    d_model=16, num_heads=4, num_layers=1, train=training.TrainConfig(
-        steps=3, batch_size=8, max_len=6, log_every=1, checkpoint_every=0))
+    transformer=transformer.TransformerConfig(d_model=16, num_heads=4,
+                                              num_layers=1, ffn_dim=32),
+    train=training.TrainConfig(steps=3, batch_size=8, max_len=6, log_every=1,
+                               checkpoint_every=0))
 # Same data, same initial values; only the order of the cross-device sums
 # differs: float32 rounding over a few steps.
 LOSS_TOL = 1e-5
@@ -26,7 +29,7 @@ LOSS_TOL = 1e-5
 def _build(name, mesh_spec, config=CONFIG):
   config = dataclasses.replace(
       config, train=dataclasses.replace(config.train, mesh=mesh_spec))
-  mesh = training.make_mesh(config.train)
+  mesh = training.training_mesh(config.train)
   with jax.set_mesh(mesh):
     model = seq2seq.build_model(name, config, mesh)
   return model, mesh, config

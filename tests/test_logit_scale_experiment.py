@@ -1,22 +1,28 @@
-"""The scaling experiment, shrunk: it runs end to end and shows the claim."""
+"""The logit-scale experiment, shrunk: it runs end to end, shows the claim."""
 
+import dataclasses
 import json
 import os
 import tempfile
 
 from absl.testing import absltest
 
-from experiments import scaling
+from experiments import logit_scale
+from experiments import transformer
 
 
-class ScalingExperimentTest(absltest.TestCase):
+class LogitScaleExperimentTest(absltest.TestCase):
 
   def test_unscaled_softmax_saturates_and_scaled_does_not(self):
     workdir = self.enterContext(tempfile.TemporaryDirectory())
-    config = scaling.ScalingConfig(workdir=workdir, dims=(4, 256),
-                                   num_queries=64, num_keys=16, train_steps=4,
-                                   train_d_model=16, train_max_len=6)
-    results = scaling.run(config)
+    default = logit_scale.LogitScaleConfig()
+    config = logit_scale.LogitScaleConfig(
+        workdir=workdir, dims=(4, 256), num_queries=64, num_keys=16,
+        train=dataclasses.replace(default.train, steps=4, max_len=6,
+                                  log_every=1),
+        transformer=transformer.TransformerConfig(
+            d_model=16, num_heads=1, num_layers=1, ffn_dim=32))
+    results = logit_scale.run(config)
     rows = {(r["d_k"], r["scaled"]): r for r in results["rows"]}
     # With unit-variance logits (scaled) the weights do not depend on d_k; at
     # d_k=256 unscaled logits have std 16, so the softmax is nearly one-hot.
@@ -30,10 +36,13 @@ class ScalingExperimentTest(absltest.TestCase):
     with open(os.path.join(workdir, "results.json")) as f:
       self.assertEqual(json.load(f)["rows"], results["rows"])
     self.assertEqual(set(results["training"]), {"scaled", "unscaled"})
-    for name in ("scaling.png", "scaling_training.png"):
+    self.assertLen(results["training"]["scaled"]["loss_curve"], 4)
+    for name in ("logit_scale.png", "logit_scale_training.png"):
       self.assertTrue(os.path.exists(os.path.join(workdir, name)))
     with open(os.path.join(workdir, "summary.md")) as f:
-      self.assertIn("| 256 |", f.read())
+      summary = f.read()
+    self.assertIn("| 256 |", summary)
+    self.assertIn("d_k = 16, copy task, lengths 5-6, 4 steps each", summary)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ scale:
   it by ``sqrt(d_k)`` while the softmax gradient collapses, so it is shown
   for completeness; the softmax gradient is what vanishes.
 
-Then a short training comparison: the same one-head Transformer (d_k =
-``train_d_model``) learns the copy task with and without the scale.
+Then a short training comparison: the same Transformer (``transformer``;
+one head, one layer, d_k = 128 by default) learns the task of ``train``
+with and without the scale.
 
-Writes ``results.json``, ``summary.md``, ``scaling.png`` (metrics against
-d_k) and ``scaling_training.png`` (the two loss curves) to the workdir.
+Writes ``results.json``, ``summary.md``, ``logit_scale.png`` (metrics
+against d_k) and ``logit_scale_training.png`` (the two loss curves) to the
+workdir.
 
 Shape glossary: B queries (batch), S keys, H = d_k head dim.
 """
@@ -38,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import attention_jax as aj
+from experiments import config_flags
 from experiments import data
 from experiments import metrics
 from experiments import plots
@@ -47,16 +50,31 @@ from experiments import transformer
 
 
 @dataclasses.dataclass(frozen=True)
-class ScalingConfig:
-  """What ``python run.py --experiment=scaling`` measures."""
-  workdir: str = "runs/scaling"  # results.json and summary.md land here
-  dims: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512, 1024)  # d_k
-  num_queries: int = 512  # B: independent queries averaged over
-  num_keys: int = 64  # S: keys each query attends over
-  seed: int = 0
-  train_steps: int = 300  # per model in the training comparison; 0 skips it
-  train_d_model: int = 128  # = d_k: one head, one layer
-  train_max_len: int = 15  # copy task lengths 5..train_max_len
+class LogitScaleConfig:
+  """What ``python run.py --experiment=logit_scale`` measures.
+
+  ``train.seed`` seeds the measurement too; ``train.steps`` = 0 skips the
+  training comparison (``--scaling_train_steps``).
+  """
+  workdir: str = config_flags.field("runs/logit_scale", config_flags.WORKDIR)
+  dims: tuple[int, ...] = config_flags.field(  # d_k
+      (4, 8, 16, 32, 64, 128, 256, 512, 1024),
+      "logit_scale: head dims d_k to measure.")
+  num_queries: int = config_flags.field(  # B
+      512, "logit_scale: random queries averaged over.", lower_bound=1)
+  num_keys: int = config_flags.field(  # S
+      64, "logit_scale: keys per query.", lower_bound=2)
+  # Each model of the comparison: 20 logged losses, no checkpoints, the copy
+  # task at lengths 5..15.
+  train: training.TrainConfig = config_flags.nested(
+      training.TrainConfig(steps=300, max_len=15, checkpoint_every=0,
+                           log_every=15),
+      expose={"seed": None, "steps": config_flags.Flag(
+          "logit_scale: steps per model of the scaled-vs-unscaled training "
+          "run (0 skips it).", name="scaling_train_steps", lower_bound=0)})
+  # attention_scale is set per model (1/sqrt(d_k), then 1).
+  transformer: transformer.TransformerConfig = transformer.TransformerConfig(
+      d_model=128, num_heads=1, num_layers=1, ffn_dim=256)
 
 
 def _measure(rng: jax.Array, head_dim: int, num_queries: int, num_keys: int,
@@ -89,23 +107,23 @@ def _measure(rng: jax.Array, head_dim: int, num_queries: int, num_keys: int,
   }
 
 
-def _train_comparison(config: ScalingConfig) -> dict:
+def _head_dim(config: LogitScaleConfig) -> int:
+  """d_k of the comparison's Transformer."""
+  return config.transformer.d_model // config.transformer.num_heads
+
+
+def _train_comparison(config: LogitScaleConfig) -> dict:
   """Trains the same model with and without 1/sqrt(d_k); returns both runs."""
-  train_config = training.TrainConfig(
-      task="copy", steps=config.train_steps, max_len=config.train_max_len,
-      min_len=min(5, config.train_max_len),
-      seed=config.seed, checkpoint_every=0,
-      log_every=max(1, config.train_steps // 20))
+  train = config.train
   runs = {}
   for label, scale in (("scaled", None), ("unscaled", 1.0)):
-    model = transformer.TransformerSeq2Seq(transformer.TransformerConfig(
-        d_model=config.train_d_model, num_heads=1, num_layers=1,
-        ffn_dim=2 * config.train_d_model, attention_scale=scale),
-        rngs=nnx.Rngs(config.seed))
-    stats = training.train(f"scaling/{label}", model, train_config, None)
-    length = config.train_max_len
-    batch = data.eval_batch("copy", length, seed=config.seed,
-                            num_examples=128, vocab_size=20)
+    model = transformer.TransformerSeq2Seq(
+        dataclasses.replace(config.transformer, attention_scale=scale),
+        vocab_size=train.vocab_size, rngs=nnx.Rngs(train.seed))
+    stats = training.train(f"logit_scale/{label}", model, train, None)
+    length = train.max_len
+    batch = data.eval_batch(train.task, length, seed=train.seed,
+                            num_examples=128, vocab_size=train.vocab_size)
     src, src_len, _, _, _ = training.batch_arrays(batch)
     tokens = nnx.jit(transformer.greedy, static_argnums=3)(
         model, src, src_len, length + 1)[0]
@@ -115,7 +133,7 @@ def _train_comparison(config: ScalingConfig) -> dict:
   return runs
 
 
-def run(config: ScalingConfig) -> dict:
+def run(config: LogitScaleConfig) -> dict:
   """Measures saturation against d_k; writes results.json and summary.md.
 
   Returns:
@@ -126,18 +144,18 @@ def run(config: ScalingConfig) -> dict:
   measure = jax.jit(_measure, static_argnums=(1, 2, 3, 4))
   rows = []
   for i, dim in enumerate(config.dims):
-    rng = jax.random.fold_in(jax.random.key(config.seed), i)
+    rng = jax.random.fold_in(jax.random.key(config.train.seed), i)
     for scaled in (True, False):
       scale = 1.0 / math.sqrt(dim) if scaled else 1.0
-      metrics = measure(rng, dim, config.num_queries, config.num_keys, scale)
+      measured = measure(rng, dim, config.num_queries, config.num_keys, scale)
       rows.append({"d_k": dim, "scaled": scaled,
-                   **{k: float(v) for k, v in metrics.items()}})
+                   **{k: float(v) for k, v in measured.items()}})
 
-  metrics = ["max_prob", "entropy", "saturated", "logit_grad", "grad_norm"]
-  headers = ["d_k"] + [f"{m} ({kind})" for m in metrics
+  names = ["max_prob", "entropy", "saturated", "logit_grad", "grad_norm"]
+  headers = ["d_k"] + [f"{m} ({kind})" for m in names
                        for kind in ("scaled", "unscaled")]
   by_dim = {(r["d_k"], r["scaled"]): r for r in rows}
-  table_rows = [[dim] + [by_dim[(dim, scaled)][m] for m in metrics
+  table_rows = [[dim] + [by_dim[(dim, scaled)][m] for m in names
                          for scaled in (True, False)]
                 for dim in config.dims]
   table = report.markdown_table(headers, table_rows)
@@ -149,26 +167,28 @@ def run(config: ScalingConfig) -> dict:
       "is the share of queries with a weight > 0.99; logit_grad is "
       "|d loss / d logits|, the gradient that passes the softmax; grad_norm "
       "is |d loss / d query|.\n\n" + table + "\n")
-  plots.scaling_metrics(
-      os.path.join(config.workdir, "scaling.png"), list(config.dims),
+  plots.logit_scale_metrics(
+      os.path.join(config.workdir, "logit_scale.png"), list(config.dims),
       *({m: [by_dim[(d, scaled)][m] for d in config.dims]
          for m in ("max_prob", "entropy", "saturated", "logit_grad")}
         for scaled in (True, False)))
   results = {"config": report.jsonable(dataclasses.asdict(config)),
              "rows": rows}
-  if config.train_steps:
+  if config.train.steps:
     runs = _train_comparison(config)
     results["training"] = runs
-    plots.loss_curves(os.path.join(config.workdir, "scaling_training.png"),
-                      {f"{k} (d_k={config.train_d_model})": v["loss_curve"]
-                       for k, v in runs.items()})
+    d_k, train, arch = _head_dim(config), config.train, config.transformer
+    plots.loss_curves(
+        os.path.join(config.workdir, "logit_scale_training.png"),
+        {f"{k} (d_k={d_k})": v["loss_curve"] for k, v in runs.items()})
     summary += (
-        f"\n## Training with and without the scale\n\nOne-head, one-layer "
-        f"Transformer, d_k = {config.train_d_model}, copy task, lengths "
-        f"5-{config.train_max_len}, {config.train_steps} steps each.\n\n"
+        f"\n## Training with and without the scale\n\nTransformer with "
+        f"{arch.num_heads} head(s) and {arch.num_layers} layer(s), d_k = "
+        f"{d_k}, {train.task} task, lengths {train.min_len}-{train.max_len}, "
+        f"{train.steps} steps each.\n\n"
         + report.markdown_table(
             ["model", "loss at 25%", "loss at 50%", "final loss",
-             f"token acc (len {config.train_max_len})", "seq acc"],
+             f"token acc (len {train.max_len})", "seq acc"],
             [[k, v["loss_curve"][len(v["loss_curve"]) // 4][1],
               v["loss_curve"][len(v["loss_curve"]) // 2][1], v["final_loss"],
               v["token_acc"], v["seq_acc"]] for k, v in runs.items()])
