@@ -21,9 +21,9 @@ from attention_jax.masks import causal_mask
 from attention_jax.masks import combine_masks
 from attention_jax.masks import make_attention_mask
 from attention_jax.masks import padding_mask
+from attention_jax.modules.decoder_attention import BahdanauAttention
+from attention_jax.modules.decoder_attention import LuongAttention
 from attention_jax.modules.multi_head import MultiHeadAttention
-from attention_jax.modules.seq2seq import BahdanauAttention
-from attention_jax.modules.seq2seq import LuongAttention
 from attention_jax.multi_head import attend_heads
 from attention_jax.multi_head import init_multi_head_params
 from attention_jax.multi_head import merge_heads

@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from attention_jax import _grouping
+
 
 def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
                    operands: Sequence[Any]) -> Any:
@@ -52,3 +54,28 @@ def _map_leading(fn, depth: int, ops: tuple[Any, ...]) -> Any:
   if all(ax is None for ax in in_axes):
     return jax.tree.map(lambda x: x[None], inner(*ops))
   return jax.vmap(inner, in_axes=in_axes)(*ops)
+
+
+def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
+               extra_core_ndims: Sequence[int] = ()):
+  """Runs a single-head kernel over validated operands (``_checks.Operands``).
+
+  ``head_fn(q, k, v, mask, bias, length, *extra)`` sees ``[T, H]``,
+  ``[S, H]``, ``[S, Hv]``, ``[T|1, S|1]`` mask/bias (or None) and a scalar
+  length (or None), and returns ``(out [T, Hv], weights [T, S] or None,
+  lse [T] or None)``. The results come back over the leading dims with
+  grouped heads merged again (``[..., N, T, Hv]``).
+  """
+  operands = (ops.query, ops.key, ops.value, ops.mask, ops.bias,
+              ops.lengths, *extra)
+  core = (2, 2, 2, 2, 2, 0, *extra_core_ndims)
+  out, weights, lse = broadcast_vmap(head_fn, core, operands)
+  return (_grouping.merge(out, ops.groups, -3),
+          _grouping.merge(weights, ops.groups, -3),
+          _grouping.merge(lse, ops.groups, -2))
+
+
+def results(out, weights, lse, *, return_weights: bool, return_lse: bool):
+  """The package's return convention: ``out``, then weights, then lse."""
+  extra = (weights,) * bool(return_weights) + (lse,) * bool(return_lse)
+  return (out, *extra) if extra else out

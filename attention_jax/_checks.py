@@ -1,5 +1,8 @@
 """Input validation shared by the public functions.
 
+Shape glossary: T query length, S key/value length, N query heads, K
+key/value heads, H head dim, Hv value head dim; ``...`` leading batch dims.
+
 Every check raises ``ValueError`` (shapes, values) or ``TypeError`` (dtypes)
 with a message that names the argument and the shapes it got. Nothing here
 uses ``assert``: validation must survive ``python -O``.
@@ -11,23 +14,14 @@ so they run once at trace time and cost nothing inside ``jax.jit``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def zero_unseen(seen, *arrays):
-  """Zeroes the rows of ``[..., S, F]`` arrays whose key no query may see.
-
-  ``seen`` is ``[..., S]`` bool (True where some query may attend to key j),
-  broadcastable against the arrays' leading dims. Masking the logits is not
-  enough: a NaN or inf stored in a padded key or value still meets a zero
-  weight in ``p @ v`` or in a gradient, and ``0 * NaN`` is NaN.
-  """
-  return tuple(None if x is None else
-               jnp.where(seen[..., None], x, jnp.zeros((), x.dtype))
-               for x in arrays)
+from attention_jax import _grouping
+from attention_jax import _numerics
 
 
 def shape_of(x) -> tuple[int, ...]:
@@ -66,16 +60,6 @@ def check_mask_dtype(name: str, mask) -> None:
         f"{name} must be a bool or integer array (True/non-zero = may "
         f"attend), got dtype {dtype} with shape {shape_of(mask)}. A float "
         "mask is ambiguous: pass additive values through `bias` instead.")
-
-
-def compute_dtype(*xs) -> jnp.dtype:
-  """float32 for float16/bfloat16/float32 inputs, float64 for float64 ones."""
-  return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
-
-
-def as_bool_mask(mask) -> jax.Array:
-  mask = jnp.asarray(mask)
-  return mask if mask.dtype == jnp.bool_ else mask != 0
 
 
 def broadcast_shapes(what: str, **shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -122,3 +106,119 @@ def check_dropout(dropout_rate, dropout_rng) -> None:
     raise ValueError(
         f"dropout_rate={dropout_rate} needs a dropout_rng (a "
         "jax.random.key); pass dropout_rate=0.0 for deterministic use.")
+
+
+def check_lengths(name: str, lengths) -> jax.Array | None:
+  """Integer per-example lengths as int32 (``None`` stays None)."""
+  if lengths is None:
+    return None
+  if isinstance(lengths, (list, tuple)):
+    lengths = np.asarray(lengths)
+  dtype = jnp.result_type(lengths)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {dtype} "
+                    f"with shape {shape_of(lengths)}.")
+  return jnp.asarray(lengths, jnp.int32)
+
+
+class Operands(NamedTuple):
+  """Validated attention operands, heads grouped (see ``_grouping``)."""
+  query: jax.Array  # [..., T, H]
+  key: jax.Array  # [..., S, H]
+  value: jax.Array  # [..., S, Hv]
+  mask: jax.Array | None  # bool [..., T|1, S|1], at least 2-D
+  bias: jax.Array | None  # float [..., T|1, S|1], at least 2-D
+  lengths: jax.Array | None  # int32 [...] key/value lengths
+  groups: _grouping.Groups | None
+  batch_shape: tuple[int, ...]  # broadcast leading dims (grouped)
+
+
+def attention_operands(query, key, value, mask=None, bias=None,
+                       key_value_seq_lengths=None) -> Operands:
+  """Checks the operands of an attention function and normalises them.
+
+  The checks are stated in the caller's terms (query heads N against
+  key/value heads K); the operands come back with the head axis split when
+  ``K`` divides ``N`` (``_grouping``), ready for ``broadcast_vmap``.
+  """
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    check_float_array(name, x)
+  check_min_rank("query", query, 2, "[..., T, H]")
+  check_min_rank("key", key, 2, "[..., S, H]")
+  check_min_rank("value", value, 2, "[..., S, Hv]")
+  q_shape, k_shape, v_shape = map(shape_of, (query, key, value))
+  if q_shape[-1] != k_shape[-1]:
+    raise ValueError(
+        f"query and key must have the same head dim H (last axis): query "
+        f"{q_shape}, key {k_shape}.")
+  if k_shape[-2] != v_shape[-2]:
+    raise ValueError(
+        f"key and value must have the same length S (axis -2): key "
+        f"{k_shape}, value {v_shape}.")
+  t, s = q_shape[-2], k_shape[-2]
+  groups = _grouping.find(q_shape, k_shape)
+
+  def as_query_heads(shape):  # K key/value heads checked as N query heads
+    if groups is None or len(shape) < 3 or shape[-3] != groups.num_kv_heads:
+      return shape
+    return shape[:-3] + (groups.num_heads,) + shape[-2:]
+
+  leading = {"query": q_shape[:-2], "key": as_query_heads(k_shape)[:-2],
+             "value": as_query_heads(v_shape)[:-2]}
+  if mask is not None:
+    check_mask_dtype("mask", mask)
+    mask = _numerics.as_bool_mask(mask)
+    if mask.ndim < 2:
+      mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+    check_broadcastable_to("mask", mask.shape[-2:], (t, s), "[T, S]")
+    leading["mask"] = mask.shape[:-2]
+  if bias is not None:
+    check_float_array("bias", bias)
+    bias = jnp.asarray(bias)
+    if bias.ndim < 2:
+      bias = bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
+    check_broadcastable_to("bias", bias.shape[-2:], (t, s), "[T, S]")
+    leading["bias"] = bias.shape[:-2]
+  what = "leading (batch) dimensions of the attention operands"
+  if len(q_shape) == 4 and len(k_shape) == 4 and groups is None:
+    what += (" (4-D operands are [B, N, T, H] queries over [B, K, S, H] "
+             "keys/values: K must be 1, N or a divisor of N)")
+  batch_shape = broadcast_shapes(what, **leading)
+  lengths = check_lengths("key_value_seq_lengths", key_value_seq_lengths)
+  if lengths is not None:
+    # One axis per leading dim (or a scalar): a [B] array against [B, N]
+    # leading dims would otherwise be read as per-head lengths when B == N.
+    if lengths.ndim not in (0, len(batch_shape)):
+      raise ValueError(
+          f"key_value_seq_lengths with shape {lengths.shape} must have one "
+          f"axis per leading dim of the operands {batch_shape} (size 1 to "
+          f"broadcast), e.g. lengths[:, None] for [B, N, T, H] inputs, or "
+          f"be a scalar.")
+    leading["key_value_seq_lengths"] = lengths.shape
+    batch_shape = broadcast_shapes(what, **leading)
+  query, key, value = (_grouping.split(jnp.asarray(x), groups, -3)
+                       for x in (query, key, value))
+  mask, bias = (_grouping.split(x, groups, -3) for x in (mask, bias))
+  lengths = _grouping.split(lengths, groups, -1)
+  if groups is not None:
+    batch_shape = batch_shape[:-1] + (groups.num_kv_heads,
+                                      groups.num_heads // groups.num_kv_heads)
+  return Operands(query, key, value, mask, bias, lengths, groups,
+                  batch_shape)
+
+
+def check_head_counts(d_model: int, num_heads: int,
+                      num_kv_heads: int | None) -> int:
+  """Validates ``D``, ``N`` and ``K``; returns ``K`` (``N`` when None)."""
+  check_positive_int("d_model", d_model)
+  check_positive_int("num_heads", num_heads)
+  if num_kv_heads is None:
+    num_kv_heads = num_heads
+  check_positive_int("num_kv_heads", num_kv_heads)
+  if d_model % num_heads:
+    raise ValueError(f"d_model={d_model} must be divisible by num_heads="
+                     f"{num_heads}.")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_heads={num_heads} must be divisible by "
+                     f"num_kv_heads={num_kv_heads}.")
+  return num_kv_heads

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import _checks
+from attention_jax import _numerics
 from attention_jax import softmax
 
 
@@ -49,8 +50,8 @@ def prepare(query, keys, values, mask) -> Inputs:
                      "batch size B.")
   single_step = len(q_shape) == 2
   out_dtype = jnp.result_type(query, keys, values)
-  f32 = _checks.compute_dtype(out_dtype)
-  query = jnp.asarray(query, f32)
+  compute_dtype = _numerics.compute_dtype(out_dtype)
+  query = jnp.asarray(query, compute_dtype)
   if single_step:
     query = query[:, None, :]  # [B, 1, Dq]
   b, t = query.shape[:2]
@@ -64,20 +65,22 @@ def prepare(query, keys, values, mask) -> Inputs:
     else:
       _checks.check_rank("mask", mask, (2, 3), "[B, S] or [B, T, S]")
       _checks.check_broadcastable_to("mask", m_shape, (b, t, s), "[B, T, S]")
-    mask = _checks.as_bool_mask(mask)
-  keys, values = jnp.asarray(keys, f32), jnp.asarray(values, f32)
+    mask = _numerics.as_bool_mask(mask)
+  keys = jnp.asarray(keys, compute_dtype)
+  values = jnp.asarray(values, compute_dtype)
   seen = None
   if mask is not None:  # padding may hold NaN: zero keys no step may see
     seen = jnp.any(mask, axis=1)  # [B|1, S]
-    keys, values = _checks.zero_unseen(seen, keys, values)
-  return Inputs(query, keys, values, mask, seen, single_step, out_dtype, f32)
+    keys, values = _numerics.zero_unseen(seen, keys, values)
+  return Inputs(query, keys, values, mask, seen, single_step, out_dtype,
+                compute_dtype)
 
 
 def hide_unseen(inputs: Inputs, x):
   """``x [B, S, F]`` with the rows of keys no step may see zeroed."""
   if inputs.seen is None:
     return x
-  return _checks.zero_unseen(inputs.seen, jnp.asarray(x))[0]
+  return _numerics.zero_unseen(inputs.seen, jnp.asarray(x))[0]
 
 
 def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],

@@ -21,6 +21,7 @@ from jax.typing import ArrayLike
 
 from attention_jax import _checks
 from attention_jax import _decoder_attention
+from attention_jax import _numerics
 
 Params = dict[str, jax.Array]
 
@@ -99,18 +100,18 @@ def precompute_additive_keys(params: Params, keys: ArrayLike) -> jax.Array:
     >>> p = init_additive_params(jax.random.key(0), 6, 4, 8)
     >>> keys = jnp.ones((2, 5, 4))
     >>> pk = precompute_additive_keys(p, keys)  # once per sequence
-    >>> ctx, w = additive_attention(p, jnp.ones((2, 6)), keys, projected_keys=pk)
+    >>> ctx = additive_attention(p, jnp.ones((2, 6)), keys, projected_keys=pk)
     >>> pk.shape, ctx.shape
     ((2, 5, 8), (2, 4))
   """
   _checks.check_float_array("keys", keys)
   _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
   _check_params(params, None, _checks.shape_of(keys))
-  f32 = _checks.compute_dtype(keys, params["W_k"])
-  projected = jnp.einsum("BSK,KA->BSA", jnp.asarray(keys, f32),
-                         params["W_k"].astype(f32))
+  compute_dtype = _numerics.compute_dtype(keys, params["W_k"])
+  projected = jnp.einsum("BSK,KA->BSA", jnp.asarray(keys, compute_dtype),
+                         params["W_k"].astype(compute_dtype))
   if "b" in params:
-    projected = projected + params["b"].astype(f32)[None, None, :]
+    projected = projected + params["b"].astype(compute_dtype)[None, None, :]
   return projected
 
 
@@ -122,7 +123,8 @@ def additive_attention(
     mask: ArrayLike | None = None,
     *,
     projected_keys: ArrayLike | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    return_weights: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Bahdanau attention of decoder state(s) over encoder states.
 
   Args:
@@ -134,17 +136,19 @@ def additive_attention(
       to ``[B, T, S]``; True (non-zero) = may attend.
     projected_keys: optional ``precompute_additive_keys(params, keys)``,
       reused across decoder steps.
+    return_weights: also return the attention weights.
 
   Returns:
-    ``(context, weights)``: ``[B, Dv]`` and float32 ``[B, S]`` for a
-    single-step query, else ``[B, T, Dv]`` and ``[B, T, S]``. Scores and
-    softmax run in float32 (float64 for float64 inputs, as are the weights);
-    ``context`` has the inputs' promoted dtype. A row
-    with nothing to attend to gets zero weights and a zero context.
+    ``context`` ``[B, Dv]`` for a single-step query, else ``[B, T, Dv]``, in
+    the inputs' promoted dtype; with ``return_weights``, ``(context,
+    weights)`` with float32 weights ``[B, S]`` or ``[B, T, S]``. Scores and
+    softmax run in float32 (float64 for float64 inputs, as are the weights).
+    A row with nothing to attend to gets zero weights and a zero context.
 
   Example:
     >>> p = init_additive_params(jax.random.key(0), 6, 4, 8)
-    >>> ctx, w = additive_attention(p, jnp.ones((2, 6)), jnp.ones((2, 5, 4)))
+    >>> ctx, w = additive_attention(p, jnp.ones((2, 6)), jnp.ones((2, 5, 4)),
+    ...                             return_weights=True)
     >>> ctx.shape, w.shape
     ((2, 4), (2, 5))
   """
@@ -158,11 +162,13 @@ def additive_attention(
     _checks.check_float_array("projected_keys", projected_keys)
     _decoder_attention.check_projected_keys(
         projected_keys, keys, hidden, "precompute_additive_keys")
-  f32 = inputs.compute_dtype
-  w_q, v = params["W_q"].astype(f32), params["v"].astype(f32)
+  compute_dtype = inputs.compute_dtype
+  w_q = params["W_q"].astype(compute_dtype)
+  v = params["v"].astype(compute_dtype)
 
   def score_one(q, key_hidden):  # [Dq], [S, A] -> [S]
     return additive_score(q @ w_q, key_hidden, v)
 
-  return _decoder_attention.attend(score_one, inputs,
-                                   jnp.asarray(projected_keys, f32))
+  context, weights = _decoder_attention.attend(
+      score_one, inputs, jnp.asarray(projected_keys, compute_dtype))
+  return (context, weights) if return_weights else context

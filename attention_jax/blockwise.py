@@ -1,363 +1,37 @@
 """Memory-efficient (flash-style) attention: online softmax over key blocks.
 
-Shape glossary: T query length, S key/value length, H head dim, Hv value head
-dim; ``...`` leading batch dims that broadcast (e.g. ``B, N``); bq/bk query
-and key block sizes.
+Shape glossary: T query length, S key/value length, N query heads, K
+key/value heads, H head dim, Hv value head dim; ``...`` leading batch dims
+that broadcast (e.g. ``B, N``).
 
-Never more than one ``[bq, bk]`` block of scores exists at a time
-(Rabe & Staats 2021; FlashAttention-2, Dao 2023). The forward pass walks the
-query blocks; for each it runs the online softmax over the key blocks it may
-see (causal attention stops at the diagonal, key lengths at the last valid
-block) and keeps only the output and the row log-sum-exp. The backward pass
-is a ``jax.custom_vjp`` that recomputes each block's probabilities from that
-log-sum-exp (``D = rowsum(dO * O)``, ``dS = P * (dP - D)``), walking the key
-blocks and, for each, only the query blocks that can see it.
-
-Conventions are ``scaled_dot_product_attention``'s: masks True = may attend,
-causal bottom-right aligned, a query with nothing to attend to gets output 0
-and zero gradients, float32 logits and accumulation for 16-bit inputs (the
-probabilities meet the values in the values' dtype, so bf16 runs bf16 dots
-with float32 accumulation).
-
-Causality is written with an ``offset``: key column ``c`` is visible to query
-row ``r`` when ``c <= r + offset``. ``blockwise_attention`` passes the static
-``S - T`` (bottom-right alignment); ``ring.ring_attention`` passes, per step,
-the offset of the key block it holds relative to its query block, so blocks
-wholly in the future cost no work.
+The public entry point of ``_flash``, the block core it shares with
+``ring_attention``: validation, then the single-head core lifted over the
+leading dims. Never more than one ``[block_q, block_k]`` block of scores per
+head exists at a time; the backward pass is a custom VJP that recomputes the
+blocks (FlashAttention-2).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import dot_product
-
-
-class _Static(NamedTuple):
-  scale: float
-  is_causal: bool
-  t: int  # true (unpadded) lengths
-  s: int
-  bq: int
-  bk: int
-
-
-def _cdiv(a, b):
-  return -(-a // b)
-
-
-def _pad_axis(x, axis: int, size: int, value):
-  """Pads ``axis`` of ``x`` up to ``size``; size-1 (broadcast) axes stay."""
-  if x is None or x.shape[axis] in (1, size):
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=value)
-
-
-def _tile(x, i0, j0, bq: int, bk: int):
-  """The ``[bq, bk]`` block of a ``[T|1, S|1]`` operand at ``(i0, j0)``."""
-  rows, cols = x.shape
-  block = jax.lax.dynamic_slice(
-      x, (i0 if rows != 1 else 0, j0 if cols != 1 else 0),
-      (bq if rows != 1 else 1, bk if cols != 1 else 1))
-  return jnp.broadcast_to(block, (bq, bk))
-
-
-def _key_rows(st: _Static, x, j0, length):
-  """Rows ``[j0, j0 + bk)`` of keys or values, zero past ``length``.
-
-  Zeroing (not just masking the logits) keeps NaN or inf in padded key/value
-  positions out of ``p @ v`` and of the gradients (0 * NaN is NaN). Rows past
-  ``S`` are already the zeros ``_single_head`` padded with.
-  """
-  rows = jax.lax.dynamic_slice_in_dim(x, j0, st.bk)
-  if length is None:
-    return rows
-  valid = j0 + jnp.arange(st.bk) < length
-  return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
-
-
-def _zero_like_all(*operands):
-  """A float32 scalar 0 that varies over every manual mesh axis the operands do.
-
-  Inside ``jax.shard_map`` a loop carry must keep its varying-axes type; fresh
-  constants (``jnp.zeros``) vary over none, so loop inits add this zero.
-  """
-  zero = jnp.zeros((), jnp.float32)
-  for x in operands:
-    if x is not None:
-      zero = zero + jnp.zeros_like(x, jnp.float32, shape=())
-  return zero
-
-
-def _block_logits(st: _Static, qi, kj, i0, j0, mask, bias, length, offset,
-                  scale=None):
-  """Scaled, biased float32 logits of one block and where they are allowed.
-
-  ``ok`` is None when every entry is allowed, statically: the common
-  unmasked case then pays for no mask passes over the block. Padded query
-  rows (past ``T``) need no mask: their outputs are dropped and their
-  cotangents are zero.
-  """
-  scale = st.scale if scale is None else scale
-  logits = jnp.einsum("TH,SH->TS", qi, kj,
-                      preferred_element_type=jnp.float32)  # [bq, bk]
-  if scale != 1.0:
-    logits = logits * scale
-  ok = None
-
-  def both(extra):
-    return extra if ok is None else ok & extra
-
-  cols = j0 + jnp.arange(st.bk)[None, :]  # [1, bk]
-  if bias is not None:
-    logits = logits + _tile(bias, i0, j0, st.bq, st.bk).astype(jnp.float32)
-    ok = both(logits > -jnp.inf)
-  if st.s % st.bk:
-    ok = both(cols < st.s)
-  if length is not None:
-    ok = both(cols < length)
-  if st.is_causal:
-    rows = i0 + jnp.arange(st.bq)[:, None]  # [bq, 1]
-    ok = both(cols <= rows + offset)
-  if mask is not None:
-    ok = both(_tile(mask, i0, j0, st.bq, st.bk))
-  return logits, ok
-
-
-def _masked_exp(logits, ok, shift, scale=1.0):
-  """``exp((logits - shift) * scale)``, 0 where not ``ok`` (no inf - inf)."""
-  if ok is None:
-    return jnp.exp((logits - shift[:, None]) * scale)
-  return jnp.where(
-      ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0) * scale), 0.0)
-
-
-def _key_block_range(st: _Static, i0, length, offset, num_k: int):
-  """Key blocks ``[0, hi)`` that query block ``i0`` may see."""
-  hi = num_k
-  if st.is_causal:  # the block's last row sees columns <= i0 + bq - 1 + offset
-    hi = jnp.clip(_cdiv(i0 + st.bq + offset, st.bk), 0, num_k)
-  if length is not None:
-    hi = jnp.minimum(hi, _cdiv(length, st.bk))
-  return hi
-
-
-def _forward(st: _Static, q, k, v, mask, bias, length, offset):
-  """Online softmax; returns ``(out [Tp, Hv] f32, lse [Tp] f32)``."""
-  num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
-  hv = v.shape[-1]
-  # Without a bias, softmax(scale * l) is computed on the raw logits l with
-  # the scale applied inside exp(): max(scale * l) = scale * max(l) for
-  # scale > 0, and XLA:CPU then runs no separate multiply pass over each
-  # [bq, bk] block (it would not fuse it into the dot). Row maxima are in
-  # raw-logit units; lse is converted back at the end.
-  defer = bias is None and st.scale > 0
-  later = st.scale if defer else 1.0
-
-  def query_block(i):
-    i0 = i * st.bq
-    qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)  # [bq, H]
-
-    def key_block(j, carry):
-      row_max, total, acc = carry
-      j0 = j * st.bk
-      kj = _key_rows(st, k, j0, length)  # [bk, H]
-      vj = _key_rows(st, v, j0, length)  # [bk, Hv]
-      logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
-                                 offset, scale=1.0 if defer else None)
-      allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
-      new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
-      shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-      p = _masked_exp(logits, ok, shift, later)  # [bq, bk]
-      rescale = jnp.exp((row_max - shift) * later)  # 0 while row_max = -inf
-      total = total * rescale + p.sum(-1)
-      acc = acc * rescale[:, None] + jnp.einsum(
-          "TS,SV->TV", p.astype(v.dtype), vj,
-          preferred_element_type=jnp.float32)
-      return new_max, total, acc
-
-    zero = _zero_like_all(q, k, v, mask, bias, length, offset)
-    init = (jnp.full((st.bq,), -jnp.inf, jnp.float32) + zero,
-            jnp.zeros((st.bq,), jnp.float32) + zero,
-            jnp.zeros((st.bq, hv), jnp.float32) + zero)
-    hi = _key_block_range(st, i0, length, offset, num_k)
-    row_max, total, acc = jax.lax.fori_loop(0, hi, key_block, init)
-    seen = total > 0
-    out = acc / jnp.where(seen, total, 1.0)[:, None]
-    lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-                    * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    return out, lse
-
-  out, lse = jax.lax.map(query_block, jnp.arange(num_q))
-  return out.reshape(-1, hv), lse.reshape(-1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: _Static, q, k, v, mask, bias, length, offset):
-  out, lse = _forward(st, q, k, v, mask, bias, length, offset)
-  return out.astype(v.dtype), lse
-
-
-def _attend_fwd(st, q, k, v, mask, bias, length, offset):
-  out, lse = _forward(st, q, k, v, mask, bias, length, offset)
-  out = out.astype(v.dtype)
-  return (out, lse), (q, k, v, mask, bias, length, offset, out, lse)
-
-
-def _attend_bwd(st, residuals, cotangents):
-  q, k, v, mask, bias = residuals[:5]
-  dq, dk, dv, dbias = _backward(st, residuals, cotangents)
-  dbias = None if bias is None else dbias.astype(bias.dtype)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
-          dbias, None, None)
-
-
-def _backward(st, residuals, cotangents):
-  """FlashAttention-2 backward; float32 ``(dq, dk, dv, dbias)``.
-
-  ``out`` and ``lse`` in ``residuals`` may be those of a longer key sequence
-  of which ``k``/``v`` are one block (ring attention): ``P = exp(S - lse)``
-  are then that block's share of the global probabilities, and the returned
-  gradients are its share of the global ones.
-  """
-  q, k, v, mask, bias, length, offset, out, lse = residuals
-  d_out, d_lse = cotangents
-  f32 = jnp.float32
-  num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
-  d_out = d_out.astype(f32)
-  delta = jnp.sum(d_out * out.astype(f32), -1) - d_lse  # [Tp]
-  row_ok = jnp.isfinite(lse)
-  lse_safe = jnp.where(row_ok, lse, 0.0)
-
-  def key_block(carry, j):
-    dq, dbias = carry
-    j0 = j * st.bk
-    kj = _key_rows(st, k, j0, length)
-    vj = _key_rows(st, v, j0, length)
-    lo = 0
-    if st.is_causal:  # first query row that sees column j0: j0 - offset
-      lo = jnp.clip((j0 - offset) // st.bq, 0, num_q)
-    hi = num_q
-    if length is not None:
-      hi = jnp.where(j0 < length, num_q, lo)  # a block of padding: skip
-
-    def query_block(i, inner):
-      dkj, dvj, dq, dbias = inner
-      i0 = i * st.bq
-      qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)
-      doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
-      logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
-                                 offset)
-      if ok is not None:  # rows with nothing to attend have lse = -inf
-        ok = ok & jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
-      lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
-      p = _masked_exp(logits, ok, lse_i)  # [bq, bk]
-      dvj = dvj + jnp.einsum("TS,TV->SV", p, doi)
-      dp = jnp.einsum("TV,SV->TS", doi, vj.astype(f32))
-      ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i0, st.bq)[:, None])
-      dkj = dkj + jnp.einsum("TS,TH->SH", ds, qi.astype(f32)) * st.scale
-      dqi = jnp.einsum("TS,SH->TH", ds, kj.astype(f32)) * st.scale
-      dq = jax.lax.dynamic_update_slice_in_dim(
-          dq, jax.lax.dynamic_slice_in_dim(dq, i0, st.bq) + dqi, i0, 0)
-      if dbias is not None:
-        rows, cols = dbias.shape
-        tile = ds
-        if rows == 1:
-          tile = tile.sum(0, keepdims=True)
-        if cols == 1:
-          tile = tile.sum(1, keepdims=True)
-        at = (i0 if rows != 1 else 0, j0 if cols != 1 else 0)
-        dbias = jax.lax.dynamic_update_slice(
-            dbias, jax.lax.dynamic_slice(dbias, at, tile.shape) + tile, at)
-      return dkj, dvj, dq, dbias
-
-    init = (jnp.zeros(kj.shape, f32) + zero, jnp.zeros(vj.shape, f32) + zero,
-            dq, dbias)
-    dkj, dvj, dq, dbias = jax.lax.fori_loop(lo, hi, query_block, init)
-    return (dq, dbias), (dkj, dvj)
-
-  zero = _zero_like_all(q, k, v, mask, bias, length, offset, d_out, lse)
-  dbias0 = None if bias is None else jnp.zeros(bias.shape, f32) + zero
-  (dq, dbias), (dk, dv) = jax.lax.scan(
-      key_block, (jnp.zeros(q.shape, f32) + zero, dbias0), jnp.arange(num_k))
-  return dq, dk.reshape(k.shape), dv.reshape(v.shape), dbias
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def _padded(q, k, v, *, scale, is_causal, block_q, block_k):
-  """One head's static config and q, k, v padded to whole blocks."""
-  t, s = q.shape[0], k.shape[0]
-  bq, bk = min(block_q, t), min(block_k, s)
-  tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
-  st = _Static(float(scale), bool(is_causal), t, s, bq, bk)
-  return st, _pad_axis(q, 0, tp, 0), _pad_axis(k, 0, sp, 0), _pad_axis(
-      v, 0, sp, 0)
-
-
-def _single_head(q, k, v, mask, bias, length, *, out_dtype, **blocks):
-  """One head: pads to whole blocks, attends, strips the padding."""
-  if mask is not None:  # keys no query sees may hold NaN: zero them
-    k, v = _checks.zero_unseen(jnp.any(mask, axis=0), k, v)  # [S|1]
-  st, q, k, v = _padded(q, k, v, **blocks)
-  tp, sp = q.shape[0], k.shape[0]
-  if mask is not None:
-    mask = _pad_axis(_pad_axis(mask, 0, tp, False), 1, sp, False)
-  if bias is not None:
-    bias = _pad_axis(_pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
-  out, lse = _attend(st, q, k, v, mask, bias, length, st.s - st.t)
-  return out[:st.t].astype(out_dtype), lse[:st.t]
-
-
-def _validate(name, query, key, value, mask, bias, key_lengths, block_q,
-              block_k, scale):
-  """Checks shared by ``blockwise_attention`` and ``ring_attention``.
-
-  Returns ``(mask, bias, lengths int32 or None, scale, out_dtype)``.
-  """
-  extra = {}
-  if key_lengths is not None:
-    dtype = jnp.result_type(key_lengths)
-    if not jnp.issubdtype(dtype, jnp.integer):
-      raise TypeError(f"key_lengths must be an integer array, got dtype "
-                      f"{dtype} with shape {_checks.shape_of(key_lengths)}.")
-    extra["key_lengths"] = _checks.shape_of(key_lengths)
-  mask, bias, _ = dot_product.validate_operands(query, key, value, mask,
-                                                bias, **extra)
-  _checks.check_positive_int("block_q", block_q)
-  _checks.check_positive_int("block_k", block_k)
-  h = _checks.shape_of(query)[-1]
-  scale = 1.0 / math.sqrt(h) if scale is None else scale
-  out_dtype = jnp.result_type(query, key, value)
-  if jnp.promote_types(out_dtype, jnp.float32) != jnp.float32:
-    raise TypeError(f"{name} computes in float32; got float64 inputs (use "
-                    "scaled_dot_product_attention for float64).")
-  lengths = None if key_lengths is None else jnp.asarray(key_lengths,
-                                                         jnp.int32)
-  return mask, bias, lengths, scale, out_dtype
+from attention_jax import _flash
 
 
 def blockwise_attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
-    *,
     mask: ArrayLike | None = None,
-    key_lengths: ArrayLike | None = None,
+    *,
     bias: ArrayLike | None = None,
-    is_causal: bool = False,
     scale: float | None = None,
+    is_causal: bool = False,
+    key_value_seq_lengths: ArrayLike | None = None,
     block_q: int = 1024,
     block_k: int = 256,
     return_lse: bool = False,
@@ -365,43 +39,46 @@ def blockwise_attention(
   """Attention in O(T + S) memory: ``softmax(q k^T * scale + bias) v`` by blocks.
 
   Args:
-    query: float ``[..., T, H]``.
-    key: float ``[..., S, H]``.
+    query: float ``[..., T, H]`` (float16, bfloat16 or float32).
+    key: float ``[..., S, H]``; 4-D ``[B, K, S, H]`` against
+      ``[B, N, T, H]`` queries with ``K`` dividing ``N`` is grouped-query
+      attention.
     value: float ``[..., S, Hv]``.
     mask: optional bool/integer broadcastable to ``[..., T, S]`` (True = may
       attend). A dense mask costs ``T x S`` memory of its own: prefer
-      ``key_lengths`` and ``is_causal``, which cost nothing.
-    key_lengths: optional integer array broadcastable to the leading dims
-      ``...`` (e.g. ``[B, 1]`` for ``[B, N, T, H]`` inputs): keys at positions
-      ``>= key_lengths`` are padding. Key blocks entirely past the length are
-      skipped.
+      ``key_value_seq_lengths`` and ``is_causal``, which cost nothing.
     bias: optional float broadcastable to ``[..., T, S]``; differentiable.
+    scale: defaults to ``1/sqrt(H)``.
     is_causal: bottom-right aligned causal mask; blocks above the diagonal
       are skipped, forward and backward.
-    scale: defaults to ``1/sqrt(H)``.
+    key_value_seq_lengths: optional integer array with one axis per leading
+      dim (size 1 broadcasts; e.g. ``[B, 1]`` for ``[B, N, T, H]`` inputs):
+      keys at positions ``>= key_value_seq_lengths`` are padding. Key blocks
+      entirely past the length are skipped.
     block_q: query block size (clipped to T).
     block_k: key block size (clipped to S). Lengths need not be multiples.
     return_lse: also return the log-sum-exp of each query row's logits.
 
   Returns:
-    ``output [..., T, Hv]`` in the inputs' dtype, and with ``return_lse``
-    also ``lse [..., T]`` (float32; ``-inf`` for rows with nothing to attend
-    to, whose output is 0). Gradients flow to query, key, value and bias.
+    ``output [..., T, Hv]`` in the inputs' dtype, or ``(output, lse)`` with
+    ``return_lse`` (``lse [..., T]`` float32; ``-inf`` for rows with nothing
+    to attend to, whose output is 0). Gradients flow to query, key, value
+    and bias, through ``lse`` as well.
 
   Example:
     >>> q = jnp.ones((2, 4, 100, 16))   # [B, N, T, H]
-    >>> kv = jnp.ones((2, 1, 300, 16))  # one KV head shared by the 4 (GQA)
+    >>> kv = jnp.ones((2, 2, 300, 16))  # K=2 KV heads for the N=4 (GQA)
     >>> lengths = jnp.array([[300], [120]])  # [B, 1]
-    >>> blockwise_attention(q, kv, kv, key_lengths=lengths, block_k=128).shape
+    >>> blockwise_attention(q, kv, kv, key_value_seq_lengths=lengths,
+    ...                     block_k=128).shape
     (2, 4, 100, 16)
   """
-  mask, bias, lengths, scale, out_dtype = _validate(
-      "blockwise_attention", query, key, value, mask, bias, key_lengths,
-      block_q, block_k, scale)
-  head = functools.partial(_single_head, scale=scale, is_causal=is_causal,
-                           block_q=block_q, block_k=block_k,
-                           out_dtype=out_dtype)
-  operands = (jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), mask,
-              bias, lengths)
-  out, lse = _broadcast.broadcast_vmap(head, (2, 2, 2, 2, 2, 0), operands)
-  return (out, lse) if return_lse else out
+  ops, scale, out_dtype = _flash.validate(
+      "blockwise_attention", query, key, value, mask, bias,
+      key_value_seq_lengths, block_q, block_k, scale)
+  head = functools.partial(_flash.single_head, scale=scale,
+                           is_causal=is_causal, block_q=block_q,
+                           block_k=block_k, out_dtype=out_dtype)
+  out, _, lse = _broadcast.lift_heads(head, ops)
+  return _broadcast.results(out, None, lse, return_weights=False,
+                            return_lse=return_lse)

@@ -28,6 +28,7 @@ from jax.typing import ArrayLike
 
 from attention_jax import _checks
 from attention_jax import _decoder_attention
+from attention_jax import _numerics
 from attention_jax import additive
 
 Params = dict[str, jax.Array]
@@ -119,14 +120,15 @@ def _check_params(score: str, params, dq: int | None, dk: int) -> int:
   return w[1]
 
 
-def precompute_luong_keys(keys: ArrayLike, *, score: str = "dot",
-                          params: Params | None = None) -> jax.Array:
+def precompute_luong_keys(params: Params | None, keys: ArrayLike, *,
+                          score: str = "dot") -> jax.Array:
   """The step-independent key side of a Luong score.
 
   Args:
+    params: the score's parameters (``init_luong_params``); None or ``{}``
+      for ``dot``.
     keys: float ``[B, S, Dk]``.
     score: ``"dot"``, ``"general"`` or ``"concat"``.
-    params: the score's parameters.
 
   Returns:
     ``[B, S, F]`` in float32 (float64 for float64 inputs): the keys
@@ -136,7 +138,7 @@ def precompute_luong_keys(keys: ArrayLike, *, score: str = "dot",
   Example:
     >>> p = init_luong_params(jax.random.key(0), 6, 4, score="concat",
     ...                       hidden_features=8)
-    >>> precompute_luong_keys(jnp.ones((2, 5, 4)), score="concat", params=p).shape
+    >>> precompute_luong_keys(p, jnp.ones((2, 5, 4)), score="concat").shape
     (2, 5, 8)
   """
   _check_score(score)
@@ -144,50 +146,53 @@ def precompute_luong_keys(keys: ArrayLike, *, score: str = "dot",
   _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
   dk = _checks.shape_of(keys)[-1]
   _check_params(score, params, None, dk)
-  f32 = _checks.compute_dtype(keys, *(params or {}).values())
-  keys = jnp.asarray(keys, f32)
+  compute_dtype = _numerics.compute_dtype(keys, *(params or {}).values())
+  keys = jnp.asarray(keys, compute_dtype)
   if score == "dot":
     return keys
-  w = params["W"].astype(f32)
+  w = params["W"].astype(compute_dtype)
   if score == "general":
     return jnp.einsum("BSK,QK->BSQ", keys, w)  # [B, S, Dq]
   return jnp.einsum("BSK,KA->BSA", keys, w[w.shape[0] - dk:])  # [B, S, A]
 
 
 def luong_attention(
+    params: Params | None,
     query: ArrayLike,
     keys: ArrayLike,
     values: ArrayLike | None = None,
     mask: ArrayLike | None = None,
     *,
     score: str = "dot",
-    params: Params | None = None,
     scale: float | None = None,
     projected_keys: ArrayLike | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    return_weights: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Luong attention of decoder state(s) over encoder states.
 
   Args:
+    params: the score's parameters (``init_luong_params``); None or ``{}``
+      for ``dot``.
     query: float ``[B, Dq]`` (one decoder step) or ``[B, T, Dq]``.
     keys: float ``[B, S, Dk]`` encoder states.
     values: float ``[B, S, Dv]``; defaults to ``keys``.
     mask: bool/integer ``[B, S]`` (key padding, every step) or broadcastable
       to ``[B, T, S]``; True (non-zero) = may attend.
     score: ``"dot"``, ``"general"`` or ``"concat"``.
-    params: the score's parameters (``init_luong_params``); may be omitted
-      for ``dot``.
     scale: optional explicit multiplier of the scores (e.g.
       ``1/sqrt(Dk)``); a learned ``params["scale"]`` multiplies as well.
-    projected_keys: optional ``precompute_luong_keys(keys, score=...,
-      params=...)``, reused across decoder steps.
+    projected_keys: optional ``precompute_luong_keys(params, keys,
+      score=...)``, reused across decoder steps.
+    return_weights: also return the attention weights.
 
   Returns:
-    ``(context, weights)``: ``[B, Dv]`` and float32 (float64 for float64
-    inputs) ``[B, S]`` for a single-step query, else ``[B, T, Dv]`` and
-    ``[B, T, S]``.
+    ``context`` ``[B, Dv]`` for a single-step query, else ``[B, T, Dv]``;
+    with ``return_weights``, ``(context, weights)`` with float32 (float64
+    for float64 inputs) weights ``[B, S]`` or ``[B, T, S]``.
 
   Example:
-    >>> ctx, w = luong_attention(jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4)))
+    >>> ctx, w = luong_attention(None, jnp.ones((2, 3, 4)),
+    ...                          jnp.ones((2, 5, 4)), return_weights=True)
     >>> ctx.shape, w.shape
     ((2, 3, 4), (2, 3, 5))
   """
@@ -197,21 +202,20 @@ def luong_attention(
   width = _check_params(score, params, dq, dk)
   if projected_keys is None:
     projected_keys = precompute_luong_keys(
-        _decoder_attention.hide_unseen(inputs, keys), score=score,
-        params=params)
+        params, _decoder_attention.hide_unseen(inputs, keys), score=score)
   else:
     _checks.check_float_array("projected_keys", projected_keys)
     _decoder_attention.check_projected_keys(
         projected_keys, keys, width, "precompute_luong_keys")
-  f32 = inputs.compute_dtype
+  compute_dtype = inputs.compute_dtype
   params = {} if params is None else params
-  multiplier = jnp.asarray(1.0 if scale is None else scale, f32)
+  multiplier = jnp.asarray(1.0 if scale is None else scale, compute_dtype)
   if "scale" in params:
-    multiplier = multiplier * params["scale"].astype(f32).reshape(())
+    multiplier = multiplier * params["scale"].astype(compute_dtype).reshape(())
 
   if score == "concat":
-    w_query = params["W"][:dq].astype(f32)  # [Dq, A]
-    v = params["v"].astype(f32)
+    w_query = params["W"][:dq].astype(compute_dtype)  # [Dq, A]
+    v = params["v"].astype(compute_dtype)
 
     def score_one(q, key_side):  # [Dq], [S, A] -> [S]
       return multiplier * additive.additive_score(q @ w_query, key_side, v)
@@ -220,5 +224,6 @@ def luong_attention(
     def score_one(q, key_side):  # [Dq], [S, Dq] -> [S]
       return multiplier * (key_side @ q)
 
-  return _decoder_attention.attend(score_one, inputs,
-                                   jnp.asarray(projected_keys, f32))
+  context, weights = _decoder_attention.attend(
+      score_one, inputs, jnp.asarray(projected_keys, compute_dtype))
+  return (context, weights) if return_weights else context

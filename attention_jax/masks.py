@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax import _checks
+from attention_jax import _numerics
 
 
 def causal_mask(q_len: int, kv_len: int | None = None) -> jax.Array:
@@ -99,13 +100,13 @@ def make_attention_mask(query_valid: ArrayLike,
     raise ValueError(
         f"query_valid {_checks.shape_of(query_valid)} and key_valid "
         f"{_checks.shape_of(key_valid)} have different batch sizes.")
-  q = _checks.as_bool_mask(query_valid)
-  k = _checks.as_bool_mask(key_valid)
+  q = _numerics.as_bool_mask(query_valid)
+  k = _numerics.as_bool_mask(key_valid)
   return (q[:, None, :, None] & k[:, None, None, :])  # [B, 1, T, S]
 
 
 def combine_masks(*masks: ArrayLike | None) -> jax.Array | None:
-  """Logical AND of masks that broadcast together; ``None``s are ignored.
+  """Logical AND of masks that broadcast together; ``None`` values are ignored.
 
   Args:
     *masks: bool or integer arrays (non-zero = may attend), or ``None``.
@@ -130,5 +131,5 @@ def combine_masks(*masks: ArrayLike | None) -> jax.Array | None:
   # Explicit broadcast: callers may run with jax_numpy_rank_promotion="raise".
   out = jnp.ones(shape, bool)
   for m in present:
-    out = out & jnp.broadcast_to(_checks.as_bool_mask(m), shape)
+    out = out & jnp.broadcast_to(_numerics.as_bool_mask(m), shape)
   return out

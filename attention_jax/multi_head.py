@@ -13,9 +13,10 @@ follow it): a kernel's output features are split into per-head kernels
 (``split_heads``), one pure per-head projection (``project``) is
 ``jax.vmap``-ed over them, the single-head attention of ``dot_product.py`` is
 vmapped over the head axes, and the head outputs are concatenated again
-(``merge_heads``) before ``W_o``. There is no reshape-and-broadcast shortcut:
-a key/value head is shared by its G query heads through ``vmap`` (unmapped
-operand), not copied.
+(``merge_heads``) before ``W_o``. A key/value head is shared by its G query
+heads through ``vmap`` (an unmapped operand), not copied. ``forward`` is the
+one projection -> attention -> output path, used with a KV cache by
+``MultiHeadAttention`` when decoding.
 """
 
 from __future__ import annotations
@@ -23,35 +24,22 @@ from __future__ import annotations
 from collections.abc import Callable
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax import _checks
+from attention_jax import _numerics
 from attention_jax import dot_product
+from attention_jax import kv_cache
+from attention_jax import masks
 from attention_jax import sharding
 
 Params = dict[str, dict[str, jax.Array]]
-# Anything with scaled_dot_product_attention's signature and return value.
-AttentionFn = Callable[..., tuple[jax.Array, Any]]
-
-
-def _check_heads(d_model: int, num_heads: int,
-                 num_kv_heads: int | None) -> int:
-  _checks.check_positive_int("d_model", d_model)
-  _checks.check_positive_int("num_heads", num_heads)
-  if num_kv_heads is None:
-    num_kv_heads = num_heads
-  _checks.check_positive_int("num_kv_heads", num_kv_heads)
-  if d_model % num_heads:
-    raise ValueError(f"d_model={d_model} must be divisible by num_heads="
-                     f"{num_heads}.")
-  if num_heads % num_kv_heads:
-    raise ValueError(f"num_heads={num_heads} must be divisible by "
-                     f"num_kv_heads={num_kv_heads}.")
-  return num_kv_heads
+# Anything with scaled_dot_product_attention's contract (see attend_heads).
+AttentionFn = Callable[..., Any]
 
 
 def init_multi_head_params(
@@ -85,7 +73,7 @@ def init_multi_head_params(
     >>> p["W_k"]["kernel"].shape
     (8, 4)
   """
-  num_kv_heads = _check_heads(d_model, num_heads, num_kv_heads)
+  num_kv_heads = _checks.check_head_counts(d_model, num_heads, num_kv_heads)
   head_dim = d_model // num_heads
   init = jax.nn.initializers.lecun_normal()
   shapes = {"W_q": (d_model, num_heads * head_dim),
@@ -183,7 +171,7 @@ def _check_params(params, d_model: int, num_heads: int,
                          f"expected {shape[1:]}.")
 
 
-def check_mask_and_bias(mask, bias, full: tuple[int, ...], layout: str):
+def _check_mask_and_bias(mask, bias, full: tuple[int, ...], layout: str):
   """Validates per-head ``mask``/``bias`` against ``full``; returns them as arrays.
 
   The mask comes back bool, the bias as a float array; ``None`` stays None.
@@ -193,22 +181,11 @@ def check_mask_and_bias(mask, bias, full: tuple[int, ...], layout: str):
       _checks.check_broadcastable_to(name, _checks.shape_of(x), full, layout)
   if mask is not None:
     _checks.check_mask_dtype("mask", mask)
-    mask = _checks.as_bool_mask(mask)
+    mask = _numerics.as_bool_mask(mask)
   if bias is not None:
     _checks.check_float_array("bias", bias)
     bias = jnp.asarray(bias)
   return mask, bias
-
-
-def _group_heads(x, num_kv_heads: int):
-  """``[B|1, N|1, ...] -> [B|1, K|1, G|1, ...]`` so K/V heads can be shared."""
-  if x is None:
-    return None
-  x = x.reshape((1,) * (4 - x.ndim) + x.shape)  # [B?, N?, T?, S?]
-  b, n, t, s = x.shape
-  if n == 1:
-    return x.reshape(b, 1, 1, t, s)
-  return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
 
 
 def attend_heads(
@@ -223,8 +200,8 @@ def attend_heads(
     dropout_rng: jax.Array | None = None,
     attention_fn: AttentionFn | None = None,
     implementation: str | None = None,
-    need_weights: bool = True,
-) -> tuple[jax.Array, jax.Array | None]:
+    return_weights: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention of N query heads over K shared key/value heads.
 
   Args:
@@ -236,97 +213,53 @@ def attend_heads(
     is_causal: bottom-right aligned causal masking.
     dropout_rate: dropout on the attention weights.
     dropout_rng: key for dropout.
-    attention_fn: replaces ``scaled_dot_product_attention`` (same signature
-      and return value); it sees ``[B, K, G, T, H]`` queries and
-      ``[B, K, 1, S, H]`` keys/values.
+    attention_fn: replaces ``scaled_dot_product_attention``, with its
+      contract: called as ``attention_fn(query, key, value, mask=...,
+      bias=..., scale=..., is_causal=...)`` on these ``[B, N, T, H]`` /
+      ``[B, K, S, H]`` operands (``mask``/``bias`` only when given;
+      ``dropout_rate``/``dropout_rng`` only when dropout is on;
+      ``return_weights=True`` only when weights are asked for), returning
+      the output (and the weights with ``return_weights``). So
+      ``aj.blockwise_attention`` plugs in as it is.
     implementation: passed to ``scaled_dot_product_attention`` (``None``
       picks; ``"dense"``, ``"blockwise"``, ``"cudnn"``) when ``attention_fn``
       is not given.
-    need_weights: whether the weights are used (``False`` lets the automatic
-      choice take a path that never forms them; weights may then be None).
+    return_weights: also return the weights.
 
   Returns:
-    ``(out [B, N, T, H], weights [B, N, T, S] or None)``.
+    ``out [B, N, T, H]``, or ``(out, weights [B, N, T, S])`` with
+    ``return_weights``.
 
   Example:
     >>> q, kv = jnp.ones((2, 4, 3, 8)), jnp.ones((2, 2, 5, 8))  # N=4, K=2
-    >>> out, w = attend_heads(q, kv, kv)
+    >>> out, w = attend_heads(q, kv, kv, return_weights=True)
     >>> out.shape, w.shape
     ((2, 4, 3, 8), (2, 4, 3, 5))
   """
-  b, num_heads, t, head_dim = query.shape
-  num_kv_heads, s = key.shape[1], key.shape[2]
-  group = num_heads // num_kv_heads
   if attention_fn is None:
     attention_fn = functools.partial(
         dot_product.scaled_dot_product_attention,
-        implementation=implementation, need_weights=need_weights)
-  q = query.reshape(b, num_kv_heads, group, t, head_dim)  # [B, K, G, T, H]
-  k = key[:, :, None]  # [B, K, 1, S, H]: shared by the group's G query heads
-  v = value[:, :, None]  # [B, K, 1, S, H]
-  out, weights = attention_fn(
-      q, k, v, _group_heads(mask, num_kv_heads),
-      bias=_group_heads(bias, num_kv_heads), scale=1.0 / math.sqrt(head_dim),
-      is_causal=is_causal, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  out = out.reshape(b, num_heads, t, value.shape[-1])  # [B, N, T, H]
-  if weights is not None:
-    weights = weights.reshape(b, num_heads, t, s)  # [B, N, T, S]
-  return out, weights
+        implementation=implementation)
+  kwargs = {"scale": 1.0 / math.sqrt(query.shape[-1]), "is_causal": is_causal}
+  if mask is not None:
+    kwargs["mask"] = mask
+  if bias is not None:
+    kwargs["bias"] = bias
+  if not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0.0):
+    kwargs.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  if return_weights:
+    kwargs["return_weights"] = True
+  return attention_fn(query, key, value, **kwargs)
 
 
-def multi_head_attention(
-    params: Params,
-    query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
-    mask: ArrayLike | None = None,
-    *,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    bias: ArrayLike | None = None,
-    is_causal: bool = False,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    attention_fn: AttentionFn | None = None,
-    implementation: str | None = None,
-    need_weights: bool = True,
-    head_axis: str | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-  """The lesson's ``MultiHeadAttention.forward`` as a pure function.
+class KVCache(NamedTuple):
+  """A key/value cache: buffers ``[B, K, L, H]`` and the filled count."""
+  key: jax.Array
+  value: jax.Array
+  index: jax.Array  # int32 scalar
 
-  Args:
-    params: from ``init_multi_head_params``.
-    query: float ``[B, T, D]``.
-    key: float ``[B, S, D]``.
-    value: float ``[B, S, D]``.
-    mask: optional bool/integer broadcastable to ``[B, N, T, S]`` (True =
-      may attend), e.g. from ``make_attention_mask``.
-    num_heads: ``N`` (static).
-    num_kv_heads: ``K`` (static); ``None`` means ``N``.
-    bias: optional float broadcastable to ``[B, N, T, S]`` added to logits.
-    is_causal: bottom-right aligned causal masking (static).
-    dropout_rate: dropout on attention weights, in ``[0, 1)`` (static).
-    dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
-    attention_fn: optional replacement for ``scaled_dot_product_attention``
-      (same signature and return value), e.g. a memory-efficient kernel.
-    implementation: ``None`` | ``"dense"`` | ``"blockwise"`` | ``"cudnn"``;
-      see ``scaled_dot_product_attention``.
-    need_weights: False allows a path that returns weights None.
-    head_axis: mesh axis the heads are split over (head parallelism, see
-      ``attention_jax.sharding``); under ``jax.set_mesh`` with that axis the
-      projected heads are pinned to it, elsewhere it is ignored. ``N`` and
-      ``K`` must divide its size.
 
-  Returns:
-    ``(output [B, T, D], weights float32 [B, N, T, S] or None)``.
-
-  Example:
-    >>> p = init_multi_head_params(jax.random.key(0), 16, 4)
-    >>> x = jnp.ones((2, 5, 16))
-    >>> out, w = multi_head_attention(p, x, x, x, num_heads=4, is_causal=True)
-    >>> out.shape, w.shape
-    ((2, 5, 16), (2, 4, 5, 5))
-  """
+def _check_inputs(query, key, value, cache: KVCache | None) -> None:
   for name, x in (("query", query), ("key", key), ("value", value)):
     _checks.check_float_array(name, x)
   _checks.check_rank("query", query, (3,), "[B, T, D]")
@@ -344,24 +277,146 @@ def multi_head_attention(
   if q_shape[0] != k_shape[0]:
     raise ValueError(f"query {q_shape} and key {k_shape} must have the same "
                      "batch size B.")
-  num_kv_heads = _check_heads(d_model, num_heads, num_kv_heads)
-  _check_params(params, d_model, num_heads, num_kv_heads)
-  b, t, s = q_shape[0], q_shape[1], k_shape[1]
-  mask, bias = check_mask_and_bias(mask, bias, (b, num_heads, t, s),
-                                   "[B, N, T, S]")
+  if cache is not None and (k_shape[:2] != q_shape[:2]
+                            or q_shape[0] != cache.key.shape[0]):
+    raise ValueError(
+        f"decoding appends this call's tokens: query {q_shape} and key "
+        f"{k_shape} must share [B, T], and B must equal the cache's batch "
+        f"{cache.key.shape[0]}.")
 
+
+def forward(
+    params: Params,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    bias: ArrayLike | None = None,
+    is_causal: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    attention_fn: AttentionFn | None = None,
+    implementation: str | None = None,
+    return_weights: bool = False,
+    head_axis: str | None = None,
+    cache: KVCache | None = None,
+) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
+  """The one projection -> attention -> output path, with or without a cache.
+
+  ``multi_head_attention`` is this without a cache; ``MultiHeadAttention``
+  calls it with its cache when decoding. With ``cache``, this call's keys and
+  values are written at ``cache.index`` (``update_kv_cache``) and the
+  queries attend causally to every filled slot; ``mask``/``bias`` are then
+  over the ``L`` cache slots (``[B, N, T, L]``).
+
+  Returns:
+    ``(output [B, T, D], weights [B, N, T, S or L] or None, updated cache or
+    None)``.
+  """
+  _check_inputs(query, key, value, cache)
+  q_shape, k_shape = _checks.shape_of(query), _checks.shape_of(key)
+  num_kv_heads = _checks.check_head_counts(q_shape[-1], num_heads,
+                                           num_kv_heads)
+  _check_params(params, q_shape[-1], num_heads, num_kv_heads)
   sharding.check_heads_divide(num_heads, num_kv_heads, head_axis)
-  if mask is not None:  # padded inputs may hold NaN: zero them before W_k/W_v
+  b, t = q_shape[:2]
+  if cache is None:
+    full, layout = (b, num_heads, t, k_shape[1]), "[B, N, T, S]"
+  else:
+    full = (b, num_heads, t, cache.key.shape[2])
+    layout = "[B, N, T, L] (decoding: L cache slots)"
+  mask, bias = _check_mask_and_bias(mask, bias, full, layout)
+  query, key, value = map(jnp.asarray, (query, key, value))
+  if mask is not None and cache is None:
+    # Padded inputs may hold NaN: zero them before W_k/W_v.
     m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B|1, N|1, T|1, S|1]
-    key, value = _checks.zero_unseen(jnp.any(m, axis=(1, 2)), key, value)
+    key, value = _numerics.zero_unseen(jnp.any(m, axis=(1, 2)), key, value)
   q = project_heads(query, params["W_q"], num_heads)  # [B, N, T, H]
   k = project_heads(key, params["W_k"], num_kv_heads)  # [B, K, S, H]
   v = project_heads(value, params["W_v"], num_kv_heads)  # [B, K, S, H]
   q, k, v = (sharding.constrain_heads(x, head_axis) for x in (q, k, v))
-  out, weights = attend_heads(
-      q, k, v, mask, bias=bias, is_causal=is_causal, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, attention_fn=attention_fn,
-      implementation=implementation, need_weights=need_weights)
+  if cache is not None:
+    k, v, visible = kv_cache.update_kv_cache(cache.key, cache.value,
+                                             cache.index, k, v)  # [B, K, L, H]
+    cache = KVCache(k, v, cache.index + t)
+    mask = masks.combine_masks(mask, visible)  # the causal part, over slots
+    is_causal = False
+  result = attend_heads(
+      q, k, v, mask, bias=bias, is_causal=is_causal,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      attention_fn=attention_fn, implementation=implementation,
+      return_weights=return_weights)
+  out, weights = result if return_weights else (result, None)
   output = project(merge_heads(out), params["W_o"]["kernel"],
                    params["W_o"].get("bias"))  # [B, T, D]
-  return output, weights
+  return output, weights, cache
+
+
+def multi_head_attention(
+    params: Params,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    bias: ArrayLike | None = None,
+    is_causal: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    attention_fn: AttentionFn | None = None,
+    implementation: str | None = None,
+    return_weights: bool = False,
+    head_axis: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """The lesson's ``MultiHeadAttention.forward`` as a pure function.
+
+  Args:
+    params: from ``init_multi_head_params``.
+    query: float ``[B, T, D]``.
+    key: float ``[B, S, D]``.
+    value: float ``[B, S, D]``.
+    mask: optional bool/integer broadcastable to ``[B, N, T, S]`` (True =
+      may attend), e.g. from ``make_attention_mask``.
+    num_heads: ``N`` (static).
+    num_kv_heads: ``K`` (static); ``None`` means ``N``.
+    bias: optional float broadcastable to ``[B, N, T, S]`` added to logits.
+    is_causal: bottom-right aligned causal masking (static).
+    dropout_rate: dropout on attention weights, in ``[0, 1)`` (static).
+    dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
+    attention_fn: optional replacement for ``scaled_dot_product_attention``
+      with its contract (see ``attend_heads``), e.g.
+      ``aj.blockwise_attention``.
+    implementation: ``None`` | ``"dense"`` | ``"blockwise"`` | ``"cudnn"``;
+      see ``scaled_dot_product_attention``.
+    return_weights: also return the attention weights (static).
+    head_axis: mesh axis the heads are split over (head parallelism, see
+      ``attention_jax.sharding``); under ``jax.set_mesh`` with that axis the
+      projected heads are pinned to it, elsewhere it is ignored. ``N`` and
+      ``K`` must divide its size.
+
+  Returns:
+    ``output [B, T, D]``, or ``(output, weights float32 [B, N, T, S])`` with
+    ``return_weights``.
+
+  Example:
+    >>> p = init_multi_head_params(jax.random.key(0), 16, 4)
+    >>> x = jnp.ones((2, 5, 16))
+    >>> multi_head_attention(p, x, x, x, num_heads=4, is_causal=True).shape
+    (2, 5, 16)
+    >>> out, w = multi_head_attention(p, x, x, x, num_heads=4,
+    ...                               return_weights=True)
+    >>> w.shape
+    (2, 4, 5, 5)
+  """
+  output, weights, _ = forward(
+      params, query, key, value, mask, num_heads=num_heads,
+      num_kv_heads=num_kv_heads, bias=bias, is_causal=is_causal,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      attention_fn=attention_fn, implementation=implementation,
+      return_weights=return_weights, head_axis=head_axis)
+  return (output, weights) if return_weights else output

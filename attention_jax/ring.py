@@ -10,13 +10,13 @@ rows ``[i*S, (i+1)*S)`` of the global sequence (Liu et al. 2023, "Ring
 Attention with Blockwise Transformers"). Each device keeps its queries and
 passes its key/value block to the next device ``P - 1`` times
 (``lax.ppermute``), folding each block into the result with the online
-softmax of ``blockwise`` (per block: ``out_j``, ``lse_j``; merged by
+softmax of the flash core ``_flash`` (per block: ``out_j``, ``lse_j``; merged by
 log-sum-exp). Within a block the work is blockwise too, so no device ever
 holds more than ``[block_q, block_k]`` scores per head.
 
 The backward pass is a ``jax.custom_vjp`` that goes round the ring again:
 key/value blocks travel with their gradient accumulators, each device adds
-its queries' share (``blockwise._backward`` with the global ``lse``), and one
+its queries' share (``_flash.backward`` with the global ``lse``), and one
 last shift brings every accumulator home. Saved per device: its own q, k, v,
 output and ``lse`` — O(T + S), independent of P.
 
@@ -36,11 +36,12 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax import _broadcast
-from attention_jax import blockwise
+from attention_jax import _checks
+from attention_jax import _flash
 
 
 class _Ring(NamedTuple):
-  block: blockwise._Static  # local (per-device) lengths and block sizes
+  block: _flash.Static  # local (per-device) lengths and block sizes
   axis_name: str
   size: int  # P
 
@@ -79,7 +80,7 @@ def _ring_forward(rg: _Ring, q, k, v, length):
   """Float32 ``(out [Tp, Hv], lse [Tp])`` over the whole ring."""
   def attend(step, k, v):
     local, offset = _held_block(rg, length, step)
-    return blockwise._forward(rg.block, q, k, v, None, None, local, offset)
+    return _flash.forward(rg.block, q, k, v, None, None, local, offset)
 
   def step_fn(step, carry):
     out, lse, k, v = carry
@@ -109,7 +110,7 @@ def _ring_bwd(rg, residuals, cotangents):
 
   def grads(step, k, v):
     local, offset = _held_block(rg, length, step)
-    dq, dk, dv, _ = blockwise._backward(
+    dq, dk, dv, _ = _flash.backward(
         rg.block, (q, k, v, None, None, local, offset, out, lse), cotangents)
     return dq, dk, dv
 
@@ -130,20 +131,22 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _single_head(q, k, v, length, *, axis_name, size, out_dtype, **blocks):
-  st, q, k, v = blockwise._padded(q, k, v, **blocks)
+  st, q, k, v = _flash.padded(q, k, v, **blocks)
   out, lse = _ring(_Ring(st, axis_name, size), q, k, v, length)
-  return out[:st.t].astype(out_dtype), lse[:st.t]
+  return out[:st.t].astype(out_dtype), None, lse[:st.t]
 
 
 def ring_attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
+    mask: ArrayLike | None = None,
     *,
     axis_name: str,
-    key_lengths: ArrayLike | None = None,
-    is_causal: bool = False,
+    bias: ArrayLike | None = None,
     scale: float | None = None,
+    is_causal: bool = False,
+    key_value_seq_lengths: ArrayLike | None = None,
     block_q: int = 1024,
     block_k: int = 256,
     return_lse: bool = False,
@@ -157,27 +160,35 @@ def ring_attention(
 
   Args:
     query: float ``[..., T, H]``, this device's queries.
-    key: float ``[..., S, H]``, this device's keys.
+    key: float ``[..., S, H]``, this device's keys (4-D ``[B, K, S, H]``
+      with ``K`` dividing the query heads ``N``: grouped-query attention).
     value: float ``[..., S, Hv]``.
+    mask: not supported (a dense mask would have to travel round the ring
+      with its keys): pass None, and express padding with
+      ``key_value_seq_lengths`` and causality with ``is_causal``.
     axis_name: the mesh axis the sequence is split over (``P`` devices).
-    key_lengths: optional integer array broadcastable to the leading dims:
-      the valid length of the *global* key sequence (keys at global
-      positions ``>= key_lengths`` are padding). Replicated, not sharded.
+    bias: not supported, as ``mask``.
+    scale: defaults to ``1/sqrt(H)``.
     is_causal: bottom-right aligned causal mask on the global lengths
       ``P*T`` and ``P*S``; key blocks wholly in the future are skipped.
-    scale: defaults to ``1/sqrt(H)``.
+    key_value_seq_lengths: optional integer array with one axis per leading
+      dim (size 1 broadcasts): the valid length of the *global* key sequence
+      (keys at global positions ``>= key_value_seq_lengths`` are padding).
+      Replicated, not sharded.
     block_q, block_k: block sizes of the per-device blockwise computation.
     return_lse: also return the global log-sum-exp of each query row.
 
   Returns:
-    ``output [..., T, Hv]`` in the inputs' dtype (and ``lse [..., T]`` float32
-    with ``return_lse``). Differentiable in query, key and value; the
-    backward pass goes round the ring blockwise.
+    ``output [..., T, Hv]`` in the inputs' dtype, or ``(output, lse)`` with
+    ``return_lse`` (``lse [..., T]`` float32). Differentiable in query, key
+    and value (through ``lse`` too); the backward pass goes round the ring
+    blockwise.
 
   Raises:
-    ValueError: ``axis_name`` is not bound (not inside ``shard_map``), or
-      operand shapes do not fit (as for ``blockwise_attention``).
-    TypeError: non-float operands, float64, non-integer ``key_lengths``.
+    ValueError: ``axis_name`` is not bound (not inside ``shard_map``), a
+      ``mask`` or ``bias`` is given, or operand shapes do not fit (as for
+      ``blockwise_attention``).
+    TypeError: non-float operands, float64, non-integer lengths.
 
   Example:
     >>> from jax.sharding import PartitionSpec as P
@@ -190,9 +201,17 @@ def ring_attention(
     >>> ring(x, x, x).shape
     (2, 64, 16)
   """
-  _, _, lengths, scale, out_dtype = blockwise._validate(
-      "ring_attention", query, key, value, None, None, key_lengths, block_q,
-      block_k, scale)
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is not None:
+      raise ValueError(
+          f"ring_attention takes no {name} (got shape "
+          f"{_checks.shape_of(x)}): a dense [T, S] {name} would have to "
+          "travel round the ring with its keys. Express padding with "
+          "key_value_seq_lengths and causality with is_causal, or gather the "
+          "sequence and call blockwise_attention.")
+  ops, scale, out_dtype = _flash.validate(
+      "ring_attention", query, key, value, None, None, key_value_seq_lengths,
+      block_q, block_k, scale)
   try:
     size = jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -204,7 +223,7 @@ def ring_attention(
       _single_head, axis_name=axis_name, size=size, scale=scale,
       is_causal=is_causal, block_q=block_q, block_k=block_k,
       out_dtype=out_dtype)
-  operands = (jnp.asarray(query), jnp.asarray(key), jnp.asarray(value),
-              lengths)
-  out, lse = _broadcast.broadcast_vmap(head, (2, 2, 2, 0), operands)
-  return (out, lse) if return_lse else out
+  out, _, lse = _broadcast.lift_heads(
+      lambda q, k, v, mask, bias, length: head(q, k, v, length), ops)
+  return _broadcast.results(out, None, lse, return_weights=False,
+                            return_lse=return_lse)

@@ -52,3 +52,30 @@ def masked_softmax(logits: ArrayLike, mask: ArrayLike | None = None,
   unnormalised = jnp.where(allowed, jnp.exp(shifted), 0.0)
   total = jnp.sum(unnormalised, axis=axis, keepdims=True)
   return unnormalised / jnp.where(total > 0, total, 1.0)
+
+
+def masked_logsumexp(logits: ArrayLike, mask: ArrayLike | None = None,
+                     axis: int = -1) -> jax.Array:
+  """``log(sum(exp(logits)))`` over the allowed entries of ``axis``.
+
+  The normaliser of ``masked_softmax``: ``-inf`` for a fully blocked row,
+  whose gradient is then 0 (not NaN).
+
+  Example:
+    >>> masked_logsumexp(jnp.array([0.0, 0.0, 5.0]), jnp.array([1, 1, 0]))
+    Array(0.6931472, dtype=float32)
+  """
+  logits = jnp.asarray(logits)
+  allowed = logits > -jnp.inf
+  if mask is not None:
+    allowed = allowed & jnp.asarray(mask, dtype=bool)
+  row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=axis,
+                    keepdims=True)
+  row_max = jax.lax.stop_gradient(
+      jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  shifted = jnp.where(allowed, logits - row_max, 0.0)
+  total = jnp.sum(jnp.where(allowed, jnp.exp(shifted), 0.0), axis=axis,
+                  keepdims=True)
+  lse = jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total,
+                                                         1.0)), -jnp.inf)
+  return jnp.squeeze(lse, axis)

@@ -71,7 +71,7 @@ def jax_impls():
   return {
       "aj_blockwise": lambda q, k, v: aj.blockwise_attention(q, k, v),
       "aj_dense": lambda q, k, v: aj.scaled_dot_product_attention(
-          q, k, v, implementation="dense")[0],
+          q, k, v, implementation="dense"),
       "naive": _naive,
       "jax_nn": lambda q, k, v: _swap(jax.nn.dot_product_attention(
           _swap(q), _swap(k), _swap(v))),

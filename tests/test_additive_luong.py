@@ -44,7 +44,8 @@ class AdditiveTest(chex.TestCase):
     params = _data.params(aj.init_additive_params, 1, DQ, DK, A,
                           use_bias=use_bias)
     mask = _masks()[mask_kind]
-    ctx, w = self.variant(aj.additive_attention)(params, q, k, v, mask)
+    ctx, w = self.variant(functools.partial(
+        aj.additive_attention, return_weights=True))(params, q, k, v, mask)
     ref_ctx, ref_w = reference.additive(params, q, k, v, mask)
     chex.assert_shape(ctx, (B, T, DV))
     chex.assert_trees_all_close(ctx, ref_ctx.astype(np.float32), **TOL)
@@ -56,7 +57,8 @@ class AdditiveTest(chex.TestCase):
     params = _data.params(aj.init_additive_params, 1, DQ, DK, A)
     mask = _masks()["padding"]
     projected = aj.precompute_additive_keys(params, k)
-    step = self.variant(aj.additive_attention)
+    step = self.variant(functools.partial(aj.additive_attention,
+                                          return_weights=True))
     for t in range(T):
       ctx, w = step(params, q[:, t], k, v, mask, projected_keys=projected)
       ref_ctx, ref_w = reference.additive(params, q[:, t:t + 1], k, v, mask)
@@ -68,8 +70,8 @@ class AdditiveTest(chex.TestCase):
   def test_values_default_to_keys(self):
     q, k, _ = _inputs()
     params = _data.params(aj.init_additive_params, 1, DQ, DK, A)
-    a = aj.additive_attention(params, q, k)
-    b = aj.additive_attention(params, q, k, k)
+    a = aj.additive_attention(params, q, k, return_weights=True)
+    b = aj.additive_attention(params, q, k, k, return_weights=True)
     chex.assert_trees_all_close(a, b, atol=0, rtol=0)
 
   def test_check_grads_float64(self):
@@ -80,18 +82,18 @@ class AdditiveTest(chex.TestCase):
                                          A))
       mask = np.asarray(_masks()["padding"])
       fn = jax.jit(lambda params, q, k, v: aj.additive_attention(
-          params, q, k, v, mask)[0])
+          params, q, k, v, mask))
       jtu.check_grads(fn, (params, q, k, v), order=1, modes=("rev",))
 
   def test_fully_masked_step_gives_zero_context_and_finite_grads(self):
     q, k, v = _inputs()
     params = _data.params(aj.init_additive_params, 1, DQ, DK, A)
     mask = jnp.ones((B, S), bool).at[0].set(False)
-    ctx, w = aj.additive_attention(params, q, k, v, mask)
+    ctx, w = aj.additive_attention(params, q, k, v, mask, return_weights=True)
     np.testing.assert_array_equal(ctx[0], 0.0)
     np.testing.assert_array_equal(w[0], 0.0)
     grads = jax.jit(jax.grad(
-        lambda q: aj.additive_attention(params, q, k, v, mask)[0].sum()))(q)
+        lambda q: aj.additive_attention(params, q, k, v, mask).sum()))(q)
     chex.assert_tree_all_finite(grads)
     np.testing.assert_array_equal(grads[0], 0.0)
 
@@ -116,8 +118,8 @@ class LuongTest(chex.TestCase):
                           hidden_features=A, use_scale=use_scale)
     mask = _masks()[mask_kind]
     fn = self.variant(functools.partial(aj.luong_attention, score=score,
-                                        scale=scale))
-    ctx, w = fn(q, k, v, mask, params=params)
+                                        scale=scale, return_weights=True))
+    ctx, w = fn(params, q, k, v, mask)
     ref_ctx, ref_w = reference.luong(q, k, v, mask, score=score,
                                      params=params, scale=scale)
     chex.assert_shape((ctx, w), ((B, T, DV), (B, T, S)))
@@ -130,9 +132,9 @@ class LuongTest(chex.TestCase):
     q = q[..., :DK] if score == "dot" else q
     params = _data.params(aj.init_luong_params, 2, q.shape[-1], DK,
                           score=score, hidden_features=A)
-    projected = aj.precompute_luong_keys(k, score=score, params=params)
-    ctx, w = aj.luong_attention(q[:, 1], k, v, score=score, params=params,
-                                projected_keys=projected)
+    projected = aj.precompute_luong_keys(params, k, score=score)
+    ctx, w = aj.luong_attention(params, q[:, 1], k, v, score=score,
+                                projected_keys=projected, return_weights=True)
     ref_ctx, ref_w = reference.luong(q[:, 1:2], k, v, score=score,
                                      params=params)
     chex.assert_trees_all_close(ctx, ref_ctx[:, 0].astype(np.float32), **TOL)
@@ -141,19 +143,21 @@ class LuongTest(chex.TestCase):
   def test_dot_equals_unscaled_sdpa(self):
     q, k, v = _inputs()
     q = q[..., :DK]
-    ctx, w = aj.luong_attention(q, k, v)
-    out, weights = aj.scaled_dot_product_attention(q, k, v, scale=1.0)
+    ctx, w = aj.luong_attention(None, q, k, v, return_weights=True)
+    out, weights = aj.scaled_dot_product_attention(q, k, v, scale=1.0,
+                                                   return_weights=True)
     chex.assert_trees_all_close((ctx, w), (out, weights), **TOL)
 
   def test_bfloat16_inputs(self):
     q, k, v = (x.astype(jnp.bfloat16) for x in _inputs())
     params = _data.params(aj.init_luong_params, 2, DQ, DK, score="general")
-    ctx, w = aj.luong_attention(q, k, v, score="general", params=params)
+    ctx, w = aj.luong_attention(params, q, k, v, score="general",
+                                return_weights=True)
     self.assertEqual(ctx.dtype, jnp.bfloat16)
     self.assertEqual(w.dtype, jnp.float32)
     ref_ctx, ref_w = aj.luong_attention(
-        *(x.astype(jnp.float32) for x in (q, k, v)), score="general",
-        params=params)
+        params, *(x.astype(jnp.float32) for x in (q, k, v)), score="general",
+        return_weights=True)
     # Scores are float32 either way; only the final cast of the context to
     # bfloat16 differs (half an ulp: 2^-9 relative).
     chex.assert_trees_all_close(w, ref_w, atol=1e-6, rtol=1e-6)

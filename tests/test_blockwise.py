@@ -57,7 +57,7 @@ class BlockwiseTest(chex.TestCase):
       ref_mask = mask
     fn = self.variant(functools.partial(
         aj.blockwise_attention, is_causal=causal, **BLOCKS))
-    out = fn(q, k, v, mask=mask, key_lengths=lengths)
+    out = fn(q, k, v, mask=mask, key_value_seq_lengths=lengths)
     ref, _ = reference.sdpa(q, k, v, ref_mask, is_causal=causal)
     chex.assert_shape(out, (2, 3, t, 6))
     chex.assert_trees_all_close(out, ref.astype(np.float32), **FWD_TOL)
@@ -66,11 +66,12 @@ class BlockwiseTest(chex.TestCase):
     dense_mask = None if ref_mask is None else jnp.asarray(ref_mask)
 
     def ours(q, k, v):
-      return jnp.sum(fn(q, k, v, mask=mask, key_lengths=lengths) * cot)
+      return jnp.sum(fn(q, k, v, mask=mask, key_value_seq_lengths=lengths)
+                     * cot)
 
     def dense(q, k, v):  # float64 dense attention (tested against NumPy)
       return jnp.sum(aj.scaled_dot_product_attention(
-          q, k, v, dense_mask, is_causal=causal)[0] * cot)
+          q, k, v, dense_mask, is_causal=causal) * cot)
 
     got = jax.jit(jax.grad(ours, (0, 1, 2)))(q, k, v)
     with jax.enable_x64(True):
@@ -89,7 +90,7 @@ class BlockwiseTest(chex.TestCase):
     g_block = jax.jit(jax.grad(lambda b: aj.blockwise_attention(
         q, k, v, bias=b, **BLOCKS).sum()))(bias)
     g_dense = jax.jit(jax.grad(lambda b: aj.scaled_dot_product_attention(
-        q, k, v, bias=b)[0].sum()))(bias)
+        q, k, v, bias=b).sum()))(bias)
     chex.assert_trees_all_close(g_block, g_dense, **GRAD_TOL)
 
   def test_fully_masked_rows_are_zero_with_finite_grads(self):
@@ -110,7 +111,7 @@ class BlockwiseTest(chex.TestCase):
     k = k.at[0, 11:].set(jnp.nan)
     v = v.at[0, 11:].set(jnp.inf)
     fn = lambda q, k, v: aj.blockwise_attention(
-        q, k, v, key_lengths=lengths, **BLOCKS)
+        q, k, v, key_value_seq_lengths=lengths, **BLOCKS)
     out = fn(q, k, v)
     ref, _ = reference.sdpa(q[:, :, :], k[:, :11], v[:, :11])
     chex.assert_trees_all_close(out, ref.astype(np.float32), **FWD_TOL)
@@ -144,10 +145,18 @@ class BlockwiseTest(chex.TestCase):
 
   def test_invalid_inputs(self):
     q, k, v = _qkv(4, 4)
-    with self.assertRaisesRegex(TypeError, r"key_lengths must be an integer"):
-      aj.blockwise_attention(q, k, v, key_lengths=jnp.ones((2, 1)))
-    with self.assertRaisesRegex(ValueError, r"leading.*key_lengths \(4,\)"):
-      aj.blockwise_attention(q, k, v, key_lengths=jnp.ones((4,), jnp.int32))
+    with self.assertRaisesRegex(TypeError,
+                                r"key_value_seq_lengths must be an integer"):
+      aj.blockwise_attention(q, k, v, key_value_seq_lengths=jnp.ones((2, 1)))
+    with self.assertRaisesRegex(
+        ValueError, r"leading.*key_value_seq_lengths \(4, 1\)"):
+      aj.blockwise_attention(
+          q, k, v, key_value_seq_lengths=jnp.ones((4, 1), jnp.int32))
+    with self.assertRaisesRegex(
+        ValueError, r"key_value_seq_lengths with shape \(4,\) must have one "
+        r"axis per leading dim"):
+      aj.blockwise_attention(
+          q, k, v, key_value_seq_lengths=jnp.ones((4,), jnp.int32))
     with self.assertRaisesRegex(ValueError, r"block_q must be positive"):
       aj.blockwise_attention(q, k, v, block_q=0)
 
@@ -159,12 +168,13 @@ class DispatchTest(chex.TestCase):
       ("small", 512, False, 0.0, None, "dense"),
       ("dropout", 1024, False, 0.1, None, "dense"),
       ("long_no_weights", 1024, False, 0.0, None, "blockwise"),
-      ("explicit", 8, True, 0.0, "blockwise", "blockwise"),
+      ("explicit", 8, False, 0.0, "blockwise", "blockwise"),
   )
-  def test_choice(self, t, need_weights, rate, asked, expected):
+  def test_choice(self, t, return_weights, rate, asked, expected):
     q = jax.ShapeDtypeStruct((1, 2, t, 8), jnp.float32)
-    got = dot_product._choose_implementation(asked, q, q, q, None, None,
-                                             need_weights, rate > 0)
+    got = dot_product.choose_implementation(
+        asked, q, q, q, None, None, None, return_weights=return_weights,
+        dropout_on=rate > 0, return_lse=False)
     self.assertEqual(got, expected)  # on CPU: never cudnn
 
   def test_errors(self):
@@ -179,21 +189,31 @@ class DispatchTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, r"implementation must be None or "
                                 r"one of"):
       aj.scaled_dot_product_attention(q, k, v, implementation="flash")
+    for implementation in ("blockwise", "cudnn"):
+      with self.assertRaisesRegex(
+          ValueError, rf"implementation='{implementation}' never forms the "
+          r"attention weights"):
+        aj.scaled_dot_product_attention(q, k, v, implementation=implementation,
+                                        return_weights=True)
 
   def test_paths_agree_in_functions_and_module(self):
     q, k, v = _qkv(24, 40, lead=(2, 4), kv_lead=(2, 1), hv=8)
     mask = _data.bernoulli(3, 0.8, (2, 1, 24, 40))
-    dense, _ = aj.scaled_dot_product_attention(q, k, v, mask, is_causal=True,
-                                               implementation="dense")
-    block, weights = aj.scaled_dot_product_attention(
+    dense = aj.scaled_dot_product_attention(q, k, v, mask, is_causal=True,
+                                            implementation="dense")
+    block = aj.scaled_dot_product_attention(
         q, k, v, mask, is_causal=True, implementation="blockwise")
-    self.assertIsNone(weights)
+    with self.assertRaisesRegex(ValueError, r"never forms the attention "
+                                r"weights"):
+      aj.scaled_dot_product_attention(q, k, v, mask, is_causal=True,
+                                      implementation="blockwise",
+                                      return_weights=True)
     chex.assert_trees_all_close(block, dense, **FWD_TOL)
     params = _data.params(aj.init_multi_head_params, 1, 16, 4, num_kv_heads=2)
     x = _data.normal(7, (2, 24, 16))
     outs = [aj.multi_head_attention(params, x, x, x, num_heads=4,
                                     num_kv_heads=2, is_causal=True,
-                                    implementation=impl)[0]
+                                    implementation=impl)
             for impl in ("dense", "blockwise")]
     chex.assert_trees_all_close(outs[0], outs[1], **FWD_TOL)
 

@@ -1,6 +1,7 @@
 """scaled_dot_product_attention against independent references."""
 
 import functools
+import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -52,7 +53,8 @@ class ReferenceTest(chex.TestCase):
       mask = _data.bernoulli(7, 0.7, (t, s)).astype(
           jnp.int32)
     fn = self.variant(functools.partial(aj.scaled_dot_product_attention,
-                                        is_causal=is_causal))
+                                        is_causal=is_causal,
+                                        return_weights=True))
     out, weights = fn(q, k, v, mask)
     ref_out, ref_weights = reference.sdpa(q, k, v, mask, is_causal=is_causal)
     chex.assert_shape(out, lead + (t, hv))
@@ -77,12 +79,12 @@ class ReferenceTest(chex.TestCase):
     bias = _normal(4, (b, n, t, t)) if use_bias else None
     fn = self.variant(functools.partial(aj.scaled_dot_product_attention,
                                         is_causal=is_causal))
-    out, _ = fn(q, k, v, mask, bias=bias)
+    out = fn(q, k, v, mask, bias=bias)
     # jax.nn wants [B, T, N, H]; it averages V over fully masked rows where
     # we return 0, so the random mask keeps every row's diagonal open.
     if mask is not None:
       mask = mask | jnp.eye(t, dtype=bool)[None, None]
-      out, _ = fn(q, k, v, mask, bias=bias)
+      out = fn(q, k, v, mask, bias=bias)
     swap = lambda x: jnp.swapaxes(x, 1, 2)
     expected = jax.nn.dot_product_attention(
         swap(q), swap(k), swap(v), bias=bias, mask=mask, is_causal=is_causal)
@@ -90,7 +92,7 @@ class ReferenceTest(chex.TestCase):
 
   def test_causal_is_bottom_right_aligned_unlike_jax_nn(self):
     q, k, v = _qkv(t=3, s=5, h=4, hv=4, lead=(1, 1))
-    ours, _ = aj.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ours = aj.scaled_dot_product_attention(q, k, v, is_causal=True)
     swap = lambda x: jnp.swapaxes(x, 1, 2)
     bottom_right = jax.nn.dot_product_attention(
         swap(q), swap(k), swap(v), mask=aj.causal_mask(3, 5)[None, None])
@@ -102,28 +104,128 @@ class ReferenceTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_default_scale_is_inverse_sqrt_head_dim(self):
     q, k, v = _qkv(h=16, hv=4)
-    default = self.variant(aj.scaled_dot_product_attention)(q, k, v)
-    explicit = self.variant(functools.partial(
-        aj.scaled_dot_product_attention, scale=0.25))(q, k, v)
-    unscaled = self.variant(functools.partial(
-        aj.scaled_dot_product_attention, scale=1.0))(q, k, v)
+    sdpa = functools.partial(aj.scaled_dot_product_attention,
+                             return_weights=True)
+    default = self.variant(sdpa)(q, k, v)
+    explicit = self.variant(functools.partial(sdpa, scale=0.25))(q, k, v)
+    unscaled = self.variant(functools.partial(sdpa, scale=1.0))(q, k, v)
     chex.assert_trees_all_close(default, explicit, atol=0, rtol=0)
     self.assertGreater(float(jnp.abs(default[1] - unscaled[1]).max()), 1e-2)
 
   def test_broadcast_kv_head_equals_explicit_repeat(self):
     q = _normal(0, (2, 4, 3, 8))  # [B, N, T, H]
     k, v = _normal(1, (2, 1, 5, 8)), _normal(2, (2, 1, 5, 8))  # one KV head
-    shared, _ = aj.scaled_dot_product_attention(q, k, v)
-    repeated, _ = aj.scaled_dot_product_attention(
+    shared = aj.scaled_dot_product_attention(q, k, v)
+    repeated = aj.scaled_dot_product_attention(
         q, jnp.repeat(k, 4, axis=1), jnp.repeat(v, 4, axis=1))
     chex.assert_trees_all_close(shared, repeated, atol=0, rtol=0)
 
   def test_mask_with_more_leading_dims_than_query_broadcasts(self):
     q, k, v = _qkv(lead=(2,))
     mask = _data.bernoulli(5, 0.7, (3, 2, 4, 6))
-    out, weights = aj.scaled_dot_product_attention(q, k, v, mask)
+    out, weights = aj.scaled_dot_product_attention(q, k, v, mask,
+                                                   return_weights=True)
     chex.assert_shape(out, (3, 2, 4, 8))
     ref_out, ref_w = reference.sdpa(q, k, v, mask)
+    chex.assert_trees_all_close(out, ref_out.astype(np.float32), **F32_TOL)
+    chex.assert_trees_all_close(weights, ref_w.astype(np.float32), **F32_TOL)
+
+
+def _reference_lse(q, k, mask=None, scale=None):
+  """float64 ``log(sum(exp(scaled logits)))`` over allowed keys; -inf if none."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  if scale is None:
+    scale = 1.0 / np.sqrt(q.shape[-1])
+  logits = np.matmul(q, np.swapaxes(k, -1, -2)) * scale  # [..., T, S]
+  allowed = np.ones(logits.shape, bool)
+  if mask is not None:
+    allowed = np.broadcast_to(np.asarray(mask) != 0, logits.shape)
+  safe = np.where(allowed, logits, -np.inf)
+  row_max = safe.max(-1, keepdims=True)
+  row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+  total = np.where(allowed, np.exp(safe - row_max), 0.0).sum(-1)
+  with np.errstate(divide="ignore"):
+    return np.where(total > 0, row_max[..., 0] + np.log(total), -np.inf)
+
+
+class GroupedQueryTest(chex.TestCase):
+  """Queries [B, N, T, H] over keys/values [B, K, S, H], K dividing N."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      ("n4_k2_mask_shared_by_heads", 4, 2, "shared"),
+      ("n4_k2_per_head_mask", 4, 2, "per_head"),
+      ("n6_k3_mask_shared_by_heads", 6, 3, "shared"),
+      ("n6_k3_per_head_mask", 6, 3, "per_head"),
+  )
+  def test_equals_float64_reference_with_repeated_kv_heads(
+      self, num_heads, num_kv_heads, mask_kind):
+    b, t, s, h = 2, 3, 5, 4
+    q = _normal(0, (b, num_heads, t, h))
+    k = _normal(1, (b, num_kv_heads, s, h))
+    v = _normal(2, (b, num_kv_heads, s, h))
+    mask_shape = (b, 1 if mask_kind == "shared" else num_heads, t, s)
+    mask = _data.bernoulli(3, 0.6, mask_shape)
+    mask = mask.at[0, 0, 1].set(False)  # a query that may attend to nothing
+    fn = self.variant(functools.partial(aj.scaled_dot_product_attention,
+                                        return_weights=True, return_lse=True))
+    out, weights, lse = fn(q, k, v, mask)
+    group = num_heads // num_kv_heads
+    k_rep, v_rep = (np.repeat(np.asarray(x), group, axis=1) for x in (k, v))
+    ref_out, ref_w = reference.sdpa(q, k_rep, v_rep, mask)
+    ref_lse = _reference_lse(q, k_rep, mask)
+    chex.assert_shape(out, (b, num_heads, t, h))
+    chex.assert_shape(weights, (b, num_heads, t, s))
+    chex.assert_shape(lse, (b, num_heads, t))
+    self.assertTrue(np.isneginf(ref_lse[0, 0, 1]))
+    chex.assert_trees_all_close(out, ref_out.astype(np.float32), **F32_TOL)
+    chex.assert_trees_all_close(weights, ref_w.astype(np.float32), **F32_TOL)
+    chex.assert_trees_all_close(lse, ref_lse.astype(np.float32), **F32_TOL)
+    # The blockwise path groups the heads the same way (no weights there).
+    block_out, block_lse = self.variant(functools.partial(
+        aj.scaled_dot_product_attention, implementation="blockwise",
+        return_lse=True))(q, k, v, mask)
+    chex.assert_trees_all_close(block_out, ref_out.astype(np.float32),
+                                **F32_TOL)
+    chex.assert_trees_all_close(block_lse, ref_lse.astype(np.float32),
+                                **F32_TOL)
+
+
+  def test_heads_are_read_only_in_4d(self):
+    # [B, T, H] with batch 4 against batch 2 is a batch mistake, not GQA;
+    # so is a 5-D [B1, B2, N, T, H] mismatch on axis -3.
+    for q_shape, kv_shape in (((4, 3, 8), (2, 5, 8)),
+                              ((2, 4, 2, 3, 8), (2, 2, 2, 5, 8))):
+      q, kv = jnp.ones(q_shape), jnp.ones(kv_shape)
+      for implementation in ("dense", "blockwise"):
+        with self.assertRaisesRegex(ValueError, "do not broadcast"):
+          aj.scaled_dot_product_attention(q, kv, kv,
+                                          implementation=implementation)
+
+  def test_heads_that_do_not_divide_say_so(self):
+    q, kv = jnp.ones((2, 6, 3, 8)), jnp.ones((2, 4, 5, 8))
+    with self.assertRaisesRegex(ValueError, "divisor of N"):
+      aj.scaled_dot_product_attention(q, kv, kv)
+
+
+class KeyValueSeqLengthsTest(chex.TestCase):
+
+  def test_lengths_without_head_axis_are_an_error(self):
+    q, k, v = _qkv(lead=(2, 2))  # [B, N, T, H] with B == N
+    lengths = jnp.array([3, 6])  # [B]: would be read as per-head lengths
+    for implementation in ("dense", "blockwise"):
+      with self.assertRaisesRegex(ValueError, re.escape("[:, None]")):
+        aj.scaled_dot_product_attention(
+            q, k, v, key_value_seq_lengths=lengths,
+            implementation=implementation)
+
+  def test_lengths_per_example_equal_a_padding_mask(self):
+    q, k, v = _qkv(lead=(2, 3))  # [B, N, T, H]
+    lengths = jnp.array([3, 6])
+    padding = aj.padding_mask(lengths, 6)[:, None, None, :]  # [B, 1, 1, S]
+    ref_out, ref_w = reference.sdpa(q, k, v, padding)
+    out, weights = aj.scaled_dot_product_attention(
+        q, k, v, key_value_seq_lengths=lengths[:, None], return_weights=True)
     chex.assert_trees_all_close(out, ref_out.astype(np.float32), **F32_TOL)
     chex.assert_trees_all_close(weights, ref_w.astype(np.float32), **F32_TOL)
 
@@ -138,7 +240,7 @@ class GradientTest(chex.TestCase):
       mask = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0]], bool)
       bias = np.linspace(-1.0, 1.0, 12).reshape(3, 4)
       fn = jax.jit(lambda q, k, v, bias: aj.scaled_dot_product_attention(
-          q, k, v, mask, bias=bias, is_causal=True)[0])
+          q, k, v, mask, bias=bias, is_causal=True))
       jtu.check_grads(fn, (q, k, v, bias), order=2, modes=("fwd", "rev"))
 
   def test_grads_match_jax_nn(self):
@@ -148,7 +250,7 @@ class GradientTest(chex.TestCase):
 
     def ours(q, k, v):
       return jnp.sum(aj.scaled_dot_product_attention(
-          q, k, v, is_causal=True)[0] * cot)
+          q, k, v, is_causal=True) * cot)
 
     def theirs(q, k, v):
       out = jax.nn.dot_product_attention(swap(q), swap(k), swap(v),
@@ -176,7 +278,8 @@ class MaskedRowTest(chex.TestCase):
     elif how == "causal":  # T=4 queries, S=2 keys: rows 0 and 1 see nothing
       k, v, mask, is_causal, dead_rows = k[:2], v[:2], None, True, [0, 1]
     fn = self.variant(functools.partial(aj.scaled_dot_product_attention,
-                                        is_causal=is_causal))
+                                        is_causal=is_causal,
+                                        return_weights=True))
     out, weights = fn(q, k, v, mask, bias=bias)
     ref_out, ref_w = reference.sdpa(q, k, v, mask, bias, is_causal=is_causal)
     chex.assert_trees_all_close(out, ref_out.astype(np.float32), **F32_TOL)
@@ -194,7 +297,8 @@ class MaskedRowTest(chex.TestCase):
   def test_weights_rows_sum_to_one_or_zero(self):
     q, k, v = _qkv(t=6, s=6, lead=(3,))
     mask = _data.bernoulli(1, 0.4, (3, 6, 6))
-    _, weights = aj.scaled_dot_product_attention(q, k, v, mask)
+    _, weights = aj.scaled_dot_product_attention(q, k, v, mask,
+                                                 return_weights=True)
     sums = weights.sum(-1)
     expected = jnp.where(mask.any(-1), 1.0, 0.0)
     chex.assert_trees_all_close(sums, expected, atol=1e-6)
@@ -207,7 +311,7 @@ class CausalityTest(chex.TestCase):
   def test_gradient_of_output_t_ignores_later_positions(self, t, s):
     q, k, v = _qkv(t=t, s=s, h=4, hv=4, lead=())
     fn = lambda k, v: aj.scaled_dot_product_attention(q, k, v,
-                                                      is_causal=True)[0]
+                                                      is_causal=True)
     jac_k, jac_v = jax.jit(jax.jacrev(fn, (0, 1)))(k, v)  # [T, Hv, S, H]
     for i in range(t):
       future = slice(i + (s - t) + 1, s)
@@ -231,7 +335,8 @@ class PrecisionTest(chex.TestCase):
   def test_low_precision_is_fp32_math_with_one_final_rounding(self, dtype,
                                                               rtol):
     q, k, v = (x.astype(dtype) for x in _qkv(t=5, s=7, lead=(2, 2)))
-    fn = self.variant(aj.scaled_dot_product_attention)
+    fn = self.variant(functools.partial(aj.scaled_dot_product_attention,
+                                        return_weights=True))
     out, weights = fn(q, k, v)
     self.assertEqual(out.dtype, dtype)
     self.assertEqual(weights.dtype, jnp.float32)
@@ -248,7 +353,8 @@ class PrecisionTest(chex.TestCase):
     q = jnp.full((1, 2, 16), 100.0, jnp.float16)
     k = jnp.full((1, 3, 16), 100.0, jnp.float16).at[0, 0].set(-100.0)
     v = _normal(0, (1, 3, 4)).astype(jnp.float16)
-    out, weights = aj.scaled_dot_product_attention(q, k, v, scale=1.0)
+    out, weights = aj.scaled_dot_product_attention(q, k, v, scale=1.0,
+                                                   return_weights=True)
     chex.assert_tree_all_finite((out, weights))
     chex.assert_trees_all_close(weights[0, 0], jnp.array([0.0, 0.5, 0.5]),
                                 atol=1e-6)
@@ -258,11 +364,13 @@ class DropoutTest(chex.TestCase):
 
   def test_dropout_keeps_weights_and_is_unbiased(self):
     q, k, v = _qkv(t=3, s=4, h=4, hv=2, lead=())
-    clean_out, clean_w = aj.scaled_dot_product_attention(q, k, v)
+    clean_out, clean_w = aj.scaled_dot_product_attention(
+        q, k, v, return_weights=True)
 
     def dropped(rng):
       return aj.scaled_dot_product_attention(q, k, v, dropout_rate=0.25,
-                                             dropout_rng=rng)
+                                             dropout_rng=rng,
+                                             return_weights=True)
 
     out, weights = dropped(jax.random.key(1))
     np.testing.assert_array_equal(weights, clean_w)  # same numerics path
@@ -287,10 +395,11 @@ class VmapAndTracingTest(chex.TestCase):
   def test_heads_equal_a_loop_over_single_heads(self, num_heads):
     q, k, v = _qkv(t=3, s=5, h=4, hv=4, lead=(2, num_heads))
     mask = _data.bernoulli(8, 0.7, (2, 1, 3, 5))
-    out, weights = aj.scaled_dot_product_attention(q, k, v, mask)
+    out, weights = aj.scaled_dot_product_attention(q, k, v, mask,
+                                                   return_weights=True)
     for n in range(num_heads):
       o, w = aj.scaled_dot_product_attention(q[:, n], k[:, n], v[:, n],
-                                             mask[:, 0])
+                                             mask[:, 0], return_weights=True)
       chex.assert_trees_all_close(out[:, n], o, atol=0, rtol=0)
       chex.assert_trees_all_close(weights[:, n], w, atol=0, rtol=0)
 

@@ -1,6 +1,8 @@
 """Numerical extremes: huge logits, fp16 range, NaN/inf hidden in padding,
 very long rows."""
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -17,8 +19,7 @@ IMPLS = ("dense", "blockwise")
 
 def _sdpa(implementation, q, k, v, mask=None, **kw):
   return aj.scaled_dot_product_attention(
-      q, k, v, mask, implementation=implementation, need_weights=False,
-      **kw)[0]
+      q, k, v, mask, implementation=implementation, **kw)
 
 
 class HugeLogitsTest(parameterized.TestCase):
@@ -55,7 +56,8 @@ class HugeLogitsTest(parameterized.TestCase):
     k = jnp.asarray(np.random.default_rng(7).standard_normal(
         (65536, 8), dtype=np.float32) * 0.01)  # near-uniform weights
     v = jnp.ones((65536, 1))
-    out, w = jax.jit(aj.scaled_dot_product_attention)(q, k, v)
+    out, w = jax.jit(functools.partial(aj.scaled_dot_product_attention,
+                                       return_weights=True))(q, k, v)
     # 65,536 float32 terms of ~1.5e-5: pairwise summation keeps ~1e-6.
     np.testing.assert_allclose(np.asarray(w, np.float64).sum(), 1.0,
                                atol=1e-5)
@@ -105,14 +107,14 @@ class PoisonedPaddingTest(parameterized.TestCase):
     self._check(fn, (q, k, v), (q, _poison(k, self.LENGTHS, poison),
                                 _poison(v, self.LENGTHS, poison)))
 
-  def test_blockwise_key_lengths(self):
+  def test_blockwise_key_value_seq_lengths(self):
     q = _data.normal(13, (2, 6, 16))
     k, v, _ = self._keys()
     lengths = jnp.array(self.LENGTHS)
 
     def fn(q, k, v):
-      return jnp.sum(aj.blockwise_attention(q, k, v, key_lengths=lengths,
-                                            block_k=4) ** 2)
+      return jnp.sum(aj.blockwise_attention(
+          q, k, v, key_value_seq_lengths=lengths, block_k=4) ** 2)
 
     self._check(fn, (q, k, v), (q, _poison(k, self.LENGTHS, np.nan),
                                 _poison(v, self.LENGTHS, np.nan)))
@@ -123,8 +125,8 @@ class PoisonedPaddingTest(parameterized.TestCase):
     k, _, mask = self._keys()
 
     def fn(params, x, kv):
-      out, _ = aj.multi_head_attention(params, x, kv, kv,
-                                       mask[:, None, None, :], num_heads=4)
+      out = aj.multi_head_attention(params, x, kv, kv,
+                                    mask[:, None, None, :], num_heads=4)
       return jnp.sum(out ** 2)
 
     self._check(fn, (params, x, k),
@@ -138,13 +140,13 @@ class PoisonedPaddingTest(parameterized.TestCase):
       params = _data.params(aj.init_additive_params, 1, 16, 16, 8)
 
       def fn(params, q, k, v):
-        return jnp.sum(aj.additive_attention(params, q, k, v, mask)[0] ** 2)
+        return jnp.sum(aj.additive_attention(params, q, k, v, mask) ** 2)
     else:
       params = _data.params(aj.init_luong_params, 1, 16, 16, score="general")
 
       def fn(params, q, k, v):
-        return jnp.sum(aj.luong_attention(q, k, v, mask, score="general",
-                                          params=params)[0] ** 2)
+        return jnp.sum(aj.luong_attention(params, q, k, v, mask,
+                                          score="general") ** 2)
 
     self._check(fn, (params, q, k, v),
                 (params, q, _poison(k, self.LENGTHS, np.nan),

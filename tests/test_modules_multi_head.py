@@ -58,7 +58,7 @@ class MatchesReferencesTest(parameterized.TestCase):
     params = mha.params_dict()
     fn_out, fn_weights = aj.multi_head_attention(
         params, x, y, y, mask, num_heads=4, num_kv_heads=kv_heads,
-        is_causal=causal)
+        is_causal=causal, return_weights=True)
     chex.assert_trees_all_close((out, weights), (fn_out, fn_weights),
                                 atol=0, rtol=0)
     ref_out, ref_weights = reference.multi_head_attention(
@@ -248,7 +248,7 @@ class FlaxIntegrationTest(absltest.TestCase):
     variables = Block().init(jax.random.key(0), x)
     out = Block().apply(variables, x)
     params = variables["params"]["ToLinen_0"]
-    expected, _ = aj.multi_head_attention(
+    expected = aj.multi_head_attention(
         {name: dict(params[name]) for name in ("W_q", "W_k", "W_v", "W_o")},
         x, x, x, num_heads=4, num_kv_heads=2)
     chex.assert_trees_all_close(out, x + expected, atol=1e-6, rtol=1e-6)

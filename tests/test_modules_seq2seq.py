@@ -30,7 +30,7 @@ class BahdanauModuleTest(parameterized.TestCase):
     attn = aj.BahdanauAttention(DQ, DK, 8, use_bias=use_bias,
                                 rngs=nnx.Rngs(0))
     q, k, v, pad = _inputs()
-    ctx, w = attn(q, k, v, pad)
+    ctx, w = attn(q, k, v, pad, return_weights=True)
     params = jax.tree.map(np.asarray, attn.params_dict())
     self.assertEqual(set(params), {"W_q", "W_k", "v"} | (
         {"b"} if use_bias else set()))
@@ -46,9 +46,9 @@ class BahdanauModuleTest(parameterized.TestCase):
     @nnx.jit
     @chex.assert_max_traces(n=1)
     def step(module, q_t):
-      return module(q_t, k, v, pad, projected_keys=keys)
+      return module(q_t, k, v, pad, projected_keys=keys, return_weights=True)
 
-    full_ctx, full_w = attn(q, k, v, pad)
+    full_ctx, full_w = attn(q, k, v, pad, return_weights=True)
     for t in range(T):
       ctx, w = step(attn, q[:, t])
       chex.assert_trees_all_close((ctx, w), (full_ctx[:, t], full_w[:, t]),
@@ -57,7 +57,7 @@ class BahdanauModuleTest(parameterized.TestCase):
   def test_gradients_reach_every_parameter(self):
     attn = aj.BahdanauAttention(DQ, DK, 8, rngs=nnx.Rngs(0))
     q, k, v, pad = _inputs()
-    grads = nnx.grad(lambda m: jnp.sum(m(q, k, v, pad)[0] ** 2))(attn)
+    grads = nnx.grad(lambda m: jnp.sum(m(q, k, v, pad) ** 2))(attn)
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     self.assertLen(leaves, 4)
     chex.assert_tree_all_finite(leaves)
@@ -79,14 +79,14 @@ class LuongModuleTest(parameterized.TestCase):
     attn = aj.LuongAttention(q.shape[-1], DK, score=score, hidden_features=8,
                              use_scale=use_scale, scale=scale,
                              rngs=nnx.Rngs(1))
-    ctx, w = attn(q, k, v, pad)
+    ctx, w = attn(q, k, v, pad, return_weights=True)
     ref_ctx, ref_w = reference.luong(
         q, k, v, pad, score=score, scale=scale,
         params=jax.tree.map(np.asarray, attn.params_dict()))
     chex.assert_trees_all_close(ctx, ref_ctx.astype(np.float32), **TOL)
     chex.assert_trees_all_close(w, ref_w.astype(np.float32), **TOL)
     if score != "dot" or use_scale:
-      grads = nnx.grad(lambda m: jnp.sum(m(q, k, v, pad)[0] ** 2))(attn)
+      grads = nnx.grad(lambda m: jnp.sum(m(q, k, v, pad) ** 2))(attn)
       chex.assert_tree_all_finite(nnx.state(grads, nnx.Param))
 
   def test_precompute_keys_step(self):
@@ -94,8 +94,9 @@ class LuongModuleTest(parameterized.TestCase):
     attn = aj.LuongAttention(DQ, DK, score="concat", hidden_features=8,
                              rngs=nnx.Rngs(1))
     keys = attn.precompute_keys(k)
-    ctx, w = attn(q[:, 0], k, v, pad, projected_keys=keys)
-    full_ctx, full_w = attn(q, k, v, pad)
+    ctx, w = attn(q[:, 0], k, v, pad, projected_keys=keys,
+                  return_weights=True)
+    full_ctx, full_w = attn(q, k, v, pad, return_weights=True)
     chex.assert_trees_all_close((ctx, w), (full_ctx[:, 0], full_w[:, 0]),
                                 atol=1e-6, rtol=1e-6)
 

@@ -49,7 +49,7 @@ class MultiHeadTest(chex.TestCase):
           aj.padding_mask(jnp.array([s, 2]), s))
     fn = self.variant(functools.partial(
         aj.multi_head_attention, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, is_causal=is_causal))
+        num_kv_heads=num_kv_heads, is_causal=is_causal, return_weights=True))
     out, weights = fn(params, x, key, key, mask)
     ref_out, ref_w = reference.multi_head_attention(
         params, x, key, key, mask, num_heads=num_heads,
@@ -69,21 +69,24 @@ class MultiHeadTest(chex.TestCase):
     mha = dict(gqa)
     for name in ("W_k", "W_v"):
       mha[name] = jax.tree.map(repeat_heads, gqa[name])
-    got = aj.multi_head_attention(gqa, x, y, y, num_heads=4, num_kv_heads=2)
-    want = aj.multi_head_attention(mha, x, y, y, num_heads=4)
+    got = aj.multi_head_attention(gqa, x, y, y, num_heads=4, num_kv_heads=2,
+                                  return_weights=True)
+    want = aj.multi_head_attention(mha, x, y, y, num_heads=4,
+                                   return_weights=True)
     chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
 
   def test_per_head_loop_equals_vmapped_heads(self):
     x, y = _inputs()
     params = _data.params(aj.init_multi_head_params, 3, 16, 4)
-    _, weights = aj.multi_head_attention(params, x, y, y, num_heads=4)
+    _, weights = aj.multi_head_attention(params, x, y, y, num_heads=4,
+                                         return_weights=True)
     q = x @ params["W_q"]["kernel"] + params["W_q"]["bias"][None, None]
     k = y @ params["W_k"]["kernel"] + params["W_k"]["bias"][None, None]
     v = y @ params["W_v"]["kernel"] + params["W_v"]["bias"][None, None]
     for n in range(4):
       cols = slice(4 * n, 4 * (n + 1))
       _, w = aj.scaled_dot_product_attention(q[..., cols], k[..., cols],
-                                             v[..., cols])
+                                             v[..., cols], return_weights=True)
       chex.assert_trees_all_close(weights[:, n], w, atol=1e-6, rtol=1e-6)
 
   def test_init_shapes_and_scale(self):
@@ -113,9 +116,11 @@ class MultiHeadTest(chex.TestCase):
   def test_dropout_is_reproducible_and_keeps_weights(self):
     x, _ = _inputs()
     params = _data.params(aj.init_multi_head_params, 4, 16, 4)
-    clean = aj.multi_head_attention(params, x, x, x, num_heads=4)
+    clean = aj.multi_head_attention(params, x, x, x, num_heads=4,
+                                    return_weights=True)
     run = lambda rng: aj.multi_head_attention(
-        params, x, x, x, num_heads=4, dropout_rate=0.3, dropout_rng=rng)
+        params, x, x, x, num_heads=4, dropout_rate=0.3, dropout_rng=rng,
+        return_weights=True)
     a, b = run(jax.random.key(5)), run(jax.random.key(5))
     chex.assert_trees_all_close(a, b, atol=0, rtol=0)
     np.testing.assert_array_equal(a[1], clean[1])
@@ -126,7 +131,7 @@ class MultiHeadTest(chex.TestCase):
     params = _data.params(aj.init_multi_head_params, 6, 16, 4,
                                        num_kv_heads=2)
     fn = lambda x: aj.multi_head_attention(params, x, x, x, num_heads=4,
-                                           num_kv_heads=2, is_causal=True)[0]
+                                           num_kv_heads=2, is_causal=True)
     jac = jax.jit(jax.jacrev(fn))(x)  # [1, T, D, 1, T, D]
     for t in range(5):
       np.testing.assert_array_equal(jac[0, t, :, 0, t + 1:], 0.0)

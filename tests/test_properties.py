@@ -103,7 +103,7 @@ def _allowed(c: Case, mask, causal) -> np.ndarray:
 
 _ATTEND = jax.jit(aj.scaled_dot_product_attention,
                   static_argnames=("is_causal", "implementation",
-                                   "need_weights"))
+                                   "return_weights"))
 
 
 def _check_case(test: absltest.TestCase, c: Case, implementation: str):
@@ -111,8 +111,9 @@ def _check_case(test: absltest.TestCase, c: Case, implementation: str):
                             dtype=c.dtype, mask=c.mask)
   q, k, v, mask, bias, causal = _inputs(c)
   dense = implementation == "dense"
-  out, w = _ATTEND(q, k, v, mask, bias=bias, is_causal=causal,
-                   implementation=implementation, need_weights=dense)
+  result = _ATTEND(q, k, v, mask, bias=bias, is_causal=causal,
+                   implementation=implementation, return_weights=dense)
+  out, w = result if dense else (result, None)
   dtype = DTYPES[c.dtype]
   test.assertEqual(out.shape, c.lead + (c.t, c.hv))
   test.assertEqual(out.dtype, dtype)
@@ -144,8 +145,7 @@ def _check_case(test: absltest.TestCase, c: Case, implementation: str):
     pk, pv = k[..., perm, :], v[..., perm, :]
     pm = None if mask is None else mask[..., perm]
     pb = None if bias is None else bias[..., perm]
-    p_out, _ = _ATTEND(q, pk, pv, pm, bias=pb, implementation=implementation,
-                       need_weights=False)
+    p_out = _ATTEND(q, pk, pv, pm, bias=pb, implementation=implementation)
     np.testing.assert_allclose(np.asarray(p_out, np.float64),
                                np.asarray(out, np.float64),
                                atol=tol * scale, rtol=tol)
@@ -154,8 +154,8 @@ def _check_case(test: absltest.TestCase, c: Case, implementation: str):
     if 0 < first < c.s:
       k2 = k.at[..., first:, :].multiply(-3.0)
       v2 = v.at[..., first:, :].add(5.0)
-      c_out, _ = _ATTEND(q, k2, v2, mask, bias=bias, is_causal=True,
-                         implementation=implementation, need_weights=False)
+      c_out = _ATTEND(q, k2, v2, mask, bias=bias, is_causal=True,
+                      implementation=implementation)
       np.testing.assert_array_equal(np.asarray(c_out[..., 0, :]),
                                     np.asarray(out[..., 0, :]))
 
@@ -180,9 +180,9 @@ class AttentionPropertiesTest(absltest.TestCase):
     q, k, v, mask, bias, causal = _inputs(c)
 
     def loss(implementation, q, k, v, bias):
-      out, _ = aj.scaled_dot_product_attention(
+      out = aj.scaled_dot_product_attention(
           q, k, v, mask, bias=bias, is_causal=causal,
-          implementation=implementation, need_weights=False)
+          implementation=implementation)
       weights = jnp.cos(jnp.arange(out.shape[-1], dtype=out.dtype))
       return jnp.sum(out * weights.reshape((1,) * (out.ndim - 1) + (-1,)))
 
@@ -212,7 +212,7 @@ def head_cases(draw):
 
 _MHA = jax.jit(aj.multi_head_attention,
                static_argnames=("num_heads", "num_kv_heads", "is_causal",
-                                "implementation", "need_weights"))
+                                "implementation", "return_weights"))
 
 
 class ModulePropertiesTest(absltest.TestCase):
@@ -232,9 +232,11 @@ class ModulePropertiesTest(absltest.TestCase):
     elif kind == "padding":
       mask = jnp.asarray(np.arange(s)[None, None, None, :] <
                          (np.arange(b) % s + 1)[:, None, None, None])
-    out, w = _MHA(params, x, mem, mem, mask, num_heads=n, num_kv_heads=k,
+    dense = implementation == "dense"
+    result = _MHA(params, x, mem, mem, mask, num_heads=n, num_kv_heads=k,
                   is_causal=causal, implementation=implementation,
-                  need_weights=implementation == "dense")
+                  return_weights=dense)
+    out, w = result if dense else (result, None)
     ref, ref_w = reference.multi_head_attention(
         params, x, mem, mem, None if mask is None else np.asarray(mask),
         num_heads=n, num_kv_heads=k, is_causal=causal)
@@ -262,14 +264,16 @@ class ModulePropertiesTest(absltest.TestCase):
     np_mask = None if mask is None else np.asarray(mask)
     if score == "additive":
       params = _data.params(aj.init_additive_params, seed, 4, 4, 5)
-      ctx, w = jax.jit(aj.additive_attention)(params, q, keys, values, mask)
+      attend = functools.partial(aj.additive_attention, return_weights=True)
+      ctx, w = jax.jit(attend)(params, q, keys, values, mask)
       ref, ref_w = reference.additive(params, q, keys, values, np_mask)
     else:
       params = (None if score == "dot" else _data.params(
           aj.init_luong_params, seed, 4, 4, score=score,
           **({"hidden_features": 5} if score == "concat" else {})))
-      ctx, w = jax.jit(functools.partial(aj.luong_attention, score=score))(
-          q, keys, values, mask, params=params)
+      attend = functools.partial(aj.luong_attention, score=score,
+                                 return_weights=True)
+      ctx, w = jax.jit(attend)(params, q, keys, values, mask)
       ref, ref_w = reference.luong(q, keys, values, np_mask, score=score,
                                    params=params)
     w = np.asarray(w, np.float64)

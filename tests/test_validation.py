@@ -115,32 +115,38 @@ CASES = [
     ("additive_init_hidden", lambda: aj.init_additive_params(
         jax.random.key(0), 6, 4, 0), ValueError,
      r"hidden_features must be positive"),
-    ("luong_unknown_score", lambda: aj.luong_attention(DQ, KEYS,
+    ("luong_unknown_score", lambda: aj.luong_attention(None, DQ, KEYS,
                                                        score="cosine"),
      ValueError, r"score must be one of \('dot', 'general', 'concat'\), got "
      r"'cosine'"),
-    ("luong_dot_features", lambda: aj.luong_attention(DQ, KEYS), ValueError,
+    ("luong_dot_features", lambda: aj.luong_attention(None, DQ, KEYS),
+     ValueError,
      r"score='dot' needs query and keys with the same features, got Dq=6 and "
      r"Dk=4"),
     ("luong_missing_params", lambda: aj.luong_attention(
-        DQ, KEYS, score="general"), ValueError,
+        None, DQ, KEYS, score="general"), ValueError,
      r"score='general' needs params\['W'\]"),
     ("luong_general_shape", lambda: aj.luong_attention(
-        jnp.ones((2, 5)), KEYS, score="general", params=GEN), ValueError,
+        GEN, jnp.ones((2, 5)), KEYS, score="general"), ValueError,
      r"params\['W'\] has shape \(6, 4\), expected \[Dq, Dk\] = \[5, 4\]"),
     ("luong_concat_needs_hidden", lambda: aj.init_luong_params(
         jax.random.key(0), 6, 4, score="concat"), ValueError,
      r"score='concat' needs hidden_features"),
     ("luong_float_mask", lambda: aj.luong_attention(
-        DQ, KEYS, score="general", params=GEN, mask=jnp.ones((2, 5))),
+        GEN, DQ, KEYS, score="general", mask=jnp.ones((2, 5))),
      TypeError, r"mask must be a bool or integer array"),
     ("blockwise_float_lengths", lambda: aj.blockwise_attention(
-        Q, K, V, key_lengths=jnp.ones((2,))), TypeError,
-     r"key_lengths must be an integer array, got dtype float32 with shape "
-     r"\(2,\)"),
+        Q, K, V, key_value_seq_lengths=jnp.ones((2,))), TypeError,
+     r"key_value_seq_lengths must be an integer array, got dtype float32 with "
+     r"shape \(2,\)"),
     ("blockwise_lengths_batch", lambda: aj.blockwise_attention(
-        Q, K, V, key_lengths=jnp.ones((3,), jnp.int32)), ValueError,
-     r"do not broadcast: .*key_lengths \(3,\)"),
+        Q, K, V, key_value_seq_lengths=jnp.ones((3,), jnp.int32)), ValueError,
+     r"do not broadcast: .*key_value_seq_lengths \(3,\)"),
+    ("sdpa_lengths_without_head_axis", lambda: sdpa(
+        jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 6, 8)), jnp.ones((2, 3, 6, 5)),
+        key_value_seq_lengths=jnp.array([6, 2])), ValueError,
+     r"key_value_seq_lengths with shape \(2,\) must have one axis per "
+     r"leading dim of the operands \(2, 3\).*lengths\[:, None\]"),
     ("blockwise_block_size", lambda: aj.blockwise_attention(
         Q, K, V, block_q=0), ValueError, r"block_q must be positive, got 0"),
     ("blockwise_complex", lambda: aj.blockwise_attention(
@@ -156,6 +162,15 @@ CASES = [
         Q, K, V, implementation="blockwise", dropout_rate=0.1,
         dropout_rng=jax.random.key(0)), ValueError,
      r"implementation='blockwise' has no dropout"),
+    ("sdpa_blockwise_weights", lambda: sdpa(
+        Q, K, V, implementation="blockwise", return_weights=True), ValueError,
+     r"implementation='blockwise' never forms the attention weights"),
+    ("ring_mask", lambda: aj.ring_attention(
+        Q, K, V, jnp.ones((4, 6), bool), axis_name="seq"), ValueError,
+     r"ring_attention takes no mask \(got shape \(4, 6\)\)"),
+    ("ring_bias", lambda: aj.ring_attention(
+        Q, K, V, bias=jnp.ones((4, 6)), axis_name="seq"), ValueError,
+     r"ring_attention takes no bias \(got shape \(4, 6\)\)"),
     ("ring_outside_shard_map", lambda: aj.ring_attention(
         Q, K, V, axis_name="seq"), ValueError,
      r"axis_name='seq' is not bound: call ring_attention inside "

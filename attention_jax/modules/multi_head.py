@@ -3,29 +3,54 @@
 Shape glossary: B batch, T query length, S key/value length, N query heads,
 K key/value heads, H head dim = D // N, D model dim, L cache capacity.
 
-The module owns ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``nnx.Linear``) and, after
-``init_cache``, the cache variables. The maths is
-``attention_jax.multi_head`` (projection per head, attention of N query heads
-over K shared KV heads) and ``attention_jax.kv_cache``.
+The module owns its parameters as plain ``nnx.Param``s (``W_q``, ``W_k``,
+``W_v``, ``W_o``, each a ``kernel`` and optional ``bias``, laid out as
+``aj.multi_head_attention``'s params dict) and, after ``init_cache``, the
+cache variables. The maths is ``attention_jax.multi_head.forward`` (projection
+per head, attention of N query heads over K shared KV heads, ``W_o``), the
+same path for the full call and for cached decoding.
 """
 
 from __future__ import annotations
 
 from flax import nnx
-from flax.nnx.module import first_from
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax import _checks
-from attention_jax import kv_cache
-from attention_jax import masks
 from attention_jax import multi_head
 from attention_jax import sharding
 from attention_jax.modules import _rngs
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
 _ZEROS = nnx.initializers.zeros_init()
+
+
+class Projection(nnx.Module):
+  """The parameters of one projection: ``kernel [in, out]``, ``bias [out]``.
+
+  Only parameters: ``aj.multi_head_attention`` does the maths. Created in
+  ``nnx.Linear``'s order (kernel, then bias, each from ``rngs.params()``), so
+  the same seed gives the same numbers as a Linear layer would.
+  """
+
+  def __init__(self, n_in: int, n_out: int, *, use_bias: bool,
+               param_dtype, kernel_init, bias_init, rngs: nnx.Rngs):
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (n_in, n_out),
+                                        param_dtype))
+    self.bias = nnx.data(None)
+    if use_bias:
+      self.bias = nnx.Param(bias_init(rngs.params(), (n_out,), param_dtype))
+
+  def as_dict(self, dtype=None) -> dict[str, jax.Array]:
+    """``{"kernel", "bias"}`` arrays, cast to ``dtype`` if given."""
+    out = {"kernel": self.kernel[...]}
+    if self.bias is not None:
+      out["bias"] = self.bias[...]
+    if dtype is not None:
+      out = {k: v.astype(dtype) for k, v in out.items()}
+    return out
 
 
 class MultiHeadAttention(nnx.Module):
@@ -93,7 +118,8 @@ class MultiHeadAttention(nnx.Module):
       implementation: str | None = None,
       head_axis: str | None = None,
   ):
-    num_kv_heads = multi_head._check_heads(d_model, num_heads, num_kv_heads)
+    num_kv_heads = _checks.check_head_counts(d_model, num_heads,
+                                             num_kv_heads)
     if (head_axis and nnx.using_eager_sharding()
         and sharding.mesh_axis_size(head_axis) is None):
       raise ValueError(
@@ -109,6 +135,8 @@ class MultiHeadAttention(nnx.Module):
     self.head_dim = d_model // num_heads
     self.dropout_rate = dropout_rate
     self.deterministic = deterministic
+    self.dtype = dtype
+    self.param_dtype = param_dtype
     self.attention_fn = attention_fn
     self.implementation = implementation
     self.head_axis = head_axis
@@ -120,7 +148,7 @@ class MultiHeadAttention(nnx.Module):
       if name in specs:  # flax shards these as it creates them
         k_init = nnx.with_partitioning(k_init, specs[name]["kernel"])
         b_init = nnx.with_partitioning(b_init, specs[name]["bias"])
-      return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype,
+      return Projection(n_in, n_out, use_bias=use_bias,
                         param_dtype=param_dtype, kernel_init=k_init,
                         bias_init=b_init, rngs=rngs)
 
@@ -134,17 +162,9 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index: nnx.Cache | None = nnx.data(None)
 
   def params_dict(self) -> multi_head.Params:
-    """The parameters in ``aj.multi_head_attention``'s layout (no copies)."""
-    dtype = self.W_q.dtype
-    out = {}
-    for name in ("W_q", "W_k", "W_v", "W_o"):
-      layer = getattr(self, name)
-      out[name] = {"kernel": layer.kernel[...]}
-      if layer.bias is not None:
-        out[name]["bias"] = layer.bias[...]
-      if dtype is not None:
-        out[name] = jax.tree.map(lambda p: p.astype(dtype), out[name])
-    return out
+    """The parameters in ``aj.multi_head_attention``'s layout, in ``dtype``."""
+    return {name: getattr(self, name).as_dict(self.dtype)
+            for name in ("W_q", "W_k", "W_v", "W_o")}
 
   def init_cache(self, batch_size: int, max_length: int,
                  dtype: jnp.dtype | None = None) -> None:
@@ -158,7 +178,7 @@ class MultiHeadAttention(nnx.Module):
     """
     _checks.check_positive_int("batch_size", batch_size)
     _checks.check_positive_int("max_length", max_length)
-    dtype = dtype or self.W_k.dtype or self.W_k.param_dtype
+    dtype = dtype or self.dtype or self.param_dtype
     shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
     meta = {}
     if sharding.mesh_axis_size(self.head_axis) is not None:  # K heads split
@@ -212,60 +232,29 @@ class MultiHeadAttention(nnx.Module):
             f"{name} has {_checks.shape_of(x)[-1]} features (shape "
             f"{_checks.shape_of(x)}), but the module was built with "
             f"d_model={self.d_model}.")
-    if self.W_q.dtype is not None:  # as nnx.Linear: compute in `dtype`
-      query, key, value = (jnp.asarray(x, self.W_q.dtype)
+    if self.dtype is not None:  # as nnx.Linear: compute in `dtype`
+      query, key, value = (jnp.asarray(x, self.dtype)
                            for x in (query, key, value))
-    deterministic = first_from(deterministic, self.deterministic,
-                               error_msg="deterministic is unset")
+    if deterministic is None:
+      deterministic = self.deterministic
     rate = 0.0 if deterministic else self.dropout_rate
     dropout_rng = _rngs.dropout_key(rngs, self.rngs) if rate > 0 else None
-    params = self.params_dict()
-    if not decode:
-      out, weights = multi_head.multi_head_attention(
-          params, query, key, value, mask, num_heads=self.num_heads,
-          num_kv_heads=self.num_kv_heads, bias=bias, is_causal=is_causal,
-          dropout_rate=rate, dropout_rng=dropout_rng,
-          attention_fn=self.attention_fn, implementation=self.implementation,
-          need_weights=return_weights, head_axis=self.head_axis)
-      return (out, weights) if return_weights else out
-    out, weights = self._decode(params, query, key, value, mask, bias, rate,
-                                dropout_rng, return_weights)
-    return (out, weights) if return_weights else out
-
-  def _decode(self, params, query, key, value, mask, bias, rate, dropout_rng,
-              need_weights):
-    if self.cache_index is None:
-      raise ValueError("decode=True needs a cache: call "
-                       "init_cache(batch_size, max_length) first.")
-    b, t = _checks.shape_of(query)[:2]
-    cache_shape = self.cached_key.shape  # [B, K, L, H]
-    if _checks.shape_of(key)[:2] != (b, t) or b != cache_shape[0]:
-      raise ValueError(
-          f"decode=True appends this call's tokens: query "
-          f"{_checks.shape_of(query)} and key {_checks.shape_of(key)} must "
-          f"share [B, T], and B must equal the cache's batch {cache_shape[0]}.")
-    q = multi_head.project_heads(jnp.asarray(query), params["W_q"],
-                                 self.num_heads)  # [B, N, T, H]
-    k = multi_head.project_heads(jnp.asarray(key), params["W_k"],
-                                 self.num_kv_heads)  # [B, K, T, H]
-    v = multi_head.project_heads(jnp.asarray(value), params["W_v"],
-                                 self.num_kv_heads)  # [B, K, T, H]
-    q, k, v = (sharding.constrain_heads(x, self.head_axis) for x in (q, k, v))
-    index = self.cache_index[...]
-    cached_k, cached_v, visible = kv_cache.update_kv_cache(
-        self.cached_key[...], self.cached_value[...], index, k, v)
-    mask, bias = multi_head.check_mask_and_bias(
-        mask, bias, (b, self.num_heads, t, cache_shape[2]),
-        "[B, N, T, L] (decoding)")
-    out, weights = multi_head.attend_heads(
-        q, cached_k, cached_v, masks.combine_masks(mask, visible), bias=bias,
+    cache = None
+    if decode:
+      if self.cache_index is None:
+        raise ValueError("decode=True needs a cache: call "
+                         "init_cache(batch_size, max_length) first.")
+      cache = multi_head.KVCache(self.cached_key[...],
+                                 self.cached_value[...],
+                                 self.cache_index[...])
+    out, weights, cache = multi_head.forward(
+        self.params_dict(), query, key, value, mask, num_heads=self.num_heads,
+        num_kv_heads=self.num_kv_heads, bias=bias, is_causal=is_causal,
         dropout_rate=rate, dropout_rng=dropout_rng,
         attention_fn=self.attention_fn, implementation=self.implementation,
-        need_weights=need_weights)
-    self.cached_key[...] = cached_k
-    self.cached_value[...] = cached_v
-    self.cache_index[...] = index + t
-    output = multi_head.project(multi_head.merge_heads(out),
-                                params["W_o"]["kernel"],
-                                params["W_o"].get("bias"))  # [B, T, D]
-    return output, weights
+        return_weights=return_weights, head_axis=self.head_axis, cache=cache)
+    if decode:
+      self.cached_key[...] = cache.key
+      self.cached_value[...] = cache.value
+      self.cache_index[...] = cache.index
+    return (out, weights) if return_weights else out

@@ -101,9 +101,9 @@ class HeadParallelTest(parameterized.TestCase):
   def test_pure_function_ignores_axis_without_mesh(self):
     params = aj.init_multi_head_params(jax.random.key(0), 32, 8)
     x = jnp.asarray(self.x)
-    a, _ = aj.multi_head_attention(params, x, x, x, num_heads=8)
-    b, _ = aj.multi_head_attention(params, x, x, x, num_heads=8,
-                                   head_axis="model")
+    a = aj.multi_head_attention(params, x, x, x, num_heads=8)
+    b = aj.multi_head_attention(params, x, x, x, num_heads=8,
+                                head_axis="model")
     chex.assert_trees_all_equal(a, b)
 
 

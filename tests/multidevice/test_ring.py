@@ -28,8 +28,9 @@ def _mesh(devices):
 
 def _ring_fn(devices, **kwargs):
   def local(q, k, v, lengths):
-    return aj.ring_attention(q, k, v, axis_name="seq", key_lengths=lengths,
-                             block_q=4, block_k=2, **kwargs)
+    return aj.ring_attention(q, k, v, axis_name="seq",
+                             key_value_seq_lengths=lengths, block_q=4,
+                             block_k=2, **kwargs)
   return jax.shard_map(local, mesh=_mesh(devices),
                        in_specs=(SEQ, SEQ, SEQ, P()), out_specs=SEQ)
 
@@ -55,10 +56,10 @@ class RingAttentionTest(parameterized.TestCase):
 
     got = jax.jit(jax.grad(functools.partial(
         loss, lambda q, k, v: ring(q, k, v, lengths)), (0, 1, 2)))(q, k, v)
-    want = jax.jit(jax.grad(functools.partial(
-        loss, lambda q, k, v: aj.blockwise_attention(
-            q, k, v, key_lengths=lengths, is_causal=causal)), (0, 1, 2)))(
-                q, k, v)
+    block = lambda q, k, v: aj.blockwise_attention(
+        q, k, v, key_value_seq_lengths=lengths, is_causal=causal)
+    want = jax.jit(jax.grad(functools.partial(loss, block), (0, 1, 2)))(
+        q, k, v)
     chex.assert_tree_all_finite(got)
     chex.assert_trees_all_close(got, want, **GRAD_TOL)
 
@@ -95,6 +96,19 @@ class RingAttentionTest(parameterized.TestCase):
     x = jnp.ones((4, 8))
     with self.assertRaisesRegex(ValueError, "axis_name='seq' is not bound"):
       aj.ring_attention(x, x, x, axis_name="seq")
+
+  def test_mask_and_bias_are_refused(self):
+    x = jnp.ones((1, 8, 8))  # [B, T, H], T split over "seq"
+    spec = P(None, "seq")
+    for name, extra in (("mask", dict(mask=jnp.ones((8, 8), bool))),
+                        ("bias", dict(bias=jnp.ones((8, 8))))):
+      ring = jax.shard_map(
+          lambda q, extra=extra: aj.ring_attention(q, q, q, axis_name="seq",
+                                                   **extra),
+          mesh=_mesh(2), in_specs=spec, out_specs=spec)
+      with self.assertRaisesRegex(ValueError,
+                                  f"ring_attention takes no {name}"):
+        ring(x)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ class BahdanauAttention(_DecoderAttention):
     >>> attn = BahdanauAttention(6, 4, 8, rngs=nnx.Rngs(0))
     >>> enc = jnp.ones((2, 5, 4))                 # [B, S, Dk]
     >>> keys = attn.precompute_keys(enc)          # once per sequence
-    >>> ctx, w = attn(jnp.ones((2, 6)), enc, projected_keys=keys)  # one step
+    >>> ctx = attn(jnp.ones((2, 6)), enc, projected_keys=keys)  # one step
+    >>> ctx, w = attn(jnp.ones((2, 6)), enc, return_weights=True)
     >>> ctx.shape, w.shape
     ((2, 4), (2, 5))
   """
@@ -71,11 +72,13 @@ class BahdanauAttention(_DecoderAttention):
 
   def __call__(self, query: ArrayLike, keys: ArrayLike,
                values: ArrayLike | None = None, mask: ArrayLike | None = None,
-               *, projected_keys: ArrayLike | None = None
-               ) -> tuple[jax.Array, jax.Array]:
-    """See ``aj.additive_attention``: ``(context, weights)``."""
-    return additive.additive_attention(self.params_dict(), query, keys, values,
-                                       mask, projected_keys=projected_keys)
+               *, projected_keys: ArrayLike | None = None,
+               return_weights: bool = False
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """See ``aj.additive_attention``: ``context`` (and the weights)."""
+    return additive.additive_attention(
+        self.params_dict(), query, keys, values, mask,
+        projected_keys=projected_keys, return_weights=return_weights)
 
 
 class LuongAttention(_DecoderAttention):
@@ -94,7 +97,8 @@ class LuongAttention(_DecoderAttention):
 
   Example:
     >>> attn = LuongAttention(4, 4, score="general", rngs=nnx.Rngs(0))
-    >>> ctx, w = attn(jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4)))
+    >>> ctx, w = attn(jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4)),
+    ...               return_weights=True)
     >>> ctx.shape, w.shape
     ((2, 3, 4), (2, 3, 5))
   """
@@ -112,15 +116,16 @@ class LuongAttention(_DecoderAttention):
 
   def precompute_keys(self, keys: ArrayLike) -> jax.Array:
     """The key side of the score, ``[B, S, Dk] -> [B, S, F]``."""
-    return luong.precompute_luong_keys(keys, score=self.score,
-                                       params=self.params_dict())
+    return luong.precompute_luong_keys(self.params_dict(), keys,
+                                       score=self.score)
 
   def __call__(self, query: ArrayLike, keys: ArrayLike,
                values: ArrayLike | None = None, mask: ArrayLike | None = None,
-               *, projected_keys: ArrayLike | None = None
-               ) -> tuple[jax.Array, jax.Array]:
-    """See ``aj.luong_attention``: ``(context, weights)``."""
+               *, projected_keys: ArrayLike | None = None,
+               return_weights: bool = False
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """See ``aj.luong_attention``: ``context`` (and the weights)."""
     return luong.luong_attention(
-        query, keys, values, mask, score=self.score,
-        params=self.params_dict(), scale=self.fixed_scale,
-        projected_keys=projected_keys)
+        self.params_dict(), query, keys, values, mask, score=self.score,
+        scale=self.fixed_scale, projected_keys=projected_keys,
+        return_weights=return_weights)

@@ -1,0 +1,39 @@
+"""Numerics shared by every implementation: compute dtypes, masks, padding.
+
+Shape glossary: S key/value length, F features.
+
+Policies written once here: 16-bit and float32 inputs compute in float32,
+float64 inputs in float64; masks are bool with True = may attend (integer
+masks: non-zero); keys that no query may see are zeroed before any product,
+because a NaN or inf stored in padding would otherwise meet a zero weight and
+``0 * NaN`` is NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def compute_dtype(*xs) -> jnp.dtype:
+  """float32 for float16/bfloat16/float32 inputs, float64 for float64 ones."""
+  return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
+def as_bool_mask(mask) -> jax.Array:
+  """A bool mask from a bool or integer one (0 = blocked)."""
+  mask = jnp.asarray(mask)
+  return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def zero_unseen(seen, *arrays):
+  """Zeroes the rows of ``[..., S, F]`` arrays whose key no query may see.
+
+  ``seen`` is ``[..., S]`` bool (True where some query may attend to key j),
+  broadcastable against the arrays' leading dims. Masking the logits is not
+  enough: a NaN or inf stored in a padded key or value still meets a zero
+  weight in ``p @ v`` or in a gradient, and ``0 * NaN`` is NaN.
+  """
+  return tuple(None if x is None else
+               jnp.where(seen[..., None], x, jnp.zeros((), x.dtype))
+               for x in arrays)

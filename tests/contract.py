@@ -1,0 +1,295 @@
+"""The one contract every attention implementation honours, as a test suite.
+
+Each implementation is one line of ``IMPLEMENTATIONS``: a function with
+``scaled_dot_product_attention``'s arguments (``query, key, value, mask,
+*, bias, is_causal, key_value_seq_lengths, return_lse``) over
+``[B, N, T, H]`` operands, and the features it does not take. Every case
+below runs against every implementation: where the implementation takes
+all the case's features it must match an independent float64 reference
+(outputs, lse, gradients of q, k, v and bias, gradients through lse too);
+where it does not, it must refuse with a ``ValueError``/``TypeError``, never
+return a number.
+
+``tests/test_contract.py`` runs the in-process implementations;
+``tests/multidevice/test_contract_ring.py`` runs ``ring`` on 4 simulated
+devices. Adding an implementation = adding one line to ``IMPLEMENTATIONS``
+(and naming it in one of those two files).
+
+Shape glossary: B batch, N query heads, K key/value heads, T query length,
+S key/value length, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+import attention_jax as aj
+from tests import _data
+
+RING_DEVICES = 4
+
+
+def _ring(query, key, value, mask=None, *, bias=None, is_causal=False,
+          key_value_seq_lengths=None, return_lse=False):
+  """ring_attention with T and S split over RING_DEVICES devices."""
+  mesh = jax.make_mesh((RING_DEVICES,), ("seq",),
+                       devices=jax.devices()[:RING_DEVICES],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  seq = P(None, None, "seq")
+  out_specs = (seq, P(None, None, "seq")) if return_lse else seq
+
+  def local(q, k, v, lengths, mask, bias):
+    return aj.ring_attention(q, k, v, mask, axis_name="seq", bias=bias,
+                             is_causal=is_causal,
+                             key_value_seq_lengths=lengths,
+                             return_lse=return_lse, block_q=4, block_k=3)
+
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(seq, seq, seq, P(), P(), P()),
+                       out_specs=out_specs)(query, key, value,
+                                            key_value_seq_lengths, mask, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  fn: Any
+  unsupported: frozenset[str] = frozenset()
+  needs_gpu: bool = False
+
+
+# name: (function, features it refuses). Block sizes are odd so that causal
+# offsets and lengths straddle block edges.
+IMPLEMENTATIONS = {
+    "dense": Implementation(functools.partial(
+        aj.scaled_dot_product_attention, implementation="dense")),
+    "blockwise": Implementation(
+        functools.partial(aj.blockwise_attention, block_q=5, block_k=7),
+        frozenset({"float64"})),
+    "dispatch_blockwise": Implementation(
+        functools.partial(aj.scaled_dot_product_attention,
+                          implementation="blockwise"),
+        frozenset({"float64"})),
+    "cudnn": Implementation(
+        functools.partial(aj.scaled_dot_product_attention,
+                          implementation="cudnn"),
+        frozenset({"float32", "float64", "lse"}),
+        needs_gpu=True),
+    "ring": Implementation(_ring, frozenset({"mask", "bias", "float64"})),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  t: int = 24
+  s: int = 40
+  kv_heads: int = 2  # of N = 4 query heads
+  causal: bool = False
+  lengths: tuple[int, ...] | None = None  # per example, [B] -> [B, 1]
+  mask: bool = False  # random mask with fully blocked rows
+  bias: bool = False  # random bias with -inf entries
+  lse: bool = False  # return_lse, and a loss through lse
+  nan_padding: bool = False  # NaN in keys/values past the lengths
+  dtype: str = "float32"
+
+  def features(self) -> set[str]:
+    used = {self.dtype}
+    for name in ("mask", "bias", "lse"):
+      if getattr(self, name):
+        used.add(name)
+    return used
+
+
+CASES = {
+    "plain_t_ne_s": Case(),
+    "causal_t_lt_s": Case(causal=True),
+    "causal_t_gt_s_empty_rows": Case(t=40, s=24, causal=True, lse=True),
+    "causal_square_lengths": Case(t=24, s=24, causal=True, lengths=(24, 13)),
+    "zero_length_nan_padding": Case(lengths=(17, 0), nan_padding=True),
+    "mqa_causal_lengths": Case(kv_heads=1, causal=True, lengths=(40, 29)),
+    "mha": Case(kv_heads=4, lse=True),
+    "lse_causal_lengths": Case(causal=True, lengths=(31, 9), lse=True),
+    "mask_empty_rows": Case(mask=True, lse=True),
+    "bias_neg_inf": Case(bias=True, causal=True),
+    "bfloat16_causal_lengths": Case(causal=True, lengths=(40, 21),
+                                    dtype="bfloat16"),
+    "float16": Case(dtype="float16", lse=True),
+    "float64": Case(dtype="float64", causal=True),
+}
+
+B, N, H = 2, 4, 8
+# Relative error budget per dtype of the *inputs*: float32 compute
+# accumulates over <= 40 keys (~1e-6) and the flash backward recomputes P
+# from lse across blocks (a few more roundings); 16-bit outputs carry one
+# final rounding (eps/2) plus, in the flash kernels, P rounded to the value
+# dtype before P @ V (another eps/2 per term).
+TOLERANCES = {
+    "float64": dict(fwd=1e-10, grad=1e-9),
+    "float32": dict(fwd=1e-5, grad=5e-5),
+    "float16": dict(fwd=4e-3, grad=2e-2),
+    "bfloat16": dict(fwd=3e-2, grad=1e-1),
+}
+
+
+def _operands(case: Case):
+  dtype = jnp.dtype(case.dtype)
+  q = _data.normal(0, (B, N, case.t, H))
+  k = _data.normal(1, (B, case.kv_heads, case.s, H))
+  v = _data.normal(2, (B, case.kv_heads, case.s, H))
+  lengths = None
+  if case.lengths is not None:
+    lengths = jnp.array(case.lengths, jnp.int32)[:, None]  # [B, 1]
+  mask = bias = None
+  if case.mask:
+    mask = np.array(_data.bernoulli(3, 0.6, (B, 1, case.t, case.s)))
+    mask[0, 0, 5] = False  # a query row that may see nothing
+    mask[1, 0, -1] = False
+    mask = jnp.asarray(mask)
+  if case.bias:
+    bias = np.array(_data.normal(4, (1, N, case.t, case.s)))
+    bias[0, 1, :, 3] = -np.inf  # a key no query of head 1 may see
+    bias[0, 2, 7, :] = -np.inf  # a query of head 2 that sees nothing
+    bias = jnp.asarray(bias)
+  if dtype != jnp.float32:
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    bias = None if bias is None else bias.astype(dtype)
+  return q, k, v, mask, bias, lengths
+
+
+def _allowed(case: Case, mask, lengths, bias):
+  """Where query t may see key s, [B, N, T, S], written out from the case."""
+  allowed = np.ones((B, N, case.t, case.s), bool)
+  if mask is not None:
+    allowed &= np.asarray(mask)
+  if lengths is not None:
+    allowed &= (np.arange(case.s) < np.asarray(lengths)[:, :1])[:, None,
+                                                                None, :]
+  if case.causal:  # bottom-right aligned: key j visible to query i iff
+    i = np.arange(case.t)[:, None]  # j <= i + (S - T)
+    j = np.arange(case.s)[None, :]
+    allowed &= j <= i + (case.s - case.t)
+  if bias is not None:
+    allowed &= np.isfinite(np.asarray(bias, np.float64))
+  return allowed
+
+
+def reference(q, k, v, bias, allowed):
+  """Float64 attention with explicit head repetition; ``(out, lse)``.
+
+  Written independently of the library: repeated K/V heads, a plain masked
+  softmax, ``lse = -inf`` and output 0 for rows that may see nothing.
+  """
+  group = q.shape[1] // k.shape[1]
+  k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+  logits = jnp.einsum("BNTH,BNSH->BNTS", q, k) / np.sqrt(q.shape[-1])
+  if bias is not None:
+    logits = logits + jnp.where(allowed, bias, 0.0)
+  top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
+  top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+  e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
+  total = e.sum(-1, keepdims=True)
+  seen = total > 0
+  out = (e / jnp.where(seen, total, 1.0)) @ v
+  lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  return out, lse[..., 0]
+
+
+def _loss(out, lse, cot, cot_lse):
+  total = jnp.sum(out.astype(jnp.float64 if out.dtype == jnp.float64
+                             else jnp.float32) * cot)
+  if lse is not None:  # through lse too; -inf rows contribute nothing
+    total = total + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * cot_lse)
+  return total
+
+
+def _reference_loss(operands, allowed, cot, cot_lse):
+  out, lse = reference(*operands, allowed)
+  return _loss(out, None if cot_lse is None else lse, cot, cot_lse)
+
+
+def suite(names):
+  """A ``chex.TestCase`` running every case on each named implementation."""
+  params = [(f"{name}__{case_name}", name, case_name)
+            for name in names for case_name in CASES]
+
+  class ContractTest(chex.TestCase):
+
+    @parameterized.named_parameters(*params)
+    def test_contract(self, name, case_name):
+      impl, case = IMPLEMENTATIONS[name], CASES[case_name]
+      if impl.needs_gpu and jax.default_backend() != "gpu":
+        self.skipTest("needs a GPU")
+      if case.dtype == "float64":
+        with jax.enable_x64(True):
+          self._check(impl, case)
+      else:
+        self._check(impl, case)
+
+    def _check(self, impl, case):
+      q, k, v, mask, bias, lengths = _operands(case)
+      fn = functools.partial(impl.fn, is_causal=case.causal,
+                             key_value_seq_lengths=lengths,
+                             return_lse=case.lse)
+      kwargs = {} if bias is None else {"bias": bias}
+      if case.features() & impl.unsupported:
+        with self.assertRaises((ValueError, TypeError)):
+          jax.jit(lambda q, k, v: fn(q, k, v, mask, **kwargs))(q, k, v)
+        return
+
+      allowed = _allowed(case, mask, lengths, bias)
+      q_in, k_in, v_in = q, k, v
+      if case.nan_padding:  # keys and values no query may see hold NaN
+        seen = allowed.any(axis=(1, 2))[:, None, :, None]  # [B, 1, S, 1]
+        k_in = jnp.where(seen, k, jnp.nan)
+        v_in = jnp.where(seen, v, jnp.nan)
+
+      def ours(q, k, v, bias):
+        kw = {} if bias is None else {"bias": bias}
+        result = fn(q, k, v, mask, **kw)
+        return result if case.lse else (result, None)
+
+      out, lse = jax.jit(ours)(q_in, k_in, v_in, bias)
+      f64 = lambda x: None if x is None else np.asarray(x, np.float64)
+      with jax.enable_x64(True):
+        ref_out, ref_lse = jax.jit(reference)(
+            f64(q), f64(k), f64(v), f64(bias), allowed)
+      tol = TOLERANCES[case.dtype]
+      chex.assert_shape(out, (B, N, case.t, H))
+      self.assertEqual(out.dtype, q.dtype)
+      chex.assert_tree_all_finite(out)
+      np.testing.assert_allclose(np.asarray(out, np.float64), ref_out,
+                                 atol=tol["fwd"], rtol=tol["fwd"])
+      empty = ~allowed.any(-1)  # [B, N, T]: queries that see nothing
+      np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
+      if case.lse:
+        np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse,
+                                   atol=tol["fwd"], rtol=tol["fwd"])
+
+      cot = _data.normal(7, out.shape)
+      cot_lse = _data.normal(8, out.shape[:-1]) if case.lse else None
+      argnums = (0, 1, 2) + ((3,) if bias is not None else ())
+      grads = jax.jit(jax.grad(
+          lambda *a: _loss(*ours(*a), cot, cot_lse), argnums))(
+              q_in, k_in, v_in, bias)
+      with jax.enable_x64(True):
+        want = jax.jit(jax.grad(
+            lambda *a: _reference_loss(a, allowed, f64(cot), f64(cot_lse)),
+            argnums))(f64(q), f64(k), f64(v), f64(bias))
+      for name, got, ref in zip(("dq", "dk", "dv", "dbias"), grads, want):
+        got = np.asarray(got, np.float64)
+        self.assertTrue(np.isfinite(got).all(), f"{name} is not finite")
+        scale = max(1.0, float(np.abs(ref).max()))
+        np.testing.assert_allclose(got, ref, atol=tol["grad"] * scale,
+                                   rtol=tol["grad"], err_msg=name)
+      # A query that may see nothing has exactly zero gradient.
+      np.testing.assert_array_equal(np.asarray(grads[0])[empty], 0.0)
+
+  return ContractTest
