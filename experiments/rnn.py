@@ -180,13 +180,15 @@ class RNNSeq2Seq(nnx.Module):
         logits = self.output(jnp.concatenate([h, final], -1))
       elif kind == "bahdanau":
         context, weights = self.attention(h, keys, states, mask,
-                                          projected_keys=projected)
+                                          projected_keys=projected,
+                                          return_weights=True)
         h, _ = self.cell(h, jnp.concatenate([e, context], -1))
         logits = self.output(jnp.concatenate([h, context], -1))
       else:
         h, _ = self.cell(h, jnp.concatenate([e, feed], -1))
         context, weights = self.attention(h, keys, states, mask,
-                                          projected_keys=projected)
+                                          projected_keys=projected,
+                                          return_weights=True)
         feed = jnp.tanh(self.combine(jnp.concatenate([context, h], -1)))
         logits = self.output(feed)
       return (h, feed), (logits, weights)
