@@ -34,7 +34,8 @@ import attention_jax as aj
 
 _PRESET = flags.DEFINE_enum(
     "preset", "full", ["full", "tiny"],
-    "full: the issue's table (minutes); tiny: a seconds-long smoke run.")
+    "full: the table of docs/performance.md (minutes); tiny: a "
+    "seconds-long smoke run.")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output directory.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per point.",
                                 lower_bound=1)

@@ -90,7 +90,7 @@ def _measure(rng: jax.Array, head_dim: int, num_queries: int, num_keys: int,
   def loss(q, logit_offset):
     # logit_offset is zero; its gradient is d(loss)/d(logits).
     out, weights = aj.scaled_dot_product_attention(
-        q, key, value, bias=logit_offset, scale=scale)
+        q, key, value, bias=logit_offset, scale=scale, return_weights=True)
     return jnp.sum(out * cotangent), weights[:, 0]  # [B, S]
 
   offset = jnp.zeros((num_queries, 1, num_keys))  # [B, T=1, S]
