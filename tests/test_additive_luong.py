@@ -106,16 +106,21 @@ class LuongTest(chex.TestCase):
       ("dot_scaled", "dot", "none", 0.5, False),
       ("general", "general", "per_step", None, False),
       ("general_learned_scale", "general", "padding", None, True),
+      # Dq == Dk: a transposed W has the right shape, only the numbers differ.
+      ("general_square_w", "general", "padding", None, False),
       ("concat", "concat", "padding", None, False),
       ("concat_int_mask", "concat", "int_padding", 2.0, True),
   )
   def test_matches_numpy(self, score, mask_kind, scale, use_scale):
     q, k, v = _inputs()
-    if score == "dot":
+    if score == "dot" or "square_w" in self._testMethodName:
       q = q[..., :DK]
     dq = q.shape[-1]
     params = _data.params(aj.init_luong_params, 2, dq, DK, score=score,
                           hidden_features=A, use_scale=use_scale)
+    if score == "general" and dq == DK:  # W must not be symmetric
+      w = params["W"]
+      self.assertGreater(float(jnp.abs(w - w.T).max()), 0.1)
     mask = _masks()[mask_kind]
     fn = self.variant(functools.partial(aj.luong_attention, score=score,
                                         scale=scale, return_weights=True))
