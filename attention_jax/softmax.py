@@ -16,6 +16,25 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 
+def _shifted_exp(logits, mask, axis):
+  """``(exp(logits - row_max) or 0 where blocked, row sums, row_max)``."""
+  logits = jnp.asarray(logits)
+  allowed = logits > -jnp.inf
+  if mask is not None:
+    allowed = allowed & jnp.asarray(mask, dtype=bool)
+  row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=axis,
+                    keepdims=True)
+  # A fully blocked row has max -inf; any finite shift works there. The shift
+  # cancels in the ratio, so it carries no gradient.
+  row_max = jax.lax.stop_gradient(
+      jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  # The inner `where` keeps exp() away from blocked entries (which may be
+  # -inf or garbage), so their cotangents are 0 rather than 0 * inf = NaN.
+  shifted = jnp.where(allowed, logits - row_max, 0.0)
+  unnormalised = jnp.where(allowed, jnp.exp(shifted), 0.0)
+  return unnormalised, jnp.sum(unnormalised, axis=axis, keepdims=True), row_max
+
+
 def masked_softmax(logits: ArrayLike, mask: ArrayLike | None = None,
                    axis: int = -1) -> jax.Array:
   """Softmax over ``axis`` that ignores blocked entries.
@@ -36,21 +55,7 @@ def masked_softmax(logits: ArrayLike, mask: ArrayLike | None = None,
     >>> masked_softmax(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, True, False]))
     Array([0.26894143, 0.7310586 , 0.        ], dtype=float32)
   """
-  logits = jnp.asarray(logits)
-  allowed = logits > -jnp.inf
-  if mask is not None:
-    allowed = allowed & jnp.asarray(mask, dtype=bool)
-  row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=axis,
-                    keepdims=True)
-  # A fully blocked row has max -inf; any finite shift works there. The shift
-  # cancels in the ratio, so it carries no gradient.
-  row_max = jax.lax.stop_gradient(
-      jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  # The inner `where` keeps exp() away from blocked entries (which may be
-  # -inf or garbage), so their cotangents are 0 rather than 0 * inf = NaN.
-  shifted = jnp.where(allowed, logits - row_max, 0.0)
-  unnormalised = jnp.where(allowed, jnp.exp(shifted), 0.0)
-  total = jnp.sum(unnormalised, axis=axis, keepdims=True)
+  unnormalised, total, _ = _shifted_exp(logits, mask, axis)
   return unnormalised / jnp.where(total > 0, total, 1.0)
 
 
@@ -65,17 +70,7 @@ def masked_logsumexp(logits: ArrayLike, mask: ArrayLike | None = None,
     >>> masked_logsumexp(jnp.array([0.0, 0.0, 5.0]), jnp.array([1, 1, 0]))
     Array(0.6931472, dtype=float32)
   """
-  logits = jnp.asarray(logits)
-  allowed = logits > -jnp.inf
-  if mask is not None:
-    allowed = allowed & jnp.asarray(mask, dtype=bool)
-  row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=axis,
-                    keepdims=True)
-  row_max = jax.lax.stop_gradient(
-      jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  shifted = jnp.where(allowed, logits - row_max, 0.0)
-  total = jnp.sum(jnp.where(allowed, jnp.exp(shifted), 0.0), axis=axis,
-                  keepdims=True)
+  _, total, row_max = _shifted_exp(logits, mask, axis)
   lse = jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total,
                                                          1.0)), -jnp.inf)
   return jnp.squeeze(lse, axis)
