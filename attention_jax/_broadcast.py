@@ -60,15 +60,15 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
                extra_core_ndims: Sequence[int] = ()):
   """Runs a single-head kernel over validated operands (``_checks.Operands``).
 
-  ``head_fn(q, k, v, mask, bias, length, *extra)`` sees ``[T, H]``,
-  ``[S, H]``, ``[S, Hv]``, ``[T|1, S|1]`` mask/bias (or None) and a scalar
-  length (or None), and returns ``(out [T, Hv], weights [T, S] or None,
-  lse [T] or None)``. The results come back over the leading dims with
-  grouped heads merged again (``[..., N, T, Hv]``).
+  ``head_fn(q, k, v, mask, bias, length, q_length, *extra)`` sees
+  ``[T, H]``, ``[S, H]``, ``[S, Hv]``, ``[T|1, S|1]`` mask/bias (or None)
+  and scalar key/query lengths (or None), and returns ``(out [T, Hv],
+  weights [T, S] or None, lse [T] or None)``. The results come back over
+  the leading dims with grouped heads merged again (``[..., N, T, Hv]``).
   """
   operands = (ops.query, ops.key, ops.value, ops.mask, ops.bias,
-              ops.lengths, *extra)
-  core = (2, 2, 2, 2, 2, 0, *extra_core_ndims)
+              ops.lengths, ops.q_lengths, *extra)
+  core = (2, 2, 2, 2, 2, 0, 0, *extra_core_ndims)
   out, weights, lse = broadcast_vmap(head_fn, core, operands)
   return (_grouping.merge(out, ops.groups, -3),
           _grouping.merge(weights, ops.groups, -3),

@@ -129,12 +129,14 @@ class Operands(NamedTuple):
   mask: jax.Array | None  # bool [..., T|1, S|1], at least 2-D
   bias: jax.Array | None  # float [..., T|1, S|1], at least 2-D
   lengths: jax.Array | None  # int32 [...] key/value lengths
+  q_lengths: jax.Array | None  # int32 [...] query lengths
   groups: _grouping.Groups | None
   batch_shape: tuple[int, ...]  # broadcast leading dims (grouped)
 
 
 def attention_operands(query, key, value, mask=None, bias=None,
-                       key_value_seq_lengths=None) -> Operands:
+                       key_value_seq_lengths=None,
+                       query_seq_lengths=None) -> Operands:
   """Checks the operands of an attention function and normalises them.
 
   The checks are stated in the caller's terms (query heads N against
@@ -184,27 +186,45 @@ def attention_operands(query, key, value, mask=None, bias=None,
     what += (" (4-D operands are [B, N, T, H] queries over [B, K, S, H] "
              "keys/values: K must be 1, N or a divisor of N)")
   batch_shape = broadcast_shapes(what, **leading)
-  lengths = check_lengths("key_value_seq_lengths", key_value_seq_lengths)
-  if lengths is not None:
+  all_lengths = {}
+  for name, given in (("key_value_seq_lengths", key_value_seq_lengths),
+                      ("query_seq_lengths", query_seq_lengths)):
+    lengths = all_lengths[name] = check_lengths(name, given)
+    if lengths is None:
+      continue
     # One axis per leading dim (or a scalar): a [B] array against [B, N]
     # leading dims would otherwise be read as per-head lengths when B == N.
     if lengths.ndim not in (0, len(batch_shape)):
       raise ValueError(
-          f"key_value_seq_lengths with shape {lengths.shape} must have one "
-          f"axis per leading dim of the operands {batch_shape} (size 1 to "
+          f"{name} with shape {lengths.shape} must have one axis per "
+          f"leading dim of the operands {batch_shape} (size 1 to "
           f"broadcast), e.g. lengths[:, None] for [B, N, T, H] inputs, or "
           f"be a scalar.")
-    leading["key_value_seq_lengths"] = lengths.shape
-    batch_shape = broadcast_shapes(what, **leading)
+    leading[name] = lengths.shape
+  batch_shape = broadcast_shapes(what, **leading)
   query, key, value = (_grouping.split(jnp.asarray(x), groups, -3)
                        for x in (query, key, value))
   mask, bias = (_grouping.split(x, groups, -3) for x in (mask, bias))
-  lengths = _grouping.split(lengths, groups, -1)
+  lengths, q_lengths = (_grouping.split(x, groups, -1)
+                        for x in all_lengths.values())
   if groups is not None:
     batch_shape = batch_shape[:-1] + (groups.num_kv_heads,
                                       groups.num_heads // groups.num_kv_heads)
-  return Operands(query, key, value, mask, bias, lengths, groups,
+  return Operands(query, key, value, mask, bias, lengths, q_lengths, groups,
                   batch_shape)
+
+
+def check_soft_cap(logits_soft_cap) -> None:
+  """A soft cap is a positive Python number (static) or None."""
+  if logits_soft_cap is None:
+    return
+  if isinstance(logits_soft_cap, bool) or not isinstance(
+      logits_soft_cap, (int, float, np.integer, np.floating)):
+    raise TypeError(f"logits_soft_cap must be a positive Python number, got "
+                    f"{logits_soft_cap!r} ({type(logits_soft_cap).__name__}).")
+  if not logits_soft_cap > 0 or not np.isfinite(logits_soft_cap):
+    raise ValueError(f"logits_soft_cap must be positive and finite, got "
+                     f"{logits_soft_cap}.")
 
 
 def check_head_counts(d_model: int, num_heads: int,

@@ -18,8 +18,14 @@ from attention_jax import _checks
 from attention_jax import masks
 
 
-def problem(query, key, value, mask, bias, lengths, return_lse) -> str | None:
-  """Why the cuDNN kernel cannot take these inputs, or None if it can."""
+def problem(query, key, value, mask, bias, lengths, return_lse,
+            structured=()) -> str | None:
+  """Why the cuDNN kernel cannot take these inputs, or None if it can.
+
+  ``structured`` names the pattern arguments in use; none goes to cuDNN yet
+  (its window and query lengths align top-left, ours bottom-right), so the
+  automatic choice falls back to blockwise and never changes the numbers.
+  """
   if jax.default_backend() != "gpu":
     return f"it needs a GPU, the backend is {jax.default_backend()!r}"
   dtype = jnp.result_type(query, key, value)
@@ -39,6 +45,8 @@ def problem(query, key, value, mask, bias, lengths, return_lse) -> str | None:
             f"key_value_seq_lengths must be [B, 1], got {lengths.shape}")
   if return_lse:
     return "it does not return the log-sum-exp"
+  if structured:
+    return f"{', '.join(structured)} not wired to cuDNN here"
   return None
 
 

@@ -16,16 +16,19 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import _numerics
-from attention_jax import masks
+from attention_jax import _patterns
 from attention_jax import softmax
 
 
-def single_head(query, key, value, mask, bias, length, keep, *, scale,
-                is_causal, dropout_rate, out_dtype, compute_dtype, want_lse):
+def single_head(query, key, value, mask, bias, length, q_length, keep, *,
+                scale, is_causal, window, softcap, dropout_rate, out_dtype,
+                compute_dtype, want_lse):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
-  ``mask``/``bias`` are ``[T|1, S|1]`` or None, ``length`` an int scalar
-  (valid keys) or None, ``keep`` the ``[T, S]`` dropout draw or None.
+  ``mask``/``bias`` are ``[T|1, S|1]`` or None, ``length``/``q_length`` int
+  scalars (valid keys / queries) or None, ``keep`` the ``[T, S]`` dropout
+  draw or None; ``window`` and ``softcap`` as in ``_patterns`` / the flash
+  core.
   Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``; weights and
   lse in ``compute_dtype``, out in ``out_dtype``.
   """
@@ -33,19 +36,25 @@ def single_head(query, key, value, mask, bias, length, keep, *, scale,
   allowed = None
   if mask is not None:
     allowed = jnp.broadcast_to(mask, (t, s))
-  if length is not None:
-    valid = jnp.broadcast_to(jnp.arange(s)[None, :] < length, (t, s))
-    allowed = valid if allowed is None else allowed & valid
+  rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+  pattern = _patterns.visible(rows, cols, s - t,
+                              _patterns.bounds(is_causal, window), q_length,
+                              length)
+  if pattern is not None:
+    pattern = jnp.broadcast_to(pattern, (t, s))
+    allowed = pattern if allowed is None else allowed & pattern
   if allowed is not None:  # padding may hold NaN: keep it out of every product
     key, value = _numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
-  if is_causal:
-    causal = masks.causal_mask(t, s)
-    allowed = causal if allowed is None else allowed & causal
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=compute_dtype)  # [T, S]
   logits = logits * jnp.asarray(scale, compute_dtype)
   if bias is not None:
     logits = logits + jnp.broadcast_to(bias.astype(compute_dtype), (t, s))
+  if softcap is not None:
+    if bias is not None:  # a -inf bias blocks; the cap would make it finite
+      finite = logits > -jnp.inf
+      allowed = finite if allowed is None else allowed & finite
+    logits = softcap * jnp.tanh(logits / softcap)
   if allowed is None and bias is None:
     # Nothing can be blocked (finite inputs give finite logits): the plain
     # stable softmax, same numbers, fewer passes over [T, S].

@@ -19,26 +19,31 @@ of this module is imported elsewhere):
 
 * ``Static``: the static configuration of one head (scale, causality, true
   lengths, block sizes); hashable, a ``nondiff_argnums`` of custom VJPs.
-* ``padded(q, k, v, *, scale, is_causal, block_q, block_k)``: builds the
-  ``Static`` and pads q, k, v to whole blocks.
-* ``forward(st, q, k, v, mask, bias, length, offset)``: float32
+* ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
+  softcap)``: builds the ``Static`` and pads q, k, v to whole blocks.
+* ``forward(st, q, k, v, mask, bias, length, q_length, offset)``: float32
   ``(out [Tp, Hv], lse [Tp])`` of padded operands.
 * ``backward(st, residuals, cotangents)``: float32 ``(dq, dk, dv, dbias)``
-  from ``residuals = (q, k, v, mask, bias, length, offset, out, lse)`` and
+  from ``residuals = (q, k, v, mask, bias, length, q_length, offset, out,
+  lse)`` and
   ``cotangents = (d_out, d_lse)``; ``out``/``lse`` may be those of a longer
   key sequence of which ``k``/``v`` are one block (ring attention).
-* ``single_head(q, k, v, mask, bias, length, *, out_dtype, scale,
-  is_causal, block_q, block_k)``: one head end to end, differentiable
-  (``jax.custom_vjp``, gradients through ``lse`` too); returns
+* ``single_head(q, k, v, mask, bias, length, q_length, *, out_dtype,
+  scale, is_causal, block_q, block_k, window, softcap)``: one head end to
+  end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too);
+  returns
   ``(out [T, Hv], None, lse [T])``, the ``_broadcast.lift_heads`` contract.
 * ``validate(name, query, key, value, mask, bias, key_value_seq_lengths,
-  block_q, block_k, scale)``: the checks every flash entry point shares;
-  returns ``(operands, scale, out_dtype)``.
+  query_seq_lengths, local_window_size, logits_soft_cap, block_q, block_k,
+  scale)``: the checks every flash entry point shares; returns
+  ``(operands, scale, window, out_dtype)``.
 
 Operands: ``mask`` bool and ``bias`` float are ``[T|1, S|1]`` (size-1 axes
-broadcast), ``length`` an int32 scalar (valid keys) or None. Causality is
-written with an ``offset``: key column ``c`` is visible to query row ``r``
-when ``c <= r + offset``. ``single_head`` passes the static ``S - T``
+broadcast), ``length``/``q_length`` int32 scalars (valid keys / queries) or
+None. Causality and windows are written with an ``offset`` (``_patterns``):
+query row ``r`` stands at key position ``r + offset``, and the key blocks a
+query block may see form one interval, the only ones visited.
+``single_head`` passes the static ``S - T``
 (bottom-right alignment); ``ring`` passes, per step, the offset of the key
 block it holds relative to its query block, so blocks wholly in the future
 cost no work.
@@ -60,11 +65,13 @@ import jax.numpy as jnp
 
 from attention_jax import _checks
 from attention_jax import _numerics
+from attention_jax import _patterns
 
 
 class Static(NamedTuple):
   scale: float
-  is_causal: bool
+  bounds: _patterns.Bounds  # causal and window bounds (None = open)
+  softcap: float | None  # logits -> softcap * tanh(logits / softcap)
   t: int  # true (unpadded) lengths
   s: int
   bq: int
@@ -120,14 +127,15 @@ def _zero_like_all(*operands):
   return zero
 
 
-def _block_logits(st: Static, qi, kj, i0, j0, mask, bias, length, offset,
-                  scale=None):
-  """Scaled, biased float32 logits of one block and where they are allowed.
+def _block_logits(st: Static, qi, kj, i0, j0, mask, bias, length, q_length,
+                  offset, scale=None):
+  """Float32 logits of one block, where they are allowed, the cap's slope.
 
-  ``ok`` is None when every entry is allowed, statically: the common
-  unmasked case then pays for no mask passes over the block. Padded query
-  rows (past ``T``) need no mask: their outputs are dropped and their
-  cotangents are zero.
+  Logits are ``scale * q.k + bias``, then soft-capped. ``ok`` is None when
+  every entry is allowed, statically: the common unmasked case then pays
+  for no mask passes over the block. ``dcap`` is ``d capped / d raw`` (None
+  without a cap). Padded query rows (past ``T``) need no mask: their
+  outputs are dropped and their cotangents are zero.
   """
   scale = st.scale if scale is None else scale
   logits = jnp.einsum("TH,SH->TS", qi, kj,
@@ -137,22 +145,26 @@ def _block_logits(st: Static, qi, kj, i0, j0, mask, bias, length, offset,
   ok = None
 
   def both(extra):
+    if extra is None:
+      return ok
     return extra if ok is None else ok & extra
 
+  rows = i0 + jnp.arange(st.bq)[:, None]  # [bq, 1]
   cols = j0 + jnp.arange(st.bk)[None, :]  # [1, bk]
   if bias is not None:
     logits = logits + _tile(bias, i0, j0, st.bq, st.bk).astype(jnp.float32)
     ok = both(logits > -jnp.inf)
+  dcap = None
+  if st.softcap is not None:
+    capped = jnp.tanh(logits / st.softcap)
+    logits, dcap = st.softcap * capped, 1.0 - capped * capped
   if st.s % st.bk:
     ok = both(cols < st.s)
-  if length is not None:
-    ok = both(cols < length)
-  if st.is_causal:
-    rows = i0 + jnp.arange(st.bq)[:, None]  # [bq, 1]
-    ok = both(cols <= rows + offset)
+  ok = both(_patterns.visible(rows, cols, offset, st.bounds, q_length,
+                              length))
   if mask is not None:
     ok = both(_tile(mask, i0, j0, st.bq, st.bk))
-  return logits, ok
+  return logits, ok, dcap
 
 
 def _masked_exp(logits, ok, shift, scale=1.0):
@@ -163,17 +175,7 @@ def _masked_exp(logits, ok, shift, scale=1.0):
       ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0) * scale), 0.0)
 
 
-def _key_block_range(st: Static, i0, length, offset, num_k: int):
-  """Key blocks ``[0, hi)`` that query block ``i0`` may see."""
-  hi = num_k
-  if st.is_causal:  # the block's last row sees columns <= i0 + bq - 1 + offset
-    hi = jnp.clip(_cdiv(i0 + st.bq + offset, st.bk), 0, num_k)
-  if length is not None:
-    hi = jnp.minimum(hi, _cdiv(length, st.bk))
-  return hi
-
-
-def forward(st: Static, q, k, v, mask, bias, length, offset):
+def forward(st: Static, q, k, v, mask, bias, length, q_length, offset):
   """Online softmax; returns ``(out [Tp, Hv] f32, lse [Tp] f32)``."""
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   hv = v.shape[-1]
@@ -182,7 +184,7 @@ def forward(st: Static, q, k, v, mask, bias, length, offset):
   # scale > 0, and XLA:CPU then runs no separate multiply pass over each
   # [bq, bk] block (it would not fuse it into the dot). Row maxima are in
   # raw-logit units; lse is converted back at the end.
-  defer = bias is None and st.scale > 0
+  defer = bias is None and st.softcap is None and st.scale > 0
   later = st.scale if defer else 1.0
 
   def query_block(i):
@@ -194,8 +196,9 @@ def forward(st: Static, q, k, v, mask, bias, length, offset):
       j0 = j * st.bk
       kj = _key_rows(st, k, j0, length)  # [bk, H]
       vj = _key_rows(st, v, j0, length)  # [bk, Hv]
-      logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
-                                 offset, scale=1.0 if defer else None)
+      logits, ok, _ = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
+                                    q_length, offset,
+                                    scale=1.0 if defer else None)
       allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
       new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
       shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -207,12 +210,13 @@ def forward(st: Static, q, k, v, mask, bias, length, offset):
           preferred_element_type=jnp.float32)
       return new_max, total, acc
 
-    zero = _zero_like_all(q, k, v, mask, bias, length, offset)
+    zero = _zero_like_all(q, k, v, mask, bias, length, q_length, offset)
     init = (jnp.full((st.bq,), -jnp.inf, jnp.float32) + zero,
             jnp.zeros((st.bq,), jnp.float32) + zero,
             jnp.zeros((st.bq, hv), jnp.float32) + zero)
-    hi = _key_block_range(st, i0, length, offset, num_k)
-    row_max, total, acc = jax.lax.fori_loop(0, hi, key_block, init)
+    lo, hi = _patterns.key_block_range(st.bounds, i0, st.bq, st.bk, num_k,
+                                       offset, length, q_length)
+    row_max, total, acc = jax.lax.fori_loop(lo, hi, key_block, init)
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[:, None]
     lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -224,15 +228,16 @@ def forward(st: Static, q, k, v, mask, bias, length, offset):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: Static, q, k, v, mask, bias, length, offset):
-  out, lse = forward(st, q, k, v, mask, bias, length, offset)
+def _attend(st: Static, q, k, v, mask, bias, length, q_length, offset):
+  out, lse = forward(st, q, k, v, mask, bias, length, q_length, offset)
   return out.astype(v.dtype), lse
 
 
-def _attend_fwd(st, q, k, v, mask, bias, length, offset):
-  out, lse = forward(st, q, k, v, mask, bias, length, offset)
+def _attend_fwd(st, q, k, v, mask, bias, length, q_length, offset):
+  out, lse = forward(st, q, k, v, mask, bias, length, q_length, offset)
   out = out.astype(v.dtype)
-  return (out, lse), (q, k, v, mask, bias, length, offset, out, lse)
+  return (out, lse), (q, k, v, mask, bias, length, q_length, offset, out,
+                      lse)
 
 
 def _attend_bwd(st, residuals, cotangents):
@@ -240,7 +245,7 @@ def _attend_bwd(st, residuals, cotangents):
   dq, dk, dv, dbias = backward(st, residuals, cotangents)
   dbias = None if bias is None else dbias.astype(bias.dtype)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
-          dbias, None, None)
+          dbias, None, None, None)
 
 
 def backward(st, residuals, cotangents):
@@ -251,7 +256,7 @@ def backward(st, residuals, cotangents):
   are then that block's share of the global probabilities, and the returned
   gradients are its share of the global ones.
   """
-  q, k, v, mask, bias, length, offset, out, lse = residuals
+  q, k, v, mask, bias, length, q_length, offset, out, lse = residuals
   d_out, d_lse = cotangents
   f32 = jnp.float32
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
@@ -265,20 +270,16 @@ def backward(st, residuals, cotangents):
     j0 = j * st.bk
     kj = _key_rows(st, k, j0, length)
     vj = _key_rows(st, v, j0, length)
-    lo = 0
-    if st.is_causal:  # first query row that sees column j0: j0 - offset
-      lo = jnp.clip((j0 - offset) // st.bq, 0, num_q)
-    hi = num_q
-    if length is not None:
-      hi = jnp.where(j0 < length, num_q, lo)  # a block of padding: skip
+    lo, hi = _patterns.query_block_range(st.bounds, j0, st.bq, st.bk, num_q,
+                                         offset, length, q_length)
 
     def query_block(i, inner):
       dkj, dvj, dq, dbias = inner
       i0 = i * st.bq
       qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)
       doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
-      logits, ok = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
-                                 offset)
+      logits, ok, dcap = _block_logits(st, qi, kj, i0, j0, mask, bias,
+                                       length, q_length, offset)
       if ok is not None:  # rows with nothing to attend have lse = -inf
         ok = ok & jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
       lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
@@ -286,6 +287,8 @@ def backward(st, residuals, cotangents):
       dvj = dvj + jnp.einsum("TS,TV->SV", p, doi)
       dp = jnp.einsum("TV,SV->TS", doi, vj.astype(f32))
       ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i0, st.bq)[:, None])
+      if dcap is not None:  # back through softcap * tanh(raw / softcap)
+        ds = ds * dcap
       dkj = dkj + jnp.einsum("TS,TH->SH", ds, qi.astype(f32)) * st.scale
       dqi = jnp.einsum("TS,SH->TH", ds, kj.astype(f32)) * st.scale
       dq = jax.lax.dynamic_update_slice_in_dim(
@@ -307,7 +310,8 @@ def backward(st, residuals, cotangents):
     dkj, dvj, dq, dbias = jax.lax.fori_loop(lo, hi, query_block, init)
     return (dq, dbias), (dkj, dvj)
 
-  zero = _zero_like_all(q, k, v, mask, bias, length, offset, d_out, lse)
+  zero = _zero_like_all(q, k, v, mask, bias, length, q_length, offset, d_out,
+                        lse)
   dbias0 = None if bias is None else jnp.zeros(bias.shape, f32) + zero
   (dq, dbias), (dk, dv) = jax.lax.scan(
       key_block, (jnp.zeros(q.shape, f32) + zero, dbias0), jnp.arange(num_k))
@@ -317,17 +321,20 @@ def backward(st, residuals, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def padded(q, k, v, *, scale, is_causal, block_q, block_k):
+def padded(q, k, v, *, scale, is_causal, block_q, block_k, window=None,
+           softcap=None):
   """One head's static config and q, k, v padded to whole blocks."""
   t, s = q.shape[0], k.shape[0]
   bq, bk = min(block_q, t), min(block_k, s)
   tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
-  st = Static(float(scale), bool(is_causal), t, s, bq, bk)
+  st = Static(float(scale), _patterns.bounds(bool(is_causal), window),
+              None if softcap is None else float(softcap), t, s, bq, bk)
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 
 
-def single_head(q, k, v, mask, bias, length, *, out_dtype, **blocks):
+def single_head(q, k, v, mask, bias, length, q_length, *, out_dtype,
+                **blocks):
   """One head: pads to whole blocks, attends, strips the padding."""
   if mask is not None:  # keys no query sees may hold NaN: zero them
     k, v = _numerics.zero_unseen(jnp.any(mask, axis=0), k, v)  # [S|1]
@@ -337,19 +344,23 @@ def single_head(q, k, v, mask, bias, length, *, out_dtype, **blocks):
     mask = pad_axis(pad_axis(mask, 0, tp, False), 1, sp, False)
   if bias is not None:
     bias = pad_axis(pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
-  out, lse = _attend(st, q, k, v, mask, bias, length, st.s - st.t)
+  out, lse = _attend(st, q, k, v, mask, bias, length, q_length, st.s - st.t)
   return out[:st.t].astype(out_dtype), None, lse[:st.t]
 
 
 def validate(name, query, key, value, mask, bias, key_value_seq_lengths,
-             block_q, block_k, scale):
+             query_seq_lengths, local_window_size, logits_soft_cap, block_q,
+             block_k, scale):
   """Checks shared by the flash entry points (blockwise, ring).
 
-  Returns ``(operands, scale, out_dtype)``: the ``_checks.Operands``, the
-  scale (``1/sqrt(H)`` by default) and the output dtype.
+  Returns ``(operands, scale, window, out_dtype)``: the
+  ``_checks.Operands``, the scale (``1/sqrt(H)`` by default), the window as
+  ``(left, right)`` or None, and the output dtype.
   """
   ops = _checks.attention_operands(query, key, value, mask, bias,
-                                   key_value_seq_lengths)
+                                   key_value_seq_lengths, query_seq_lengths)
+  window = _patterns.check_window(local_window_size)
+  _checks.check_soft_cap(logits_soft_cap)
   _checks.check_positive_int("block_q", block_q)
   _checks.check_positive_int("block_k", block_k)
   h = _checks.shape_of(query)[-1]
@@ -358,4 +369,4 @@ def validate(name, query, key, value, mask, bias, key_value_seq_lengths,
   if jnp.promote_types(out_dtype, jnp.float32) != jnp.float32:
     raise TypeError(f"{name} computes in float32; got float64 inputs (use "
                     "scaled_dot_product_attention for float64).")
-  return ops, scale, out_dtype
+  return ops, scale, window, out_dtype

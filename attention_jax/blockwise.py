@@ -32,6 +32,9 @@ def blockwise_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
     block_q: int = 1024,
     block_k: int = 256,
     return_lse: bool = False,
@@ -55,6 +58,14 @@ def blockwise_attention(
       dim (size 1 broadcasts; e.g. ``[B, 1]`` for ``[B, N, T, H]`` inputs):
       keys at positions ``>= key_value_seq_lengths`` are padding. Key blocks
       entirely past the length are skipped.
+    query_seq_lengths: like ``key_value_seq_lengths`` for queries: rows at
+      positions ``>=`` the length get output 0 (and lse ``-inf``).
+    local_window_size: ``w`` or ``(left, right)`` (static): query ``i`` (at
+      key position ``i' = i + S - T``) sees keys ``i' - left <= j <= i' +
+      right``; with ``is_causal`` the usual causal sliding window. Key blocks
+      outside every query's window are skipped, forward and backward.
+    logits_soft_cap: ``c`` (static): logits become ``c * tanh(logits / c)``
+      after scale and bias, before masking.
     block_q: query block size (clipped to T).
     block_k: key block size (clipped to S). Lengths need not be multiples.
     return_lse: also return the log-sum-exp of each query row's logits.
@@ -73,11 +84,13 @@ def blockwise_attention(
     ...                     block_k=128).shape
     (2, 4, 100, 16)
   """
-  ops, scale, out_dtype = _flash.validate(
+  ops, scale, window, out_dtype = _flash.validate(
       "blockwise_attention", query, key, value, mask, bias,
-      key_value_seq_lengths, block_q, block_k, scale)
+      key_value_seq_lengths, query_seq_lengths, local_window_size,
+      logits_soft_cap, block_q, block_k, scale)
   head = functools.partial(_flash.single_head, scale=scale,
-                           is_causal=is_causal, block_q=block_q,
+                           is_causal=is_causal, window=window,
+                           softcap=logits_soft_cap, block_q=block_q,
                            block_k=block_k, out_dtype=out_dtype)
   out, _, lse = _broadcast.lift_heads(head, ops)
   return _broadcast.results(out, None, lse, return_weights=False,

@@ -35,6 +35,7 @@ from attention_jax import _checks
 from attention_jax import _cudnn
 from attention_jax import _dense
 from attention_jax import _numerics
+from attention_jax import _patterns
 from attention_jax import blockwise
 
 IMPLEMENTATIONS = ("dense", "blockwise", "cudnn")
@@ -45,7 +46,7 @@ BLOCKWISE_MIN_SCORES = 1024 * 1024
 
 def choose_implementation(implementation, query, key, value, mask, bias,
                           lengths, *, return_weights: bool, dropout_on: bool,
-                          return_lse: bool) -> str:
+                          return_lse: bool, structured=()) -> str:
   """The implementation to run, or a ``ValueError`` saying why not."""
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be None or one of "
@@ -60,7 +61,7 @@ def choose_implementation(implementation, query, key, value, mask, bias,
                        "None) with return_weights=True.")
   if implementation == "cudnn":
     problem = _cudnn.problem(query, key, value, mask, bias, lengths,
-                             return_lse)
+                             return_lse, structured)
     if problem:
       raise ValueError(f"implementation='cudnn' is not possible: {problem}.")
   if implementation is not None:
@@ -68,8 +69,8 @@ def choose_implementation(implementation, query, key, value, mask, bias,
   t, s = _checks.shape_of(query)[-2], _checks.shape_of(key)[-2]
   if return_weights or dropout_on or t * s < BLOCKWISE_MIN_SCORES:
     return "dense"
-  if _cudnn.problem(query, key, value, mask, bias, lengths,
-                    return_lse) is None:
+  if _cudnn.problem(query, key, value, mask, bias, lengths, return_lse,
+                    structured) is None:
     return "cudnn"
   if jnp.result_type(query, key, value) == jnp.float64:
     return "dense"  # blockwise computes in float32
@@ -86,6 +87,9 @@ def scaled_dot_product_attention(
     scale: float | ArrayLike | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     implementation: str | None = None,
@@ -114,6 +118,14 @@ def scaled_dot_product_attention(
       dim of the operands (size 1 broadcasts; e.g. ``[B, 1]`` for
       ``[B, N, T, H]`` inputs) or a scalar: keys at positions ``>=`` the
       length are padding. Costs no ``[T, S]`` memory in the blockwise path.
+    query_seq_lengths: the same for queries: rows at positions ``>=`` the
+      length get output 0, weights 0 and lse ``-inf``.
+    local_window_size: ``w`` or ``(left, right)`` (jax.nn's argument,
+      static): query ``i``, at key position ``i' = i + S - T``, sees keys
+      ``i' - left <= j <= i' + right``. With ``is_causal=True`` and
+      ``(W - 1, 0)`` it is the causal sliding window of ``W`` tokens.
+    logits_soft_cap: ``c`` (static): logits become ``c * tanh(logits / c)``
+      after scale and bias, before masking (Gemma 2, Grok).
     dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
@@ -162,7 +174,9 @@ def scaled_dot_product_attention(
     (2, 4, 6)
   """
   ops = _checks.attention_operands(query, key, value, mask, bias,
-                                   key_value_seq_lengths)
+                                   key_value_seq_lengths, query_seq_lengths)
+  window = _patterns.check_window(local_window_size)
+  _checks.check_soft_cap(logits_soft_cap)
   _checks.check_dropout(dropout_rate, dropout_rng)
   dropout_on = not (isinstance(dropout_rate, (int, float))
                     and dropout_rate == 0.0)
@@ -171,16 +185,22 @@ def scaled_dot_product_attention(
   raw_mask = None if mask is None else _numerics.as_bool_mask(mask)
   raw_lengths = _checks.check_lengths("key_value_seq_lengths",
                                       key_value_seq_lengths)
+  structured = {"query_seq_lengths": query_seq_lengths,
+                "local_window_size": window,
+                "logits_soft_cap": logits_soft_cap}
   implementation = choose_implementation(
       implementation, query, key, value, raw_mask, bias, raw_lengths,
       return_weights=return_weights, dropout_on=dropout_on,
-      return_lse=return_lse)
+      return_lse=return_lse,
+      structured=[k for k, x in structured.items() if x is not None])
   if scale is None:
     scale = 1.0 / math.sqrt(_checks.shape_of(query)[-1])
   if implementation == "blockwise":
     return blockwise.blockwise_attention(
         query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
-        key_value_seq_lengths=key_value_seq_lengths, return_lse=return_lse)
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_seq_lengths=query_seq_lengths, local_window_size=window,
+        logits_soft_cap=logits_soft_cap, return_lse=return_lse)
   if implementation == "cudnn":
     return _cudnn.attention(
         jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), raw_mask,
@@ -193,9 +213,10 @@ def scaled_dot_product_attention(
                                 ops.batch_shape + (t, s))  # [..., T, S]
   out_dtype = jnp.result_type(query, key, value)
 
-  def head(q, k, v, m, b, length, kp):
+  def head(q, k, v, m, b, length, q_length, kp):
     return _dense.single_head(
-        q, k, v, m, b, length, kp, scale=scale, is_causal=is_causal,
+        q, k, v, m, b, length, q_length, kp, scale=scale,
+        is_causal=is_causal, window=window, softcap=logits_soft_cap,
         dropout_rate=dropout_rate, out_dtype=out_dtype,
         compute_dtype=_numerics.compute_dtype(out_dtype),
         want_lse=return_lse)

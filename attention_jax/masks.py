@@ -16,6 +16,7 @@ from jax.typing import ArrayLike
 
 from attention_jax import _checks
 from attention_jax import _numerics
+from attention_jax import _patterns
 
 
 def causal_mask(q_len: int, kv_len: int | None = None) -> jax.Array:
@@ -44,7 +45,8 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jax.Array:
   _checks.check_positive_int("kv_len", kv_len)
   rows = jnp.arange(q_len)[:, None]  # [T, 1]
   cols = jnp.arange(kv_len)[None, :]  # [1, S]
-  return cols <= rows + (kv_len - q_len)  # [T, S]
+  return _patterns.visible(rows, cols, kv_len - q_len,
+                           _patterns.bounds(True, None))  # [T, S]
 
 
 def padding_mask(lengths: ArrayLike, max_len: int) -> jax.Array:

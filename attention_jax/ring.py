@@ -52,6 +52,14 @@ def _shift(x, rg: _Ring):
   return jax.lax.ppermute(x, rg.axis_name, perm)
 
 
+def _local_queries(rg: _Ring, q_length):
+  """How many of this device's query rows are within the global length."""
+  if q_length is None:
+    return None
+  index = jax.lax.axis_index(rg.axis_name)
+  return jnp.clip(q_length - index * rg.block.t, 0, rg.block.t)
+
+
 def _held_block(rg: _Ring, length, step):
   """The key block held at ``step``: its local valid length, causal offset."""
   st = rg.block
@@ -76,11 +84,14 @@ def _merge(out, lse, out_j, lse_j):
   return out, jnp.where(seen, top + jnp.log(total), -jnp.inf)
 
 
-def _ring_forward(rg: _Ring, q, k, v, length):
+def _ring_forward(rg: _Ring, q, k, v, length, q_length):
   """Float32 ``(out [Tp, Hv], lse [Tp])`` over the whole ring."""
+  local_q = _local_queries(rg, q_length)
+
   def attend(step, k, v):
     local, offset = _held_block(rg, length, step)
-    return _flash.forward(rg.block, q, k, v, None, None, local, offset)
+    return _flash.forward(rg.block, q, k, v, None, None, local, local_q,
+                          offset)
 
   def step_fn(step, carry):
     out, lse, k, v = carry
@@ -94,24 +105,26 @@ def _ring_forward(rg: _Ring, q, k, v, length):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(rg: _Ring, q, k, v, length):
-  out, lse = _ring_forward(rg, q, k, v, length)
+def _ring(rg: _Ring, q, k, v, length, q_length):
+  out, lse = _ring_forward(rg, q, k, v, length, q_length)
   return out.astype(v.dtype), lse
 
 
-def _ring_fwd(rg, q, k, v, length):
-  out, lse = _ring_forward(rg, q, k, v, length)
-  return (out.astype(v.dtype), lse), (q, k, v, length, out, lse)
+def _ring_fwd(rg, q, k, v, length, q_length):
+  out, lse = _ring_forward(rg, q, k, v, length, q_length)
+  return (out.astype(v.dtype), lse), (q, k, v, length, q_length, out, lse)
 
 
 def _ring_bwd(rg, residuals, cotangents):
-  q, k, v, length, out, lse = residuals
+  q, k, v, length, q_length, out, lse = residuals
   f32 = jnp.float32
+  local_q = _local_queries(rg, q_length)
 
   def grads(step, k, v):
     local, offset = _held_block(rg, length, step)
     dq, dk, dv, _ = _flash.backward(
-        rg.block, (q, k, v, None, None, local, offset, out, lse), cotangents)
+        rg.block, (q, k, v, None, None, local, local_q, offset, out, lse),
+        cotangents)
     return dq, dk, dv
 
   def step_fn(step, carry):
@@ -124,15 +137,17 @@ def _ring_bwd(rg, residuals, cotangents):
   dq, _, _, dk, dv = jax.lax.fori_loop(
       1, rg.size, step_fn, (dq, k, v, dk.astype(f32), dv.astype(f32)))
   dk, dv = _shift(dk, rg), _shift(dv, rg)  # each block's gradient goes home
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
+          None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _single_head(q, k, v, length, *, axis_name, size, out_dtype, **blocks):
+def _single_head(q, k, v, length, q_length, *, axis_name, size, out_dtype,
+                 **blocks):
   st, q, k, v = _flash.padded(q, k, v, **blocks)
-  out, lse = _ring(_Ring(st, axis_name, size), q, k, v, length)
+  out, lse = _ring(_Ring(st, axis_name, size), q, k, v, length, q_length)
   return out[:st.t].astype(out_dtype), None, lse[:st.t]
 
 
@@ -147,6 +162,9 @@ def ring_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
     block_q: int = 1024,
     block_k: int = 256,
     return_lse: bool = False,
@@ -175,6 +193,12 @@ def ring_attention(
       dim (size 1 broadcasts): the valid length of the *global* key sequence
       (keys at global positions ``>= key_value_seq_lengths`` are padding).
       Replicated, not sharded.
+    query_seq_lengths: the same for the *global* query sequence: rows at
+      global positions ``>=`` the length get output 0.
+    local_window_size: ``w`` or ``(left, right)`` on the global positions,
+      as in ``blockwise_attention``; key blocks outside every window are
+      skipped within each step (the ring still makes all its steps).
+    logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
     block_q, block_k: block sizes of the per-device blockwise computation.
     return_lse: also return the global log-sum-exp of each query row.
 
@@ -209,9 +233,10 @@ def ring_attention(
           "travel round the ring with its keys. Express padding with "
           "key_value_seq_lengths and causality with is_causal, or gather the "
           "sequence and call blockwise_attention.")
-  ops, scale, out_dtype = _flash.validate(
+  ops, scale, window, out_dtype = _flash.validate(
       "ring_attention", query, key, value, None, None, key_value_seq_lengths,
-      block_q, block_k, scale)
+      query_seq_lengths, local_window_size, logits_soft_cap, block_q, block_k,
+      scale)
   try:
     size = jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -221,9 +246,10 @@ def ring_attention(
         f"sharded over it). ({e})") from None
   head = functools.partial(
       _single_head, axis_name=axis_name, size=size, scale=scale,
-      is_causal=is_causal, block_q=block_q, block_k=block_k,
-      out_dtype=out_dtype)
+      is_causal=is_causal, window=window, softcap=logits_soft_cap,
+      block_q=block_q, block_k=block_k, out_dtype=out_dtype)
   out, _, lse = _broadcast.lift_heads(
-      lambda q, k, v, mask, bias, length: head(q, k, v, length), ops)
+      lambda q, k, v, mask, bias, length, q_length: head(q, k, v, length,
+                                                         q_length), ops)
   return _broadcast.results(out, None, lse, return_weights=False,
                             return_lse=return_lse)

@@ -38,8 +38,9 @@ from tests import _data
 RING_DEVICES = 4
 
 
-def _ring(query, key, value, mask=None, *, bias=None, is_causal=False,
-          key_value_seq_lengths=None, return_lse=False):
+def _ring(query, key, value, mask=None, *, bias=None,
+          key_value_seq_lengths=None, query_seq_lengths=None,
+          return_lse=False, **static):
   """ring_attention with T and S split over RING_DEVICES devices."""
   mesh = jax.make_mesh((RING_DEVICES,), ("seq",),
                        devices=jax.devices()[:RING_DEVICES],
@@ -47,16 +48,18 @@ def _ring(query, key, value, mask=None, *, bias=None, is_causal=False,
   seq = P(None, None, "seq")
   out_specs = (seq, P(None, None, "seq")) if return_lse else seq
 
-  def local(q, k, v, lengths, mask, bias):
+  def local(q, k, v, lengths, q_lengths, mask, bias):
     return aj.ring_attention(q, k, v, mask, axis_name="seq", bias=bias,
-                             is_causal=is_causal,
                              key_value_seq_lengths=lengths,
-                             return_lse=return_lse, block_q=4, block_k=3)
+                             query_seq_lengths=q_lengths,
+                             return_lse=return_lse, block_q=4, block_k=3,
+                             **static)
 
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(seq, seq, seq, P(), P(), P()),
+                       in_specs=(seq, seq, seq, P(), P(), P(), P()),
                        out_specs=out_specs)(query, key, value,
-                                            key_value_seq_lengths, mask, bias)
+                                            key_value_seq_lengths,
+                                            query_seq_lengths, mask, bias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +84,8 @@ IMPLEMENTATIONS = {
     "cudnn": Implementation(
         functools.partial(aj.scaled_dot_product_attention,
                           implementation="cudnn"),
-        frozenset({"float32", "float64", "lse"}),
+        frozenset({"float32", "float64", "lse", "q_lengths", "window",
+                   "softcap"}),
         needs_gpu=True),
     "ring": Implementation(_ring, frozenset({"mask", "bias", "float64"})),
 }
@@ -97,12 +101,15 @@ class Case:
   mask: bool = False  # random mask with fully blocked rows
   bias: bool = False  # random bias with -inf entries
   lse: bool = False  # return_lse, and a loss through lse
+  q_lengths: tuple[int, ...] | None = None  # query_seq_lengths per example
+  window: tuple[int, int] | None = None  # local_window_size (left, right)
+  softcap: float | None = None  # logits_soft_cap
   nan_padding: bool = False  # NaN in keys/values past the lengths
   dtype: str = "float32"
 
   def features(self) -> set[str]:
     used = {self.dtype}
-    for name in ("mask", "bias", "lse"):
+    for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap"):
       if getattr(self, name):
         used.add(name)
     return used
@@ -123,6 +130,18 @@ CASES = {
                                     dtype="bfloat16"),
     "float16": Case(dtype="float16", lse=True),
     "float64": Case(dtype="float64", causal=True),
+    "causal_sliding_window": Case(t=40, s=40, causal=True, window=(7, 0)),
+    "two_sided_window_lengths": Case(window=(3, 5), lengths=(40, 30),
+                                     lse=True),
+    "window_t_gt_s_empty_rows": Case(t=40, s=24, window=(2, 1), lse=True),
+    "query_lengths_causal": Case(causal=True, q_lengths=(24, 0),
+                                 lengths=(33, 40), lse=True),
+    "softcap_bias": Case(softcap=2.0, bias=True),
+    "softcap_window_query_lengths": Case(
+        t=40, s=40, softcap=1.5, causal=True, window=(5, 0),
+        q_lengths=(29, 40), kv_heads=1, lse=True),
+    "window_float64": Case(window=(4, 2), q_lengths=(20, 7),
+                           dtype="float64"),
 }
 
 B, N, H = 2, 4, 8
@@ -144,9 +163,11 @@ def _operands(case: Case):
   q = _data.normal(0, (B, N, case.t, H))
   k = _data.normal(1, (B, case.kv_heads, case.s, H))
   v = _data.normal(2, (B, case.kv_heads, case.s, H))
-  lengths = None
+  lengths = q_lengths = None
   if case.lengths is not None:
     lengths = jnp.array(case.lengths, jnp.int32)[:, None]  # [B, 1]
+  if case.q_lengths is not None:
+    q_lengths = jnp.array(case.q_lengths, jnp.int32)[:, None]  # [B, 1]
   mask = bias = None
   if case.mask:
     mask = np.array(_data.bernoulli(3, 0.6, (B, 1, case.t, case.s)))
@@ -161,10 +182,10 @@ def _operands(case: Case):
   if dtype != jnp.float32:
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     bias = None if bias is None else bias.astype(dtype)
-  return q, k, v, mask, bias, lengths
+  return q, k, v, mask, bias, lengths, q_lengths
 
 
-def _allowed(case: Case, mask, lengths, bias):
+def _allowed(case: Case, mask, lengths, q_lengths, bias):
   """Where query t may see key s, [B, N, T, S], written out from the case."""
   allowed = np.ones((B, N, case.t, case.s), bool)
   if mask is not None:
@@ -172,16 +193,22 @@ def _allowed(case: Case, mask, lengths, bias):
   if lengths is not None:
     allowed &= (np.arange(case.s) < np.asarray(lengths)[:, :1])[:, None,
                                                                 None, :]
-  if case.causal:  # bottom-right aligned: key j visible to query i iff
-    i = np.arange(case.t)[:, None]  # j <= i + (S - T)
-    j = np.arange(case.s)[None, :]
-    allowed &= j <= i + (case.s - case.t)
+  if q_lengths is not None:
+    allowed &= (np.arange(case.t) < np.asarray(q_lengths)[:, :1])[:, None,
+                                                                  :, None]
+  position = np.arange(case.t)[:, None] + (case.s - case.t)  # bottom-right
+  j = np.arange(case.s)[None, :]
+  if case.causal:  # key j visible to query i iff j <= i + (S - T)
+    allowed &= j <= position
+  if case.window is not None:
+    left, right = case.window
+    allowed &= (j >= position - left) & (j <= position + right)
   if bias is not None:
     allowed &= np.isfinite(np.asarray(bias, np.float64))
   return allowed
 
 
-def reference(q, k, v, bias, allowed):
+def reference(q, k, v, bias, allowed, softcap=None):
   """Float64 attention with explicit head repetition; ``(out, lse)``.
 
   Written independently of the library: repeated K/V heads, a plain masked
@@ -192,6 +219,8 @@ def reference(q, k, v, bias, allowed):
   logits = jnp.einsum("BNTH,BNSH->BNTS", q, k) / np.sqrt(q.shape[-1])
   if bias is not None:
     logits = logits + jnp.where(allowed, bias, 0.0)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
   top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
   top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
   e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
@@ -210,8 +239,8 @@ def _loss(out, lse, cot, cot_lse):
   return total
 
 
-def _reference_loss(operands, allowed, cot, cot_lse):
-  out, lse = reference(*operands, allowed)
+def _reference_loss(operands, allowed, softcap, cot, cot_lse):
+  out, lse = reference(*operands, allowed, softcap)
   return _loss(out, None if cot_lse is None else lse, cot, cot_lse)
 
 
@@ -234,17 +263,24 @@ def suite(names):
         self._check(impl, case)
 
     def _check(self, impl, case):
-      q, k, v, mask, bias, lengths = _operands(case)
+      q, k, v, mask, bias, lengths, q_lengths = _operands(case)
+      extra = {}
+      if q_lengths is not None:
+        extra["query_seq_lengths"] = q_lengths
+      if case.window is not None:
+        extra["local_window_size"] = case.window
+      if case.softcap is not None:
+        extra["logits_soft_cap"] = case.softcap
       fn = functools.partial(impl.fn, is_causal=case.causal,
                              key_value_seq_lengths=lengths,
-                             return_lse=case.lse)
+                             return_lse=case.lse, **extra)
       kwargs = {} if bias is None else {"bias": bias}
       if case.features() & impl.unsupported:
         with self.assertRaises((ValueError, TypeError)):
           jax.jit(lambda q, k, v: fn(q, k, v, mask, **kwargs))(q, k, v)
         return
 
-      allowed = _allowed(case, mask, lengths, bias)
+      allowed = _allowed(case, mask, lengths, q_lengths, bias)
       q_in, k_in, v_in = q, k, v
       if case.nan_padding:  # keys and values no query may see hold NaN
         seen = allowed.any(axis=(1, 2))[:, None, :, None]  # [B, 1, S, 1]
@@ -259,8 +295,8 @@ def suite(names):
       out, lse = jax.jit(ours)(q_in, k_in, v_in, bias)
       f64 = lambda x: None if x is None else np.asarray(x, np.float64)
       with jax.enable_x64(True):
-        ref_out, ref_lse = jax.jit(reference)(
-            f64(q), f64(k), f64(v), f64(bias), allowed)
+        ref_out, ref_lse = jax.jit(reference, static_argnums=5)(
+            f64(q), f64(k), f64(v), f64(bias), allowed, case.softcap)
       tol = TOLERANCES[case.dtype]
       chex.assert_shape(out, (B, N, case.t, H))
       self.assertEqual(out.dtype, q.dtype)
@@ -281,7 +317,8 @@ def suite(names):
               q_in, k_in, v_in, bias)
       with jax.enable_x64(True):
         want = jax.jit(jax.grad(
-            lambda *a: _reference_loss(a, allowed, f64(cot), f64(cot_lse)),
+            lambda *a: _reference_loss(a, allowed, case.softcap, f64(cot),
+                                       f64(cot_lse)),
             argnums))(f64(q), f64(k), f64(v), f64(bias))
       for name, got, ref in zip(("dq", "dk", "dv", "dbias"), grads, want):
         got = np.asarray(got, np.float64)
