@@ -51,6 +51,24 @@ CASES = [
      ValueError, r"dropout_rate must be in \[0, 1\), got -0.1"),
     ("sdpa_dropout_no_rng", lambda: sdpa(Q, K, V, dropout_rate=0.2),
      ValueError, r"dropout_rate=0.2 needs a dropout_rng"),
+    ("sdpa_window_negative", lambda: sdpa(Q, K, V, local_window_size=(-1, 2)),
+     ValueError, r"local_window_size must be non-negative, got \(-1, 2\)"),
+    ("sdpa_window_float", lambda: sdpa(Q, K, V, local_window_size=2.5),
+     TypeError, r"local_window_size must be a Python int or a \(left, right\)"),
+    ("blockwise_window_triple", lambda: aj.blockwise_attention(
+        Q, K, V, local_window_size=(1, 2, 3)), TypeError,
+     r"local_window_size must be a Python int"),
+    ("sdpa_soft_cap_zero", lambda: sdpa(Q, K, V, logits_soft_cap=0.0),
+     ValueError, r"logits_soft_cap must be positive and finite, got 0.0"),
+    ("blockwise_soft_cap_array", lambda: aj.blockwise_attention(
+        Q, K, V, logits_soft_cap=jnp.ones(2)), TypeError,
+     r"logits_soft_cap must be a positive Python number"),
+    ("sdpa_float_query_lengths", lambda: sdpa(
+        Q, K, V, query_seq_lengths=jnp.ones(2)), TypeError,
+     r"query_seq_lengths must be an integer array.*float32"),
+    ("sdpa_query_lengths_shape", lambda: sdpa(
+        Q, K, V, query_seq_lengths=jnp.ones(3, jnp.int32)), ValueError,
+     r"do not broadcast.*query_seq_lengths \(3,\)"),
     ("causal_zero", lambda: aj.causal_mask(0), ValueError,
      r"q_len must be positive, got 0"),
     ("causal_float", lambda: aj.causal_mask(2.5), TypeError,
