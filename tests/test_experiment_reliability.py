@@ -174,7 +174,7 @@ class ReliabilityPageTest(absltest.TestCase):
     self.assertIn("python -m tests.reliability_report --write", text)
     begin = text.index(reliability_report.BEGIN)
     block = text[begin:text.index(reliability_report.END)]
-    self.assertIn("| area | what was tried | test items |", block)
+    self.assertIn("| area | what was tried | outcome |", block)
     for area in ("property tests", "numerical extremes", "bad input",
                  "experiments lose nothing"):
       self.assertIn(f"| {area}", block)
