@@ -11,6 +11,10 @@ from attention_jax.additive import additive_attention
 from attention_jax.additive import additive_score
 from attention_jax.additive import init_additive_params
 from attention_jax.additive import precompute_additive_keys
+from attention_jax.block_mask import BlockMask
+from attention_jax.block_mask import block_mask
+from attention_jax.block_mask import chunked_mask_fn
+from attention_jax.block_mask import prefix_lm_mask_fn
 from attention_jax.blockwise import blockwise_attention
 from attention_jax.dot_product import scaled_dot_product_attention
 from attention_jax.kv_cache import update_kv_cache
@@ -30,16 +34,23 @@ from attention_jax.multi_head import merge_heads
 from attention_jax.multi_head import multi_head_attention
 from attention_jax.multi_head import split_heads
 from attention_jax.ring import ring_attention
+from attention_jax.score_mods import alibi
+from attention_jax.score_mods import alibi_slopes
 from attention_jax.softmax import masked_softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BahdanauAttention",
+    "BlockMask",
     "LuongAttention",
     "MultiHeadAttention",
+    "alibi",
+    "alibi_slopes",
     "attend_heads",
+    "block_mask",
     "blockwise_attention",
+    "chunked_mask_fn",
     "update_kv_cache",
     "additive_attention",
     "additive_score",
@@ -56,6 +67,7 @@ __all__ = [
     "padding_mask",
     "precompute_additive_keys",
     "precompute_luong_keys",
+    "prefix_lm_mask_fn",
     "ring_attention",
     "scaled_dot_product_attention",
     "split_heads",

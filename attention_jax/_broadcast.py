@@ -12,7 +12,7 @@ never copied, which is how grouped-query attention stays cheap.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -56,20 +56,43 @@ def _map_leading(fn, depth: int, ops: tuple[Any, ...]) -> Any:
   return jax.vmap(inner, in_axes=in_axes)(*ops)
 
 
+class Head(NamedTuple):
+  """One head's operands besides q, k, v, as the kernels see them."""
+  mask: jax.Array | None  # bool [T|1, S|1]
+  bias: jax.Array | None  # float [T|1, S|1]
+  length: jax.Array | None  # int32 scalar: valid keys
+  q_length: jax.Array | None  # int32 scalar: valid queries
+  q_seg: jax.Array | None  # int32 [T]
+  k_seg: jax.Array | None  # int32 [S]
+  sink: jax.Array | None  # float scalar
+  mod_args: tuple  # float [T|1, S|1] each
+  block_mask: Any  # a BlockMask (shared by every head) or None
+
+
 def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
                extra_core_ndims: Sequence[int] = ()):
   """Runs a single-head kernel over validated operands (``_checks.Operands``).
 
-  ``head_fn(q, k, v, mask, bias, length, q_length, *extra)`` sees
-  ``[T, H]``, ``[S, H]``, ``[S, Hv]``, ``[T|1, S|1]`` mask/bias (or None)
-  and scalar key/query lengths (or None), and returns ``(out [T, Hv],
-  weights [T, S] or None, lse [T] or None)``. The results come back over
-  the leading dims with grouped heads merged again (``[..., N, T, Hv]``).
+  ``head_fn(q, k, v, head, *extra)`` sees ``[T, H]``, ``[S, H]``,
+  ``[S, Hv]`` and a ``Head`` of the other operands, and returns
+  ``(out [T, Hv], weights [T, S] or None, lse [T] or None)``. The results
+  come back over the leading dims with grouped heads merged again
+  (``[..., N, T, Hv]``).
   """
   operands = (ops.query, ops.key, ops.value, ops.mask, ops.bias,
-              ops.lengths, ops.q_lengths, *extra)
-  core = (2, 2, 2, 2, 2, 0, 0, *extra_core_ndims)
-  out, weights, lse = broadcast_vmap(head_fn, core, operands)
+              ops.lengths, ops.q_lengths, ops.q_seg, ops.k_seg, ops.sinks,
+              *ops.mod_args, *extra)
+  core = (2, 2, 2, 2, 2, 0, 0, 1, 1, 0, *(2,) * len(ops.mod_args),
+          *extra_core_ndims)
+  num_args = len(ops.mod_args)
+
+  def per_head(q, k, v, mask, bias, length, q_length, q_seg, k_seg, sink,
+               *rest):
+    head = Head(mask, bias, length, q_length, q_seg, k_seg, sink,
+                tuple(rest[:num_args]), ops.block_mask)
+    return head_fn(q, k, v, head, *rest[num_args:])
+
+  out, weights, lse = broadcast_vmap(per_head, core, operands)
   return (_grouping.merge(out, ops.groups, -3),
           _grouping.merge(weights, ops.groups, -3),
           _grouping.merge(lse, ops.groups, -2))

@@ -14,7 +14,7 @@ so they run once at trace time and cost nothing inside ``jax.jit``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ import numpy as np
 
 from attention_jax import _grouping
 from attention_jax import _numerics
+from attention_jax import _patterns
 
 
 def shape_of(x) -> tuple[int, ...]:
@@ -130,18 +131,70 @@ class Operands(NamedTuple):
   bias: jax.Array | None  # float [..., T|1, S|1], at least 2-D
   lengths: jax.Array | None  # int32 [...] key/value lengths
   q_lengths: jax.Array | None  # int32 [...] query lengths
+  q_seg: jax.Array | None  # int32 [..., T] query segment ids
+  k_seg: jax.Array | None  # int32 [..., S] key segment ids
+  sinks: jax.Array | None  # float [...] per-head sink logits
+  mod_args: tuple[jax.Array, ...]  # float [..., T|1, S|1] each
   groups: _grouping.Groups | None
   batch_shape: tuple[int, ...]  # broadcast leading dims (grouped)
+  # Static parts of the pattern.
+  window: tuple[int, int] | None = None  # (left, right)
+  softcap: float | None = None
+  score_mod: Any = None
+  block_mask: _patterns.BlockMask | None = None
 
 
-def attention_operands(query, key, value, mask=None, bias=None,
-                       key_value_seq_lengths=None,
-                       query_seq_lengths=None) -> Operands:
+def _as_pair_operand(name, x, t, s):
+  """A float operand broadcastable to ``[..., T, S]``, at least 2-D."""
+  check_float_array(name, x)
+  x = jnp.asarray(x)
+  if x.ndim < 2:
+    x = x.reshape((1,) * (2 - x.ndim) + x.shape)
+  check_broadcastable_to(name, x.shape[-2:], (t, s), "[T, S]")
+  return x
+
+
+def _segment_ids(name, ids, size, letter, leading_rank):
+  """Integer ids ``[size]`` or ``[..., size]`` with one axis per leading dim."""
+  if isinstance(ids, (list, tuple)):
+    ids = np.asarray(ids)
+  dtype = jnp.result_type(ids)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array [..., {letter}], got "
+                    f"dtype {dtype} with shape {shape_of(ids)}.")
+  shape = shape_of(ids)
+  if len(shape) not in (1, leading_rank + 1) or shape[-1] != size:
+    raise ValueError(
+        f"{name} with shape {shape} must be [{letter}] = [{size}] (shared) "
+        f"or have one axis per leading dim of the operands plus {letter} "
+        f"(e.g. ids[:, None, :] for [B, N, {letter}, H] inputs).")
+  return jnp.asarray(ids, jnp.int32)
+
+
+def check_concrete_range(name, lengths, upper: int) -> None:
+  """Concrete lengths must lie in ``[0, upper]`` (traced ones clip)."""
+  try:
+    values = np.asarray(lengths)
+  except jax.errors.TracerArrayConversionError:
+    return
+  if values.size and (values.min() < 0 or values.max() > upper):
+    raise ValueError(
+        f"{name} must lie in [0, {upper}], got values from {values.min()} "
+        f"to {values.max()} (shape {values.shape}).")
+
+
+def attention_operands(query, key, value, mask=None, bias=None, *,
+                       key_value_seq_lengths=None, query_seq_lengths=None,
+                       local_window_size=None, logits_soft_cap=None,
+                       query_segment_ids=None, key_segment_ids=None,
+                       sinks=None, score_mod=None,
+                       score_mod_args=()) -> Operands:
   """Checks the operands of an attention function and normalises them.
 
   The checks are stated in the caller's terms (query heads N against
   key/value heads K); the operands come back with the head axis split when
   ``K`` divides ``N`` (``_grouping``), ready for ``broadcast_vmap``.
+  ``mask`` may be a ``BlockMask`` (returned as ``block_mask``).
   """
   for name, x in (("query", query), ("key", key), ("value", value)):
     check_float_array(name, x)
@@ -167,6 +220,14 @@ def attention_operands(query, key, value, mask=None, bias=None,
 
   leading = {"query": q_shape[:-2], "key": as_query_heads(k_shape)[:-2],
              "value": as_query_heads(v_shape)[:-2]}
+  block_mask = None
+  if isinstance(mask, _patterns.BlockMask):
+    block_mask, mask = mask, None
+    if block_mask.shape != (t, s):
+      raise ValueError(
+          f"mask is a BlockMask built for [T, S] = {list(block_mask.shape)}, "
+          f"but the operands have T = {t}, S = {s}: build it with "
+          f"block_mask(mask_fn, {t}, {s}, ...).")
   if mask is not None:
     check_mask_dtype("mask", mask)
     mask = _numerics.as_bool_mask(mask)
@@ -175,20 +236,29 @@ def attention_operands(query, key, value, mask=None, bias=None,
     check_broadcastable_to("mask", mask.shape[-2:], (t, s), "[T, S]")
     leading["mask"] = mask.shape[:-2]
   if bias is not None:
-    check_float_array("bias", bias)
-    bias = jnp.asarray(bias)
-    if bias.ndim < 2:
-      bias = bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
-    check_broadcastable_to("bias", bias.shape[-2:], (t, s), "[T, S]")
+    bias = _as_pair_operand("bias", bias, t, s)
     leading["bias"] = bias.shape[:-2]
+  if score_mod_args and score_mod is None:
+    raise ValueError("score_mod_args were given without a score_mod.")
+  if score_mod is not None and not callable(score_mod):
+    raise TypeError(f"score_mod must be callable (score, q_idx, kv_idx, "
+                    f"*score_mod_args), got {type(score_mod).__name__}.")
+  if not isinstance(score_mod_args, (tuple, list)):
+    raise TypeError("score_mod_args must be a tuple of arrays, got "
+                    f"{type(score_mod_args).__name__}.")
+  mod_args = tuple(_as_pair_operand(f"score_mod_args[{n}]", x, t, s)
+                   for n, x in enumerate(score_mod_args))
+  for n, x in enumerate(mod_args):
+    leading[f"score_mod_args[{n}]"] = x.shape[:-2]
   what = "leading (batch) dimensions of the attention operands"
   if len(q_shape) == 4 and len(k_shape) == 4 and groups is None:
     what += (" (4-D operands are [B, N, T, H] queries over [B, K, S, H] "
              "keys/values: K must be 1, N or a divisor of N)")
   batch_shape = broadcast_shapes(what, **leading)
   all_lengths = {}
-  for name, given in (("key_value_seq_lengths", key_value_seq_lengths),
-                      ("query_seq_lengths", query_seq_lengths)):
+  for name, given, upper in (
+      ("key_value_seq_lengths", key_value_seq_lengths, s),
+      ("query_seq_lengths", query_seq_lengths, t)):
     lengths = all_lengths[name] = check_lengths(name, given)
     if lengths is None:
       continue
@@ -200,18 +270,43 @@ def attention_operands(query, key, value, mask=None, bias=None,
           f"leading dim of the operands {batch_shape} (size 1 to "
           f"broadcast), e.g. lengths[:, None] for [B, N, T, H] inputs, or "
           f"be a scalar.")
+    check_concrete_range(name, given, upper)
     leading[name] = lengths.shape
+  if (query_segment_ids is None) != (key_segment_ids is None):
+    raise ValueError(
+        "query_segment_ids and key_segment_ids come together: pass both "
+        "(the same array twice for packed self-attention).")
+  q_seg = k_seg = None
+  if query_segment_ids is not None:
+    q_seg = _segment_ids("query_segment_ids", query_segment_ids, t, "T",
+                         len(batch_shape))
+    k_seg = _segment_ids("key_segment_ids", key_segment_ids, s, "S",
+                         len(batch_shape))
+    leading["query_segment_ids"] = q_seg.shape[:-1]
+    leading["key_segment_ids"] = k_seg.shape[:-1]
+  if sinks is not None:
+    check_float_array("sinks", sinks)
+    sinks = jnp.asarray(sinks)
+    check_broadcastable_to("sinks", sinks.shape, batch_shape,
+                           "the leading dims (e.g. [B, N] or [N])")
   batch_shape = broadcast_shapes(what, **leading)
+  window = _patterns.check_window(local_window_size)
+  check_soft_cap(logits_soft_cap)
   query, key, value = (_grouping.split(jnp.asarray(x), groups, -3)
                        for x in (query, key, value))
   mask, bias = (_grouping.split(x, groups, -3) for x in (mask, bias))
+  mod_args = tuple(_grouping.split(x, groups, -3) for x in mod_args)
   lengths, q_lengths = (_grouping.split(x, groups, -1)
                         for x in all_lengths.values())
+  q_seg, k_seg = (_grouping.split(x, groups, -2) for x in (q_seg, k_seg))
+  sinks = _grouping.split(sinks, groups, -1)
   if groups is not None:
     batch_shape = batch_shape[:-1] + (groups.num_kv_heads,
                                       groups.num_heads // groups.num_kv_heads)
-  return Operands(query, key, value, mask, bias, lengths, q_lengths, groups,
-                  batch_shape)
+  return Operands(query, key, value, mask, bias, lengths, q_lengths, q_seg,
+                  k_seg, sinks, mod_args, groups, batch_shape, window,
+                  None if logits_soft_cap is None else float(logits_soft_cap),
+                  score_mod, block_mask)
 
 
 def check_soft_cap(logits_soft_cap) -> None:

@@ -7,24 +7,100 @@ Our layout is ``[B, N, T, H]``, jax.nn's ``[B, T, N, H]``; jax.nn does
 grouped-query attention itself (``K`` dividing ``N``). Not run on a GPU in
 this project's CI: the dispatcher only picks it where ``problem`` finds
 nothing in the way.
+
+Where jax.nn's semantics differ from ours (read from jax 0.10's
+``jax/_src/nn/functions.py`` and ``jax/_src/cudnn/fused_attention_stablehlo.py``):
+
+* Alignment. jax.nn's causal mask is ``tril`` and its window
+  ``i - left <= j <= i + right``: top-left, query ``i`` at key position
+  ``i``; ours is bottom-right (``i' = i + S - T``). They agree when
+  ``T == S``; otherwise ``attention`` passes our band as an explicit mask.
+* Rows that may see nothing. jax.nn's xla path fills blocked logits with a
+  large finite negative, so such a row is the mean of all values; its cuDNN
+  path adds the mask as a large finite negative bias (``-2 << 40`` in
+  bfloat16), so such a row is again an average of values, and what cuDNN
+  writes for rows past ``q_seqlen`` or with ``kv_seqlen == 0`` is decided in
+  the kernel, not in jax. Ours is exactly 0: ``attention`` zeroes those rows
+  with ``where`` (jax.nn's xla path already zeroes rows past the length).
+* Windows. cuDNN has only a left window (``sliding_window_length = left +
+  1``, top-left); jax.nn raises for ``right > 0`` unless the mask type is
+  plain ``CAUSAL`` (not ``PADDING_CAUSAL``), and without a causal mask
+  cuDNN's band has no right bound. So with ``T == S`` a window whose right
+  bound resolves to 0 (``is_causal``, or ``right == 0``) goes as
+  ``is_causal=True, local_window_size=(left, 0)``; every other band goes as
+  an explicit mask, and ``problem`` refuses those windows (two-sided, or
+  ``T != S``) so that the automatic choice never builds a ``[T, S]`` mask
+  for them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
 from attention_jax import _checks
-from attention_jax import masks
+from attention_jax import _patterns
+
+# Structured arguments jax.nn.dot_product_attention has no counterpart for.
+_NOT_IN_JAX_NN = {
+    "logits_soft_cap": "jax.nn's cuDNN kernel has no logit soft cap",
+    "query_segment_ids": "jax.nn.dot_product_attention takes no segment ids",
+    "key_segment_ids": "jax.nn.dot_product_attention takes no segment ids",
+    "sinks": "jax.nn's cuDNN kernel has no attention sinks",
+    "score_mod": "jax.nn's cuDNN kernel takes no score modifier",
+    "block_mask": "jax.nn's cuDNN kernel takes no block mask",
+}
+
+
+def _per_example_problem(name, lengths, batch) -> str | None:
+  """Why ``lengths`` is not one length per example (``[B, 1]`` or scalar)."""
+  shape = _checks.shape_of(lengths)
+  if shape == () or (len(shape) == 2 and shape[1] == 1
+                     and shape[0] in (1, batch)):
+    return None
+  return (f"it takes one {name.split('_seq')[0].replace('_', '/')} length "
+          f"per example: {name} must be [B, 1] or a scalar, got {shape}")
+
+
+def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
+  """Why cuDNN cannot give our numbers for the structured arguments."""
+  if not isinstance(structured, Mapping):  # names only (older dispatcher)
+    names = [n for n in structured if n]
+    return f"{names[0]} is not wired to cuDNN here" if names else None
+  for name, value in structured.items():
+    if value is None:
+      continue
+    if name == "query_seq_lengths":
+      problem = _per_example_problem(name, value, batch)
+      if problem:
+        return problem
+    elif name == "local_window_size":
+      _, right = value
+      if right > 0 and not is_causal:
+        return (f"local_window_size={value!r}: cuDNN has only a left window "
+                "(jax.nn raises for right > 0 without a plain causal mask)")
+      if t != s:
+        return (f"local_window_size with T={t} != S={s}: cuDNN's window is "
+                "top-left aligned, ours bottom-right")
+    elif name in _NOT_IN_JAX_NN:
+      return f"{name}: {_NOT_IN_JAX_NN[name]}"
+    else:
+      return f"{name} is not wired to cuDNN here"
+  return None
 
 
 def problem(query, key, value, mask, bias, lengths, return_lse,
-            structured=()) -> str | None:
+            structured=(), *, is_causal=False) -> str | None:
   """Why the cuDNN kernel cannot take these inputs, or None if it can.
 
-  ``structured`` names the pattern arguments in use; none goes to cuDNN yet
-  (its window and query lengths align top-left, ours bottom-right), so the
-  automatic choice falls back to blockwise and never changes the numbers.
+  ``structured`` maps the pattern arguments in use to their values
+  (``local_window_size`` as a checked ``(left, right)``); a list of names
+  is refused whole. ``is_causal`` only widens what is accepted: a causal
+  window ``(left, right > 0)`` is ``(left, 0)``. None is returned only where
+  ``attention`` gives our numbers, so the automatic choice never changes
+  them.
   """
   if jax.default_backend() != "gpu":
     return f"it needs a GPU, the backend is {jax.default_backend()!r}"
@@ -40,30 +116,84 @@ def problem(query, key, value, mask, bias, lengths, return_lse,
   for name, x in (("mask", mask), ("bias", bias)):
     if x is not None and x.ndim != 4:
       return f"{name} must be 4-D [B|1, N|1, T|1, S|1], got {x.shape}"
-  if lengths is not None and (lengths.ndim != 2 or lengths.shape[1] != 1):
-    return ("it takes one key/value length per example: "
-            f"key_value_seq_lengths must be [B, 1], got {lengths.shape}")
+  batch, t, s = shapes[0][0], shapes[0][2], shapes[1][2]
+  if lengths is not None:
+    problem_ = _per_example_problem("key_value_seq_lengths", lengths, batch)
+    if problem_:
+      return problem_
   if return_lse:
     return "it does not return the log-sum-exp"
-  if structured:
-    return f"{', '.join(structured)} not wired to cuDNN here"
-  return None
+  return _structured_problem(structured or (), t, s, batch, is_causal)
 
 
-def attention(query, key, value, mask, bias, lengths, *, scale, is_causal):
-  """jax.nn's fused kernel; our bottom-right causal mask made explicit."""
-  t, s = query.shape[-2], key.shape[-2]
-  if is_causal and t != s:  # jax.nn aligns top-left; ours is bottom-right
-    causal = masks.causal_mask(t, s)[None, None]
-    mask = causal if mask is None else mask & causal
-    is_causal = False
-  swap = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, T, H] <-> [B, T, N, H]
+def _per_example(lengths, batch: int, limit: int) -> jax.Array:
+  """``[B, 1]``/``[1, 1]``/scalar lengths as jax.nn's int32 ``[B]``."""
+  lengths = jnp.clip(jnp.asarray(lengths), 0, limit).astype(jnp.int32)
+  return jnp.broadcast_to(jnp.reshape(lengths, (-1,)), (batch,))
+
+
+def _grid(t: int, s: int) -> tuple[jax.Array, jax.Array]:
+  """Query rows ``[1, 1, T, 1]`` and key columns ``[1, 1, 1, S]``."""
+  return (jnp.arange(t)[None, None, :, None],
+          jnp.arange(s)[None, None, None, :])
+
+
+def _rows_seeing_something(t, s, b: _patterns.Bounds, kv, q, mask, bias):
+  """Bool ``[B|1, N|1, T]``: the rows with a key to see (None: all rows)."""
+  rows, cols = _grid(t, s)
+  kv_length = None if kv is None else kv[:, None, None, None]  # [B,1,1,1]
+  ok = _patterns.visible(rows, cols, s - t, b, kv_length=kv_length)
+  finite_bias = None if bias is None else bias > -jnp.inf  # -inf blocks
+  for extra in (mask, finite_bias):
+    if extra is not None:
+      ok = extra if ok is None else ok & extra
+  sees = None if ok is None else jnp.any(ok, axis=-1)
+  if q is not None:
+    below = jnp.arange(t)[None, None, :] < q[:, None, None]  # [B, 1, T]
+    sees = below if sees is None else sees & below
+  return sees
+
+
+def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
+              scale, is_causal, window=None, implementation="cudnn"):
+  """jax.nn's fused kernel with our semantics.
+
+  Args:
+    query: ``[B, N, T, H]``; key, value: ``[B, K, S, H]``.
+    mask: bool ``[B|1, N|1, T|1, S|1]`` or None (True = may attend).
+    bias: ``[B|1, N|1, T|1, S|1]`` or None.
+    lengths, q_lengths: key/value and query lengths, ``[B, 1]``, ``[1, 1]``
+      or scalar, or None.
+    scale: logit multiplier.
+    is_causal: bottom-right causal mask.
+    window: checked ``(left, right)`` or None (bottom-right aligned).
+    implementation: jax.nn's; ``"xla"`` tests this wiring on any backend.
+
+  Returns:
+    ``[B, N, T, H]``; rows past ``q_lengths`` or seeing no key are 0.
+  """
+  batch, _, t, _ = query.shape
+  s = key.shape[-2]
+  b = _patterns.bounds(is_causal, window)
+  jax_causal, jax_window = False, None
+  if t == s and b.right == 0:  # top-left == bottom-right: jax.nn's own band
+    jax_causal = True
+    if b.left is not None and b.left < s - 1:
+      jax_window = (b.left, 0)
+  else:  # jax.nn aligns top-left, cuDNN has no right window: explicit mask
+    band = _patterns.visible(*_grid(t, s), s - t, b)  # [1, 1, T, S]
+    if band is not None:
+      mask = band if mask is None else mask & band
   if mask is not None:
     mask = jnp.broadcast_to(mask, mask.shape[:2] + (t, s))
-  if lengths is not None:
-    lengths = jnp.broadcast_to(lengths[:, 0], (query.shape[0],))
-  out = jax.nn.dot_product_attention(
+  kv = None if lengths is None else _per_example(lengths, batch, s)
+  q = None if q_lengths is None else _per_example(q_lengths, batch, t)
+  swap = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, T, H] <-> [B, T, N, H]
+  out = swap(jax.nn.dot_product_attention(
       swap(query), swap(key), swap(value), bias=bias, mask=mask, scale=scale,
-      is_causal=is_causal, key_value_seq_lengths=lengths,
-      implementation="cudnn")
-  return swap(out)
+      is_causal=jax_causal, query_seq_lengths=q, key_value_seq_lengths=kv,
+      local_window_size=jax_window, implementation=implementation))
+  sees = _rows_seeing_something(t, s, b, kv, q, mask, bias)
+  if sees is not None:  # jax.nn gives a mean of values there, ours is 0
+    out = jnp.where(sees[..., None], out, jnp.zeros((), out.dtype))
+  return out

@@ -20,42 +20,58 @@ from attention_jax import _patterns
 from attention_jax import softmax
 
 
-def single_head(query, key, value, mask, bias, length, q_length, keep, *,
-                scale, is_causal, window, softcap, dropout_rate, out_dtype,
-                compute_dtype, want_lse):
+def single_head(query, key, value, h, keep, *, scale, is_causal, window,
+                softcap, score_mod, dropout_rate, out_dtype, compute_dtype,
+                want_lse):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
-  ``mask``/``bias`` are ``[T|1, S|1]`` or None, ``length``/``q_length`` int
-  scalars (valid keys / queries) or None, ``keep`` the ``[T, S]`` dropout
-  draw or None; ``window`` and ``softcap`` as in ``_patterns`` / the flash
-  core.
+  ``h`` is the head's ``_broadcast.Head`` (mask, bias, lengths, segment
+  ids, sink, score_mod arguments, block mask), ``keep`` the ``[T, S]``
+  dropout draw or None; ``window``, ``softcap`` and ``score_mod`` as in
+  ``_patterns`` / the flash core.
   Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``; weights and
   lse in ``compute_dtype``, out in ``out_dtype``.
   """
   t, s = query.shape[0], key.shape[0]
   allowed = None
-  if mask is not None:
-    allowed = jnp.broadcast_to(mask, (t, s))
+
+  def both(extra):
+    if extra is None:
+      return allowed
+    extra = jnp.broadcast_to(extra, (t, s))
+    return extra if allowed is None else allowed & extra
+
   rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
-  pattern = _patterns.visible(rows, cols, s - t,
-                              _patterns.bounds(is_causal, window), q_length,
-                              length)
-  if pattern is not None:
-    pattern = jnp.broadcast_to(pattern, (t, s))
-    allowed = pattern if allowed is None else allowed & pattern
+  allowed = both(h.mask)
+  q_seg = None if h.q_seg is None else h.q_seg[:, None]
+  k_seg = None if h.k_seg is None else h.k_seg[None, :]
+  allowed = both(_patterns.visible(rows, cols, s - t,
+                                   _patterns.bounds(is_causal, window),
+                                   h.q_length, h.length, q_seg, k_seg))
+  if h.block_mask is not None:  # the same predicate the flash core evaluates
+    allowed = both(h.block_mask.mask_fn(rows, cols))
   if allowed is not None:  # padding may hold NaN: keep it out of every product
     key, value = _numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=compute_dtype)  # [T, S]
   logits = logits * jnp.asarray(scale, compute_dtype)
-  if bias is not None:
-    logits = logits + jnp.broadcast_to(bias.astype(compute_dtype), (t, s))
+  finite = None  # where a -inf bias or score_mod blocks
+  if h.bias is not None:
+    logits = logits + jnp.broadcast_to(h.bias.astype(compute_dtype), (t, s))
+    finite = logits > -jnp.inf
+  if score_mod is not None:
+    safe = logits if finite is None else jnp.where(finite, logits, 0.0)
+    logits = jnp.broadcast_to(score_mod(
+        safe, rows, cols, *(a.astype(compute_dtype) for a in h.mod_args)),
+                              (t, s)).astype(compute_dtype)
+    finite = (logits > -jnp.inf) if finite is None else (
+        finite & (logits > -jnp.inf))
   if softcap is not None:
-    if bias is not None:  # a -inf bias blocks; the cap would make it finite
-      finite = logits > -jnp.inf
-      allowed = finite if allowed is None else allowed & finite
     logits = softcap * jnp.tanh(logits / softcap)
-  if allowed is None and bias is None:
+  if finite is not None:  # the cap would make a blocking -inf finite
+    allowed = both(finite)
+  want_lse = want_lse or h.sink is not None
+  if allowed is None:
     # Nothing can be blocked (finite inputs give finite logits): the plain
     # stable softmax, same numbers, fewer passes over [T, S].
     weights = jax.nn.softmax(logits, axis=-1)  # [T, S]
@@ -63,6 +79,8 @@ def single_head(query, key, value, mask, bias, length, q_length, keep, *,
   else:
     weights = softmax.masked_softmax(logits, allowed)  # [T, S]
     lse = softmax.masked_logsumexp(logits, allowed) if want_lse else None
+  if h.sink is not None:  # exp(sink) joins each row's denominator
+    weights, _, lse = _numerics.with_sink(weights, lse, h.sink, h.q_length)
   probs = weights
   if keep is not None:  # inverted dropout: E[probs] == weights
     probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)

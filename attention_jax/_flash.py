@@ -56,9 +56,10 @@ in the values' dtype, so bf16 runs bf16 dots with float32 accumulation).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +73,35 @@ class Static(NamedTuple):
   scale: float
   bounds: _patterns.Bounds  # causal and window bounds (None = open)
   softcap: float | None  # logits -> softcap * tanh(logits / softcap)
+  score_mod: Callable | None  # score_mod(score, q_idx, kv_idx, *args)
   t: int  # true (unpadded) lengths
   s: int
   bq: int
   bk: int
+
+
+class Extras(NamedTuple):
+  """One head's operands besides q, k, v (None = absent); a pytree."""
+  mask: jax.Array | None = None  # bool [Tp|1, Sp|1]
+  bias: jax.Array | None = None  # float [Tp|1, Sp|1]
+  length: jax.Array | None = None  # int32 scalar: valid keys
+  q_length: jax.Array | None = None  # int32 scalar: valid queries
+  q_seg: jax.Array | None = None  # int32 [Tp] segment ids
+  k_seg: jax.Array | None = None  # int32 [Sp]
+  block_mask: _patterns.BlockMask | None = None  # custom pattern
+  mod_args: tuple = ()  # float [Tp|1, Sp|1] each, for score_mod
+
+
+class Place(NamedTuple):
+  """Where the local rows and columns stand (ring attention moves them).
+
+  Query row ``r`` stands at key column ``r + offset`` (causality and
+  windows); ``score_mod`` and a block mask's predicate see the global
+  indices ``q_start + r`` and ``kv_start + c``.
+  """
+  offset: Any
+  q_start: Any = 0
+  kv_start: Any = 0
 
 
 def _cdiv(a, b):
@@ -91,13 +117,38 @@ def pad_axis(x, axis: int, size: int, value):
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _tile(x, i0, j0, bq: int, bk: int):
-  """The ``[bq, bk]`` block of a ``[T|1, S|1]`` operand at ``(i0, j0)``."""
+def _edge_pad(ids, size: int):
+  """Segment ids padded by repeating the last (block min/max unchanged)."""
+  if ids is None or ids.shape[0] == size:
+    return ids
+  return jnp.pad(ids, (0, size - ids.shape[0]), mode="edge")
+
+
+def _tile_keep(x, i0, j0, bq: int, bk: int):
+  """The block of a ``[T|1, S|1]`` operand at ``(i0, j0)``; size-1 axes kept."""
   rows, cols = x.shape
-  block = jax.lax.dynamic_slice(
+  return jax.lax.dynamic_slice(
       x, (i0 if rows != 1 else 0, j0 if cols != 1 else 0),
       (bq if rows != 1 else 1, bk if cols != 1 else 1))
-  return jnp.broadcast_to(block, (bq, bk))
+
+
+def _tile(x, i0, j0, bq: int, bk: int):
+  """The ``[bq, bk]`` block of a ``[T|1, S|1]`` operand at ``(i0, j0)``."""
+  return jnp.broadcast_to(_tile_keep(x, i0, j0, bq, bk), (bq, bk))
+
+
+def _add_tile(acc, tile, i0, j0):
+  """Adds a block's cotangent into ``acc [T|1, S|1]`` (summing broadcasts)."""
+  rows, cols = acc.shape
+  if rows == 1 and tile.shape[0] != 1:
+    tile = tile.sum(0, keepdims=True)
+  if cols == 1 and tile.shape[1] != 1:
+    tile = tile.sum(1, keepdims=True)
+  tile = jnp.broadcast_to(tile, (rows if rows == 1 else tile.shape[0],
+                                 cols if cols == 1 else tile.shape[1]))
+  at = (i0 if rows != 1 else 0, j0 if cols != 1 else 0)
+  return jax.lax.dynamic_update_slice(
+      acc, jax.lax.dynamic_slice(acc, at, tile.shape) + tile, at)
 
 
 def _key_rows(st: Static, x, j0, length):
@@ -121,21 +172,30 @@ def _zero_like_all(*operands):
   constants (``jnp.zeros``) vary over none, so loop inits add this zero.
   """
   zero = jnp.zeros((), jnp.float32)
-  for x in operands:
-    if x is not None:
-      zero = zero + jnp.zeros_like(x, jnp.float32, shape=())
+  for x in jax.tree.leaves(operands):
+    zero = zero + jnp.zeros_like(x, jnp.float32, shape=())
   return zero
 
 
-def _block_logits(st: Static, qi, kj, i0, j0, mask, bias, length, q_length,
-                  offset, scale=None):
-  """Float32 logits of one block, where they are allowed, the cap's slope.
+def _patterned(st: Static, ex: Extras) -> bool:
+  """Whether any entry can be blocked by a pattern or mask (static)."""
+  return (st.bounds != (None, None) or st.s % st.bk != 0
+          or any(x is not None for x in (ex.mask, ex.length, ex.q_length,
+                                         ex.q_seg, ex.block_mask)))
 
-  Logits are ``scale * q.k + bias``, then soft-capped. ``ok`` is None when
-  every entry is allowed, statically: the common unmasked case then pays
-  for no mask passes over the block. ``dcap`` is ``d capped / d raw`` (None
-  without a cap). Padded query rows (past ``T``) need no mask: their
-  outputs are dropped and their cotangents are zero.
+
+def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
+                  full: bool, scale=None, want_vjp: bool = False):
+  """Float32 logits of one block, where they are allowed, their slopes.
+
+  Logits are ``scale * q.k + bias``, then ``score_mod``, then soft-capped.
+  ``ok`` is None when every entry is allowed, statically; ``full`` says the
+  block is known to hold no blocked entry (no pattern or mask pass is
+  made; ``-inf`` from a bias or ``score_mod`` still blocks). ``dcap`` is
+  ``d capped / d modded`` (None without a cap), ``mod_vjp`` the VJP of the
+  score modifier in ``(raw logits, *its argument tiles)`` (when asked).
+  Padded query rows (past ``T``) need no mask: their outputs are dropped
+  and their cotangents are zero.
   """
   scale = st.scale if scale is None else scale
   logits = jnp.einsum("TH,SH->TS", qi, kj,
@@ -151,20 +211,50 @@ def _block_logits(st: Static, qi, kj, i0, j0, mask, bias, length, q_length,
 
   rows = i0 + jnp.arange(st.bq)[:, None]  # [bq, 1]
   cols = j0 + jnp.arange(st.bk)[None, :]  # [1, bk]
-  if bias is not None:
-    logits = logits + _tile(bias, i0, j0, st.bq, st.bk).astype(jnp.float32)
+  if ex.bias is not None:
+    logits = logits + _tile(ex.bias, i0, j0, st.bq, st.bk).astype(jnp.float32)
+    ok = both(logits > -jnp.inf)
+  mod_vjp = None
+  if st.score_mod is not None:
+    q_idx, kv_idx = rows + place.q_start, cols + place.kv_start
+    # Tiles vary over every mesh axis the scores do (a shard_map-invariant
+    # argument would make the VJP below all-reduce inside the block loop,
+    # whose trip count differs between devices).
+    varying = jnp.zeros_like(logits, shape=())
+    tiles = [_tile_keep(a, i0, j0, st.bq, st.bk).astype(jnp.float32)
+             + varying for a in ex.mod_args]
+
+    def mod(score, *args):
+      return jnp.broadcast_to(
+          st.score_mod(score, q_idx, kv_idx, *args).astype(jnp.float32),
+          score.shape)
+
+    safe = logits if ok is None else jnp.where(ok, logits, 0.0)
+    if want_vjp:
+      logits, mod_vjp = jax.vjp(mod, safe, *tiles)
+    else:
+      logits = mod(safe, *tiles)
     ok = both(logits > -jnp.inf)
   dcap = None
   if st.softcap is not None:
     capped = jnp.tanh(logits / st.softcap)
     logits, dcap = st.softcap * capped, 1.0 - capped * capped
+  if full:
+    return logits, ok, dcap, mod_vjp
   if st.s % st.bk:
     ok = both(cols < st.s)
-  ok = both(_patterns.visible(rows, cols, offset, st.bounds, q_length,
-                              length))
-  if mask is not None:
-    ok = both(_tile(mask, i0, j0, st.bq, st.bk))
-  return logits, ok, dcap
+  q_seg = k_seg = None
+  if ex.q_seg is not None:
+    q_seg = jax.lax.dynamic_slice_in_dim(ex.q_seg, i0, st.bq)[:, None]
+    k_seg = jax.lax.dynamic_slice_in_dim(ex.k_seg, j0, st.bk)[None, :]
+  ok = both(_patterns.visible(rows, cols, place.offset, st.bounds,
+                              ex.q_length, ex.length, q_seg, k_seg))
+  if ex.mask is not None:
+    ok = both(_tile(ex.mask, i0, j0, st.bq, st.bk))
+  if ex.block_mask is not None:
+    ok = both(jnp.broadcast_to(ex.block_mask.mask_fn(
+        rows + place.q_start, cols + place.kv_start), (st.bq, st.bk)))
+  return logits, ok, dcap, mod_vjp
 
 
 def _masked_exp(logits, ok, shift, scale=1.0):
@@ -175,30 +265,114 @@ def _masked_exp(logits, ok, shift, scale=1.0):
       ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0) * scale), 0.0)
 
 
-def forward(st: Static, q, k, v, mask, bias, length, q_length, offset):
+def _nested(lo, hi, full_lo, full_hi):
+  """Visited blocks ``[lo, hi)`` holding the full ones ``[full_lo, full_hi)``."""
+  hi = jnp.maximum(hi, lo)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
+
+
+def _segment_summary(st: Static, ex: Extras):
+  """Per-block min/max segment ids ``(q_min, q_max, k_min, k_max)`` or None."""
+  if ex.q_seg is None:
+    return None
+  return (*_patterns.block_min_max(ex.q_seg, st.bq),
+          *_patterns.block_min_max(ex.k_seg, st.bk))
+
+
+def _key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
+  """Key blocks query block ``i`` visits, and the full ones among them."""
+  i0 = i * st.bq
+  lo, hi = _patterns.key_block_range(st.bounds, i0, st.bq, st.bk, num_k,
+                                     place.offset, ex.length, ex.q_length)
+  full_lo, full_hi = _patterns.full_key_block_range(
+      st.bounds, i0, st.bq, st.bk, num_k, place.offset, ex.length,
+      ex.q_length, st.s)
+  if seg is not None:
+    q_min, q_max, k_min, k_max = seg
+    a, b, c, d = _patterns.segment_block_ranges(q_min[i], q_max[i], k_min,
+                                                k_max)
+    lo, hi = jnp.maximum(lo, a), jnp.minimum(hi, b)
+    full_lo, full_hi = jnp.maximum(full_lo, c), jnp.minimum(full_hi, d)
+  return _nested(lo, hi, full_lo, full_hi)
+
+
+def _query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
+  """Query blocks that visit key block ``j``, and those that see all of it."""
+  j0 = j * st.bk
+  lo, hi = _patterns.query_block_range(st.bounds, j0, st.bq, st.bk, num_q,
+                                       place.offset, ex.length, ex.q_length)
+  full_lo, full_hi = _patterns.full_query_block_range(
+      st.bounds, j0, st.bq, st.bk, num_q, place.offset, ex.length,
+      ex.q_length, st.s)
+  if seg is not None:
+    q_min, q_max, k_min, k_max = seg
+    a, b, c, d = _patterns.segment_block_ranges(k_min[j], k_max[j], q_min,
+                                                q_max)
+    lo, hi = jnp.maximum(lo, a), jnp.minimum(hi, b)
+    full_lo, full_hi = jnp.maximum(full_lo, c), jnp.minimum(full_hi, d)
+  return _nested(lo, hi, full_lo, full_hi)
+
+
+def _walk(st: Static, ex: Extras, ranges, listed, count: int, body, carry):
+  """Runs ``body(index, full, carry)`` over the blocks one block visits.
+
+  ``ranges`` are ``_nested`` intervals; ``listed`` is a block mask's row
+  ``(indices, full flags)`` or None. Empty blocks are never visited; full
+  ones run the body without mask passes (``full=True``, static).
+  """
+  if not _patterned(st, ex):
+    return jax.lax.fori_loop(0, count, lambda j, c: body(j, True, c), carry)
+  lo, hi, full_lo, full_hi = ranges
+  masked = lambda j, c: body(j, False, c)
+  if listed is not None:  # the block mask's non-empty blocks in [lo, hi)
+    indices, flags = listed
+    first = jnp.searchsorted(indices, lo)
+    last = jnp.searchsorted(indices, hi)
+
+    def step(n, c):
+      j = indices[n]
+      if ex.mask is not None:
+        return masked(j, c)
+      full = flags[n] & (j >= full_lo) & (j < full_hi)
+      return jax.lax.cond(full, lambda c: body(j, True, c),
+                          lambda c: masked(j, c), c)
+
+    return jax.lax.fori_loop(first, last, step, carry)
+  if ex.mask is not None:
+    return jax.lax.fori_loop(lo, hi, masked, carry)
+  carry = jax.lax.fori_loop(lo, full_lo, masked, carry)
+  carry = jax.lax.fori_loop(full_lo, full_hi,
+                            lambda j, c: body(j, True, c), carry)
+  return jax.lax.fori_loop(full_hi, hi, masked, carry)
+
+
+def forward(st: Static, q, k, v, ex: Extras, place: Place):
   """Online softmax; returns ``(out [Tp, Hv] f32, lse [Tp] f32)``."""
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   hv = v.shape[-1]
-  # Without a bias, softmax(scale * l) is computed on the raw logits l with
-  # the scale applied inside exp(): max(scale * l) = scale * max(l) for
-  # scale > 0, and XLA:CPU then runs no separate multiply pass over each
-  # [bq, bk] block (it would not fuse it into the dot). Row maxima are in
-  # raw-logit units; lse is converted back at the end.
-  defer = bias is None and st.softcap is None and st.scale > 0
+  # Without a bias or score modifier, softmax(scale * l) is computed on the
+  # raw logits l with the scale applied inside exp(): max(scale * l) =
+  # scale * max(l) for scale > 0, and XLA:CPU then runs no separate multiply
+  # pass over each [bq, bk] block (it would not fuse it into the dot). Row
+  # maxima are in raw-logit units; lse is converted back at the end.
+  defer = (ex.bias is None and st.softcap is None and st.score_mod is None
+           and st.scale > 0)
   later = st.scale if defer else 1.0
+  seg = _segment_summary(st, ex)
+  zero = _zero_like_all(q, k, v, ex, place)
 
   def query_block(i):
     i0 = i * st.bq
     qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)  # [bq, H]
 
-    def key_block(j, carry):
+    def key_block(j, full, carry):
       row_max, total, acc = carry
       j0 = j * st.bk
-      kj = _key_rows(st, k, j0, length)  # [bk, H]
-      vj = _key_rows(st, v, j0, length)  # [bk, Hv]
-      logits, ok, _ = _block_logits(st, qi, kj, i0, j0, mask, bias, length,
-                                    q_length, offset,
-                                    scale=1.0 if defer else None)
+      kj = _key_rows(st, k, j0, ex.length)  # [bk, H]
+      vj = _key_rows(st, v, j0, ex.length)  # [bk, Hv]
+      logits, ok, _, _ = _block_logits(st, qi, kj, i0, j0, ex, place, full,
+                                       scale=1.0 if defer else None)
       allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
       new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
       shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -210,13 +384,15 @@ def forward(st: Static, q, k, v, mask, bias, length, q_length, offset):
           preferred_element_type=jnp.float32)
       return new_max, total, acc
 
-    zero = _zero_like_all(q, k, v, mask, bias, length, q_length, offset)
     init = (jnp.full((st.bq,), -jnp.inf, jnp.float32) + zero,
             jnp.zeros((st.bq,), jnp.float32) + zero,
             jnp.zeros((st.bq, hv), jnp.float32) + zero)
-    lo, hi = _patterns.key_block_range(st.bounds, i0, st.bq, st.bk, num_k,
-                                       offset, length, q_length)
-    row_max, total, acc = jax.lax.fori_loop(lo, hi, key_block, init)
+    listed = None
+    if ex.block_mask is not None:
+      listed = (ex.block_mask.kv_indices[i], ex.block_mask.kv_full[i])
+    ranges = _key_ranges(st, ex, place, seg, i, num_k)
+    row_max, total, acc = _walk(st, ex, ranges, listed, num_k, key_block,
+                                init)
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[:, None]
     lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -228,35 +404,38 @@ def forward(st: Static, q, k, v, mask, bias, length, q_length, offset):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: Static, q, k, v, mask, bias, length, q_length, offset):
-  out, lse = forward(st, q, k, v, mask, bias, length, q_length, offset)
+def _attend(st: Static, q, k, v, ex: Extras, place: Place):
+  out, lse = forward(st, q, k, v, ex, place)
   return out.astype(v.dtype), lse
 
 
-def _attend_fwd(st, q, k, v, mask, bias, length, q_length, offset):
-  out, lse = forward(st, q, k, v, mask, bias, length, q_length, offset)
+def _attend_fwd(st, q, k, v, ex, place):
+  out, lse = forward(st, q, k, v, ex, place)
   out = out.astype(v.dtype)
-  return (out, lse), (q, k, v, mask, bias, length, q_length, offset, out,
-                      lse)
+  return (out, lse), (q, k, v, ex, place, out, lse)
 
 
 def _attend_bwd(st, residuals, cotangents):
-  q, k, v, mask, bias = residuals[:5]
-  dq, dk, dv, dbias = backward(st, residuals, cotangents)
-  dbias = None if bias is None else dbias.astype(bias.dtype)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
-          dbias, None, None, None)
+  q, k, v, ex = residuals[:4]
+  dq, dk, dv, dbias, dargs = backward(st, residuals, cotangents)
+  # None is a zero cotangent: masks, lengths, ids and tables have none.
+  d_ex = Extras(
+      bias=None if ex.bias is None else dbias.astype(ex.bias.dtype),
+      mod_args=tuple(d.astype(a.dtype) for d, a in zip(dargs, ex.mod_args)))
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_ex,
+          None)
 
 
 def backward(st, residuals, cotangents):
-  """FlashAttention-2 backward; float32 ``(dq, dk, dv, dbias)``.
+  """FlashAttention-2 backward; float32 ``(dq, dk, dv, dbias, dargs)``.
 
+  ``dargs`` are the cotangents of ``score_mod``'s arguments (a tuple).
   ``out`` and ``lse`` in ``residuals`` may be those of a longer key sequence
   of which ``k``/``v`` are one block (ring attention): ``P = exp(S - lse)``
   are then that block's share of the global probabilities, and the returned
   gradients are its share of the global ones.
   """
-  q, k, v, mask, bias, length, q_length, offset, out, lse = residuals
+  q, k, v, ex, place, out, lse = residuals
   d_out, d_lse = cotangents
   f32 = jnp.float32
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
@@ -264,22 +443,23 @@ def backward(st, residuals, cotangents):
   delta = jnp.sum(d_out * out.astype(f32), -1) - d_lse  # [Tp]
   row_ok = jnp.isfinite(lse)
   lse_safe = jnp.where(row_ok, lse, 0.0)
+  seg = _segment_summary(st, ex)
+  zero = _zero_like_all(q, k, v, ex, place, d_out, lse)
 
   def key_block(carry, j):
-    dq, dbias = carry
+    dq, dbias, dargs = carry
     j0 = j * st.bk
-    kj = _key_rows(st, k, j0, length)
-    vj = _key_rows(st, v, j0, length)
-    lo, hi = _patterns.query_block_range(st.bounds, j0, st.bq, st.bk, num_q,
-                                         offset, length, q_length)
+    kj = _key_rows(st, k, j0, ex.length)
+    vj = _key_rows(st, v, j0, ex.length)
 
-    def query_block(i, inner):
-      dkj, dvj, dq, dbias = inner
+    def query_block(i, full, inner):
+      dkj, dvj, dq, dbias, dargs = inner
       i0 = i * st.bq
       qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)
       doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
-      logits, ok, dcap = _block_logits(st, qi, kj, i0, j0, mask, bias,
-                                       length, q_length, offset)
+      logits, ok, dcap, mod_vjp = _block_logits(
+          st, qi, kj, i0, j0, ex, place, full,
+          want_vjp=st.score_mod is not None)
       if ok is not None:  # rows with nothing to attend have lse = -inf
         ok = ok & jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
       lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
@@ -287,86 +467,126 @@ def backward(st, residuals, cotangents):
       dvj = dvj + jnp.einsum("TS,TV->SV", p, doi)
       dp = jnp.einsum("TV,SV->TS", doi, vj.astype(f32))
       ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i0, st.bq)[:, None])
-      if dcap is not None:  # back through softcap * tanh(raw / softcap)
+      if dcap is not None:  # back through softcap * tanh(modded / softcap)
         ds = ds * dcap
+      if mod_vjp is not None:  # back through score_mod, to its arguments too
+        ds, *d_args = mod_vjp(ds)
+        dargs = tuple(_add_tile(acc, d, i0, j0)
+                      for acc, d in zip(dargs, d_args))
       dkj = dkj + jnp.einsum("TS,TH->SH", ds, qi.astype(f32)) * st.scale
       dqi = jnp.einsum("TS,SH->TH", ds, kj.astype(f32)) * st.scale
       dq = jax.lax.dynamic_update_slice_in_dim(
           dq, jax.lax.dynamic_slice_in_dim(dq, i0, st.bq) + dqi, i0, 0)
       if dbias is not None:
-        rows, cols = dbias.shape
-        tile = ds
-        if rows == 1:
-          tile = tile.sum(0, keepdims=True)
-        if cols == 1:
-          tile = tile.sum(1, keepdims=True)
-        at = (i0 if rows != 1 else 0, j0 if cols != 1 else 0)
-        dbias = jax.lax.dynamic_update_slice(
-            dbias, jax.lax.dynamic_slice(dbias, at, tile.shape) + tile, at)
-      return dkj, dvj, dq, dbias
+        dbias = _add_tile(dbias, ds, i0, j0)
+      return dkj, dvj, dq, dbias, dargs
 
     init = (jnp.zeros(kj.shape, f32) + zero, jnp.zeros(vj.shape, f32) + zero,
-            dq, dbias)
-    dkj, dvj, dq, dbias = jax.lax.fori_loop(lo, hi, query_block, init)
-    return (dq, dbias), (dkj, dvj)
+            dq, dbias, dargs)
+    listed = None
+    if ex.block_mask is not None:
+      listed = (ex.block_mask.q_indices[j], ex.block_mask.q_full[j])
+    ranges = _query_ranges(st, ex, place, seg, j, num_q)
+    dkj, dvj, dq, dbias, dargs = _walk(st, ex, ranges, listed, num_q,
+                                       query_block, init)
+    return (dq, dbias, dargs), (dkj, dvj)
 
-  zero = _zero_like_all(q, k, v, mask, bias, length, q_length, offset, d_out,
-                        lse)
-  dbias0 = None if bias is None else jnp.zeros(bias.shape, f32) + zero
-  (dq, dbias), (dk, dv) = jax.lax.scan(
-      key_block, (jnp.zeros(q.shape, f32) + zero, dbias0), jnp.arange(num_k))
-  return dq, dk.reshape(k.shape), dv.reshape(v.shape), dbias
+  dbias0 = None if ex.bias is None else jnp.zeros(ex.bias.shape, f32) + zero
+  dargs0 = tuple(jnp.zeros(a.shape, f32) + zero for a in ex.mod_args)
+  (dq, dbias, dargs), (dk, dv) = jax.lax.scan(
+      key_block, (jnp.zeros(q.shape, f32) + zero, dbias0, dargs0),
+      jnp.arange(num_k))
+  return dq, dk.reshape(k.shape), dv.reshape(v.shape), dbias, dargs
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def padded(q, k, v, *, scale, is_causal, block_q, block_k, window=None,
-           softcap=None):
+           softcap=None, score_mod=None):
   """One head's static config and q, k, v padded to whole blocks."""
   t, s = q.shape[0], k.shape[0]
   bq, bk = min(block_q, t), min(block_k, s)
   tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
   st = Static(float(scale), _patterns.bounds(bool(is_causal), window),
-              None if softcap is None else float(softcap), t, s, bq, bk)
+              None if softcap is None else float(softcap), score_mod, t, s,
+              bq, bk)
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 
 
-def single_head(q, k, v, mask, bias, length, q_length, *, out_dtype,
-                **blocks):
-  """One head: pads to whole blocks, attends, strips the padding."""
-  if mask is not None:  # keys no query sees may hold NaN: zero them
-    k, v = _numerics.zero_unseen(jnp.any(mask, axis=0), k, v)  # [S|1]
-  st, q, k, v = padded(q, k, v, **blocks)
-  tp, sp = q.shape[0], k.shape[0]
+def padded_extras(st: Static, tp: int, sp: int, h) -> Extras:
+  """A head's ``_broadcast.Head`` operands as ``Extras`` padded to blocks."""
+  mask, bias = h.mask, h.bias
   if mask is not None:
     mask = pad_axis(pad_axis(mask, 0, tp, False), 1, sp, False)
   if bias is not None:
     bias = pad_axis(pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
-  out, lse = _attend(st, q, k, v, mask, bias, length, q_length, st.s - st.t)
-  return out[:st.t].astype(out_dtype), None, lse[:st.t]
+  mod_args = tuple(pad_axis(pad_axis(x, 0, tp, 0.0), 1, sp, 0.0)
+                   for x in h.mod_args)
+  block_mask = None
+  if h.block_mask is not None:  # its tables are indexed by traced blocks
+    block_mask = jax.tree.map(jnp.asarray, h.block_mask)
+  return Extras(mask, bias, h.length, h.q_length, _edge_pad(h.q_seg, tp),
+                _edge_pad(h.k_seg, sp), block_mask, mod_args)
 
 
-def validate(name, query, key, value, mask, bias, key_value_seq_lengths,
-             query_seq_lengths, local_window_size, logits_soft_cap, block_q,
-             block_k, scale):
+def single_head(q, k, v, h, *, out_dtype, **blocks):
+  """One head (``_broadcast.Head`` operands): pad, attend, strip, sink."""
+  if h.mask is not None:  # keys no query sees may hold NaN: zero them
+    k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
+  st, q, k, v = padded(q, k, v, **blocks)
+  ex = padded_extras(st, q.shape[0], k.shape[0], h)
+  out, lse = _attend(st, q, k, v, ex, Place(st.s - st.t))
+  out, lse = out[:st.t], lse[:st.t]
+  if h.sink is not None:
+    out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
+  return out.astype(out_dtype), None, lse
+
+
+def validate(name, query, key, value, mask, bias, block_q, block_k, scale,
+             **structured):
   """Checks shared by the flash entry points (blockwise, ring).
 
-  Returns ``(operands, scale, window, out_dtype)``: the
-  ``_checks.Operands``, the scale (``1/sqrt(H)`` by default), the window as
-  ``(left, right)`` or None, and the output dtype.
+  ``structured`` are the keyword arguments of ``_checks.attention_operands``
+  (lengths, window, soft cap, segment ids, sinks, score_mod). Returns
+  ``(operands, scale, out_dtype)``: the ``_checks.Operands``, the scale
+  (``1/sqrt(H)`` by default) and the output dtype.
   """
   ops = _checks.attention_operands(query, key, value, mask, bias,
-                                   key_value_seq_lengths, query_seq_lengths)
-  window = _patterns.check_window(local_window_size)
-  _checks.check_soft_cap(logits_soft_cap)
-  _checks.check_positive_int("block_q", block_q)
-  _checks.check_positive_int("block_k", block_k)
+                                   **structured)
+  for size_name, size in (("block_q", block_q), ("block_k", block_k)):
+    if size is not None:
+      _checks.check_positive_int(size_name, size)
   h = _checks.shape_of(query)[-1]
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   out_dtype = jnp.result_type(query, key, value)
   if jnp.promote_types(out_dtype, jnp.float32) != jnp.float32:
     raise TypeError(f"{name} computes in float32; got float64 inputs (use "
                     "scaled_dot_product_attention for float64).")
-  return ops, scale, window, out_dtype
+  return ops, scale, out_dtype
+
+
+def block_sizes(ops, is_causal: bool, block_q, block_k) -> tuple[int, int]:
+  """The block sizes of a call: the caller's, the block mask's, or the rule.
+
+  The rule (measured in ``benchmarks.structured``): 256 x 256 blocks when a
+  pattern can skip work (causal, window, segments, lengths), so that
+  skipping bites near the diagonal and window edges; 1024 x 256 otherwise
+  (fewer, larger matmuls). A block mask fixes its own sizes.
+  """
+  bm = ops.block_mask
+  if bm is not None:
+    for size_name, given, own in (("block_q", block_q, bm.block_q),
+                                  ("block_k", block_k, bm.block_k)):
+      if given is not None and given != own:
+        raise ValueError(
+            f"{size_name}={given} differs from the block mask's {own}: "
+            f"build it with block_mask(..., {size_name}={given}) or leave "
+            f"{size_name} unset.")
+    return bm.block_q, bm.block_k
+  skips = (is_causal or ops.window is not None or ops.q_seg is not None
+           or ops.lengths is not None or ops.q_lengths is not None)
+  default_q = 256 if skips else 1024
+  return (default_q if block_q is None else block_q,
+          256 if block_k is None else block_k)

@@ -13,18 +13,85 @@ window bounds (``None`` = unbounded), query ``r`` may see key ``c`` iff
 
 ``is_causal`` is ``right = 0`` (with a wider ``right`` the causal bound wins);
 ``local_window_size=(left, right)`` is jax.nn's argument (an int ``w`` means
-``(w, w)``). ``visible`` is the element predicate the dense kernel
-materialises and the flash core evaluates inside partial blocks;
-``key_block_range``/``query_block_range`` are the same predicate at block
-granularity, so blocks it rules out are never visited, forward or backward.
+``(w, w)``). Packed sequences add segment ids: query ``r`` may see key ``c`` only when
+``q_seg[r] == k_seg[c]``.
+
+``visible`` is the element predicate the dense kernel materialises and the
+flash core evaluates inside partial blocks. At block granularity each
+(query block, key block) pair is *empty* (no allowed entry: never visited,
+forward or backward), *full* (every entry allowed: visited without any mask
+pass) or *partial*. ``key_block_range``/``query_block_range`` give the
+non-empty blocks and ``full_key_block_range``/``full_query_block_range`` the
+full ones, as intervals, from the bounds, lengths and offset;
+``segment_block_ranges`` does the same from per-block minimum and maximum
+segment ids. Each is exact for its own pattern (for segments: packed
+documents, the same non-decreasing ids on both sides; other ids still get
+a covering interval and only full blocks they really have); combined
+patterns intersect the intervals, which never calls a block with an allowed
+entry empty nor a block with a blocked entry full.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+MaskFn = Callable[[jax.Array, jax.Array], jax.Array]
+# score_mod(score, q_idx, kv_idx, *score_mod_args) -> modified score
+ScoreMod = Callable[..., jax.Array]
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block kinds
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockMask:
+  """A ``mask_fn`` classified by ``[block_q, block_k]`` blocks.
+
+  Attributes:
+    mask_fn: the predicate ``mask_fn(q_idx, kv_idx) -> bool``.
+    q_len, kv_len: ``T`` and ``S`` it was built for.
+    block_q, block_k: block sizes (clipped to ``T`` and ``S``).
+    kinds: int8 ``[nq, nk]``: ``EMPTY``, ``PARTIAL`` or ``FULL`` per block.
+    kv_indices: int32 ``[nq, m]``: each query block's non-empty key blocks
+      in increasing order, padded with ``nk``; ``kv_full`` bool ``[nq, m]``
+      marks the full ones.
+    q_indices, q_full: the same per key block (``[nk, m']``, padded with
+      ``nq``), for the backward pass.
+  """
+
+  def __init__(self, mask_fn, q_len, kv_len, block_q, block_k, kinds,
+               kv_indices, kv_full, q_indices, q_full):
+    self.mask_fn = mask_fn
+    self.q_len, self.kv_len = q_len, kv_len
+    self.block_q, self.block_k = block_q, block_k
+    self.kinds = kinds
+    self.kv_indices, self.kv_full = kv_indices, kv_full
+    self.q_indices, self.q_full = q_indices, q_full
+
+  def tree_flatten(self):
+    children = (self.kinds, self.kv_indices, self.kv_full, self.q_indices,
+                self.q_full)
+    aux = (self.mask_fn, self.q_len, self.kv_len, self.block_q, self.block_k)
+    return children, aux
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*aux, *children)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    """``(T, S)``, the lengths the mask was built for."""
+    return (self.q_len, self.kv_len)
+
+  def __repr__(self):
+    kinds = np.asarray(self.kinds)
+    counts = {name: int((kinds == k).sum()) for name, k in
+              (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
+    return (f"BlockMask(q_len={self.q_len}, kv_len={self.kv_len}, "
+            f"block_q={self.block_q}, block_k={self.block_k}, blocks={counts})")
 
 
 class Bounds(NamedTuple):
@@ -62,11 +129,13 @@ def bounds(is_causal: bool, window: tuple[int, int] | None) -> Bounds:
   return Bounds(left, right)
 
 
-def visible(rows, cols, offset, b: Bounds, q_length=None, kv_length=None):
+def visible(rows, cols, offset, b: Bounds, q_length=None, kv_length=None,
+            q_seg=None, k_seg=None):
   """Bool of broadcast ``rows`` x ``cols`` where a query may see a key.
 
-  None when nothing is excluded (no bound, no length): callers then skip
-  every mask pass.
+  ``q_seg``/``k_seg`` are the segment ids of ``rows``/``cols`` (same
+  shapes) or None. None when nothing is excluded (no bound, no length, no
+  segments): callers then skip every mask pass.
   """
   ok = None
 
@@ -81,6 +150,8 @@ def visible(rows, cols, offset, b: Bounds, q_length=None, kv_length=None):
     ok = both(cols < kv_length)
   if q_length is not None:
     ok = both(rows < q_length)
+  if q_seg is not None:
+    ok = both(q_seg == k_seg)
   return ok
 
 
@@ -129,3 +200,75 @@ def query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int, offset,
   if kv_length is not None:  # columns past the length are seen by nobody
     last = jnp.where(last_col >= j0, last, first - 1)
   return _blocks(first, last, bq, num_q)
+
+
+def _full_blocks(first, last, size: int, count: int):
+  """Blocks ``[lo, hi)`` of ``size`` lying wholly inside ``[first, last]``."""
+  lo = jnp.clip(-((-first) // size), 0, count)
+  hi = jnp.clip((last + 1) // size, 0, count)
+  return lo, jnp.maximum(hi, lo)
+
+
+def full_key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
+                         kv_length=None, q_length=None, s: int | None = None):
+  """Key blocks every entry of which rows ``[i0, i0 + bq)`` may see.
+
+  ``s`` is the true key length (columns past it are padding). Exact for
+  the bounds and lengths: the columns every row sees form one interval.
+  """
+  big = num_k * bk
+  first = 0 if b.left is None else i0 + bq - 1 + offset - b.left
+  last = big - 1 if b.right is None else i0 + offset + b.right
+  if s is not None:
+    last = jnp.minimum(last, s - 1)
+  if kv_length is not None:
+    last = jnp.minimum(last, kv_length - 1)
+  if q_length is not None:  # a row past the length sees nothing
+    last = jnp.where(i0 + bq <= q_length, last, first - 1)
+  return _full_blocks(first, last, bk, num_k)
+
+
+def full_query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int,
+                           offset, kv_length=None, q_length=None,
+                           s: int | None = None):
+  """Query blocks every row of which sees all of columns ``[j0, j0 + bk)``."""
+  big = num_q * bq
+  first = 0 if b.right is None else j0 + bk - 1 - offset - b.right
+  last = big - 1 if b.left is None else j0 - offset + b.left
+  if q_length is not None:
+    last = jnp.minimum(last, q_length - 1)
+  end = j0 + bk
+  for limit in (s, kv_length):  # a column past a length is seen by nobody
+    if limit is not None:
+      last = jnp.where(end <= limit, last, first - 1)
+  return _full_blocks(first, last, bq, num_q)
+
+
+def block_min_max(ids, size: int):
+  """Per-block minimum and maximum of segment ids ``[n * size]`` -> ``[n]``."""
+  blocks = ids.reshape(-1, size)
+  return blocks.min(-1), blocks.max(-1)
+
+
+def segment_block_ranges(lo_id, hi_id, other_min, other_max):
+  """Blocks of the other side a block with ids in ``[lo_id, hi_id]`` meets.
+
+  ``other_min``/``other_max`` are the other side's per-block minimum and
+  maximum ids. Returns ``(lo, hi, full_lo, full_hi)``: blocks ``[lo, hi)``
+  may share a segment with this block (exact for packed documents, a
+  covering interval otherwise), blocks ``[full_lo, full_hi)`` hold only this block's
+  single segment (empty unless this block has one segment and those blocks
+  are contiguous).
+  """
+  count = other_min.shape[0]
+  index = jnp.arange(count)
+  meets = (other_max >= lo_id) & (other_min <= hi_id)
+  lo = jnp.min(jnp.where(meets, index, count))
+  hi = jnp.max(jnp.where(meets, index + 1, 0))
+  hi = jnp.maximum(hi, lo)
+  same = (lo_id == hi_id) & (other_min == lo_id) & (other_max == lo_id)
+  full_lo = jnp.min(jnp.where(same, index, count))
+  full_hi = jnp.max(jnp.where(same, index + 1, 0))
+  contiguous = jnp.sum(same) == full_hi - full_lo
+  full_hi = jnp.where(contiguous & (full_hi > full_lo), full_hi, full_lo)
+  return lo, hi, full_lo, full_hi

@@ -20,13 +20,15 @@ from jax.typing import ArrayLike
 
 from attention_jax import _broadcast
 from attention_jax import _flash
+from attention_jax._patterns import BlockMask
+from attention_jax._patterns import ScoreMod
 
 
 def blockwise_attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
-    mask: ArrayLike | None = None,
+    mask: ArrayLike | BlockMask | None = None,
     *,
     bias: ArrayLike | None = None,
     scale: float | None = None,
@@ -34,12 +36,21 @@ def blockwise_attention(
     key_value_seq_lengths: ArrayLike | None = None,
     query_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids: ArrayLike | None = None,
+    key_segment_ids: ArrayLike | None = None,
     logits_soft_cap: float | None = None,
-    block_q: int = 1024,
-    block_k: int = 256,
+    sinks: ArrayLike | None = None,
+    score_mod: ScoreMod | None = None,
+    score_mod_args: tuple[ArrayLike, ...] = (),
+    block_q: int | None = None,
+    block_k: int | None = None,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention in O(T + S) memory: ``softmax(q k^T * scale + bias) v`` by blocks.
+
+  Every pattern argument skips the blocks it rules out (no FLOPs, forward
+  and backward) and runs blocks it fully allows without mask passes; see
+  ``scaled_dot_product_attention`` for their exact meaning.
 
   Args:
     query: float ``[..., T, H]`` (float16, bfloat16 or float32).
@@ -48,33 +59,46 @@ def blockwise_attention(
       attention.
     value: float ``[..., S, Hv]``.
     mask: optional bool/integer broadcastable to ``[..., T, S]`` (True = may
-      attend). A dense mask costs ``T x S`` memory of its own: prefer
-      ``key_value_seq_lengths`` and ``is_causal``, which cost nothing.
+      attend), or a ``BlockMask`` (``block_mask``): its empty blocks are
+      skipped. A dense mask costs ``T x S`` memory and a mask pass per
+      block: prefer the pattern arguments, which cost neither.
     bias: optional float broadcastable to ``[..., T, S]``; differentiable.
     scale: defaults to ``1/sqrt(H)``.
-    is_causal: bottom-right aligned causal mask; blocks above the diagonal
-      are skipped, forward and backward.
+    is_causal: bottom-right aligned causal mask.
     key_value_seq_lengths: optional integer array with one axis per leading
       dim (size 1 broadcasts; e.g. ``[B, 1]`` for ``[B, N, T, H]`` inputs):
-      keys at positions ``>= key_value_seq_lengths`` are padding. Key blocks
-      entirely past the length are skipped.
+      keys at positions ``>= key_value_seq_lengths`` are padding.
     query_seq_lengths: like ``key_value_seq_lengths`` for queries: rows at
       positions ``>=`` the length get output 0 (and lse ``-inf``).
     local_window_size: ``w`` or ``(left, right)`` (static): query ``i`` (at
       key position ``i' = i + S - T``) sees keys ``i' - left <= j <= i' +
-      right``; with ``is_causal`` the usual causal sliding window. Key blocks
-      outside every query's window are skipped, forward and backward.
+      right``; with ``is_causal`` the usual causal sliding window.
+    query_segment_ids: integer ``[T]`` or ``[..., T]`` (one axis per leading
+      dim): packed documents; a query sees only keys of its segment.
+      Contiguous segments skip every cross-document block.
+    key_segment_ids: integer ``[S]`` or ``[..., S]``, with the query ids.
     logits_soft_cap: ``c`` (static): logits become ``c * tanh(logits / c)``
-      after scale and bias, before masking.
-    block_q: query block size (clipped to T).
-    block_k: key block size (clipped to S). Lengths need not be multiples.
+      after scale, bias and ``score_mod``, before masking.
+    sinks: float broadcastable to the leading dims (e.g. ``[N]``): a logit
+      per head added to every row's softmax denominator; differentiable.
+    score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)``,
+      applied to each block's ``[bq, bk]`` scores (after scale and bias)
+      with ``q_idx [bq, 1]`` and ``kv_idx [1, bk]`` indices; e.g. ALiBi.
+    score_mod_args: float arrays broadcastable to ``[..., T, S]`` like
+      ``bias`` (``slopes[:, None, None]`` for per-head values); each reaches
+      ``score_mod`` as its block; differentiable.
+    block_q: query block size (clipped to T). Default: 256 when causal,
+      windowed or segmented (so skipping bites), else 1024; a ``BlockMask``
+      fixes its own.
+    block_k: key block size (clipped to S), default 256. Lengths need not
+      be multiples.
     return_lse: also return the log-sum-exp of each query row's logits.
 
   Returns:
     ``output [..., T, Hv]`` in the inputs' dtype, or ``(output, lse)`` with
     ``return_lse`` (``lse [..., T]`` float32; ``-inf`` for rows with nothing
-    to attend to, whose output is 0). Gradients flow to query, key, value
-    and bias, through ``lse`` as well.
+    to attend to, whose output is 0). Gradients flow to query, key, value,
+    bias, sinks and ``score_mod_args``, through ``lse`` as well.
 
   Example:
     >>> q = jnp.ones((2, 4, 100, 16))   # [B, N, T, H]
@@ -84,14 +108,20 @@ def blockwise_attention(
     ...                     block_k=128).shape
     (2, 4, 100, 16)
   """
-  ops, scale, window, out_dtype = _flash.validate(
-      "blockwise_attention", query, key, value, mask, bias,
-      key_value_seq_lengths, query_seq_lengths, local_window_size,
-      logits_soft_cap, block_q, block_k, scale)
+  ops, scale, out_dtype = _flash.validate(
+      "blockwise_attention", query, key, value, mask, bias, block_q, block_k,
+      scale, key_value_seq_lengths=key_value_seq_lengths,
+      query_seq_lengths=query_seq_lengths,
+      local_window_size=local_window_size,
+      query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
+      score_mod_args=score_mod_args)
+  block_q, block_k = _flash.block_sizes(ops, is_causal, block_q, block_k)
   head = functools.partial(_flash.single_head, scale=scale,
-                           is_causal=is_causal, window=window,
-                           softcap=logits_soft_cap, block_q=block_q,
-                           block_k=block_k, out_dtype=out_dtype)
+                           is_causal=is_causal, window=ops.window,
+                           softcap=ops.softcap, score_mod=ops.score_mod,
+                           block_q=block_q, block_k=block_k,
+                           out_dtype=out_dtype)
   out, _, lse = _broadcast.lift_heads(head, ops)
   return _broadcast.results(out, None, lse, return_weights=False,
                             return_lse=return_lse)

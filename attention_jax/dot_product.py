@@ -35,8 +35,9 @@ from attention_jax import _checks
 from attention_jax import _cudnn
 from attention_jax import _dense
 from attention_jax import _numerics
-from attention_jax import _patterns
 from attention_jax import blockwise
+from attention_jax._patterns import BlockMask
+from attention_jax._patterns import ScoreMod
 
 IMPLEMENTATIONS = ("dense", "blockwise", "cudnn")
 # Below this many scores per head the dense path is as fast (see the
@@ -46,8 +47,14 @@ BLOCKWISE_MIN_SCORES = 1024 * 1024
 
 def choose_implementation(implementation, query, key, value, mask, bias,
                           lengths, *, return_weights: bool, dropout_on: bool,
-                          return_lse: bool, structured=()) -> str:
-  """The implementation to run, or a ``ValueError`` saying why not."""
+                          return_lse: bool, structured=None,
+                          is_causal: bool = False) -> str:
+  """The implementation to run, or a ``ValueError`` saying why not.
+
+  ``structured`` maps the pattern arguments in use to their values; the
+  automatic choice only picks an implementation that takes all of them.
+  """
+  structured = structured or {}
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be None or one of "
                      f"{IMPLEMENTATIONS}, got {implementation!r}.")
@@ -61,7 +68,7 @@ def choose_implementation(implementation, query, key, value, mask, bias,
                        "None) with return_weights=True.")
   if implementation == "cudnn":
     problem = _cudnn.problem(query, key, value, mask, bias, lengths,
-                             return_lse, structured)
+                             return_lse, structured, is_causal=is_causal)
     if problem:
       raise ValueError(f"implementation='cudnn' is not possible: {problem}.")
   if implementation is not None:
@@ -70,7 +77,7 @@ def choose_implementation(implementation, query, key, value, mask, bias,
   if return_weights or dropout_on or t * s < BLOCKWISE_MIN_SCORES:
     return "dense"
   if _cudnn.problem(query, key, value, mask, bias, lengths, return_lse,
-                    structured) is None:
+                    structured, is_causal=is_causal) is None:
     return "cudnn"
   if jnp.result_type(query, key, value) == jnp.float64:
     return "dense"  # blockwise computes in float32
@@ -81,7 +88,7 @@ def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
-    mask: ArrayLike | None = None,
+    mask: ArrayLike | BlockMask | None = None,
     *,
     bias: ArrayLike | None = None,
     scale: float | ArrayLike | None = None,
@@ -89,7 +96,12 @@ def scaled_dot_product_attention(
     key_value_seq_lengths: ArrayLike | None = None,
     query_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids: ArrayLike | None = None,
+    key_segment_ids: ArrayLike | None = None,
     logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
+    score_mod: ScoreMod | None = None,
+    score_mod_args: tuple[ArrayLike, ...] = (),
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     implementation: str | None = None,
@@ -107,6 +119,9 @@ def scaled_dot_product_attention(
     value: float ``[..., S, Hv]``; ``Hv`` may differ from ``H``.
     mask: optional bool, or integer with 0 = blocked, broadcastable to
       ``[..., T, S]``. True (non-zero) = the query may attend to the key.
+      Or a ``BlockMask`` from ``block_mask(mask_fn, T, S)`` (any rule
+      ``mask_fn(q_idx, kv_idx)``, evaluated once; the blockwise path skips
+      its empty blocks).
     bias: optional float added to the logits (after scaling), broadcastable to
       ``[..., T, S]``; e.g. ALiBi or relative-position terms. ``-inf`` entries
       block like a False mask.
@@ -124,8 +139,27 @@ def scaled_dot_product_attention(
       static): query ``i``, at key position ``i' = i + S - T``, sees keys
       ``i' - left <= j <= i' + right``. With ``is_causal=True`` and
       ``(W - 1, 0)`` it is the causal sliding window of ``W`` tokens.
+    query_segment_ids: integer ``[T]`` (shared) or ``[..., T]`` (one axis
+      per leading dim, e.g. ``ids[:, None, :]`` for ``[B, N, T, H]``):
+      packed documents. A query sees only keys with the same id; combines
+      with causal, windows and lengths. Contiguous segments make the
+      blockwise path skip every cross-document block.
+    key_segment_ids: integer ``[S]`` or ``[..., S]``; required with
+      ``query_segment_ids`` (the same array for packed self-attention).
     logits_soft_cap: ``c`` (static): logits become ``c * tanh(logits / c)``
-      after scale and bias, before masking (Gemma 2, Grok).
+      after scale, bias and ``score_mod``, before masking (Gemma 2, Grok).
+    sinks: float broadcastable to the leading dims (``[N]`` or ``[B, N]``
+      for ``[B, N, T, H]``): per-head sink logits; ``exp(sink)`` joins every
+      row's softmax denominator, so weights sum to less than 1 (gpt-oss's
+      learned sinks). Differentiable. The returned lse includes the sink.
+    score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)`` returns
+      modified float32 scores (after scale and bias, before the soft cap);
+      ``q_idx``/``kv_idx`` are broadcast integer query/key indices (``[T, 1]``
+      and ``[1, S]``, or one block's). ``-inf`` blocks an entry. ALiBi:
+      ``lambda s, qi, ki, slope: s - slope * (qi - ki)``.
+    score_mod_args: arrays broadcastable to ``[..., T, S]`` like ``bias``
+      (``alibi_slopes(N)[:, None, None]`` for per-head slopes), passed to
+      ``score_mod`` per head (and per block); differentiable.
     dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
@@ -173,39 +207,51 @@ def scaled_dot_product_attention(
     >>> w.shape
     (2, 4, 6)
   """
-  ops = _checks.attention_operands(query, key, value, mask, bias,
-                                   key_value_seq_lengths, query_seq_lengths)
-  window = _patterns.check_window(local_window_size)
-  _checks.check_soft_cap(logits_soft_cap)
+  ops = _checks.attention_operands(
+      query, key, value, mask, bias,
+      key_value_seq_lengths=key_value_seq_lengths,
+      query_seq_lengths=query_seq_lengths,
+      local_window_size=local_window_size,
+      query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
+      score_mod_args=score_mod_args)
   _checks.check_dropout(dropout_rate, dropout_rng)
   dropout_on = not (isinstance(dropout_rate, (int, float))
                     and dropout_rate == 0.0)
   # The cuDNN kernel takes the caller's operands (jax.nn groups heads
   # itself), not the grouped ones.
-  raw_mask = None if mask is None else _numerics.as_bool_mask(mask)
+  raw_mask = None
+  if mask is not None and ops.block_mask is None:
+    raw_mask = _numerics.as_bool_mask(mask)
   raw_lengths = _checks.check_lengths("key_value_seq_lengths",
                                       key_value_seq_lengths)
   structured = {"query_seq_lengths": query_seq_lengths,
-                "local_window_size": window,
-                "logits_soft_cap": logits_soft_cap}
+                "local_window_size": ops.window,
+                "query_segment_ids": query_segment_ids,
+                "key_segment_ids": key_segment_ids,
+                "logits_soft_cap": ops.softcap, "sinks": sinks,
+                "score_mod": score_mod, "block_mask": ops.block_mask}
   implementation = choose_implementation(
       implementation, query, key, value, raw_mask, bias, raw_lengths,
       return_weights=return_weights, dropout_on=dropout_on,
-      return_lse=return_lse,
-      structured=[k for k, x in structured.items() if x is not None])
+      return_lse=return_lse, is_causal=is_causal,
+      structured={k: x for k, x in structured.items() if x is not None})
   if scale is None:
     scale = 1.0 / math.sqrt(_checks.shape_of(query)[-1])
   if implementation == "blockwise":
     return blockwise.blockwise_attention(
         query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
         key_value_seq_lengths=key_value_seq_lengths,
-        query_seq_lengths=query_seq_lengths, local_window_size=window,
-        logits_soft_cap=logits_soft_cap, return_lse=return_lse)
+        query_seq_lengths=query_seq_lengths, local_window_size=ops.window,
+        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+        logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
+        score_mod_args=score_mod_args, return_lse=return_lse)
   if implementation == "cudnn":
+    q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths)
     return _cudnn.attention(
         jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), raw_mask,
-        None if bias is None else jnp.asarray(bias), raw_lengths,
-        scale=scale, is_causal=is_causal)
+        None if bias is None else jnp.asarray(bias), raw_lengths, q_lengths,
+        scale=scale, is_causal=is_causal, window=ops.window)
   keep = None
   if dropout_rng is not None and dropout_on:
     t, s = _checks.shape_of(query)[-2], _checks.shape_of(key)[-2]
@@ -213,10 +259,10 @@ def scaled_dot_product_attention(
                                 ops.batch_shape + (t, s))  # [..., T, S]
   out_dtype = jnp.result_type(query, key, value)
 
-  def head(q, k, v, m, b, length, q_length, kp):
+  def head(q, k, v, h, kp):
     return _dense.single_head(
-        q, k, v, m, b, length, q_length, kp, scale=scale,
-        is_causal=is_causal, window=window, softcap=logits_soft_cap,
+        q, k, v, h, kp, scale=scale, is_causal=is_causal, window=ops.window,
+        softcap=ops.softcap, score_mod=ops.score_mod,
         dropout_rate=dropout_rate, out_dtype=out_dtype,
         compute_dtype=_numerics.compute_dtype(out_dtype),
         want_lse=return_lse)

@@ -29,9 +29,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
+import numpy as np
 
 from attention_jax import _checks
 from attention_jax import _numerics
+from attention_jax import _patterns
 from attention_jax import dot_product
 from attention_jax import kv_cache
 from attention_jax import masks
@@ -201,6 +203,7 @@ def attend_heads(
     attention_fn: AttentionFn | None = None,
     implementation: str | None = None,
     return_weights: bool = False,
+    **pattern: Any,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention of N query heads over K shared key/value heads.
 
@@ -225,6 +228,12 @@ def attend_heads(
       picks; ``"dense"``, ``"blockwise"``, ``"cudnn"``) when ``attention_fn``
       is not given.
     return_weights: also return the weights.
+    **pattern: the structured-attention arguments of
+      ``scaled_dot_product_attention`` (``key_value_seq_lengths``,
+      ``query_seq_lengths``, ``local_window_size``, ``query_segment_ids``,
+      ``key_segment_ids``, ``logits_soft_cap``, ``sinks``, ``score_mod``,
+      ``score_mod_args``) in its 4-D conventions (e.g. lengths ``[B, 1]``);
+      passed to ``attention_fn`` only when not None.
 
   Returns:
     ``out [B, N, T, H]``, or ``(out, weights [B, N, T, S])`` with
@@ -249,7 +258,78 @@ def attend_heads(
     kwargs.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   if return_weights:
     kwargs["return_weights"] = True
+  unknown = set(pattern) - set(PATTERN_ARGS)
+  if unknown:
+    raise TypeError(f"attend_heads got unexpected keyword arguments "
+                    f"{sorted(unknown)}; the pattern arguments are "
+                    f"{list(PATTERN_ARGS)}.")
+  kwargs.update({k: x for k, x in pattern.items()
+                 if x is not None and not (k == "score_mod_args" and not x)})
   return attention_fn(query, key, value, **kwargs)
+
+
+ScoreMod = _patterns.ScoreMod
+
+# The structured-attention arguments multi-head attention passes through.
+PATTERN_ARGS = ("key_value_seq_lengths", "query_seq_lengths",
+                "local_window_size", "query_segment_ids", "key_segment_ids",
+                "logits_soft_cap", "sinks", "score_mod", "score_mod_args")
+
+
+def _heads_layout(pattern: dict[str, Any]) -> dict[str, Any]:
+  """``[B, T, D]``-call pattern arguments in the 4-D ``[B, N, T, H]`` layout.
+
+  Lengths ``[B]`` gain a head axis (``[B, 1]``), segment ids ``[B, T]``
+  become ``[B, 1, T]``; shapes that are not per-example pass unchanged (the
+  attention function checks them).
+  """
+  out = dict(pattern)
+  for name in ("key_value_seq_lengths", "query_seq_lengths"):
+    x = out.get(name)
+    if x is not None and np.ndim(x) == 1:
+      out[name] = jnp.asarray(x)[:, None]  # [B] -> [B, 1]
+  for name in ("query_segment_ids", "key_segment_ids"):
+    x = out.get(name)
+    if x is not None and np.ndim(x) == 2:
+      out[name] = jnp.asarray(x)[:, None, :]  # [B, T] -> [B, 1, T]
+  return out
+
+
+def _decode_pattern(pattern: dict[str, Any], visible, index):
+  """Pattern arguments for queries over cache slots; the visibility mask.
+
+  The window becomes part of the ``[T, L]`` visibility mask (slot positions
+  are absolute, the queries stand at ``index + i``), and ``score_mod`` sees
+  absolute query positions through one extra argument, so cached decoding
+  equals the full forward. Segment ids would need a cache of their own.
+  """
+  pattern = dict(pattern)
+  for name in ("query_segment_ids", "key_segment_ids"):
+    if pattern.get(name) is not None:
+      raise ValueError(
+          f"{name} is not supported while decoding with a KV cache (the "
+          "cache holds no segment ids): mask cache slots with `mask` "
+          "instead.")
+  window = _patterns.check_window(pattern.pop("local_window_size", None))
+  if window is not None:
+    t, length = visible.shape
+    position = index + jnp.arange(t)[:, None]  # [T, 1] absolute
+    slots = jnp.arange(length)[None, :]  # [1, L]
+    visible = visible & (slots >= position - window[0]) & (
+        slots <= position + window[1])
+  score_mod = pattern.get("score_mod")
+  if score_mod is not None:
+    shift = jnp.asarray(index, jnp.float32).reshape(1, 1)
+
+    def absolute(score, q_idx, kv_idx, *args):
+      *args, offset = args
+      return score_mod(score, q_idx + offset.astype(q_idx.dtype), kv_idx,
+                       *args)
+
+    pattern["score_mod"] = absolute
+    pattern["score_mod_args"] = tuple(pattern.get("score_mod_args")
+                                      or ()) + (shift,)
+  return pattern, visible
 
 
 class KVCache(NamedTuple):
@@ -303,6 +383,7 @@ def forward(
     return_weights: bool = False,
     head_axis: str | None = None,
     cache: KVCache | None = None,
+    **pattern: Any,
 ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """The one projection -> attention -> output path, with or without a cache.
 
@@ -310,7 +391,9 @@ def forward(
   calls it with its cache when decoding. With ``cache``, this call's keys and
   values are written at ``cache.index`` (``update_kv_cache``) and the
   queries attend causally to every filled slot; ``mask``/``bias`` are then
-  over the ``L`` cache slots (``[B, N, T, L]``).
+  over the ``L`` cache slots (``[B, N, T, L]``). ``pattern`` holds the
+  structured-attention arguments (``PATTERN_ARGS``) in the ``[B, T, D]``
+  layout (lengths ``[B]``, segment ids ``[B, T]``).
 
   Returns:
     ``(output [B, T, D], weights [B, N, T, S or L] or None, updated cache or
@@ -341,6 +424,7 @@ def forward(
   if cache is not None:
     k, v, visible = kv_cache.update_kv_cache(cache.key, cache.value,
                                              cache.index, k, v)  # [B, K, L, H]
+    pattern, visible = _decode_pattern(pattern, visible, cache.index)
     cache = KVCache(k, v, cache.index + t)
     mask = masks.combine_masks(mask, visible)  # the causal part, over slots
     is_causal = False
@@ -348,7 +432,7 @@ def forward(
       q, k, v, mask, bias=bias, is_causal=is_causal,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       attention_fn=attention_fn, implementation=implementation,
-      return_weights=return_weights)
+      return_weights=return_weights, **_heads_layout(pattern))
   out, weights = result if return_weights else (result, None)
   output = project(merge_heads(out), params["W_o"]["kernel"],
                    params["W_o"].get("bias"))  # [B, T, D]
@@ -372,6 +456,15 @@ def multi_head_attention(
     implementation: str | None = None,
     return_weights: bool = False,
     head_axis: str | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids: ArrayLike | None = None,
+    key_segment_ids: ArrayLike | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
+    score_mod: Any = None,
+    score_mod_args: tuple[ArrayLike, ...] = (),
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
@@ -398,6 +491,17 @@ def multi_head_attention(
       ``attention_jax.sharding``); under ``jax.set_mesh`` with that axis the
       projected heads are pinned to it, elsewhere it is ignored. ``N`` and
       ``K`` must divide its size.
+    key_value_seq_lengths: optional integer ``[B]``: keys at positions
+      ``>=`` the length are padding (no ``[T, S]`` mask needed).
+    query_seq_lengths: optional integer ``[B]``: rows past it get output 0.
+    local_window_size: ``w`` or ``(left, right)``, as in
+      ``scaled_dot_product_attention`` (static).
+    query_segment_ids: optional integer ``[B, T]`` (packed documents).
+    key_segment_ids: optional integer ``[B, S]``, with the query ids.
+    logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
+    sinks: optional float ``[N]``: per-head sink logits.
+    score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)``.
+    score_mod_args: arrays broadcastable to ``[B, N, T, S]``.
 
   Returns:
     ``output [B, T, D]``, or ``(output, weights float32 [B, N, T, S])`` with
@@ -418,5 +522,11 @@ def multi_head_attention(
       num_kv_heads=num_kv_heads, bias=bias, is_causal=is_causal,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       attention_fn=attention_fn, implementation=implementation,
-      return_weights=return_weights, head_axis=head_axis)
+      return_weights=return_weights, head_axis=head_axis,
+      key_value_seq_lengths=key_value_seq_lengths,
+      query_seq_lengths=query_seq_lengths,
+      local_window_size=local_window_size,
+      query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
+      score_mod_args=score_mod_args)
   return (output, weights) if return_weights else output

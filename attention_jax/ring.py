@@ -38,38 +38,64 @@ from jax.typing import ArrayLike
 from attention_jax import _broadcast
 from attention_jax import _checks
 from attention_jax import _flash
+from attention_jax import _numerics
+from attention_jax._patterns import BlockMask
+from attention_jax._patterns import ScoreMod
 
 
 class _Ring(NamedTuple):
   block: _flash.Static  # local (per-device) lengths and block sizes
   axis_name: str
   size: int  # P
+  steps: tuple[int, ...]  # the ring steps some device has work in
 
 
-def _shift(x, rg: _Ring):
-  """Sends ``x`` one step round the ring: device ``i`` -> ``i + 1``."""
-  perm = [(i, (i + 1) % rg.size) for i in range(rg.size)]
+def _shift(x, rg: _Ring, by: int = 1):
+  """Sends ``x`` ``by`` steps round the ring: device ``i`` -> ``i + by``."""
+  if x is None or by % rg.size == 0:
+    return x
+  perm = [(i, (i + by) % rg.size) for i in range(rg.size)]
   return jax.lax.ppermute(x, rg.axis_name, perm)
 
 
-def _local_queries(rg: _Ring, q_length):
-  """How many of this device's query rows are within the global length."""
-  if q_length is None:
-    return None
-  index = jax.lax.axis_index(rg.axis_name)
-  return jnp.clip(q_length - index * rg.block.t, 0, rg.block.t)
+def needed_steps(st: _flash.Static, size: int) -> tuple[int, ...]:
+  """The ring steps at which some device may see a key of the held block.
+
+  At step ``k`` device ``i`` holds the keys of device ``(i - k) mod P``;
+  its rows see local columns ``[offset - left, offset + T - 1 + right]``
+  (the union of their windows). A step no device needs is never made:
+  neither its compute nor its ``ppermute`` (the next needed step's shift
+  jumps over it). Static: only bounds and shapes decide.
+  """
+  left, right = st.bounds
+  if left is None and right is None:
+    return tuple(range(size))
+  steps = []
+  for k in range(size):
+    for i in range(size):
+      src = (i - k) % size
+      offset = i * st.t - src * st.s + size * (st.s - st.t)
+      first = float("-inf") if left is None else offset - left
+      last = float("inf") if right is None else offset + st.t - 1 + right
+      if first <= st.s - 1 and last >= 0:
+        steps.append(k)
+        break
+  return tuple(steps) or (0,)
 
 
-def _held_block(rg: _Ring, length, step):
-  """The key block held at ``step``: its local valid length, causal offset."""
+def _held_block(rg: _Ring, ex: _flash.Extras, k_seg, step):
+  """The held key block's ``Extras`` (length, segment ids) and ``Place``."""
   st = rg.block
   index = jax.lax.axis_index(rg.axis_name)
   src = (index - step) % rg.size  # whose keys arrived after `step` shifts
-  local = None if length is None else jnp.clip(length - src * st.s, 0, st.s)
+  local = None
+  if ex.length is not None:
+    local = jnp.clip(ex.length - src * st.s, 0, st.s)
   # global row index*T + r may see global column src*S + c when
   # src*S + c <= index*T + r + P*(S - T)  (bottom-right alignment).
   offset = index * st.t - src * st.s + rg.size * (st.s - st.t)
-  return local, offset
+  return (ex._replace(length=local, k_seg=k_seg),
+          _flash.Place(offset, index * st.t, src * st.s))
 
 
 def _merge(out, lse, out_j, lse_j):
@@ -84,71 +110,123 @@ def _merge(out, lse, out_j, lse_j):
   return out, jnp.where(seen, top + jnp.log(total), -jnp.inf)
 
 
-def _ring_forward(rg: _Ring, q, k, v, length, q_length):
+def _local(rg: _Ring, ex: _flash.Extras) -> _flash.Extras:
+  """This device's rows of the query lengths."""
+  if ex.q_length is None:
+    return ex
+  index = jax.lax.axis_index(rg.axis_name)
+  return ex._replace(
+      q_length=jnp.clip(ex.q_length - index * rg.block.t, 0, rg.block.t))
+
+
+def _ring_forward(rg: _Ring, q, k, v, ex):
   """Float32 ``(out [Tp, Hv], lse [Tp])`` over the whole ring."""
-  local_q = _local_queries(rg, q_length)
+  ex = _local(rg, ex)
 
-  def attend(step, k, v):
-    local, offset = _held_block(rg, length, step)
-    return _flash.forward(rg.block, q, k, v, None, None, local, local_q,
-                          offset)
+  def attend(step, k, v, k_seg):
+    ex_j, place = _held_block(rg, ex, k_seg, step)
+    return _flash.forward(rg.block, q, k, v, ex_j, place)
 
-  def step_fn(step, carry):
-    out, lse, k, v = carry
-    k, v = _shift(k, rg), _shift(v, rg)
-    out, lse = _merge(out, lse, *attend(step, k, v))
-    return out, lse, k, v
+  if rg.steps == tuple(range(rg.size)):  # every step: one shift each
+    def step_fn(step, carry):
+      out, lse, k, v, k_seg = carry
+      k, v, k_seg = (_shift(x, rg) for x in (k, v, k_seg))
+      out, lse = _merge(out, lse, *attend(step, k, v, k_seg))
+      return out, lse, k, v, k_seg
 
-  out, lse = attend(0, k, v)
-  out, lse, _, _ = jax.lax.fori_loop(1, rg.size, step_fn, (out, lse, k, v))
+    out, lse = attend(0, k, v, ex.k_seg)
+    out, lse, *_ = jax.lax.fori_loop(1, rg.size, step_fn,
+                                     (out, lse, k, v, ex.k_seg))
+    return out, lse
+  # A window: only the steps that hold visible keys, unrolled.
+  k_seg, held = ex.k_seg, 0
+  out = lse = None
+  for step in rg.steps:
+    k, v, k_seg = (_shift(x, rg, step - held) for x in (k, v, k_seg))
+    held = step
+    part = attend(step, k, v, k_seg)
+    out, lse = part if out is None else _merge(out, lse, *part)
   return out, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(rg: _Ring, q, k, v, length, q_length):
-  out, lse = _ring_forward(rg, q, k, v, length, q_length)
+def _ring(rg: _Ring, q, k, v, ex):
+  out, lse = _ring_forward(rg, q, k, v, ex)
   return out.astype(v.dtype), lse
 
 
-def _ring_fwd(rg, q, k, v, length, q_length):
-  out, lse = _ring_forward(rg, q, k, v, length, q_length)
-  return (out.astype(v.dtype), lse), (q, k, v, length, q_length, out, lse)
+def _ring_fwd(rg, q, k, v, ex):
+  out, lse = _ring_forward(rg, q, k, v, ex)
+  return (out.astype(v.dtype), lse), (q, k, v, ex, out, lse)
 
 
 def _ring_bwd(rg, residuals, cotangents):
-  q, k, v, length, q_length, out, lse = residuals
+  q, k, v, ex0, out, lse = residuals
   f32 = jnp.float32
-  local_q = _local_queries(rg, q_length)
+  ex = _local(rg, ex0)
 
-  def grads(step, k, v):
-    local, offset = _held_block(rg, length, step)
-    dq, dk, dv, _ = _flash.backward(
-        rg.block, (q, k, v, None, None, local, local_q, offset, out, lse),
-        cotangents)
-    return dq, dk, dv
+  def grads(step, k, v, k_seg):
+    ex_j, place = _held_block(rg, ex, k_seg, step)
+    dq, dk, dv, _, dargs = _flash.backward(
+        rg.block, (q, k, v, ex_j, place, out, lse), cotangents)
+    return dq, dk, dv, dargs
 
-  def step_fn(step, carry):
-    dq, k, v, dk, dv = carry
-    k, v, dk, dv = (_shift(x, rg) for x in (k, v, dk, dv))
-    dq_j, dk_j, dv_j = grads(step, k, v)
-    return dq + dq_j, k, v, dk + dk_j, dv + dv_j
+  if rg.steps == tuple(range(rg.size)):
+    def step_fn(step, carry):
+      dq, dargs, k, v, k_seg, dk, dv = carry
+      k, v, k_seg, dk, dv = (_shift(x, rg) for x in (k, v, k_seg, dk, dv))
+      dq_j, dk_j, dv_j, dargs_j = grads(step, k, v, k_seg)
+      dargs = tuple(a + b for a, b in zip(dargs, dargs_j))
+      return dq + dq_j, dargs, k, v, k_seg, dk + dk_j, dv + dv_j
 
-  dq, dk, dv = grads(0, k, v)
-  dq, _, _, dk, dv = jax.lax.fori_loop(
-      1, rg.size, step_fn, (dq, k, v, dk.astype(f32), dv.astype(f32)))
-  dk, dv = _shift(dk, rg), _shift(dv, rg)  # each block's gradient goes home
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
-          None)
+    dq, dk, dv, dargs = grads(0, k, v, ex.k_seg)
+    dq, dargs, _, _, _, dk, dv = jax.lax.fori_loop(
+        1, rg.size, step_fn,
+        (dq, dargs, k, v, ex.k_seg, dk.astype(f32), dv.astype(f32)))
+    held = rg.size - 1
+  else:  # the window's steps only, unrolled, as in the forward pass
+    k_seg, held = ex.k_seg, 0
+    dq = dk = dv = dargs = None
+    for step in rg.steps:
+      k, v, k_seg, dk, dv = (_shift(x, rg, step - held)
+                             for x in (k, v, k_seg, dk, dv))
+      held = step
+      dq_j, dk_j, dv_j, dargs_j = grads(step, k, v, k_seg)
+      if dq is None:
+        dq, dk, dv, dargs = dq_j, dk_j, dv_j, dargs_j
+      else:
+        dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
+        dargs = tuple(a + b for a, b in zip(dargs, dargs_j))
+  # each block's gradient goes home
+  dk, dv = _shift(dk, rg, rg.size - held), _shift(dv, rg, rg.size - held)
+  if dargs:
+    # score_mod arguments are per head ([1, 1]) and replicated: every
+    # device's share adds up. The barrier orders the all-reduce after the
+    # last shift (independent collectives may otherwise run in different
+    # orders on different devices and deadlock).
+    dk, dv, dargs = jax.lax.optimization_barrier((dk, dv, dargs))
+    dargs = tuple(jax.lax.psum(d, rg.axis_name).astype(a.dtype)
+                  for d, a in zip(dargs, ex0.mod_args))
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          _flash.Extras(mod_args=dargs))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _single_head(q, k, v, length, q_length, *, axis_name, size, out_dtype,
-                 **blocks):
+def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
   st, q, k, v = _flash.padded(q, k, v, **blocks)
-  out, lse = _ring(_Ring(st, axis_name, size), q, k, v, length, q_length)
-  return out[:st.t].astype(out_dtype), None, lse[:st.t]
+  ex = _flash.padded_extras(st, q.shape[0], k.shape[0], h)
+  out, lse = _ring(_Ring(st, axis_name, size, needed_steps(st, size)), q,
+                   k, v, ex)
+  out, lse = out[:st.t], lse[:st.t]
+  if h.sink is not None:
+    q_length = None
+    if h.q_length is not None:  # this device's rows of the global length
+      index = jax.lax.axis_index(axis_name)
+      q_length = jnp.clip(h.q_length - index * st.t, 0, st.t)
+    out, _, lse = _numerics.with_sink(out, lse, h.sink, q_length)
+  return out.astype(out_dtype), None, lse
 
 
 def ring_attention(
@@ -164,9 +242,14 @@ def ring_attention(
     key_value_seq_lengths: ArrayLike | None = None,
     query_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids: ArrayLike | None = None,
+    key_segment_ids: ArrayLike | None = None,
     logits_soft_cap: float | None = None,
-    block_q: int = 1024,
-    block_k: int = 256,
+    sinks: ArrayLike | None = None,
+    score_mod: ScoreMod | None = None,
+    score_mod_args: tuple[ArrayLike, ...] = (),
+    block_q: int | None = None,
+    block_k: int | None = None,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over a sequence split across the devices of ``axis_name``.
@@ -181,9 +264,9 @@ def ring_attention(
     key: float ``[..., S, H]``, this device's keys (4-D ``[B, K, S, H]``
       with ``K`` dividing the query heads ``N``: grouped-query attention).
     value: float ``[..., S, Hv]``.
-    mask: not supported (a dense mask would have to travel round the ring
-      with its keys): pass None, and express padding with
-      ``key_value_seq_lengths`` and causality with ``is_causal``.
+    mask: not supported (a dense mask or block mask would have to travel
+      round the ring with its keys): pass None, and express the pattern
+      with lengths, ``is_causal``, windows and segment ids.
     axis_name: the mesh axis the sequence is split over (``P`` devices).
     bias: not supported, as ``mask``.
     scale: defaults to ``1/sqrt(H)``.
@@ -196,22 +279,33 @@ def ring_attention(
     query_seq_lengths: the same for the *global* query sequence: rows at
       global positions ``>=`` the length get output 0.
     local_window_size: ``w`` or ``(left, right)`` on the global positions,
-      as in ``blockwise_attention``; key blocks outside every window are
-      skipped within each step (the ring still makes all its steps).
+      as in ``blockwise_attention``. Ring steps whose key block no window
+      reaches are not made at all (neither their compute nor their
+      ``ppermute``): a causal window within one neighbour's block costs one
+      shift instead of ``P - 1``.
+    query_segment_ids: this device's integer ids ``[T]`` or ``[..., T]``
+      (sharded like the queries): packed documents.
+    key_segment_ids: this device's ``[S]`` or ``[..., S]``; they travel
+      round the ring with their keys.
     logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
+    sinks: per-head sink logits (replicated), as in ``blockwise_attention``.
+    score_mod: as in ``blockwise_attention``, called with *global* query
+      and key indices.
+    score_mod_args: per-head arrays whose last two axes are 1 (e.g.
+      ``slopes[:, None, None]``), replicated.
     block_q, block_k: block sizes of the per-device blockwise computation.
     return_lse: also return the global log-sum-exp of each query row.
 
   Returns:
     ``output [..., T, Hv]`` in the inputs' dtype, or ``(output, lse)`` with
-    ``return_lse`` (``lse [..., T]`` float32). Differentiable in query, key
-    and value (through ``lse`` too); the backward pass goes round the ring
-    blockwise.
+    ``return_lse`` (``lse [..., T]`` float32). Differentiable in query, key,
+    value, sinks and ``score_mod_args`` (through ``lse`` too); the backward
+    pass goes round the ring blockwise.
 
   Raises:
     ValueError: ``axis_name`` is not bound (not inside ``shard_map``), a
-      ``mask`` or ``bias`` is given, or operand shapes do not fit (as for
-      ``blockwise_attention``).
+      ``mask`` or ``bias`` is given, ``score_mod_args`` with a T or S axis,
+      or operand shapes do not fit (as for ``blockwise_attention``).
     TypeError: non-float operands, float64, non-integer lengths.
 
   Example:
@@ -228,15 +322,27 @@ def ring_attention(
   for name, x in (("mask", mask), ("bias", bias)):
     if x is not None:
       raise ValueError(
-          f"ring_attention takes no {name} (got shape "
-          f"{_checks.shape_of(x)}): a dense [T, S] {name} would have to "
-          "travel round the ring with its keys. Express padding with "
-          "key_value_seq_lengths and causality with is_causal, or gather the "
+          f"ring_attention takes no {name} (got "
+          f"{_describe(x)}): a dense or block {name} would have to travel "
+          "round the ring with its keys. Express padding with "
+          "key_value_seq_lengths, causality with is_causal, windows with "
+          "local_window_size and documents with segment ids, or gather the "
           "sequence and call blockwise_attention.")
-  ops, scale, window, out_dtype = _flash.validate(
-      "ring_attention", query, key, value, None, None, key_value_seq_lengths,
-      query_seq_lengths, local_window_size, logits_soft_cap, block_q, block_k,
-      scale)
+  for n, x in enumerate(score_mod_args):
+    if _checks.shape_of(x)[-2:] not in ((), (1,), (1, 1)):
+      raise ValueError(
+          f"ring_attention's score_mod_args[{n}] with shape "
+          f"{_checks.shape_of(x)} has a T or S axis, which would have to be "
+          "split round the ring: pass per-head values ([..., 1, 1]) and "
+          "compute position terms from q_idx/kv_idx in score_mod.")
+  ops, scale, out_dtype = _flash.validate(
+      "ring_attention", query, key, value, None, None, block_q, block_k,
+      scale, key_value_seq_lengths=key_value_seq_lengths,
+      query_seq_lengths=query_seq_lengths,
+      local_window_size=local_window_size,
+      query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
+      score_mod_args=score_mod_args)
   try:
     size = jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -244,12 +350,18 @@ def ring_attention(
         f"axis_name={axis_name!r} is not bound: call ring_attention inside "
         "jax.shard_map over a mesh with that axis (the sequence dimension "
         f"sharded over it). ({e})") from None
+  block_q, block_k = _flash.block_sizes(ops, is_causal, block_q, block_k)
   head = functools.partial(
       _single_head, axis_name=axis_name, size=size, scale=scale,
-      is_causal=is_causal, window=window, softcap=logits_soft_cap,
-      block_q=block_q, block_k=block_k, out_dtype=out_dtype)
-  out, _, lse = _broadcast.lift_heads(
-      lambda q, k, v, mask, bias, length, q_length: head(q, k, v, length,
-                                                         q_length), ops)
+      is_causal=is_causal, window=ops.window, softcap=ops.softcap,
+      score_mod=ops.score_mod, block_q=block_q, block_k=block_k,
+      out_dtype=out_dtype)
+  out, _, lse = _broadcast.lift_heads(head, ops)
   return _broadcast.results(out, None, lse, return_weights=False,
                             return_lse=return_lse)
+
+
+def _describe(x) -> str:
+  if isinstance(x, BlockMask):
+    return repr(x)
+  return f"shape {_checks.shape_of(x)}"

@@ -11,7 +11,7 @@ where it does not, it must refuse with a ``ValueError``/``TypeError``, never
 return a number.
 
 ``tests/test_contract.py`` runs the in-process implementations;
-``tests/multidevice/test_contract_ring.py`` runs ``ring`` on 4 simulated
+``tests/multidevice/test_contract_ring.py`` runs ``ring`` on 8 simulated
 devices. Adding an implementation = adding one line to ``IMPLEMENTATIONS``
 (and naming it in one of those two files).
 
@@ -35,12 +35,13 @@ import numpy as np
 import attention_jax as aj
 from tests import _data
 
-RING_DEVICES = 4
+RING_DEVICES = 8
 
 
 def _ring(query, key, value, mask=None, *, bias=None,
           key_value_seq_lengths=None, query_seq_lengths=None,
-          return_lse=False, **static):
+          query_segment_ids=None, key_segment_ids=None, sinks=None,
+          score_mod_args=(), return_lse=False, **static):
   """ring_attention with T and S split over RING_DEVICES devices."""
   mesh = jax.make_mesh((RING_DEVICES,), ("seq",),
                        devices=jax.devices()[:RING_DEVICES],
@@ -48,18 +49,24 @@ def _ring(query, key, value, mask=None, *, bias=None,
   seq = P(None, None, "seq")
   out_specs = (seq, P(None, None, "seq")) if return_lse else seq
 
-  def local(q, k, v, lengths, q_lengths, mask, bias):
+  def local(q, k, v, lengths, q_lengths, q_seg, k_seg, sinks, mod_args,
+            mask, bias):
     return aj.ring_attention(q, k, v, mask, axis_name="seq", bias=bias,
                              key_value_seq_lengths=lengths,
                              query_seq_lengths=q_lengths,
+                             query_segment_ids=q_seg, key_segment_ids=k_seg,
+                             sinks=sinks, score_mod_args=mod_args,
                              return_lse=return_lse, block_q=4, block_k=3,
                              **static)
 
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(seq, seq, seq, P(), P(), P(), P()),
-                       out_specs=out_specs)(query, key, value,
-                                            key_value_seq_lengths,
-                                            query_seq_lengths, mask, bias)
+                       in_specs=(seq, seq, seq, P(), P(), seq, seq, P(), P(),
+                                 P(), P()),
+                       out_specs=out_specs)(
+                           query, key, value, key_value_seq_lengths,
+                           query_seq_lengths, query_segment_ids,
+                           key_segment_ids, sinks, tuple(score_mod_args),
+                           mask, bias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +92,10 @@ IMPLEMENTATIONS = {
         functools.partial(aj.scaled_dot_product_attention,
                           implementation="cudnn"),
         frozenset({"float32", "float64", "lse", "q_lengths", "window",
-                   "softcap"}),
+                   "softcap", "segments", "sinks", "alibi", "block_mask"}),
         needs_gpu=True),
-    "ring": Implementation(_ring, frozenset({"mask", "bias", "float64"})),
+    "ring": Implementation(_ring, frozenset({"mask", "bias", "float64",
+                                             "block_mask"})),
 }
 
 
@@ -104,12 +112,19 @@ class Case:
   q_lengths: tuple[int, ...] | None = None  # query_seq_lengths per example
   window: tuple[int, int] | None = None  # local_window_size (left, right)
   softcap: float | None = None  # logits_soft_cap
+  # Packed documents: "sorted" (contiguous, differing per example and
+  # between queries and keys) or "unsorted" ids.
+  segments: str | None = None
+  sinks: bool = False  # per-head sink logits [N], differentiated
+  alibi: bool = False  # score_mod ALiBi with slopes [N, 1, 1], differentiated
+  block_mask: str | None = None  # "prefix_lm" or "chunked" (a BlockMask)
   nan_padding: bool = False  # NaN in keys/values past the lengths
   dtype: str = "float32"
 
   def features(self) -> set[str]:
     used = {self.dtype}
-    for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap"):
+    for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap",
+                 "segments", "sinks", "alibi", "block_mask"):
       if getattr(self, name):
         used.add(name)
     return used
@@ -142,7 +157,35 @@ CASES = {
         q_lengths=(29, 40), kv_heads=1, lse=True),
     "window_float64": Case(window=(4, 2), q_lengths=(20, 7),
                            dtype="float64"),
+    "packed_documents_causal": Case(t=40, s=40, causal=True,
+                                    segments="sorted", lse=True),
+    "segments_unsorted_window_lengths": Case(
+        t=24, s=40, segments="unsorted", window=(6, 3), lengths=(40, 27),
+        q_lengths=(24, 19)),
+    "sinks_causal_query_lengths": Case(t=40, s=40, causal=True, sinks=True,
+                                       q_lengths=(40, 23), lse=True),
+    "alibi_causal_gqa": Case(causal=True, alibi=True, lse=True),
+    "block_mask_prefix_lm": Case(t=40, s=40, block_mask="prefix_lm",
+                                 lse=True),
+    "block_mask_chunked_causal_sinks": Case(t=40, s=40, causal=True,
+                                            block_mask="chunked", sinks=True,
+                                            kv_heads=1),
+    "everything_combined": Case(
+        t=40, s=40, causal=True, window=(11, 0), segments="sorted",
+        lengths=(40, 35), q_lengths=(38, 40), softcap=3.0, sinks=True,
+        alibi=True, kv_heads=1, lse=True),
 }
+
+PREFIX, CHUNK = 9, 8  # the block-mask cases' prefix length and chunk size
+BLOCK_MASK_FNS = {  # the library's helpers; _allowed writes them out again
+    "prefix_lm": lambda: aj.prefix_lm_mask_fn(PREFIX),
+    "chunked": lambda: aj.chunked_mask_fn(CHUNK),
+}
+
+
+def alibi(score, q_idx, kv_idx, slope):
+  """ALiBi as a score_mod: a per-head linear penalty on distance."""
+  return score - slope * (q_idx - kv_idx)
 
 B, N, H = 2, 4, 8
 # Relative error budget per dtype of the *inputs*: float32 compute
@@ -185,9 +228,45 @@ def _operands(case: Case):
   return q, k, v, mask, bias, lengths, q_lengths
 
 
+def _segment_ids(case: Case):
+  """Query and key ids ``[B, 1, T]``, ``[B, 1, S]`` (numpy), or Nones."""
+  if case.segments is None:
+    return None, None
+  if case.segments == "sorted":
+    def ids(size, cuts):
+      return np.searchsorted(np.array(cuts), np.arange(size), side="right")
+    q = np.stack([ids(case.t, (13, 33)), ids(case.t, (5, 6, 30))])
+    k = np.stack([ids(case.s, (13, 33)), ids(case.s, (5, 6, 30))])
+    if case.t != case.s:  # cross-attention: other cut points for keys
+      k = np.stack([ids(case.s, (11, 20)), ids(case.s, (3, 36))])
+  else:
+    q = np.asarray(_data.bernoulli(9, 0.5, (B, case.t)), np.int32)
+    k = np.asarray(_data.bernoulli(10, 0.5, (B, case.s)), np.int32)
+    q = q + 2 * np.asarray(_data.bernoulli(11, 0.3, (B, case.t)), np.int32)
+  return q[:, None].astype(np.int32), k[:, None].astype(np.int32)
+
+
+def _differentiable_extras(case: Case):
+  """``{"sinks": [N], "slopes": [N, 1, 1]}`` for the cases that use them."""
+  extras = {}
+  if case.sinks:
+    extras["sinks"] = 0.5 * _data.normal(12, (N,)) + 0.5
+  if case.alibi:
+    extras["slopes"] = jnp.abs(_data.normal(13, (N, 1, 1))) * 0.3
+  return extras
+
+
 def _allowed(case: Case, mask, lengths, q_lengths, bias):
   """Where query t may see key s, [B, N, T, S], written out from the case."""
   allowed = np.ones((B, N, case.t, case.s), bool)
+  q_seg, k_seg = _segment_ids(case)
+  if q_seg is not None:
+    allowed &= q_seg[:, :, :, None] == k_seg[:, :, None, :]
+  i, j = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
+  if case.block_mask == "prefix_lm":  # the prefix, then causal
+    allowed &= (j < PREFIX) | (j <= i)
+  if case.block_mask == "chunked":
+    allowed &= (i // CHUNK) == (j // CHUNK)
   if mask is not None:
     allowed &= np.asarray(mask)
   if lengths is not None:
@@ -208,27 +287,41 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
   return allowed
 
 
-def reference(q, k, v, bias, allowed, softcap=None):
+def reference(q, k, v, bias, allowed, softcap=None, sinks=None, slopes=None,
+              rows=None):
   """Float64 attention with explicit head repetition; ``(out, lse)``.
 
-  Written independently of the library: repeated K/V heads, a plain masked
-  softmax, ``lse = -inf`` and output 0 for rows that may see nothing.
+  Written independently of the library: repeated K/V heads, ALiBi as a
+  distance penalty, a plain masked softmax whose denominator also holds
+  ``exp(sink)``; ``lse = -inf`` and output 0 for rows that may see nothing
+  (with a sink: output 0 and ``lse = sink``, except ``-inf`` for rows past
+  the query length, ``rows`` False).
   """
   group = q.shape[1] // k.shape[1]
   k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
   logits = jnp.einsum("BNTH,BNSH->BNTS", q, k) / np.sqrt(q.shape[-1])
   if bias is not None:
     logits = logits + jnp.where(allowed, bias, 0.0)
+  if slopes is not None:  # [N, 1, 1] times the distance i - j
+    distance = np.arange(q.shape[2])[:, None] - np.arange(k.shape[2])[None]
+    logits = logits - slopes[None] * distance[None, None]
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
+  if sinks is not None:
+    top = jnp.maximum(top, sinks[None, :, None, None])
   top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
   e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
   total = e.sum(-1, keepdims=True)
+  if sinks is not None:
+    total = total + jnp.exp(sinks[None, :, None, None] - top)
   seen = total > 0
   out = (e / jnp.where(seen, total, 1.0)) @ v
   lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-  return out, lse[..., 0]
+  lse = lse[..., 0]
+  if rows is not None:
+    lse = jnp.where(rows, lse, -jnp.inf)
+  return out, lse
 
 
 def _loss(out, lse, cot, cot_lse):
@@ -239,8 +332,8 @@ def _loss(out, lse, cot, cot_lse):
   return total
 
 
-def _reference_loss(operands, allowed, softcap, cot, cot_lse):
-  out, lse = reference(*operands, allowed, softcap)
+def _reference_loss(operands, extras, allowed, softcap, rows, cot, cot_lse):
+  out, lse = reference(*operands, allowed, softcap, rows=rows, **extras)
   return _loss(out, None if cot_lse is None else lse, cot, cot_lse)
 
 
@@ -271,32 +364,52 @@ def suite(names):
         extra["local_window_size"] = case.window
       if case.softcap is not None:
         extra["logits_soft_cap"] = case.softcap
+      q_seg, k_seg = _segment_ids(case)
+      if q_seg is not None:
+        extra["query_segment_ids"] = jnp.asarray(q_seg)
+        extra["key_segment_ids"] = jnp.asarray(k_seg)
+      if case.alibi:
+        extra["score_mod"] = alibi
+      mask_in = mask
+      if case.block_mask is not None:  # built for the odd blockwise blocks
+        mask_in = aj.block_mask(BLOCK_MASK_FNS[case.block_mask](), case.t,
+                                case.s, block_q=5, block_k=7)
       fn = functools.partial(impl.fn, is_causal=case.causal,
                              key_value_seq_lengths=lengths,
                              return_lse=case.lse, **extra)
-      kwargs = {} if bias is None else {"bias": bias}
+      diff = _differentiable_extras(case)
+
+      def ours(q, k, v, bias, diff):
+        kw = {} if bias is None else {"bias": bias}
+        if "sinks" in diff:
+          kw["sinks"] = diff["sinks"]
+        if "slopes" in diff:
+          kw["score_mod_args"] = (diff["slopes"],)
+        result = fn(q, k, v, mask_in, **kw)
+        return result if case.lse else (result, None)
+
       if case.features() & impl.unsupported:
         with self.assertRaises((ValueError, TypeError)):
-          jax.jit(lambda q, k, v: fn(q, k, v, mask, **kwargs))(q, k, v)
+          jax.jit(ours)(q, k, v, bias, diff)
         return
 
       allowed = _allowed(case, mask, lengths, q_lengths, bias)
+      rows = None
+      if q_lengths is not None:  # [B, 1, T]: rows that are queries
+        rows = (np.arange(case.t) < np.asarray(q_lengths))[:, None]
       q_in, k_in, v_in = q, k, v
       if case.nan_padding:  # keys and values no query may see hold NaN
         seen = allowed.any(axis=(1, 2))[:, None, :, None]  # [B, 1, S, 1]
         k_in = jnp.where(seen, k, jnp.nan)
         v_in = jnp.where(seen, v, jnp.nan)
 
-      def ours(q, k, v, bias):
-        kw = {} if bias is None else {"bias": bias}
-        result = fn(q, k, v, mask, **kw)
-        return result if case.lse else (result, None)
-
-      out, lse = jax.jit(ours)(q_in, k_in, v_in, bias)
+      out, lse = jax.jit(ours)(q_in, k_in, v_in, bias, diff)
       f64 = lambda x: None if x is None else np.asarray(x, np.float64)
+      diff64 = {name: f64(x) for name, x in diff.items()}
       with jax.enable_x64(True):
-        ref_out, ref_lse = jax.jit(reference, static_argnums=5)(
-            f64(q), f64(k), f64(v), f64(bias), allowed, case.softcap)
+        ref_out, ref_lse = jax.jit(
+            functools.partial(reference, softcap=case.softcap, rows=rows))(
+                f64(q), f64(k), f64(v), f64(bias), allowed, **diff64)
       tol = TOLERANCES[case.dtype]
       chex.assert_shape(out, (B, N, case.t, H))
       self.assertEqual(out.dtype, q.dtype)
@@ -311,16 +424,22 @@ def suite(names):
 
       cot = _data.normal(7, out.shape)
       cot_lse = _data.normal(8, out.shape[:-1]) if case.lse else None
-      argnums = (0, 1, 2) + ((3,) if bias is not None else ())
+      argnums = (0, 1, 2, 4) + ((3,) if bias is not None else ())
       grads = jax.jit(jax.grad(
           lambda *a: _loss(*ours(*a), cot, cot_lse), argnums))(
-              q_in, k_in, v_in, bias)
+              q_in, k_in, v_in, bias, diff)
       with jax.enable_x64(True):
         want = jax.jit(jax.grad(
-            lambda *a: _reference_loss(a, allowed, case.softcap, f64(cot),
-                                       f64(cot_lse)),
-            argnums))(f64(q), f64(k), f64(v), f64(bias))
-      for name, got, ref in zip(("dq", "dk", "dv", "dbias"), grads, want):
+            lambda q, k, v, bias, diff: _reference_loss(
+                (q, k, v, bias), diff, allowed, case.softcap, rows, f64(cot),
+                f64(cot_lse)), argnums))(f64(q), f64(k), f64(v), f64(bias),
+                                         diff64)
+      names = ["dq", "dk", "dv"] + [f"d{n}" for n in diff] + (
+          ["dbias"] if bias is not None else [])
+      got_all = list(grads[:3]) + [grads[3][n] for n in diff] + list(
+          grads[4:])
+      want_all = list(want[:3]) + [want[3][n] for n in diff] + list(want[4:])
+      for name, got, ref in zip(names, got_all, want_all):
         got = np.asarray(got, np.float64)
         self.assertTrue(np.isfinite(got).all(), f"{name} is not finite")
         scale = max(1.0, float(np.abs(ref).max()))

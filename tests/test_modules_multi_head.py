@@ -120,6 +120,48 @@ class KVCacheTest(parameterized.TestCase):
                                 atol=2e-6, rtol=2e-6)
     self.assertEqual(int(mha.cache_index[...]), 8)
 
+  @parameterized.named_parameters(
+      ("window", dict(local_window_size=(2, 0)), {}),
+      ("sinks_softcap", dict(attention_sinks=True, logits_soft_cap=2.0), {}),
+      ("alibi", dict(score_mod=aj.alibi),
+       dict(score_mod_args=(aj.alibi_slopes(4)[:, None, None],))),
+      ("query_lengths", {}, dict(query_seq_lengths=jnp.array([8, 6]))),
+      ("everything", dict(local_window_size=(3, 0), attention_sinks=True,
+                          logits_soft_cap=1.5, score_mod=aj.alibi),
+       dict(score_mod_args=(aj.alibi_slopes(4)[:, None, None],))))
+  def test_decoding_equals_full_forward_under_patterns(self, layer, call):
+    # Window, sinks, soft cap, ALiBi (absolute positions) and query lengths
+    # hold over cache slots exactly as in the full causal forward.
+    mha = _module(num_kv_heads=2, **layer)
+    if mha.sinks is not None:  # non-zero sinks, so they matter
+      mha.sinks[...] = jnp.array([0.5, -1.0, 2.0, 0.0])
+    x = _x(seed=3, t=8)
+    full = mha(x, is_causal=True, **call)
+    mha.init_cache(batch_size=2, max_length=11)
+    pieces = []
+    for start, stop in ((0, 5), (5, 6), (6, 8)):
+      step_call = dict(call)
+      if "query_seq_lengths" in call:  # this call's rows of the lengths
+        step_call["query_seq_lengths"] = jnp.clip(
+            call["query_seq_lengths"] - start, 0, stop - start)
+      pieces.append(mha(x[:, start:stop], decode=True, **step_call))
+    chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
+                                rtol=2e-6)
+
+  def test_packed_documents_equal_separate_sequences(self):
+    # Two documents packed in one row attend as if run separately.
+    mha = _module(local_window_size=None)
+    x = _x(seed=4, b=1, t=9)
+    ids = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    packed = mha(x, is_causal=True, query_segment_ids=ids,
+                 key_segment_ids=ids)
+    alone = jnp.concatenate([mha(x[:, :4], is_causal=True),
+                             mha(x[:, 4:], is_causal=True)], 1)
+    chex.assert_trees_all_close(packed, alone, atol=2e-6, rtol=2e-6)
+    with self.assertRaisesRegex(ValueError, "not supported while decoding"):
+      mha.init_cache(1, 9)
+      mha(x, decode=True, query_segment_ids=ids, key_segment_ids=ids)
+
   def test_cache_respects_a_padding_mask_over_slots(self):
     mha = _module()
     x = _x(t=4, b=1)

@@ -1,8 +1,10 @@
-"""Block skipping is exact: block ranges against a brute-force dense mask.
+"""Block skipping is exact: block classifications against a brute-force mask.
 
 The dense mask is written here from the conventions (bottom-right aligned
-positions, jax.nn's (left, right) window, lengths), not by calling the
-library's predicate.
+positions, jax.nn's (left, right) window, lengths, segment ids), not by
+calling the library's predicate. A block is empty (never visited), full
+(visited without a mask pass) or partial; for each pattern the library's
+intervals must equal the brute-force classification.
 """
 
 from absl.testing import absltest
@@ -10,6 +12,7 @@ import hypothesis
 from hypothesis import strategies as st
 import numpy as np
 
+import attention_jax as aj
 from attention_jax import _patterns
 
 
@@ -61,6 +64,102 @@ class BlockRangeTest(absltest.TestCase):
       np.testing.assert_array_equal(np.arange(lo, hi),
                                     np.flatnonzero(blocks[:, j]),
                                     err_msg=f"key block {j}")
+
+  @hypothesis.given(_problems())
+  def test_full_ranges_equal_brute_force(self, p):
+    t, s, bq, bk = p["t"], p["s"], p["bq"], p["bk"]
+    num_q, num_k = -(-t // bq), -(-s // bk)
+    # Padded grid: rows past T keep their positions (their outputs are
+    # dropped), columns past S are padding and never allowed.
+    rows = np.arange(num_q * bq)[:, None] + (s - t)
+    cols = np.arange(num_k * bk)[None, :]
+    ok = (cols < s) & (cols < p["kv_len"]) & (
+        np.arange(num_q * bq)[:, None] < p["q_len"])
+    if p["causal"]:
+      ok = ok & (cols <= rows)
+    if p["window"] is not None:
+      ok = ok & (cols >= rows - p["window"][0]) & (cols <= rows
+                                                   + p["window"][1])
+    full = ok.reshape(num_q, bq, num_k, bk).all(axis=(1, 3))
+    b = _patterns.bounds(p["causal"], p["window"])
+    for i in range(num_q):
+      lo, hi = (int(x) for x in _patterns.full_key_block_range(
+          b, i * bq, bq, bk, num_k, s - t, p["kv_len"], p["q_len"], s))
+      np.testing.assert_array_equal(np.arange(lo, hi),
+                                    np.flatnonzero(full[i]),
+                                    err_msg=f"query block {i}")
+    for j in range(num_k):
+      lo, hi = (int(x) for x in _patterns.full_query_block_range(
+          b, j * bk, bq, bk, num_q, s - t, p["kv_len"], p["q_len"], s))
+      np.testing.assert_array_equal(np.arange(lo, hi),
+                                    np.flatnonzero(full[:, j]),
+                                    err_msg=f"key block {j}")
+
+  @hypothesis.given(st.data())
+  def test_segment_ranges_equal_brute_force(self, data):
+    t = data.draw(st.integers(1, 40))
+    s = data.draw(st.integers(1, 40))
+    bq, bk = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))
+    contiguous = data.draw(st.booleans())
+    ids = st.lists(st.integers(0, 4), min_size=t, max_size=t)
+    q_ids = np.array(data.draw(ids))
+    k_ids = np.array(data.draw(st.lists(st.integers(0, 4), min_size=s,
+                                        max_size=s)))
+    if contiguous:  # packed self-attention: the same non-decreasing ids
+      q_ids = k_ids = np.sort(k_ids)
+      t = s
+    num_q, num_k = -(-t // bq), -(-s // bk)
+    q_pad = np.pad(q_ids, (0, num_q * bq - t), mode="edge")
+    k_pad = np.pad(k_ids, (0, num_k * bk - s), mode="edge")
+    same = q_pad[:, None] == k_pad[None, :]
+    some = same.reshape(num_q, bq, num_k, bk).any(axis=(1, 3))
+    every = same.reshape(num_q, bq, num_k, bk).all(axis=(1, 3))
+    q_min, q_max = _patterns.block_min_max(q_pad, bq)
+    k_min, k_max = _patterns.block_min_max(k_pad, bk)
+    for i in range(num_q):
+      lo, hi, flo, fhi = (int(x) for x in _patterns.segment_block_ranges(
+          q_min[i], q_max[i], k_min, k_max))
+      visited, full = np.arange(lo, hi), np.arange(flo, fhi)
+      # Never skip a block with an allowed entry, never call one with a
+      # blocked entry full; for packed documents, exactly.
+      self.assertTrue(set(np.flatnonzero(some[i])) <= set(visited))
+      self.assertTrue(set(full) <= set(np.flatnonzero(every[i])))
+      if contiguous:
+        np.testing.assert_array_equal(visited, np.flatnonzero(some[i]))
+        np.testing.assert_array_equal(full, np.flatnonzero(every[i]))
+
+  @hypothesis.given(st.data())
+  def test_block_mask_classification_equals_brute_force(self, data):
+    t, s = data.draw(st.integers(1, 30)), data.draw(st.integers(1, 30))
+    bq, bk = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8))
+    kind = data.draw(st.sampled_from(["random", "dilated", "prefix"]))
+    if kind == "random":
+      dense = np.array(data.draw(st.lists(st.booleans(), min_size=t * s,
+                                          max_size=t * s))).reshape(t, s)
+      mask_fn = lambda q, k: dense[q, k]
+    elif kind == "dilated":  # every other key, within a window of 6
+      mask_fn = lambda q, k: (abs(q - k) <= 6) & ((q - k) % 2 == 0)
+    else:
+      mask_fn = aj.prefix_lm_mask_fn(data.draw(st.integers(1, s)))
+    bm = aj.block_mask(mask_fn, t, s, block_q=bq, block_k=bk)
+    bq, bk = bm.block_q, bm.block_k
+    num_q, num_k = -(-t // bq), -(-s // bk)
+    allowed = np.broadcast_to(
+        mask_fn(np.arange(t)[:, None], np.arange(s)[None, :]), (t, s))
+    want = np.zeros((num_q, num_k), int)
+    for i in range(num_q):
+      for j in range(num_k):
+        block = allowed[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+        want[i, j] = 2 if block.all() else (1 if block.any() else 0)
+    np.testing.assert_array_equal(bm.kinds, want)
+    for i in range(num_q):  # the per-row lists the kernels walk
+      listed = bm.kv_indices[i][bm.kv_indices[i] < num_k]
+      np.testing.assert_array_equal(listed, np.flatnonzero(want[i]))
+      np.testing.assert_array_equal(bm.kv_full[i][:listed.size],
+                                    want[i, listed] == 2)
+    for j in range(num_k):
+      listed = bm.q_indices[j][bm.q_indices[j] < num_q]
+      np.testing.assert_array_equal(listed, np.flatnonzero(want[:, j]))
 
   def test_visible_matches_brute_force(self):
     for t, s, causal, window in ((5, 9, True, (2, 0)), (9, 5, False, (1, 3)),

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax import _checks
+from attention_jax import _patterns
 from attention_jax import multi_head
 from attention_jax import sharding
 from attention_jax.modules import _rngs
@@ -84,6 +85,15 @@ class MultiHeadAttention(nnx.Module):
       communication and ``W_o`` ends in one all-reduce. Build the module under
       ``jax.set_mesh(mesh)`` (flax then shards the parameters as it creates
       them); ``N`` and ``K`` must divide the axis size.
+    local_window_size: ``w`` or ``(left, right)``: every call attends within
+      this window (a sliding-window layer); see
+      ``aj.scaled_dot_product_attention``. Decoding honours it.
+    logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
+    attention_sinks: learn one sink logit per head (``sinks``, an
+      ``nnx.Param [N]`` initialised to 0) joining every row's softmax
+      denominator.
+    score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)`` applied
+      in every call (``score_mod_args`` per call); e.g. ``aj.alibi``.
 
   Example:
     >>> mha = MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
@@ -117,6 +127,10 @@ class MultiHeadAttention(nnx.Module):
       attention_fn: multi_head.AttentionFn | None = None,
       implementation: str | None = None,
       head_axis: str | None = None,
+      local_window_size: int | tuple[int, int] | None = None,
+      logits_soft_cap: float | None = None,
+      attention_sinks: bool = False,
+      score_mod: multi_head.ScoreMod | None = None,
   ):
     num_kv_heads = _checks.check_head_counts(d_model, num_heads,
                                              num_kv_heads)
@@ -140,6 +154,13 @@ class MultiHeadAttention(nnx.Module):
     self.attention_fn = attention_fn
     self.implementation = implementation
     self.head_axis = head_axis
+    self.local_window_size = _patterns.check_window(local_window_size)
+    _checks.check_soft_cap(logits_soft_cap)
+    self.logits_soft_cap = logits_soft_cap
+    self.score_mod = score_mod
+    self.sinks = nnx.data(None)
+    if attention_sinks:
+      self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype))  # [N]
     kv_features = num_kv_heads * self.head_dim
     specs = sharding.projection_specs(head_axis) if head_axis else {}
 
@@ -200,6 +221,11 @@ class MultiHeadAttention(nnx.Module):
       rngs: nnx.Rngs | jax.Array | None = None,
       return_weights: bool = False,
       decode: bool = False,
+      key_value_seq_lengths: ArrayLike | None = None,
+      query_seq_lengths: ArrayLike | None = None,
+      query_segment_ids: ArrayLike | None = None,
+      key_segment_ids: ArrayLike | None = None,
+      score_mod_args: tuple[ArrayLike, ...] = (),
   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attends ``query`` to ``key``/``value``.
 
@@ -218,6 +244,14 @@ class MultiHeadAttention(nnx.Module):
       decode: append this call's keys/values to the cache (``init_cache``
         first) and attend causally to everything cached. Any number of tokens
         per call; the result equals full causal attention over the sequence.
+      key_value_seq_lengths: integer ``[B]``: keys (cache slots when
+        decoding) at positions ``>=`` the length are padding.
+      query_seq_lengths: integer ``[B]``: rows past it get output 0.
+      query_segment_ids: integer ``[B, T]``: packed documents (not while
+        decoding).
+      key_segment_ids: integer ``[B, S]``, with the query ids.
+      score_mod_args: arrays for the constructor's ``score_mod``,
+        broadcastable to ``[B, N, T, S]``.
 
     Returns:
       ``output [B, T, D]``, or ``(output, weights [B, N, T, S])`` (``S = L``
@@ -252,7 +286,14 @@ class MultiHeadAttention(nnx.Module):
         num_kv_heads=self.num_kv_heads, bias=bias, is_causal=is_causal,
         dropout_rate=rate, dropout_rng=dropout_rng,
         attention_fn=self.attention_fn, implementation=self.implementation,
-        return_weights=return_weights, head_axis=self.head_axis, cache=cache)
+        return_weights=return_weights, head_axis=self.head_axis, cache=cache,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_seq_lengths=query_seq_lengths,
+        local_window_size=self.local_window_size,
+        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+        logits_soft_cap=self.logits_soft_cap,
+        sinks=None if self.sinks is None else self.sinks[...],
+        score_mod=self.score_mod, score_mod_args=score_mod_args)
     if decode:
       self.cached_key[...] = cache.key
       self.cached_value[...] = cache.value

@@ -92,6 +92,31 @@ class RingAttentionTest(parameterized.TestCase):
     np.testing.assert_array_equal(lse[0, :8], -np.inf)
     chex.assert_trees_all_close(lse, want_lse, **FWD_TOL)
 
+  @parameterized.parameters(((3, 0), True, 1), ((7, 0), True, 2),
+                            ((2, 2), False, 2))
+  def test_window_skips_ring_steps(self, window, causal, shifts):
+    # 8 devices x 4 rows: a window reaching k blocks back needs k shifts of
+    # K and V forward, not P - 1 = 7; the numbers stay exact.
+    t = 32
+    q = _data.normal(9, (1, 2, t, 8))
+    k = _data.normal(10, (1, 2, t, 8))
+    v = _data.normal(11, (1, 2, t, 8))
+    fn = jax.jit(jax.shard_map(
+        lambda q, k, v: aj.ring_attention(q, k, v, axis_name="seq",
+                                          is_causal=causal,
+                                          local_window_size=window,
+                                          block_q=4, block_k=4),
+        mesh=_mesh(8), in_specs=SEQ, out_specs=SEQ))
+    hlo = fn.lower(q, k, v).compile().as_text()
+    permutes = [line for line in hlo.splitlines()
+                if "collective-permute(" in line]
+    # One ppermute each for K and V per step made (a two-sided window
+    # makes one step forward and one that wraps round to the right).
+    self.assertLen(permutes, 2 * shifts)
+    want = aj.blockwise_attention(q, k, v, is_causal=causal,
+                                  local_window_size=window)
+    chex.assert_trees_all_close(fn(q, k, v), want, **FWD_TOL)
+
   def test_unbound_axis_is_a_value_error(self):
     x = jnp.ones((4, 8))
     with self.assertRaisesRegex(ValueError, "axis_name='seq' is not bound"):

@@ -1,0 +1,217 @@
+"""The cuDNN wiring (``_cudnn``): our semantics through jax.nn's arguments.
+
+No GPU here: ``attention`` runs jax.nn's reference path
+(``implementation="xla"``), which takes the same arguments as its cuDNN path,
+and ``problem`` is reached past its GPU check by mocking the backend.
+"""
+
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_jax as aj
+from attention_jax import _cudnn
+from tests import _data
+
+# Both sides compute in float32 (jax.nn's logits and softmax, the dense
+# path's): they differ only in the order of roundings (eps = 1.2e-7) over at
+# most 7 keys of magnitude <= ~4, so ~1e-6 at worst; 1e-5 leaves headroom.
+F32_TOL = dict(atol=1e-5, rtol=1e-5)
+B, N, H = 2, 4, 8
+
+
+def _qkv(t, s, dtype=jnp.float32, seed=0):
+  return (_data.normal(seed, (B, N, t, H), dtype),
+          _data.normal(seed + 1, (B, N, s, H), dtype),
+          _data.normal(seed + 2, (B, N, s, H), dtype))
+
+
+def _wired(q, k, v, mask=None, bias=None, *, is_causal=False, window=None,
+           kv_lengths=None, q_lengths=None):
+  return _cudnn.attention(q, k, v, mask, bias, kv_lengths, q_lengths,
+                          scale=H ** -0.5, is_causal=is_causal, window=window,
+                          implementation="xla")
+
+
+def _dense(q, k, v, mask=None, bias=None, *, is_causal=False, window=None,
+           kv_lengths=None, q_lengths=None):
+  return aj.scaled_dot_product_attention(
+      q, k, v, mask, bias=bias, implementation="dense", is_causal=is_causal,
+      local_window_size=window, key_value_seq_lengths=kv_lengths,
+      query_seq_lengths=q_lengths)
+
+
+class AttentionTest(parameterized.TestCase):
+
+  @parameterized.product(
+      ts=[(6, 6), (4, 7), (7, 4)],
+      is_causal=[False, True],
+      window=[None, (2, 0), (1, 1), (0, 3)],
+      lengths=["none", "kv0", "q0"],
+  )
+  def test_matches_dense(self, ts, is_causal, window, lengths):
+    t, s = ts
+    q, k, v = _qkv(t, s)
+    # One example with a length 0 (every row sees nothing) beside one with
+    # both lengths short; T > S causal, narrow windows and a key length of 1
+    # add single rows that see nothing.
+    kv_lengths, q_lengths = {
+        "none": (None, None),
+        "kv0": (jnp.array([[0], [s - 2]]), jnp.array([[t], [t - 1]])),
+        "q0": (jnp.array([[s], [1]]), jnp.array([[0], [t - 2]])),
+    }[lengths]
+    kw = dict(is_causal=is_causal, window=window, kv_lengths=kv_lengths,
+              q_lengths=q_lengths)
+    got = _wired(q, k, v, **kw)
+    chex.assert_shape(got, (B, N, t, H))
+    np.testing.assert_allclose(got, _dense(q, k, v, **kw), **F32_TOL)
+
+  @parameterized.named_parameters(
+      ("square", 5, 5, True, None),
+      ("chunk_at_end", 3, 6, True, (1, 0)),
+      ("more_queries", 6, 3, False, (0, 1)),
+  )
+  def test_mask_bias_and_scalar_lengths(self, t, s, is_causal, window):
+    q, k, v = _qkv(t, s, seed=3)
+    mask = _data.bernoulli(5, 0.7, (B, 1, t, s)).at[0, 0, 1].set(False)
+    bias = _data.normal(6, (1, N, t, s)).at[0, 1, 2].set(-jnp.inf)
+    kw = dict(is_causal=is_causal, window=window, kv_lengths=jnp.array(s - 1),
+              q_lengths=jnp.array(t - 1))
+    np.testing.assert_allclose(_wired(q, k, v, mask, bias, **kw),
+                               _dense(q, k, v, mask, bias, **kw), **F32_TOL)
+
+  def test_rows_that_see_nothing_are_exactly_zero(self):
+    q, k, v = _qkv(6, 3)  # causal T > S: rows 0-2 see nothing
+    mask = jnp.ones((B, 1, 6, 3), bool).at[1, 0, 4].set(False)
+    out = _wired(q, k, v, mask, is_causal=True, kv_lengths=jnp.array([[3], [0]]))
+    np.testing.assert_array_equal(out[0, :, :3], 0.0)
+    np.testing.assert_array_equal(out[1], 0.0)  # key length 0
+    self.assertTrue(np.all(np.abs(out[0, :, 3:]).sum(-1) > 0))
+
+  def test_jax_nn_alone_differs_where_the_wiring_steps_in(self):
+    # What the wiring corrects: jax.nn's causal diagonal is top-left, and a
+    # row that may see nothing is the mean of all values, not 0.
+    q, k, v = _qkv(3, 5)
+    swap = lambda x: jnp.swapaxes(x, 1, 2)
+    raw = swap(jax.nn.dot_product_attention(
+        swap(q), swap(k), swap(v), is_causal=True, implementation="xla"))
+    self.assertFalse(np.allclose(raw, _dense(q, k, v, is_causal=True)))
+    mask = jnp.zeros((1, 1, 3, 5), bool)
+    raw = swap(jax.nn.dot_product_attention(
+        swap(q), swap(k), swap(v), mask=mask, implementation="xla"))
+    np.testing.assert_allclose(raw, jnp.broadcast_to(
+        v.mean(axis=2, keepdims=True), raw.shape), **F32_TOL)
+    np.testing.assert_array_equal(_wired(q, k, v, mask), 0.0)
+
+  def test_jit_and_old_call_shape(self):
+    q, k, v = _qkv(4, 4)
+    fn = jax.jit(lambda q, k, v, n: _cudnn.attention(
+        q, k, v, None, None, n, scale=0.5, is_causal=True,
+        implementation="xla"))
+    n = jnp.array([[4], [2]])
+    np.testing.assert_allclose(
+        fn(q, k, v, n), aj.scaled_dot_product_attention(
+            q, k, v, scale=0.5, is_causal=True, key_value_seq_lengths=n,
+            implementation="dense"), **F32_TOL)
+
+
+class ProblemTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    # Past the GPU check to the later ones; nothing runs on the "GPU".
+    self.enter_context(mock.patch.object(jax, "default_backend",
+                                         return_value="gpu"))
+
+  def _problem(self, t=8, s=8, structured=(), lengths=None, **kw):
+    q, k, v = _qkv(t, s, jnp.bfloat16)
+    return _cudnn.problem(q, k, v, None, None, lengths, False, structured,
+                          **kw)
+
+  def test_nothing_structured(self):
+    self.assertIsNone(self._problem())
+    self.assertIsNone(self._problem(structured={}))
+    self.assertIsNone(self._problem(structured={"logits_soft_cap": None}))
+
+  @parameterized.named_parameters(
+      ("per_example", np.array([[3], [8]])),
+      ("shared", np.array([[3]])),
+      ("scalar", 5),
+  )
+  def test_query_lengths_accepted(self, q_lengths):
+    self.assertIsNone(self._problem(
+        structured={"query_seq_lengths": q_lengths}))
+    self.assertIsNone(self._problem(
+        t=4, s=8, lengths=jnp.array(3),
+        structured={"query_seq_lengths": q_lengths}))
+
+  @parameterized.named_parameters(
+      ("flat", np.array([3, 8])),
+      ("per_head", np.ones((2, 4), np.int32)),
+  )
+  def test_query_lengths_refused(self, q_lengths):
+    self.assertRegex(self._problem(structured={"query_seq_lengths": q_lengths}),
+                     r"^it takes one query length.*query_seq_lengths")
+    self.assertRegex(self._problem(lengths=jnp.asarray(q_lengths)),
+                     r"key_value_seq_lengths must be \[B, 1\]")
+
+  @parameterized.named_parameters(
+      ("causal_window", 8, 8, (3, 0), False),
+      ("causal_window_wide", 8, 8, (100, 0), False),
+      ("two_sided_clipped_by_causal", 8, 8, (3, 2), True),
+  )
+  def test_window_accepted(self, t, s, window, is_causal):
+    self.assertIsNone(self._problem(t, s, {"local_window_size": window},
+                                    is_causal=is_causal))
+
+  @parameterized.named_parameters(
+      ("two_sided", 8, 8, (3, 2), r"only a left window"),
+      ("right_only", 8, 8, (0, 2), r"only a left window"),
+      ("chunk_at_end", 4, 8, (3, 0), r"T=4 != S=8"),
+      ("more_queries", 8, 4, (3, 0), r"T=8 != S=4"),
+  )
+  def test_window_refused(self, t, s, window, why):
+    self.assertRegex(self._problem(t, s, {"local_window_size": window}),
+                     r"^local_window_size.*" + why)
+
+  @parameterized.parameters("logits_soft_cap", "query_segment_ids",
+                            "key_segment_ids", "sinks", "score_mod",
+                            "block_mask", "something_new")
+  def test_unsupported_named(self, name):
+    self.assertRegex(self._problem(structured={name: object()}),
+                     "^" + name)
+
+  def test_first_refused_argument_named(self):
+    structured = {"query_seq_lengths": np.array([[3], [8]]),
+                  "local_window_size": (2, 0), "logits_soft_cap": 30.0,
+                  "sinks": jnp.zeros((N,))}
+    self.assertRegex(self._problem(structured=structured),
+                     "^logits_soft_cap")
+
+  def test_names_only_refused(self):  # the dispatcher's older call shape
+    self.assertRegex(self._problem(structured=["local_window_size"]),
+                     "^local_window_size")
+    self.assertIsNone(self._problem(structured=[]))
+
+  def test_earlier_checks_still_first(self):
+    q, k, v = _qkv(8, 8)  # float32
+    self.assertRegex(_cudnn.problem(q, k, v, None, None, None, False,
+                                    {"logits_soft_cap": 1.0}),
+                     "float16/bfloat16")
+
+
+class NoGpuTest(absltest.TestCase):
+
+  def test_cpu_refused(self):
+    q, k, v = _qkv(8, 8, jnp.bfloat16)
+    self.assertRegex(_cudnn.problem(q, k, v, None, None, None, False, {}),
+                     "needs a GPU")
+
+
+if __name__ == "__main__":
+  absltest.main()
