@@ -5,6 +5,7 @@ from absl.testing import parameterized
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import attention_jax as aj
 from tests import _data
@@ -193,11 +194,82 @@ CASES = [
         Q, K, V, axis_name="seq"), ValueError,
      r"axis_name='seq' is not bound: call ring_attention inside "
      r"jax.shard_map"),
+    ("sdpa_float_segment_ids", lambda: sdpa(
+        Q, K, V, query_segment_ids=jnp.ones((2, 4)),
+        key_segment_ids=jnp.ones((2, 6), jnp.int32)), TypeError,
+     r"query_segment_ids must be an integer array \[..., T\], got dtype "
+     r"float32 with shape \(2, 4\)"),
+    ("sdpa_segment_ids_length", lambda: sdpa(
+        Q, K, V, query_segment_ids=jnp.ones((2, 4), jnp.int32),
+        key_segment_ids=jnp.ones((2, 5), jnp.int32)), ValueError,
+     r"key_segment_ids with shape \(2, 5\) must be \[S\] = \[6\]"),
+    ("sdpa_segment_ids_without_head_axis", lambda: sdpa(
+        jnp.ones((2, 2, 4, 8)), jnp.ones((2, 2, 4, 8)), jnp.ones((2, 2, 4, 8)),
+        query_segment_ids=jnp.ones((2, 4), jnp.int32),
+        key_segment_ids=jnp.ones((2, 4), jnp.int32)), ValueError,
+     r"query_segment_ids with shape \(2, 4\) must be \[T\] = \[4\] \(shared\) "
+     r"or have one axis per leading dim.*ids\[:, None, :\]"),
+    ("sdpa_segment_ids_alone", lambda: sdpa(
+        Q, K, V, query_segment_ids=jnp.ones((2, 4), jnp.int32)), ValueError,
+     r"query_segment_ids and key_segment_ids come together"),
+    # Concrete lengths are range-checked (NumPy stays concrete under jit);
+    # traced ones cannot be and clip.
+    ("sdpa_lengths_out_of_range", lambda: sdpa(
+        Q, K, V, key_value_seq_lengths=np.array([6, 7])), ValueError,
+     r"key_value_seq_lengths must lie in \[0, 6\], got values from 6 to 7"),
+    ("blockwise_negative_query_length", lambda: aj.blockwise_attention(
+        Q, K, V, query_seq_lengths=np.array([-1, 2])), ValueError,
+     r"query_seq_lengths must lie in \[0, 4\]"),
+    ("sdpa_block_mask_lengths", lambda: sdpa(
+        Q, K, V, aj.block_mask(aj.chunked_mask_fn(2), 4, 5)), ValueError,
+     r"mask is a BlockMask built for \[T, S\] = \[4, 5\], but the operands "
+     r"have T = 4, S = 6"),
+    ("blockwise_block_mask_block_size", lambda: aj.blockwise_attention(
+        Q, K, V, aj.block_mask(aj.chunked_mask_fn(2), 4, 6, block_q=2),
+        block_q=4), ValueError,
+     r"block_q=4 differs from the block mask's 2"),
+    ("sdpa_sinks_shape", lambda: sdpa(Q, K, V, sinks=jnp.ones(3)),
+     ValueError, r"sinks with shape \(3,\) is not broadcastable to the "
+     r"leading dims .* = \(2,\)"),
+    ("blockwise_int_sinks", lambda: aj.blockwise_attention(
+        Q, K, V, sinks=jnp.ones(2, jnp.int32)), TypeError,
+     r"sinks must be a real floating-point array"),
+    ("sdpa_score_mod_args_alone", lambda: sdpa(
+        Q, K, V, score_mod_args=(jnp.ones(1),)), ValueError,
+     r"score_mod_args were given without a score_mod"),
+    ("sdpa_score_mod_not_callable", lambda: sdpa(Q, K, V, score_mod=2.0),
+     TypeError, r"score_mod must be callable"),
+    ("blockwise_score_mod_args_shape", lambda: aj.blockwise_attention(
+        Q, K, V, score_mod=aj.alibi, score_mod_args=(jnp.ones((3, 6)),)),
+     ValueError, r"score_mod_args\[0\] with shape \(3, 6\) is not "
+     r"broadcastable to \[T, S\] = \(4, 6\)"),
+    ("block_mask_not_bool", lambda: aj.block_mask(
+        lambda q, k: q - k, 4, 6), TypeError,
+     r"mask_fn must return a bool array, got dtype int64"),
+    ("block_mask_not_callable", lambda: aj.block_mask(3, 4, 6), TypeError,
+     r"mask_fn must be callable"),
+    ("ring_block_mask", lambda: aj.ring_attention(
+        Q, K, V, aj.block_mask(aj.chunked_mask_fn(2), 4, 6),
+        axis_name="seq"), ValueError,
+     r"ring_attention takes no mask \(got BlockMask\(q_len=4"),
+    ("ring_score_mod_args_with_positions", lambda: aj.ring_attention(
+        Q, K, V, score_mod=aj.alibi, score_mod_args=(jnp.ones((4, 6)),),
+        axis_name="seq"), ValueError,
+     r"score_mod_args\[0\] with shape \(4, 6\) has a T or S axis"),
+    ("mha_segments_while_decoding", lambda: _decode_with_segments(),
+     ValueError, r"query_segment_ids is not supported while decoding"),
     ("causal_mask_negative", lambda: aj.causal_mask(-1, 3), ValueError,
      r"q_len must be positive, got -1"),
     ("padding_mask_float", lambda: aj.padding_mask(jnp.ones((2,)), 4),
      TypeError, r"lengths must be an integer array, got dtype float32"),
 ]
+
+def _decode_with_segments():
+  layer = aj.MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
+  layer.init_cache(2, 4)
+  ids = jnp.zeros((2, 3), jnp.int32)
+  return layer(X, decode=True, query_segment_ids=ids, key_segment_ids=ids)
+
 
 # Constructors and stateful calls: checked eagerly (modules are built
 # outside jit).
@@ -226,6 +298,12 @@ MODULE_CASES = [
     ("mha_decode_without_cache", lambda: aj.MultiHeadAttention(
         16, 4, rngs=nnx.Rngs(0))(jnp.ones((2, 3, 16)), decode=True),
      ValueError, r"decode=True needs a cache: call init_cache"),
+    ("mha_window", lambda: aj.MultiHeadAttention(
+        16, 4, local_window_size=-2, rngs=nnx.Rngs(0)), ValueError,
+     r"local_window_size must be non-negative"),
+    ("mha_soft_cap", lambda: aj.MultiHeadAttention(
+        16, 4, logits_soft_cap=-1.0, rngs=nnx.Rngs(0)), ValueError,
+     r"logits_soft_cap must be positive"),
     ("bahdanau_hidden", lambda: aj.BahdanauAttention(
         6, 4, 0, rngs=nnx.Rngs(0)), ValueError,
      r"hidden_features must be positive, got 0"),
