@@ -12,7 +12,6 @@ those options. The only kernel with dropout, weights and float64.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from attention_jax import _numerics
@@ -42,16 +41,27 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     return extra if allowed is None else allowed & extra
 
   rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+  bounds = _patterns.bounds(is_causal, window)
   allowed = both(h.mask)
   q_seg = None if h.q_seg is None else h.q_seg[:, None]
   k_seg = None if h.k_seg is None else h.k_seg[None, :]
-  allowed = both(_patterns.visible(rows, cols, s - t,
-                                   _patterns.bounds(is_causal, window),
-                                   h.q_length, h.length, q_seg, k_seg))
+  allowed = both(_patterns.visible(rows, cols, s - t, bounds, h.q_length,
+                                   h.length, q_seg, k_seg))
   if h.block_mask is not None:  # the same predicate the flash core evaluates
     allowed = both(h.block_mask.mask_fn(rows, cols))
-  if allowed is not None:  # padding may hold NaN: keep it out of every product
+  # Only a structural pattern blocks (iota comparisons, lengths, segments):
+  # once unseen keys and empty rows' queries are zeroed, every blocked logit
+  # is finite, so the softmax may block with an additive -inf, which XLA
+  # fuses with the products instead of a select pass over [T, S].
+  additive = (h.mask is None and h.bias is None and score_mod is None)
+  plain = _only_bounds(h)
+  if allowed is not None and not (plain and _every_key_seen(bounds, t, s)):
+    # Padding may hold NaN: keep it out of every product.
     key, value = _numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
+  if (additive and allowed is not None
+      and not (plain and _every_row_sees(bounds, t, s))):
+    # A NaN query (padding) must not reach a row that sees nothing.
+    query, = _numerics.zero_unseen(jnp.any(allowed, axis=1), query)
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=compute_dtype)  # [T, S]
   logits = logits * jnp.asarray(scale, compute_dtype)
@@ -71,11 +81,9 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   if finite is not None:  # the cap would make a blocking -inf finite
     allowed = both(finite)
   want_lse = want_lse or h.sink is not None
-  if allowed is None:
-    # Nothing can be blocked (finite inputs give finite logits): the plain
-    # stable softmax, same numbers, fewer passes over [T, S].
-    weights = jax.nn.softmax(logits, axis=-1)  # [T, S]
-    lse = jax.nn.logsumexp(logits, axis=-1) if want_lse else None
+  if additive:
+    weights, lse = softmax.softmax_and_lse(logits, allowed)  # [T, S], [T]
+    lse = lse if want_lse else None
   else:
     weights = softmax.masked_softmax(logits, allowed)  # [T, S]
     lse = softmax.masked_logsumexp(logits, allowed) if want_lse else None
@@ -87,3 +95,28 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   out = jnp.einsum("TS,SV->TV", probs, value.astype(compute_dtype),
                    preferred_element_type=compute_dtype)  # [T, Hv]
   return out.astype(out_dtype), weights, lse
+
+
+def _only_bounds(h) -> bool:
+  """Whether the head's pattern is at most a causal bound and a window."""
+  return all(x is None for x in (h.mask, h.length, h.q_length, h.q_seg,
+                                 h.k_seg, h.block_mask))
+
+
+def _every_key_seen(b: _patterns.Bounds, t: int, s: int) -> bool:
+  """Whether bounds alone leave every key column seen by some query.
+
+  The rows' intervals ``[r + s - t - left, r + s - t + right]`` overlap
+  (``left + right >= 0``), so together they cover ``[s - t - left, s - 1 +
+  right]``, which holds ``[0, s)`` unless the left bound cuts it.
+  """
+  return t > 0 and (b.left is None or b.left >= s - t)
+
+
+def _every_row_sees(b: _patterns.Bounds, t: int, s: int) -> bool:
+  """Whether bounds alone leave every query row some key column.
+
+  Row 0 sees up to column ``s - t + right``; the last row sees from
+  ``s - 1 - left <= s - 1``, and a row between sees a column between.
+  """
+  return s > 0 and (b.right is None or s - t + b.right >= 0)

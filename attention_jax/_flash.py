@@ -570,9 +570,12 @@ def validate(name, query, key, value, mask, bias, block_q, block_k, scale,
 def block_sizes(ops, is_causal: bool, block_q, block_k) -> tuple[int, int]:
   """The block sizes of a call: the caller's, the block mask's, or the rule.
 
-  The rule (measured in ``benchmarks.structured``): 256 x 256 blocks when a
-  pattern can skip work (causal, window, segments, lengths), so that
-  skipping bites near the diagonal and window edges; 1024 x 256 otherwise
+  The rule, measured on a 2-core CPU (B=4, N=8, H=64, fp32, fwd+bwd; see
+  ``benchmarks.structured``): windows, segment ids and other fine patterns
+  take 256 x 256 blocks (a causal window of 256 at T = 4096: 0.86 s against
+  1.2-1.6 s with a 512 side), so that skipping and full blocks bite at
+  their edges; plain causal takes 256 x 512 (T = 2048: fwd 0.21 s, fwd+bwd
+  0.78 s; 256 x 256 gives 0.41 s and 0.95 s); everything else 1024 x 256
   (fewer, larger matmuls). A block mask fixes its own sizes.
   """
   bm = ops.block_mask
@@ -585,8 +588,11 @@ def block_sizes(ops, is_causal: bool, block_q, block_k) -> tuple[int, int]:
             f"build it with block_mask(..., {size_name}={given}) or leave "
             f"{size_name} unset.")
     return bm.block_q, bm.block_k
-  skips = (is_causal or ops.window is not None or ops.q_seg is not None
-           or ops.lengths is not None or ops.q_lengths is not None)
-  default_q = 256 if skips else 1024
-  return (default_q if block_q is None else block_q,
-          256 if block_k is None else block_k)
+  if ops.window is not None or ops.q_seg is not None:
+    rule = (256, 256)
+  elif is_causal:
+    rule = (256, 512)
+  else:
+    rule = (1024, 256)
+  return (rule[0] if block_q is None else block_q,
+          rule[1] if block_k is None else block_k)

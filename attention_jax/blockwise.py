@@ -87,11 +87,11 @@ def blockwise_attention(
     score_mod_args: float arrays broadcastable to ``[..., T, S]`` like
       ``bias`` (``slopes[:, None, None]`` for per-head values); each reaches
       ``score_mod`` as its block; differentiable.
-    block_q: query block size (clipped to T). Default: 256 when causal,
-      windowed or segmented (so skipping bites), else 1024; a ``BlockMask``
-      fixes its own.
-    block_k: key block size (clipped to S), default 256. Lengths need not
-      be multiples.
+    block_q: query block size (clipped to T). Default by pattern (measured,
+      see ``_flash.block_sizes``): 256 for windows and segment ids, 256 for
+      causal, else 1024; a ``BlockMask`` fixes its own.
+    block_k: key block size (clipped to S). Default 256, 512 for plain
+      causal. Lengths need not be multiples.
     return_lse: also return the log-sum-exp of each query row's logits.
 
   Returns:

@@ -131,8 +131,9 @@ def scaled_dot_product_attention(
       Combined with ``mask`` by logical AND.
     key_value_seq_lengths: optional integer array with one axis per leading
       dim of the operands (size 1 broadcasts; e.g. ``[B, 1]`` for
-      ``[B, N, T, H]`` inputs) or a scalar: keys at positions ``>=`` the
-      length are padding. Costs no ``[T, S]`` memory in the blockwise path.
+      ``[B, N, T, H]`` inputs) or a scalar, in ``[0, S]`` (checked when
+      concrete; traced values clip): keys at positions ``>=`` the length are
+      padding. Costs no ``[T, S]`` memory in the blockwise path.
     query_seq_lengths: the same for queries: rows at positions ``>=`` the
       length get output 0, weights 0 and lse ``-inf``.
     local_window_size: ``w`` or ``(left, right)`` (jax.nn's argument,
@@ -167,7 +168,9 @@ def scaled_dot_product_attention(
       ``"blockwise"`` (``blockwise_attention``: O(T + S) memory, no weights,
       no dropout), ``"cudnn"`` (``jax.nn.dot_product_attention``'s fused GPU
       kernel: GPU, float16/bfloat16, ``[B, N, T, H]`` inputs, H <= 128 and a
-      multiple of 8, no weights, no dropout, no lse) or ``None``: dense when
+      multiple of 8, lengths ``[B, 1]`` and causal windows with ``T == S``;
+      no weights, dropout, lse, soft cap, segment ids, sinks, ``score_mod``
+      or block masks) or ``None``: dense when
       weights or dropout are asked for or ``T * S`` is below
       ``BLOCKWISE_MIN_SCORES``; otherwise cuDNN where its constraints hold,
       else blockwise. Every path gives the same numbers within float32

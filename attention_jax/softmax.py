@@ -11,6 +11,8 @@ ignore (what a ``-1e9`` fill gives, and what several peers return).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
@@ -74,3 +76,71 @@ def masked_logsumexp(logits: ArrayLike, mask: ArrayLike | None = None,
   lse = jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total,
                                                          1.0)), -jnp.inf)
   return jnp.squeeze(lse, axis)
+
+
+def softmax_and_lse(logits: ArrayLike, allowed: ArrayLike | None = None,
+                    axis: int = -1) -> tuple[jax.Array, jax.Array]:
+  """``(masked_softmax, masked_logsumexp)`` for logits with no garbage.
+
+  The fast form of the pair, for callers that know every blocked logit is
+  finite or ``-inf`` (e.g. a structural mask such as causal, with padding
+  zeroed). ``allowed`` becomes a ``0``/``-inf`` bias added to the logits,
+  so no select sits between the scores and the softmax and XLA fuses the
+  whole row pass with the products around it; a NaN or ``+inf`` logit at a
+  blocked entry is therefore NOT ignored (it gives NaN), which is why
+  ``masked_softmax`` keeps its selects. Otherwise the same numbers and the
+  same policy: a row with nothing allowed (or all ``-inf``) gets weights 0
+  and lse ``-inf``, with zero gradients. The gradient is the softmax's own,
+  ``y * (dx - sum(y * dx))``, as for ``jax.nn.softmax``.
+
+  Args:
+    logits: float array, e.g. ``[T, S]`` attention scores.
+    allowed: optional bool array broadcastable to ``logits``; True = may
+      attend.
+    axis: the axis to normalise over.
+
+  Returns:
+    ``(weights, lse)``: weights with the shape and dtype of ``logits``, lse
+    without ``axis``.
+
+  Example:
+    >>> w, lse = softmax_and_lse(jnp.array([[0.0, 0.0, 5.0], [1.0, 2.0, 3.0]]),
+    ...                          jnp.array([[1, 1, 0], [0, 0, 0]]))
+    >>> w
+    Array([[0.5, 0.5, 0. ],
+           [0. , 0. , 0. ]], dtype=float32)
+    >>> lse
+    Array([0.6931472,      -inf], dtype=float32)
+  """
+  logits = jnp.asarray(logits)
+  if allowed is not None:
+    blocked = jnp.where(jnp.asarray(allowed, dtype=bool),
+                        jnp.zeros((), logits.dtype),
+                        jnp.asarray(-jnp.inf, logits.dtype))
+    logits = logits + jnp.broadcast_to(blocked, logits.shape)
+  return _softmax_and_lse(logits, axis)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _softmax_and_lse(logits, axis):
+  """``softmax_and_lse`` of biased logits (blocked entries ``-inf``)."""
+  finfo = jnp.finfo(logits.dtype)
+  # An all -inf row has max -inf; any finite shift works there (every exp is
+  # then 0). A maximum rather than a select, which would split XLA's fusion.
+  row_max = jnp.maximum(jnp.max(logits, axis=axis, keepdims=True), finfo.min)
+  unnormalised = jnp.exp(logits - row_max)
+  # The max entry contributes exp(0) = 1, so the total is >= 1 unless the
+  # row is empty: total 0, weights 0 / tiny = 0, lse finfo.min + log(0).
+  total = jnp.sum(unnormalised, axis=axis, keepdims=True)
+  lse = jnp.squeeze(row_max + jnp.log(total), axis)
+  return unnormalised / jnp.maximum(total, finfo.tiny), lse
+
+
+@_softmax_and_lse.defjvp
+def _softmax_and_lse_jvp(axis, primals, tangents):
+  (logits,), (dlogits,) = primals, tangents
+  weights, lse = _softmax_and_lse(logits, axis)
+  # Blocked entries have weight 0, so their (finite) tangents drop out.
+  dlse = jnp.sum(weights * dlogits, axis=axis, keepdims=True)
+  return ((weights, lse),
+          (weights * (dlogits - dlse), jnp.squeeze(dlse, axis)))
