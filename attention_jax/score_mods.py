@@ -29,7 +29,7 @@ def alibi_slopes(num_heads: int) -> jax.Array:
 
   Example:
     >>> alibi_slopes(4)
-    Array([0.25    , 0.0625  , 0.015625, 0.00390625], dtype=float32)
+    Array([0.25      , 0.0625    , 0.015625  , 0.00390625], dtype=float32)
   """
   _checks.check_positive_int("num_heads", num_heads)
 
@@ -54,8 +54,9 @@ def alibi(score: jax.Array, q_idx: jax.Array, kv_idx: jax.Array,
   alignment) does not change the softmax.
 
   Example:
+    >>> import attention_jax as aj
     >>> q = k = v = jnp.ones((1, 2, 4, 8))  # [B, N, T, H]
-    >>> out = scaled_dot_product_attention(
+    >>> out = aj.scaled_dot_product_attention(
     ...     q, k, v, is_causal=True, score_mod=alibi,
     ...     score_mod_args=(alibi_slopes(2)[:, None, None],))
     >>> out.shape

@@ -90,6 +90,33 @@ class ReferenceTest(chex.TestCase):
         swap(q), swap(k), swap(v), bias=bias, mask=mask, is_causal=is_causal)
     chex.assert_trees_all_close(out, swap(expected), **F32_TOL)
 
+  @parameterized.product(
+      implementation=("dense", "blockwise"),
+      pattern=(dict(is_causal=True, local_window_size=(3, 0)),
+               dict(local_window_size=(2, 4)),
+               dict(is_causal=True, kv=(9, 5), q=(9, 6)),
+               dict(local_window_size=(1, 1), kv=(9, 7), q=(8, 8))))
+  def test_patterns_agree_with_jax_nn(self, implementation, pattern):
+    # The subset jax.nn shares: T == S (its windows align top-left, ours
+    # bottom-right, the same when T == S), and every query row below its
+    # length keeps a key (jax.nn averages V over fully masked rows; it zeroes
+    # rows past query_seq_lengths as we do). Layout swapped to [B, T, N, H].
+    pattern = dict(pattern)
+    kv, q_len = pattern.pop("kv", None), pattern.pop("q", None)
+    q, k, v = _qkv(t=9, s=9, h=8, hv=8, lead=(2, 4))
+    lengths = {}
+    if kv is not None:
+      lengths = dict(key_value_seq_lengths=jnp.array(kv),
+                     query_seq_lengths=jnp.array(q_len))
+    ours = aj.scaled_dot_product_attention(
+        q, k, v, implementation=implementation, **pattern,
+        **{name: x[:, None] for name, x in lengths.items()})
+    swap = lambda x: jnp.swapaxes(x, 1, 2)
+    theirs = swap(jax.nn.dot_product_attention(
+        swap(q), swap(k), swap(v), implementation="xla", **pattern,
+        **lengths))
+    chex.assert_trees_all_close(ours, theirs, **F32_TOL)
+
   def test_causal_is_bottom_right_aligned_unlike_jax_nn(self):
     q, k, v = _qkv(t=3, s=5, h=4, hv=4, lead=(1, 1))
     ours = aj.scaled_dot_product_attention(q, k, v, is_causal=True)
