@@ -51,8 +51,8 @@ class AttentionTest(parameterized.TestCase):
   @parameterized.product(
       ts=[(6, 6), (4, 7), (7, 4)],
       is_causal=[False, True],
-      window=[None, (2, 0), (1, 1), (0, 3)],
-      lengths=["none", "kv0", "q0"],
+      window=[None, (2, 0), (0, 3)],
+      lengths=["kv0", "q0"],
   )
   def test_matches_dense(self, ts, is_causal, window, lengths):
     t, s = ts
