@@ -73,15 +73,43 @@ def broadcast_shapes(what: str, **shapes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def check_broadcastable_to(name: str, shape: tuple[int, ...],
-                           target: tuple[int, ...], layout: str) -> None:
-  """Requires ``shape`` to broadcast to ``target`` without growing it."""
+                           target: tuple[int, ...], layout: str,
+                           full_shape: tuple[int, ...] | None = None) -> None:
+  """Requires ``shape`` to broadcast to ``target`` without growing it.
+
+  ``full_shape`` is the operand's whole shape when ``shape`` is a part of
+  it (the message shows what the caller passed).
+  """
   shape = tuple(shape)
   ok = len(shape) <= len(target) and all(
       s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
   if not ok:
+    whole = shape if full_shape is None else tuple(full_shape)
+    part = "" if whole == shape else f" (its last axes {shape})"
     raise ValueError(
-        f"{name} with shape {shape} is not broadcastable to {layout} = "
+        f"{name} with shape {whole}{part} is not broadcastable to {layout} = "
         f"{target}.")
+
+
+def check_static_bool(name: str, value) -> None:
+  """A flag that changes the program must be a Python bool, not traced."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"{name} must be a Python bool, got a traced value: pass it as a "
+        f"static argument (jax.jit(..., static_argnames=['{name}'])) or "
+        "close over it.")
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a Python bool, got {value!r} "
+                    f"({type(value).__name__}).")
+
+
+def as_array_operand(name: str, x, layout: str):
+  """``x`` as an array: None is refused by name, lists become arrays."""
+  if x is None:
+    raise TypeError(f"{name} is None: pass a float array {layout}.")
+  if isinstance(x, (list, tuple)):
+    return np.asarray(x)
+  return x
 
 
 def check_positive_int(name: str, value) -> None:
@@ -150,7 +178,7 @@ def _as_pair_operand(name, x, t, s):
   x = jnp.asarray(x)
   if x.ndim < 2:
     x = x.reshape((1,) * (2 - x.ndim) + x.shape)
-  check_broadcastable_to(name, x.shape[-2:], (t, s), "[T, S]")
+  check_broadcastable_to(name, x.shape[-2:], (t, s), "[T, S]", x.shape)
   return x
 
 
@@ -196,6 +224,10 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   ``K`` divides ``N`` (``_grouping``), ready for ``broadcast_vmap``.
   ``mask`` may be a ``BlockMask`` (returned as ``block_mask``).
   """
+  query, key, value = (as_array_operand(name, x, layout) for name, x, layout
+                       in (("query", query, "[..., T, H]"),
+                           ("key", key, "[..., S, H]"),
+                           ("value", value, "[..., S, Hv]")))
   for name, x in (("query", query), ("key", key), ("value", value)):
     check_float_array(name, x)
   check_min_rank("query", query, 2, "[..., T, H]")
@@ -233,7 +265,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     mask = _numerics.as_bool_mask(mask)
     if mask.ndim < 2:
       mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
-    check_broadcastable_to("mask", mask.shape[-2:], (t, s), "[T, S]")
+    check_broadcastable_to("mask", mask.shape[-2:], (t, s), "[T, S]",
+                           mask.shape)
     leading["mask"] = mask.shape[:-2]
   if bias is not None:
     bias = _as_pair_operand("bias", bias, t, s)

@@ -545,16 +545,23 @@ def single_head(q, k, v, h, *, out_dtype, **blocks):
 
 
 def validate(name, query, key, value, mask, bias, block_q, block_k, scale,
-             **structured):
+             flags=None, **structured):
   """Checks shared by the flash entry points (blockwise, ring).
 
   ``structured`` are the keyword arguments of ``_checks.attention_operands``
-  (lengths, window, soft cap, segment ids, sinks, score_mod). Returns
+  (lengths, window, soft cap, segment ids, sinks, score_mod); ``flags``
+  maps static bool arguments to their values. Returns
   ``(operands, scale, out_dtype)``: the ``_checks.Operands``, the scale
   (``1/sqrt(H)`` by default) and the output dtype.
   """
+  query, key, value = (_checks.as_array_operand(n, x, layout)
+                       for n, x, layout in (("query", query, "[..., T, H]"),
+                                            ("key", key, "[..., S, H]"),
+                                            ("value", value, "[..., S, Hv]")))
   ops = _checks.attention_operands(query, key, value, mask, bias,
                                    **structured)
+  for flag_name, flag in (flags or {}).items():
+    _checks.check_static_bool(flag_name, flag)
   for size_name, size in (("block_q", block_q), ("block_k", block_k)):
     if size is not None:
       _checks.check_positive_int(size_name, size)

@@ -110,7 +110,8 @@ def blockwise_attention(
   """
   ops, scale, out_dtype = _flash.validate(
       "blockwise_attention", query, key, value, mask, bias, block_q, block_k,
-      scale, key_value_seq_lengths=key_value_seq_lengths,
+      scale, flags={"is_causal": is_causal, "return_lse": return_lse},
+      key_value_seq_lengths=key_value_seq_lengths,
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,

@@ -210,6 +210,15 @@ def scaled_dot_product_attention(
     >>> w.shape
     (2, 4, 6)
   """
+  query, key, value = (_checks.as_array_operand(name, x, layout)
+                       for name, x, layout in (("query", query, "[..., T, H]"),
+                                               ("key", key, "[..., S, H]"),
+                                               ("value", value,
+                                                "[..., S, Hv]")))
+  for name, flag in (("is_causal", is_causal),
+                     ("return_weights", return_weights),
+                     ("return_lse", return_lse)):
+    _checks.check_static_bool(name, flag)
   ops = _checks.attention_operands(
       query, key, value, mask, bias,
       key_value_seq_lengths=key_value_seq_lengths,

@@ -337,7 +337,8 @@ def ring_attention(
           "compute position terms from q_idx/kv_idx in score_mod.")
   ops, scale, out_dtype = _flash.validate(
       "ring_attention", query, key, value, None, None, block_q, block_k,
-      scale, key_value_seq_lengths=key_value_seq_lengths,
+      scale, flags={"is_causal": is_causal, "return_lse": return_lse},
+      key_value_seq_lengths=key_value_seq_lengths,
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,

@@ -117,6 +117,13 @@ class ReferenceTest(chex.TestCase):
         **lengths))
     chex.assert_trees_all_close(ours, theirs, **F32_TOL)
 
+  def test_nested_lists_are_arrays(self):
+    # Lists are read as arrays (as jnp functions do), not refused with
+    # "Cannot determine dtype".
+    q = [[0.5, -1.0], [2.0, 0.25], [1.0, 1.0]]
+    for fn in (aj.scaled_dot_product_attention, aj.blockwise_attention):
+      chex.assert_trees_all_close(fn(q, q, q), fn(*(jnp.asarray(q),) * 3))
+
   def test_causal_is_bottom_right_aligned_unlike_jax_nn(self):
     q, k, v = _qkv(t=3, s=5, h=4, hv=4, lead=(1, 1))
     ours = aj.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -258,6 +258,18 @@ CASES = [
      r"score_mod_args\[0\] with shape \(4, 6\) has a T or S axis"),
     ("mha_segments_while_decoding", lambda: _decode_with_segments(),
      ValueError, r"query_segment_ids is not supported while decoding"),
+    ("sdpa_traced_is_causal", lambda: jax.jit(
+        lambda c: sdpa(Q, K, V, is_causal=c))(True), TypeError,
+     r"is_causal must be a Python bool, got a traced value: pass it as a "
+     r"static argument"),
+    ("blockwise_traced_return_lse", lambda: jax.jit(
+        lambda r: aj.blockwise_attention(Q, K, V, return_lse=r))(False),
+     TypeError, r"return_lse must be a Python bool, got a traced value"),
+    ("sdpa_key_none", lambda: sdpa(Q, None, V), TypeError,
+     r"key is None: pass a float array \[..., S, H\]"),
+    ("sdpa_mask_full_shape", lambda: sdpa(Q, K, V, jnp.ones((2, 1, 5), bool)),
+     ValueError, r"mask with shape \(2, 1, 5\) \(its last axes \(1, 5\)\) is "
+     r"not broadcastable to \[T, S\] = \(4, 6\)"),
     ("causal_mask_negative", lambda: aj.causal_mask(-1, 3), ValueError,
      r"q_len must be positive, got -1"),
     ("padding_mask_float", lambda: aj.padding_mask(jnp.ones((2,)), 4),
