@@ -17,6 +17,7 @@ from attention_jax.block_mask import chunked_mask_fn
 from attention_jax.block_mask import prefix_lm_mask_fn
 from attention_jax.blockwise import blockwise_attention
 from attention_jax.dot_product import scaled_dot_product_attention
+from attention_jax.interop import dot_product_attention
 from attention_jax.kv_cache import update_kv_cache
 from attention_jax.luong import init_luong_params
 from attention_jax.luong import luong_attention
@@ -34,6 +35,8 @@ from attention_jax.multi_head import merge_heads
 from attention_jax.multi_head import multi_head_attention
 from attention_jax.multi_head import split_heads
 from attention_jax.ring import ring_attention
+from attention_jax.rope import apply_rope
+from attention_jax.rope import segment_positions
 from attention_jax.score_mods import alibi
 from attention_jax.score_mods import alibi_slopes
 from attention_jax.softmax import masked_softmax
@@ -47,6 +50,7 @@ __all__ = [
     "MultiHeadAttention",
     "alibi",
     "alibi_slopes",
+    "apply_rope",
     "attend_heads",
     "block_mask",
     "blockwise_attention",
@@ -56,6 +60,7 @@ __all__ = [
     "additive_score",
     "causal_mask",
     "combine_masks",
+    "dot_product_attention",
     "init_additive_params",
     "init_luong_params",
     "init_multi_head_params",
@@ -70,5 +75,6 @@ __all__ = [
     "prefix_lm_mask_fn",
     "ring_attention",
     "scaled_dot_product_attention",
+    "segment_positions",
     "split_heads",
 ]

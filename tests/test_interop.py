@@ -1,0 +1,265 @@
+"""interop.dot_product_attention against jax.nn.dot_product_attention.
+
+Every comparison is with jax.nn's ``implementation='xla'`` in jax.nn's own
+``[B, T, N, H]`` layout and its own top-left causal/window alignment, on
+rows where jax.nn's answer is defined as ours (rows that see at least one
+key; the tests check that they all do, or say which do not).
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax import interop
+from tests import _data
+
+# Both sides compute in float32 with sums over <= 8 terms of magnitude
+# <= ~4, in different orders (grouped heads, swapped layouts): differences
+# stay below ~1e-6; 1e-5 leaves an order of magnitude of headroom. The same
+# holds for the gradients, which add one more such sum.
+F32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _qkv(b=2, t=4, s=6, n=4, k=4, h=8, seed=0):
+  """``[B, T, N, H]`` queries and ``[B, S, K, H]`` keys/values."""
+  return (_data.normal(seed, (b, t, n, h)), _data.normal(seed + 1, (b, s, k, h)),
+          _data.normal(seed + 2, (b, s, k, h)))
+
+
+# Arguments that change the program: closed over, not traced.
+_STATIC = ("scale", "is_causal", "local_window_size", "implementation",
+           "return_residual")
+
+
+def _ours_and_theirs(q, k, v, implementation=None, grad=False, **kwargs):
+  """Ours and jax.nn's xla outputs (or q/k/v gradients), in one jit.
+
+  One compiled program per case instead of a compile per eager op keeps
+  the file fast; it also runs every case with traced lengths/masks/biases.
+  """
+  static = {n: kwargs.pop(n) for n in _STATIC if n in kwargs}
+  ours_fn = functools.partial(interop.dot_product_attention,
+                              implementation=implementation, **static)
+  theirs_fn = functools.partial(jax.nn.dot_product_attention,
+                                implementation="xla", **static)
+  cotangent = _data.normal(9, q.shape)
+
+  def loss(fn, q, k, v, arrays):
+    return jnp.sum(fn(q, k, v, **arrays) * cotangent)
+
+  @jax.jit
+  def run(q, k, v, arrays):
+    if grad:
+      return tuple(jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2))(
+          q, k, v, arrays) for fn in (ours_fn, theirs_fn))
+    return ours_fn(q, k, v, **arrays), theirs_fn(q, k, v, **arrays)
+
+  return run(q, k, v, kwargs)
+
+
+def _top_left_band(t, s, is_causal, window):
+  """jax.nn's visibility ``[T, S]``, written out independently."""
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  ok = np.ones((t, s), bool)
+  if is_causal:
+    ok &= j <= i
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    ok &= (i - left <= j) & (j <= i + right)
+  return ok
+
+
+class AgreesWithJaxNnTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("plain", dict()),
+      ("gqa", dict(k=2)),
+      ("mqa", dict(k=1)),
+      ("bias", dict(bias=True)),
+      ("gqa_bias_mask", dict(k=2, bias=True, mask=True)),
+      ("mask_4d", dict(mask=True)),
+      ("scale", dict(scale=0.3)),
+      ("causal_square", dict(t=5, s=5, is_causal=True)),
+      ("causal_more_keys_top_left", dict(t=3, s=6, is_causal=True)),
+      ("causal_more_queries_top_left", dict(t=6, s=4, is_causal=True)),
+      ("causal_gqa_mask_bias_t_ne_s",
+       dict(t=5, s=7, k=2, is_causal=True, mask=True, bias=True)),
+      ("window_int_square", dict(t=6, s=6, local_window_size=1)),
+      ("window_tuple_square", dict(t=6, s=6, local_window_size=(2, 0))),
+      ("window_causal_square",
+       dict(t=6, s=6, local_window_size=(1, 3), is_causal=True)),
+      ("window_int_more_keys", dict(t=5, s=7, local_window_size=1)),
+      ("window_tuple_more_queries", dict(t=6, s=4, local_window_size=(2, 1))),
+      ("window_causal_more_keys",
+       dict(t=4, s=7, local_window_size=(2, 0), is_causal=True)),
+      ("lengths", dict(t=5, s=6, query_seq_lengths=(3, 5),
+                       key_value_seq_lengths=(4, 6))),
+      ("lengths_causal_t_ne_s", dict(t=5, s=7, is_causal=True, k=2,
+                                     query_seq_lengths=(5, 2),
+                                     key_value_seq_lengths=(7, 3))),
+  )
+  def test_output_matches(self, case):
+    case = dict(case)
+    shape = {d: case.pop(d) for d in ("t", "s", "n", "k") if d in case}
+    q, k, v = _qkv(**shape)
+    b, t, n, _ = q.shape
+    s = k.shape[1]
+    kwargs = dict(scale=case.pop("scale", None),
+                  is_causal=case.pop("is_causal", False),
+                  local_window_size=case.pop("local_window_size", None))
+    if case.pop("bias", False):
+      kwargs["bias"] = _data.normal(5, (b, n, t, s))
+    if case.pop("mask", False):  # column 0 kept open where the band allows
+      mask = _data.bernoulli(6, 0.6, (b, 1, t, s))
+      kwargs["mask"] = mask.at[..., 0].set(True).at[..., t - 1, :].set(True)
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+      if name in case:
+        kwargs[name] = jnp.array(case.pop(name), jnp.int32)
+    self.assertEqual(case, {})
+    # Every row below its query length sees a key, so jax.nn's answer is
+    # defined as ours everywhere.
+    sees = _top_left_band(t, s, kwargs["is_causal"],
+                          kwargs["local_window_size"])[None, None]
+    if "mask" in kwargs:
+      sees = sees & np.asarray(kwargs["mask"])
+    if "key_value_seq_lengths" in kwargs:
+      sees = sees & (np.arange(s) < np.asarray(
+          kwargs["key_value_seq_lengths"])[:, None, None, None])
+    rows = np.arange(t)[None, None, :]
+    if "query_seq_lengths" in kwargs:
+      rows = rows < np.asarray(kwargs["query_seq_lengths"])[:, None, None]
+    else:
+      rows = np.ones((1, 1, t), bool)
+    self.assertTrue(np.all(sees.any(-1) | ~rows))
+    ours, theirs = _ours_and_theirs(q, k, v, **kwargs)
+    chex.assert_trees_all_close(ours, theirs, **F32_TOL)
+
+  @parameterized.named_parameters(
+      ("gqa_bias_mask", dict(k=2), dict(bias=(5, (2, 4, 4, 6)),
+                                        mask=(6, (2, 1, 4, 6)))),
+      ("causal_t_ne_s_lengths", dict(t=6, s=4, k=1),
+       dict(is_causal=True, query_seq_lengths=(6, 4),
+            key_value_seq_lengths=(4, 3))),
+      ("window_t_ne_s", dict(t=4, s=7), dict(local_window_size=(1, 2))),
+  )
+  def test_gradients_match(self, shape, case):
+    q, k, v = _qkv(**shape)
+    kwargs = dict(case)
+    if "bias" in kwargs:
+      kwargs["bias"] = _data.normal(*kwargs["bias"])
+    if "mask" in kwargs:
+      seed, mask_shape = kwargs["mask"]
+      kwargs["mask"] = _data.bernoulli(seed, 0.6, mask_shape).at[..., 0].set(
+          True)
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+      if name in kwargs:
+        kwargs[name] = jnp.array(kwargs[name], jnp.int32)
+    ours, theirs = _ours_and_theirs(q, k, v, implementation="xla", grad=True,
+                                    **kwargs)
+    chex.assert_trees_all_close(ours, theirs, **F32_TOL)
+
+  def test_unbatched_inputs(self):
+    q, k, v = (x[0] for x in _qkv(t=5, s=7, k=2))  # [T, N, H], [S, K, H]
+    bias = _data.normal(5, (4, 5, 7))  # [N, T, S]
+    kwargs = dict(bias=bias, is_causal=True,
+                  key_value_seq_lengths=jnp.array([6], jnp.int32))
+    ours, theirs = _ours_and_theirs(q, k, v, return_residual=True, **kwargs)
+    chex.assert_shape(ours, ((5, 4, 8), (5, 4)))
+    chex.assert_trees_all_close(ours, theirs, **F32_TOL)
+
+  def test_residual_matches(self):
+    q, k, v = _qkv(t=5, s=7, k=2)
+    kwargs = dict(is_causal=True, local_window_size=(2, 0), scale=0.5,
+                  bias=_data.normal(5, (2, 4, 5, 7)))
+    ours, theirs = _ours_and_theirs(q, k, v, implementation="xla",
+                                    return_residual=True, **kwargs)
+    chex.assert_shape(ours[1], (2, 5, 4))
+    chex.assert_trees_all_close(ours, theirs, **F32_TOL)
+
+
+class DocumentedDifferenceTest(absltest.TestCase):
+
+  def test_row_that_sees_nothing_is_zero_not_the_mean_of_values(self):
+    q, k, v = _qkv(t=4, s=6, k=2)
+    mask = jnp.ones((2, 1, 4, 6), bool).at[0, 0, 1].set(False)  # b 0, row 1
+    lengths = jnp.array([6, 0], jnp.int32)  # example 1: no key at all
+    (ours, lse), (theirs, _) = _ours_and_theirs(
+        q, k, v, mask=mask, key_value_seq_lengths=lengths,
+        return_residual=True)
+    np.testing.assert_array_equal(ours[0, 1], 0.0)
+    np.testing.assert_array_equal(ours[1], 0.0)
+    self.assertTrue(np.all(np.isneginf(lse[0, 1])))
+    self.assertTrue(np.all(np.isneginf(lse[1])))
+    # jax.nn averages the values (of each query head's key/value head).
+    mean = jnp.repeat(v.mean(axis=1), 2, axis=1)  # [B, N, H]
+    chex.assert_trees_all_close(theirs[0, 1], mean[0], **F32_TOL)
+    chex.assert_trees_all_close(theirs[1], jnp.broadcast_to(
+        mean[1], (4, 4, 8)), **F32_TOL)
+    # Every other row agrees.
+    chex.assert_trees_all_close(ours[0, [0, 2, 3]], theirs[0, [0, 2, 3]],
+                                **F32_TOL)
+
+  def test_window_past_the_keys_gives_zero_rows(self):
+    # Top-left window (1, 0) with T = 6 > S = 3: queries 4 and 5 see nothing.
+    q, k, v = _qkv(t=6, s=3)
+    ours, theirs = _ours_and_theirs(q, k, v, local_window_size=(1, 0))
+    np.testing.assert_array_equal(ours[:, 4:], 0.0)
+    chex.assert_trees_all_close(ours[:, :4], theirs[:, :4], **F32_TOL)
+
+
+class ValidationTest(parameterized.TestCase):
+
+  def test_wrong_rank_names_the_layout_and_the_swap(self):
+    q = jnp.ones((4, 8))
+    with self.assertRaisesRegex(ValueError, r"(?s)\[B, T, N, H\].*"
+                                r"jnp\.swapaxes\(x, 1, 2\).*\[B, N, T, H\]"):
+      interop.dot_product_attention(q, q, q)
+
+  def test_heads_that_do_not_group_name_the_layout(self):
+    q, k, v = _qkv(n=4, k=3)
+    with self.assertRaisesRegex(ValueError, r"(?s)multiple.*\[B, T, N, H\]"
+                                r".*jnp\.swapaxes"):
+      interop.dot_product_attention(q, k, v)
+
+  def test_mismatched_batch_names_the_layout(self):
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(ValueError, r"(?s)\[B, T, N, H\].*swapaxes"):
+      interop.dot_product_attention(q[:1], k, v)
+
+  @parameterized.named_parameters(
+      ("lengths_not_b", dict(key_value_seq_lengths=jnp.ones((2, 1), int)),
+       ValueError, r"\[B\]"),
+      ("lengths_past_s",
+       dict(key_value_seq_lengths=jnp.array([7, 3], jnp.int32)), ValueError,
+       r"\[0, 6\]"),
+      ("float_lengths", dict(query_seq_lengths=jnp.ones((2,))), TypeError,
+       "integer"),
+      ("mask_rank_5", dict(mask=jnp.ones((1, 2, 4, 4, 6), bool)), ValueError,
+       r"rank <= 4"),
+      ("mask_not_broadcastable", dict(mask=jnp.ones((2, 3, 4, 6), bool)),
+       ValueError, r"\[B, N, T, S\]"),
+      ("float_mask", dict(mask=jnp.ones((4, 6))), TypeError, "bias"),
+      ("implementation", dict(implementation="dense"), ValueError, "'xla'"),
+      ("negative_window", dict(local_window_size=-1), ValueError,
+       "non-negative"),
+  )
+  def test_bad_arguments(self, kwargs, error, regex):
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(error, regex):
+      interop.dot_product_attention(q, k, v, **kwargs)
+
+  def test_cudnn_refused_off_gpu(self):
+    if jax.default_backend() == "gpu":
+      self.skipTest("cuDNN is available here")
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(ValueError, "cudnn"):
+      interop.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+if __name__ == "__main__":
+  absltest.main()
