@@ -37,6 +37,7 @@ from attention_jax import _patterns
 from attention_jax import dot_product
 from attention_jax import kv_cache
 from attention_jax import masks
+from attention_jax import rope as rope_lib
 from attention_jax import sharding
 
 Params = dict[str, dict[str, jax.Array]]
@@ -332,6 +333,27 @@ def _decode_pattern(pattern: dict[str, Any], visible, index):
   return pattern, visible
 
 
+def _rope_positions(t: int, s: int, cache, pattern):
+  """Positions of this call's queries and keys for rotary embeddings.
+
+  Decoding: both at ``index + i`` (keys are rotated before they enter the
+  cache). Packed documents: restarting per segment (``segment_positions``,
+  ``[B, 1, T]``). Otherwise ``arange``, queries bottom-right aligned
+  (``S - T + i``, the package's convention).
+  """
+  if cache is not None:
+    here = cache.index + jnp.arange(t)
+    return here, here
+  q_ids, k_ids = (pattern.get(n) for n in ("query_segment_ids",
+                                            "key_segment_ids"))
+  if q_ids is not None and k_ids is not None:
+    as_heads = lambda ids: rope_lib.segment_positions(
+        jnp.asarray(ids))[:, None, :] if np.ndim(ids) == 2 else (
+            rope_lib.segment_positions(jnp.asarray(ids)))
+    return as_heads(q_ids), as_heads(k_ids)
+  return s - t + jnp.arange(t), jnp.arange(s)
+
+
 class KVCache(NamedTuple):
   """A key/value cache: buffers ``[B, K, L, H]`` and the filled count."""
   key: jax.Array
@@ -383,6 +405,7 @@ def forward(
     return_weights: bool = False,
     head_axis: str | None = None,
     cache: KVCache | None = None,
+    rope: float | None = None,
     **pattern: Any,
 ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """The one projection -> attention -> output path, with or without a cache.
@@ -393,7 +416,9 @@ def forward(
   queries attend causally to every filled slot; ``mask``/``bias`` are then
   over the ``L`` cache slots (``[B, N, T, L]``). ``pattern`` holds the
   structured-attention arguments (``PATTERN_ARGS``) in the ``[B, T, D]``
-  layout (lengths ``[B]``, segment ids ``[B, T]``).
+  layout (lengths ``[B]``, segment ids ``[B, T]``). ``rope`` is the base of
+  rotary position embeddings applied to the projected queries and keys
+  (``_rope_positions`` says which positions), None for none.
 
   Returns:
     ``(output [B, T, D], weights [B, N, T, S or L] or None, updated cache or
@@ -421,6 +446,10 @@ def forward(
   k = project_heads(key, params["W_k"], num_kv_heads)  # [B, K, S, H]
   v = project_heads(value, params["W_v"], num_kv_heads)  # [B, K, S, H]
   q, k, v = (sharding.constrain_heads(x, head_axis) for x in (q, k, v))
+  if rope is not None:
+    q_pos, k_pos = _rope_positions(t, k.shape[2], cache, pattern)
+    q = rope_lib.apply_rope(q, q_pos, base=rope)
+    k = rope_lib.apply_rope(k, k_pos, base=rope)  # cached keys stay rotated
   if cache is not None:
     k, v, visible = kv_cache.update_kv_cache(cache.key, cache.value,
                                              cache.index, k, v)  # [B, K, L, H]
@@ -465,6 +494,7 @@ def multi_head_attention(
     sinks: ArrayLike | None = None,
     score_mod: Any = None,
     score_mod_args: tuple[ArrayLike, ...] = (),
+    rope: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
@@ -502,6 +532,10 @@ def multi_head_attention(
     sinks: optional float ``[N]``: per-head sink logits.
     score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)``.
     score_mod_args: arrays broadcastable to ``[B, N, T, S]``.
+    rope: base of rotary position embeddings (e.g. ``10000.0``) applied to
+      the projected queries and keys (``apply_rope``; positions restart per
+      document with segment ids, queries bottom-right aligned otherwise);
+      None for none.
 
   Returns:
     ``output [B, T, D]``, or ``(output, weights float32 [B, N, T, S])`` with
@@ -528,5 +562,5 @@ def multi_head_attention(
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
       logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
-      score_mod_args=score_mod_args)
+      score_mod_args=score_mod_args, rope=rope)
   return (output, weights) if return_weights else output

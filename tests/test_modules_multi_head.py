@@ -148,6 +148,43 @@ class KVCacheTest(parameterized.TestCase):
     chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
                                 rtol=2e-6)
 
+  def test_rope_equals_rotating_projected_heads_by_hand(self):
+    # Independent of the module's path: project with plain matmuls, rotate
+    # with apply_rope (itself tested against NumPy), attend, project out.
+    mha = _module(num_kv_heads=2, rope=500.0)
+    x = _x(seed=5, t=6)
+    p = mha.params_dict()
+
+    def heads(name, n):
+      y = x @ p[name]["kernel"] + p[name]["bias"][None, None]  # [B, T, n*H]
+      return jnp.swapaxes(y.reshape(2, 6, n, 4), 1, 2)  # [B, n, T, H]
+
+    pos = jnp.arange(6)
+    q = aj.apply_rope(heads("W_q", 4), pos, base=500.0)
+    k = aj.apply_rope(heads("W_k", 2), pos, base=500.0)
+    out = aj.scaled_dot_product_attention(q, k, heads("W_v", 2),
+                                          is_causal=True)
+    out = jnp.swapaxes(out, 1, 2).reshape(2, 6, 16)
+    want = out @ p["W_o"]["kernel"] + p["W_o"]["bias"][None, None]
+    chex.assert_trees_all_close(mha(x, is_causal=True), want, atol=2e-6,
+                                rtol=2e-6)
+
+  def test_rope_decoding_and_packing_equal_the_full_forward(self):
+    mha = _module(num_kv_heads=2, rope=10000.0, local_window_size=(3, 0))
+    x = _x(seed=6, t=8)
+    full = mha(x, is_causal=True)
+    mha.init_cache(batch_size=2, max_length=9)
+    pieces = [mha(x[:, a:b], decode=True) for a, b in ((0, 5), (5, 6),
+                                                          (6, 8))]
+    chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
+                                rtol=2e-6)
+    # Packed: the second document's positions restart at 0.
+    ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]] * 2)
+    packed = mha(x, is_causal=True, query_segment_ids=ids,
+                 key_segment_ids=ids)
+    chex.assert_trees_all_close(packed[:, 3:], mha(x[:, 3:], is_causal=True),
+                                atol=2e-6, rtol=2e-6)
+
   def test_packed_documents_equal_separate_sequences(self):
     # Two documents packed in one row attend as if run separately.
     mha = _module(local_window_size=None)

@@ -316,6 +316,9 @@ MODULE_CASES = [
     ("mha_soft_cap", lambda: aj.MultiHeadAttention(
         16, 4, logits_soft_cap=-1.0, rngs=nnx.Rngs(0)), ValueError,
      r"logits_soft_cap must be positive"),
+    ("mha_rope_base", lambda: aj.MultiHeadAttention(
+        16, 4, rope=-1.0, rngs=nnx.Rngs(0)), ValueError,
+     r"rope is the rotary base, a positive number"),
     ("bahdanau_hidden", lambda: aj.BahdanauAttention(
         6, 4, 0, rngs=nnx.Rngs(0)), ValueError,
      r"hidden_features must be positive, got 0"),

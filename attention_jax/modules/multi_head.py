@@ -94,6 +94,9 @@ class MultiHeadAttention(nnx.Module):
       denominator.
     score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)`` applied
       in every call (``score_mod_args`` per call); e.g. ``aj.alibi``.
+    rope: base of rotary position embeddings (e.g. ``10000.0``) on the
+      projected queries and keys, None for none. Positions come from the
+      cache while decoding and restart per document with segment ids.
 
   Example:
     >>> mha = MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
@@ -131,6 +134,7 @@ class MultiHeadAttention(nnx.Module):
       logits_soft_cap: float | None = None,
       attention_sinks: bool = False,
       score_mod: multi_head.ScoreMod | None = None,
+      rope: float | None = None,
   ):
     num_kv_heads = _checks.check_head_counts(d_model, num_heads,
                                              num_kv_heads)
@@ -158,6 +162,11 @@ class MultiHeadAttention(nnx.Module):
     _checks.check_soft_cap(logits_soft_cap)
     self.logits_soft_cap = logits_soft_cap
     self.score_mod = score_mod
+    if rope is not None and (isinstance(rope, bool) or not isinstance(
+        rope, (int, float)) or not rope > 0):
+      raise ValueError(f"rope is the rotary base, a positive number such as "
+                       f"10000.0, or None; got {rope!r}.")
+    self.rope = rope
     self.sinks = nnx.data(None)
     if attention_sinks:
       self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype))  # [N]
@@ -293,7 +302,8 @@ class MultiHeadAttention(nnx.Module):
         query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
         logits_soft_cap=self.logits_soft_cap,
         sinks=None if self.sinks is None else self.sinks[...],
-        score_mod=self.score_mod, score_mod_args=score_mod_args)
+        score_mod=self.score_mod, score_mod_args=score_mod_args,
+        rope=self.rope)
     if decode:
       self.cached_key[...] = cache.key
       self.cached_value[...] = cache.value
