@@ -16,6 +16,7 @@ import numpy as np
 
 import attention_jax as aj
 from attention_jax import _cudnn
+from attention_jax import dot_product
 from tests import _data
 
 # Both sides compute in float32 (jax.nn's logits and softmax, the dense
@@ -211,6 +212,34 @@ class NoGpuTest(absltest.TestCase):
     q, k, v = _qkv(8, 8, jnp.bfloat16)
     self.assertRegex(_cudnn.problem(q, k, v, None, None, None, False, {}),
                      "needs a GPU")
+
+
+class MultiHeadDispatchTest(absltest.TestCase):
+
+  def test_multi_head_path_reaches_cudnn_with_its_own_operands(self):
+    # attend_heads hands 4-D [B, N, T, H] queries over [B, K, S, H] keys to
+    # the dispatcher; with a GPU (patched) and bf16 inputs large enough for
+    # the fused kernel it must pick cuDNN and pass the ungrouped operands
+    # (jax.nn groups heads itself). The kernel call is recorded, not run.
+    q = jnp.zeros((1, 8, 1024, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 2, 1024, 64), jnp.bfloat16)
+    seen = {}
+
+    def fake(query, key, value, *args, **kwargs):
+      seen.update(query=query.shape, key=key.shape, causal=kwargs["is_causal"])
+      return jnp.zeros(query.shape, query.dtype)
+
+    with mock.patch.object(jax, "default_backend", return_value="gpu"), \
+        mock.patch.object(_cudnn, "attention", fake):
+      aj.attend_heads(q, kv, kv, is_causal=True)
+      self.assertEqual(seen, dict(query=(1, 8, 1024, 64),
+                                  key=(1, 2, 1024, 64), causal=True))
+      # A pattern cuDNN cannot take sends the automatic choice elsewhere.
+      choice = dot_product.choose_implementation(
+          None, q, kv, kv, None, None, None, return_weights=False,
+          dropout_on=False, return_lse=False, is_causal=True,
+          structured={"sinks": jnp.zeros(8)})
+      self.assertEqual(choice, "blockwise")
 
 
 if __name__ == "__main__":
