@@ -280,38 +280,41 @@ def _segment_summary(st: Static, ex: Extras):
           *_patterns.block_min_max(ex.k_seg, st.bk))
 
 
-def _key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
-  """Key blocks query block ``i`` visits, and the full ones among them."""
-  i0 = i * st.bq
-  lo, hi = _patterns.key_block_range(st.bounds, i0, st.bq, st.bk, num_k,
-                                     place.offset, ex.length, ex.q_length)
-  full_lo, full_hi = _patterns.full_key_block_range(
-      st.bounds, i0, st.bq, st.bk, num_k, place.offset, ex.length,
-      ex.q_length, st.s)
-  if seg is not None:
-    q_min, q_max, k_min, k_max = seg
-    a, b, c, d = _patterns.segment_block_ranges(q_min[i], q_max[i], k_min,
-                                                k_max)
+def _intersect(pattern, segments):
+  """Pattern intervals ``(lo, hi, full_lo, full_hi)`` and the segment ones."""
+  lo, hi, full_lo, full_hi = pattern
+  if segments is not None:
+    a, b, c, d = segments
     lo, hi = jnp.maximum(lo, a), jnp.minimum(hi, b)
     full_lo, full_hi = jnp.maximum(full_lo, c), jnp.minimum(full_hi, d)
   return _nested(lo, hi, full_lo, full_hi)
+
+
+def _key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
+  """Key blocks query block ``i`` visits, and the full ones among them."""
+  args = (st.bounds, i * st.bq, st.bq, st.bk, num_k, place.offset, ex.length,
+          ex.q_length)
+  segments = None
+  if seg is not None:
+    q_min, q_max, k_min, k_max = seg
+    segments = _patterns.segment_block_ranges(q_min[i], q_max[i], k_min,
+                                              k_max)
+  return _intersect((*_patterns.key_block_range(*args),
+                     *_patterns.full_key_block_range(*args, st.s)), segments)
 
 
 def _query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
   """Query blocks that visit key block ``j``, and those that see all of it."""
-  j0 = j * st.bk
-  lo, hi = _patterns.query_block_range(st.bounds, j0, st.bq, st.bk, num_q,
-                                       place.offset, ex.length, ex.q_length)
-  full_lo, full_hi = _patterns.full_query_block_range(
-      st.bounds, j0, st.bq, st.bk, num_q, place.offset, ex.length,
-      ex.q_length, st.s)
+  args = (st.bounds, j * st.bk, st.bq, st.bk, num_q, place.offset, ex.length,
+          ex.q_length)
+  segments = None
   if seg is not None:
     q_min, q_max, k_min, k_max = seg
-    a, b, c, d = _patterns.segment_block_ranges(k_min[j], k_max[j], q_min,
-                                                q_max)
-    lo, hi = jnp.maximum(lo, a), jnp.minimum(hi, b)
-    full_lo, full_hi = jnp.maximum(full_lo, c), jnp.minimum(full_hi, d)
-  return _nested(lo, hi, full_lo, full_hi)
+    segments = _patterns.segment_block_ranges(k_min[j], k_max[j], q_min,
+                                              q_max)
+  return _intersect((*_patterns.query_block_range(*args),
+                     *_patterns.full_query_block_range(*args, st.s)),
+                    segments)
 
 
 def _walk(st: Static, ex: Extras, ranges, listed, count: int, body, carry):
@@ -554,10 +557,6 @@ def validate(name, query, key, value, mask, bias, block_q, block_k, scale,
   ``(operands, scale, out_dtype)``: the ``_checks.Operands``, the scale
   (``1/sqrt(H)`` by default) and the output dtype.
   """
-  query, key, value = (_checks.as_array_operand(n, x, layout)
-                       for n, x, layout in (("query", query, "[..., T, H]"),
-                                            ("key", key, "[..., S, H]"),
-                                            ("value", value, "[..., S, Hv]")))
   ops = _checks.attention_operands(query, key, value, mask, bias,
                                    **structured)
   for flag_name, flag in (flags or {}).items():
@@ -565,9 +564,10 @@ def validate(name, query, key, value, mask, bias, block_q, block_k, scale,
   for size_name, size in (("block_q", block_q), ("block_k", block_k)):
     if size is not None:
       _checks.check_positive_int(size_name, size)
-  h = _checks.shape_of(query)[-1]
+  # The validated operands (arrays, lists converted) give H and the dtype.
+  h = ops.query.shape[-1]
   scale = 1.0 / math.sqrt(h) if scale is None else scale
-  out_dtype = jnp.result_type(query, key, value)
+  out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
   if jnp.promote_types(out_dtype, jnp.float32) != jnp.float32:
     raise TypeError(f"{name} computes in float32; got float64 inputs (use "
                     "scaled_dot_product_attention for float64).")
