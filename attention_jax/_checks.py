@@ -182,6 +182,62 @@ def _as_pair_operand(name, x, t, s):
   return x
 
 
+def _logits_layout(rank: int) -> str:
+  return {2: "[T, S]", 3: "[B, T, S]", 4: "[B, N, T, S]"}.get(
+      rank, "[" + ", ".join(["..."] * (rank - 2)) + ", T, S]")
+
+
+def _rank_fix(name: str, shape: tuple[int, ...],
+              logits: tuple[int, ...]) -> str:
+  """How to give ``shape`` the rank of ``logits``, said for the likely intent."""
+  rank, gap = len(logits), len(logits) - len(shape)
+  lead = ", ".join(["None"] * gap)
+  hints = []
+  if len(shape) == 2 and rank >= 3 and shape[-1] in (1, logits[-1]):
+    if shape[0] in (1, logits[0]):  # a [B, S] key-padding mask
+      middle = ", ".join(["None"] * (rank - 2))
+      hints.append(f"a [B, S] padding {name} becomes {name}[:, {middle}, :]")
+    if shape[0] in (1, logits[-2]):  # a [T, S] mask shared by the batch
+      hints.append(f"a [T, S] {name} becomes {name}[{lead}]")
+  elif gap > 0:
+    hints.append(f"leading size-1 axes: {name}[{lead}]")
+  return "; ".join(hints)
+
+
+def check_logits_rank(name: str, shape: tuple[int, ...],
+                      logits: tuple[int, ...],
+                      layout: str | None = None) -> None:
+  """Masks and biases carry the logits' full rank (size-1 axes broadcast).
+
+  NumPy would align a lower-rank operand to the right, so a ``[B, S]``
+  padding mask against ``[B, N, T, S]`` logits would be read as ``[T, S]``
+  whenever ``T == B``: a silent wrong answer. jax.nn requires 4-D masks for
+  the same reason; here the rank must be at least the logits' (more
+  leading axes broadcast the batch, as they do for the operands).
+  """
+  shape = tuple(shape)
+  if len(shape) >= len(logits):  # more leading axes extend the batch
+    return
+  layout = layout or _logits_layout(len(logits))
+  fix = _rank_fix(name, shape, logits)
+  fix = f" ({fix})" if fix else ""
+  other = (", or build it with aj.make_attention_mask(query_valid, "
+           "key_valid); for key padding alone pass key_value_seq_lengths "
+           "instead of a mask") if name == "mask" else ""
+  raise ValueError(
+      f"{name} with shape {shape} has rank {len(shape)}, but the logits are "
+      f"{layout} = {logits} (rank {len(logits)}): a {name} must have the "
+      f"logits' full rank, with size-1 axes where it is shared, so its axes "
+      f"cannot be read two ways. Add the missing axes{fix}{other}.")
+
+
+_JAX_NN_LAYOUT = (
+    " The operands are read as [..., N, T, H] queries over [..., K, S, H] "
+    "keys/values; jax.nn's [B, T, N, H] layout converts with "
+    "jnp.swapaxes(x, 1, 2) (or call aj.dot_product_attention, which takes "
+    "it as it is).")
+
+
 def _segment_ids(name, ids, size, letter, leading_rank):
   """Integer ids ``[size]`` or ``[..., size]`` with one axis per leading dim."""
   if isinstance(ids, (list, tuple)):
@@ -211,6 +267,30 @@ def check_concrete_range(name, lengths, upper: int) -> None:
         f"to {values.max()} (shape {values.shape}).")
 
 
+def _logits_shape(leading, t: int, s: int) -> tuple[int, ...]:
+  """The logits' shape ``[..., T, S]`` for messages (leading dims as given
+  when they do not broadcast; the broadcast check reports that)."""
+  try:
+    lead = tuple(jnp.broadcast_shapes(*leading.values()))
+  except ValueError:
+    lead = max(leading.values(), key=len)
+  return lead + (t, s)
+
+
+def _check_pair_axes(name, shape, t, s, q_shape, k_shape) -> None:
+  """The last two axes fit ``[T, S]``; says so when jax.nn's layout would."""
+  try:
+    check_broadcastable_to(name, shape[-2:], (t, s), "[T, S]", shape)
+  except ValueError as e:
+    hint = ""
+    if len(q_shape) == 4 and len(k_shape) == 4:
+      swapped = (q_shape[1], k_shape[1])  # T, S if read as [B, T, N, H]
+      if all(m in (1, w) for m, w in zip(shape[-2:], swapped)):
+        hint = (" It would fit if the operands were jax.nn's [B, T, N, H] "
+                "layout." + _JAX_NN_LAYOUT)
+    raise ValueError(str(e) + hint) from None
+
+
 def attention_operands(query, key, value, mask=None, bias=None, *,
                        key_value_seq_lengths=None, query_seq_lengths=None,
                        local_window_size=None, logits_soft_cap=None,
@@ -237,7 +317,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   if q_shape[-1] != k_shape[-1]:
     raise ValueError(
         f"query and key must have the same head dim H (last axis): query "
-        f"{q_shape}, key {k_shape}.")
+        f"{q_shape}, key {k_shape}."
+        + (_JAX_NN_LAYOUT if len(q_shape) == 4 else ""))
   if k_shape[-2] != v_shape[-2]:
     raise ValueError(
         f"key and value must have the same length S (axis -2): key "
@@ -260,16 +341,18 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
           f"mask is a BlockMask built for [T, S] = {list(block_mask.shape)}, "
           f"but the operands have T = {t}, S = {s}: build it with "
           f"block_mask(mask_fn, {t}, {s}, ...).")
+  logits = _logits_shape(leading, t, s)
   if mask is not None:
     check_mask_dtype("mask", mask)
+    check_logits_rank("mask", shape_of(mask), logits)
     mask = _numerics.as_bool_mask(mask)
-    if mask.ndim < 2:
-      mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
-    check_broadcastable_to("mask", mask.shape[-2:], (t, s), "[T, S]",
-                           mask.shape)
+    _check_pair_axes("mask", mask.shape, t, s, q_shape, k_shape)
     leading["mask"] = mask.shape[:-2]
   if bias is not None:
-    bias = _as_pair_operand("bias", bias, t, s)
+    check_float_array("bias", bias)
+    check_logits_rank("bias", shape_of(bias), logits)
+    bias = jnp.asarray(bias)
+    _check_pair_axes("bias", bias.shape, t, s, q_shape, k_shape)
     leading["bias"] = bias.shape[:-2]
   if score_mod_args and score_mod is None:
     raise ValueError("score_mod_args were given without a score_mod.")
@@ -286,7 +369,9 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   what = "leading (batch) dimensions of the attention operands"
   if len(q_shape) == 4 and len(k_shape) == 4 and groups is None:
     what += (" (4-D operands are [B, N, T, H] queries over [B, K, S, H] "
-             "keys/values: K must be 1, N or a divisor of N)")
+             "keys/values: K must be 1, N or a divisor of N. jax.nn's "
+             "[B, T, N, H] layout converts with jnp.swapaxes(x, 1, 2), or "
+             "call aj.dot_product_attention, which takes it as it is)")
   batch_shape = broadcast_shapes(what, **leading)
   all_lengths = {}
   for name, given, upper in (

@@ -57,15 +57,17 @@ def prepare(query, keys, values, mask) -> Inputs:
   b, t = query.shape[:2]
   s = k_shape[1]
   if mask is not None:
+    # The package's one rule: a mask has the weights' full rank ([B, S] for
+    # a [B, Dq] query, [B, T, S] for [B, T, Dq]; size-1 axes broadcast).
     _checks.check_mask_dtype("mask", mask)
     m_shape = _checks.shape_of(mask)
-    if len(m_shape) == 2:  # [B, S]: key padding, the same for every step
-      _checks.check_broadcastable_to("mask", m_shape, (b, s), "[B, S]")
-      mask = jnp.asarray(mask)[:, None, :]
-    else:
-      _checks.check_rank("mask", mask, (2, 3), "[B, S] or [B, T, S]")
-      _checks.check_broadcastable_to("mask", m_shape, (b, t, s), "[B, T, S]")
+    weights = (b, s) if single_step else (b, t, s)
+    layout = "[B, S]" if single_step else "[B, T, S]"
+    _checks.check_logits_rank("mask", m_shape, weights, layout)
+    _checks.check_broadcastable_to("mask", m_shape, weights, layout)
     mask = _numerics.as_bool_mask(mask)
+    if single_step:
+      mask = mask[:, None, :]  # [B, 1, S]
   keys = jnp.asarray(keys, compute_dtype)
   values = jnp.asarray(values, compute_dtype)
   seen = None

@@ -132,8 +132,10 @@ def additive_attention(
     query: float ``[B, Dq]`` (one decoder step) or ``[B, T, Dq]``.
     keys: float ``[B, S, Dk]`` encoder states.
     values: float ``[B, S, Dv]``; defaults to ``keys``.
-    mask: bool/integer ``[B, S]`` (key padding, every step) or broadcastable
-      to ``[B, T, S]``; True (non-zero) = may attend.
+    mask: bool/integer with the weights' rank: ``[B, S]`` for a ``[B, Dq]``
+      query, ``[B, T, S]`` for ``[B, T, Dq]`` (size-1 axes broadcast: key
+      padding for every step is ``mask[:, None, :]``); True (non-zero) = may
+      attend.
     projected_keys: optional ``precompute_additive_keys(params, keys)``,
       reused across decoder steps.
     return_weights: also return the attention weights.

@@ -176,8 +176,10 @@ def luong_attention(
     query: float ``[B, Dq]`` (one decoder step) or ``[B, T, Dq]``.
     keys: float ``[B, S, Dk]`` encoder states.
     values: float ``[B, S, Dv]``; defaults to ``keys``.
-    mask: bool/integer ``[B, S]`` (key padding, every step) or broadcastable
-      to ``[B, T, S]``; True (non-zero) = may attend.
+    mask: bool/integer with the weights' rank: ``[B, S]`` for a ``[B, Dq]``
+      query, ``[B, T, S]`` for ``[B, T, Dq]`` (size-1 axes broadcast: key
+      padding for every step is ``mask[:, None, :]``); True (non-zero) = may
+      attend.
     score: ``"dot"``, ``"general"`` or ``"concat"``.
     scale: optional explicit multiplier of the scores (e.g.
       ``1/sqrt(Dk)``); a learned ``params["scale"]`` multiplies as well.

@@ -26,7 +26,8 @@ def _inputs(seed=0):
 
 
 def _masks():
-  pad = aj.padding_mask(jnp.array([S, 2]), S)  # [B, S]
+  # Masks carry the weights' rank: key padding for every step is [B, 1, S].
+  pad = aj.padding_mask(jnp.array([S, 2]), S)[:, None, :]  # [B, 1, S]
   return {"none": None, "padding": pad,
           "per_step": _data.bernoulli(9, 0.7, (B, T, S)),
           "int_padding": pad.astype(jnp.int32)}
@@ -55,7 +56,7 @@ class AdditiveTest(chex.TestCase):
   def test_single_step_with_precomputed_keys(self):
     q, k, v = _inputs()
     params = _data.params(aj.init_additive_params, 1, DQ, DK, A)
-    mask = _masks()["padding"]
+    mask = _masks()["padding"][:, 0]  # [B, S]: one step's weights' rank
     projected = aj.precompute_additive_keys(params, k)
     step = self.variant(functools.partial(aj.additive_attention,
                                           return_weights=True))
@@ -88,7 +89,7 @@ class AdditiveTest(chex.TestCase):
   def test_fully_masked_step_gives_zero_context_and_finite_grads(self):
     q, k, v = _inputs()
     params = _data.params(aj.init_additive_params, 1, DQ, DK, A)
-    mask = jnp.ones((B, S), bool).at[0].set(False)
+    mask = jnp.ones((B, 1, S), bool).at[0].set(False)
     ctx, w = aj.additive_attention(params, q, k, v, mask, return_weights=True)
     np.testing.assert_array_equal(ctx[0], 0.0)
     np.testing.assert_array_equal(w[0], 0.0)

@@ -83,7 +83,7 @@ class BlockwiseTest(chex.TestCase):
 
   def test_bias_forward_and_gradient(self):
     q, k, v = _qkv(12, 20, lead=(1,))
-    bias = _data.normal(5, (12, 20))
+    bias = _data.normal(5, (1, 12, 20))  # [1, T, S]: the logits' rank
     out = aj.blockwise_attention(q, k, v, bias=bias, **BLOCKS)
     ref, _ = reference.sdpa(q, k, v, bias=bias)
     chex.assert_trees_all_close(out, ref.astype(np.float32), **FWD_TOL)

@@ -50,8 +50,8 @@ class ReferenceTest(chex.TestCase):
     if mask_kind == "padding":  # [B, 1, 1, S]: key padding, shared by heads
       mask = aj.padding_mask(jnp.array([2, s]), s)[:, None, None, :]
     elif mask_kind == "int":  # the lesson's 0 = blocked convention
-      mask = _data.bernoulli(7, 0.7, (t, s)).astype(
-          jnp.int32)
+      mask = _data.bernoulli(7, 0.7, (1, 1, t, s)).astype(
+          jnp.int32)  # [1, 1, T, S]: the logits' rank, shared
     fn = self.variant(functools.partial(aj.scaled_dot_product_attention,
                                         is_causal=is_causal,
                                         return_weights=True))
@@ -271,8 +271,8 @@ class GradientTest(chex.TestCase):
     # default float64 tolerances apply; masked entries included.
     with jax.enable_x64(True):
       q, k, v = (np.asarray(x, np.float64) for x in _qkv(t=3, s=4, h=4, hv=3))
-      mask = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0]], bool)
-      bias = np.linspace(-1.0, 1.0, 12).reshape(3, 4)
+      mask = np.array([[[1, 1, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0]]], bool)
+      bias = np.linspace(-1.0, 1.0, 12).reshape(1, 3, 4)  # [1, T, S]
       fn = jax.jit(lambda q, k, v, bias: aj.scaled_dot_product_attention(
           q, k, v, mask, bias=bias, is_causal=True))
       jtu.check_grads(fn, (q, k, v, bias), order=2, modes=("fwd", "rev"))
@@ -445,7 +445,7 @@ class VmapAndTracingTest(chex.TestCase):
 
     for seed in range(3):
       q, k, v = _qkv(seed=seed)
-      fn(q, k, v, jnp.ones((4, 6), bool))
+      fn(q, k, v, jnp.ones((1, 4, 6), bool))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ B, T, S, DQ, DK = 2, 3, 5, 6, 4
 
 
 def _inputs():
-  pad = aj.padding_mask(jnp.array([S, 2]), S)  # [B, S]
+  # Masks carry the weights' rank: [B, 1, S] for [B, T, Dq] queries.
+  pad = aj.padding_mask(jnp.array([S, 2]), S)[:, None, :]  # [B, 1, S]
   return (_data.normal(0, (B, T, DQ)), _data.normal(1, (B, S, DK)),
           _data.normal(2, (B, S, 3)), pad)
 
@@ -46,7 +47,8 @@ class BahdanauModuleTest(parameterized.TestCase):
     @nnx.jit
     @chex.assert_max_traces(n=1)
     def step(module, q_t):
-      return module(q_t, k, v, pad, projected_keys=keys, return_weights=True)
+      return module(q_t, k, v, pad[:, 0], projected_keys=keys,
+                    return_weights=True)
 
     full_ctx, full_w = attn(q, k, v, pad, return_weights=True)
     for t in range(T):
@@ -94,7 +96,7 @@ class LuongModuleTest(parameterized.TestCase):
     attn = aj.LuongAttention(DQ, DK, score="concat", hidden_features=8,
                              rngs=nnx.Rngs(1))
     keys = attn.precompute_keys(k)
-    ctx, w = attn(q[:, 0], k, v, pad, projected_keys=keys,
+    ctx, w = attn(q[:, 0], k, v, pad[:, 0], projected_keys=keys,
                   return_weights=True)
     full_ctx, full_w = attn(q, k, v, pad, return_weights=True)
     chex.assert_trees_all_close((ctx, w), (full_ctx[:, 0], full_w[:, 0]),

@@ -89,7 +89,10 @@ def _inputs(c: Case):
   bias = None
   if c.bias_scale:
     bias = c.bias_scale * _data.normal(c.seed + 4, (c.t, c.s))
-  return q, k, v, None if mask is None else jnp.asarray(mask), bias, causal
+  # Masks and biases carry the logits' rank; shared ones get size-1 axes.
+  full_rank = lambda x: None if x is None else jnp.reshape(
+      jnp.asarray(x), (1,) * (len(c.lead) + 2 - np.ndim(x)) + np.shape(x))
+  return q, k, v, full_rank(mask), full_rank(bias), causal
 
 
 def _allowed(c: Case, mask, causal) -> np.ndarray:
@@ -256,11 +259,11 @@ class ModulePropertiesTest(absltest.TestCase):
     q = _data.normal(seed, (2, t, 4))
     keys = _data.normal(seed + 1, (2, s, 4))
     values = _data.normal(seed + 2, (2, s, 3))
-    mask = None
+    mask = None  # [B, 1, S]: the weights' rank, shared by the steps
     if kind == "padding":
-      mask = jnp.asarray(np.arange(s)[None, :] < np.array([[s], [1]]))
+      mask = jnp.asarray(np.arange(s)[None, None, :] < np.array([[[s]], [[1]]]))
     elif kind == "empty_rows":  # example 1 may attend to nothing
-      mask = jnp.asarray(np.array([[True], [False]]).repeat(s, 1))
+      mask = jnp.asarray(np.array([[[True]], [[False]]]).repeat(s, 2))
     np_mask = None if mask is None else np.asarray(mask)
     if score == "additive":
       params = _data.params(aj.init_additive_params, seed, 4, 4, 5)
@@ -279,7 +282,7 @@ class ModulePropertiesTest(absltest.TestCase):
     w = np.asarray(w, np.float64)
     self.assertTrue((w >= 0).all())
     allowed = (np.ones((2, t, s), bool) if np_mask is None
-               else np.broadcast_to(np_mask[:, None, :], (2, t, s)))
+               else np.broadcast_to(np_mask, (2, t, s)))
     np.testing.assert_array_equal(w[~allowed], 0.0)
     np.testing.assert_allclose(w.sum(-1), allowed.any(-1), atol=1e-5)
     np.testing.assert_allclose(ctx, ref, atol=1e-5, rtol=1e-5)
