@@ -1,9 +1,14 @@
-"""interop.dot_product_attention against jax.nn.dot_product_attention.
+"""interop against jax.nn and flax.
 
-Every comparison is with jax.nn's ``implementation='xla'`` in jax.nn's own
+``dot_product_attention`` against ``jax.nn.dot_product_attention``: every
+comparison is with jax.nn's ``implementation='xla'`` in jax.nn's own
 ``[B, T, N, H]`` layout and its own top-left causal/window alignment, on
 rows where jax.nn's answer is defined as ours (rows that see at least one
 key; the tests check that they all do, or say which do not).
+
+``flax_attention_fn`` against flax's default ``attention_fn``: two
+``nnx.MultiHeadAttention`` layers built from the same seed (so the same
+parameters), one with each, compared on rows that see a key.
 """
 
 import functools
@@ -11,6 +16,7 @@ import functools
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -259,6 +265,152 @@ class ValidationTest(parameterized.TestCase):
     q, k, v = _qkv()
     with self.assertRaisesRegex(ValueError, "cudnn"):
       interop.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+# The layers' projections are the same ops on the same parameters, so only
+# attention differs: float32 sums of <= 6 terms of magnitude <= ~4 in other
+# orders (~1e-6); the parameter gradients add sums over <= 12 rows, still
+# well below 1e-5, which leaves an order of magnitude of headroom.
+FLAX_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _flax_layers(**kwargs):
+  """Ours and flax's default layer, each built from seed 0."""
+  kwargs = dict(num_heads=4, in_features=8, qkv_features=16, num_kv_heads=2,
+                decode=False) | kwargs
+  return tuple(nnx.MultiHeadAttention(**kwargs, attention_fn=fn,
+                                      rngs=nnx.Rngs(0))
+               for fn in (interop.flax_attention_fn,
+                          nnx.dot_product_attention))
+
+
+def _flax_values_and_grads(layers, inputs, cotangent, **call):
+  """Each layer's output and gradients (params, then each input), one jit."""
+
+  def loss(layer, *inputs):
+    out = layer(*inputs, **call)
+    return jnp.sum(out * cotangent), out
+
+  @nnx.jit
+  def run(ours, theirs, inputs):
+    argnums = tuple(range(len(inputs) + 1))
+    return [nnx.grad(loss, argnums=argnums, has_aux=True)(layer, *inputs)
+            for layer in (ours, theirs)]
+
+  return run(*layers, inputs)
+
+
+class FlaxAttentionFnTest(parameterized.TestCase):
+
+  def test_self_attention_with_padding_and_causal_mask(self):
+    x = _data.normal(0, (2, 5, 8))  # [B, T, D]
+    valid = jnp.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], bool)
+    mask = nnx.combine_masks(nnx.make_attention_mask(valid, valid),
+                             nnx.make_causal_mask(valid))  # float [B, 1, T, T]
+    rows = valid[..., None]  # padding queries see nothing: compared apart
+    layers = _flax_layers()
+    (ours_g, ours), (theirs_g, theirs) = _flax_values_and_grads(
+        layers, (x,), _data.normal(9, (2, 5, 8)) * rows, mask=mask)
+    chex.assert_trees_all_close(ours * rows, theirs * rows, **FLAX_TOL)
+    chex.assert_trees_all_close(ours_g, theirs_g, **FLAX_TOL)
+    # A padding query: attention 0 here (out = the zero-initialised output
+    # bias), flax's mean of the values there.
+    np.testing.assert_array_equal(ours[~valid], 0.0)
+    self.assertGreater(float(jnp.abs(theirs[~valid]).max()), 1e-3)
+
+  def test_cross_attention_top_left_causal_extra_batch_dim(self):
+    q = _data.normal(1, (2, 2, 3, 8))   # [batch..., T, D]
+    kv = _data.normal(2, (2, 2, 6, 5))  # [batch..., S, Dkv]
+    key_valid = jnp.arange(6)[None, None] < jnp.array([[6, 4], [5, 2]])[..., None]
+    mask = nnx.make_attention_mask(jnp.ones((2, 2, 3), bool), key_valid)
+    layers = _flax_layers(in_kv_features=5)
+    (ours_g, ours), (theirs_g, theirs) = _flax_values_and_grads(
+        layers, (q, kv), _data.normal(9, (2, 2, 3, 8)), mask=mask,
+        is_causal=True)  # T = 3 < S = 6: query i sees keys j <= i
+    chex.assert_trees_all_close(ours, theirs, **FLAX_TOL)
+    chex.assert_trees_all_close(ours_g, theirs_g, **FLAX_TOL)
+
+  def test_decode_with_the_cache(self):
+    layers = _flax_layers(decode=True)
+    x = _data.normal(3, (2, 4, 8))
+    for layer in layers:
+      layer.init_cache(x.shape)
+
+    @nnx.jit
+    def step(ours, theirs, token):
+      return ours(token), theirs(token)
+
+    for i in range(x.shape[1]):
+      ours, theirs = step(*layers, x[:, i:i + 1])
+      chex.assert_trees_all_close(ours, theirs, **FLAX_TOL)
+
+  def test_dropout_and_sown_weights(self):
+    # broadcast_dropout=False is flax's independent draw per example, head,
+    # query and key; with the same key and the same [B, N, T, S] draw shape
+    # the draws are the very ones flax makes, so the outputs agree.
+    layers = _flax_layers(dropout_rate=0.5, broadcast_dropout=False)
+    x = _data.normal(4, (2, 5, 8))
+
+    @nnx.jit
+    def run(ours, theirs):
+      return [nnx.capture(layer, nnx.Intermediate)(
+          x, deterministic=False, sow_weights=True) for layer in (ours, theirs)]
+
+    (ours, ours_sown), (theirs, theirs_sown) = run(*layers)
+    self.assertGreater(  # dropout is on
+        float(jnp.abs(ours - layers[0](x, deterministic=True)).max()), 1e-2)
+    chex.assert_trees_all_close(ours, theirs, **FLAX_TOL)
+    chex.assert_shape(ours_sown["attention_weights"].get_value(),
+                      ((2, 4, 5, 5),))
+    chex.assert_trees_all_close(ours_sown, theirs_sown, **FLAX_TOL)
+
+  def test_precision_reaches_every_product(self):
+    q, k, v = _qkv(t=4, s=6, n=4, k=2)
+
+    def products(precision):
+      loss = lambda q, k, v: jnp.sum(interop.flax_attention_fn(
+          q, k, v, precision=precision))
+      jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+      return [e.params["precision"] for e in jaxpr.eqns
+              if e.primitive.name == "dot_general"]
+
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    self.assertLen(products("highest"), 6)  # 2 forward, 4 backward
+    self.assertTrue(all(p == highest for p in products("highest")))
+    self.assertTrue(all(p != highest for p in products(None)))
+
+  @parameterized.named_parameters(
+      ("broadcast_dropout", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+       ValueError, "broadcast_dropout=False"),
+      ("dropout_without_rng",
+       dict(dropout_rate=0.1, broadcast_dropout=False), ValueError,
+       "dropout_rng"),
+      ("mixed_precision", dict(precision=("high", "highest")), ValueError,
+       "single"),
+      ("dot_algorithm",
+       dict(precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32), TypeError,
+       "dot algorithms"),
+      ("mask_not_broadcastable", dict(mask=jnp.ones((2, 3, 4, 6), bool)),
+       ValueError, r"\[batch\.\.\., num_heads, q_length, kv_length\]"),
+      ("flag_not_bool", dict(is_causal="yes"), TypeError,
+       "is_causal"),
+  )
+  def test_refuses(self, kwargs, error, regex):
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(error, regex):
+      interop.flax_attention_fn(q, k, v, **kwargs)
+
+  def test_refuses_mismatched_batch_dims(self):
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(ValueError, "same batch dims"):
+      interop.flax_attention_fn(q[None], k[None].repeat(2, 0), v[None])
+
+  def test_deterministic_needs_no_dropout_rng(self):
+    q, k, v = _qkv()
+    out = jax.eval_shape(functools.partial(
+        interop.flax_attention_fn, dropout_rate=0.5, deterministic=True),
+                         q, k, v)
+    self.assertEqual(out.shape, q.shape)
 
 
 if __name__ == "__main__":
