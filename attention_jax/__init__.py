@@ -18,7 +18,11 @@ from attention_jax.block_mask import prefix_lm_mask_fn
 from attention_jax.blockwise import blockwise_attention
 from attention_jax.dot_product import scaled_dot_product_attention
 from attention_jax.interop import dot_product_attention
+from attention_jax.interop import flax_attention_fn
+from attention_jax.kv_cache import cache_overflow
+from attention_jax.kv_cache import ring_slot_positions
 from attention_jax.kv_cache import update_kv_cache
+from attention_jax.kv_cache import update_ring_cache
 from attention_jax.luong import init_luong_params
 from attention_jax.luong import luong_attention
 from attention_jax.luong import precompute_luong_keys
@@ -31,15 +35,15 @@ from attention_jax.modules.decoder_attention import LuongAttention
 from attention_jax.modules.multi_head import MultiHeadAttention
 from attention_jax.multi_head import attend_heads
 from attention_jax.multi_head import init_multi_head_params
-from attention_jax.multi_head import merge_heads
 from attention_jax.multi_head import multi_head_attention
-from attention_jax.multi_head import split_heads
 from attention_jax.ring import ring_attention
 from attention_jax.rope import apply_rope
 from attention_jax.rope import segment_positions
 from attention_jax.score_mods import alibi
 from attention_jax.score_mods import alibi_slopes
 from attention_jax.softmax import masked_softmax
+from attention_jax.torch_convert import from_torch_multihead_attention
+from attention_jax.torch_convert import to_torch_multihead_attention
 
 __version__ = "0.1.0"
 
@@ -56,18 +60,22 @@ __all__ = [
     "blockwise_attention",
     "chunked_mask_fn",
     "update_kv_cache",
+    "update_ring_cache",
+    "cache_overflow",
+    "ring_slot_positions",
     "additive_attention",
     "additive_score",
     "causal_mask",
     "combine_masks",
     "dot_product_attention",
+    "flax_attention_fn",
+    "from_torch_multihead_attention",
     "init_additive_params",
     "init_luong_params",
     "init_multi_head_params",
     "luong_attention",
     "make_attention_mask",
     "masked_softmax",
-    "merge_heads",
     "multi_head_attention",
     "padding_mask",
     "precompute_additive_keys",
@@ -76,5 +84,5 @@ __all__ = [
     "ring_attention",
     "scaled_dot_product_attention",
     "segment_positions",
-    "split_heads",
+    "to_torch_multihead_attention",
 ]

@@ -1,22 +1,26 @@
 """A key/value cache for autoregressive decoding, as pure functions.
 
 Shape glossary: B batch, K key/value heads, L cache capacity (max_length),
-T new tokens in this call, H head dim.
+W ring-buffer slots, T new tokens in this call, H head dim.
 
-The cache is a fixed-size buffer ``[B, K, L, H]`` for keys and one for values,
-plus a scalar ``index``: how many positions are filled. A decoding call
-writes its ``T`` new keys/values at ``[index, index + T)`` and its queries
-attend to every filled position up to their own: query ``i`` (absolute
-position ``index + i``) sees key ``j`` iff ``j <= index + i``. That is the
+A linear cache is a fixed-size buffer ``[B, K, L, H]`` for keys and one for
+values, plus ``index``: how many positions are filled, one integer for the
+batch or one per example (``[B]``, ragged batches). A decoding call writes
+its ``T`` new keys/values at ``[index, index + T)`` and its queries attend to
+every filled position up to their own: query ``i`` (absolute position
+``index + i``) sees key ``j`` iff ``j <= index + i``. That is the
 bottom-right aligned causal mask over the filled prefix, so a prompt of any
 length can be prefilled in one call and then extended a token at a time, and
-the result equals full causal attention over the whole sequence.
+the result equals full causal attention over the whole sequence. Prompts of
+different lengths are right-padded to ``T`` and given as ``new_lengths``.
 
-``update_kv_cache`` checks its operands before writing: the buffers are
-``[B, K, L, H]`` / ``[B, K, L, Hv]`` float arrays, the new keys/values fit
-them (same ``B``, ``K`` and head dims, ``T <= L``) and ``index`` is one
-integer scalar. Without these checks ``dynamic_update_slice`` would broadcast,
-clamp or partially fill the buffer without a word.
+A ring buffer (``update_ring_cache``) serves a sliding-window layer with
+``W`` slots whatever the length: position ``p`` lives in slot ``p % W``.
+
+The writes are scatters with ``mode="drop"``: a write that does not fit is
+dropped, never clamped onto earlier slots as ``dynamic_update_slice`` would.
+Concrete misfits raise at trace time; traced ones are reported as a value
+(``cache_overflow``), so a decoding step pays no host callback.
 """
 
 from __future__ import annotations
@@ -29,62 +33,96 @@ import numpy as np
 from attention_jax import _checks
 
 
-def _raise_if_full(index, num_new: int, max_length: int) -> None:
-  if int(index) < 0:
+def _raise_if_full(index, num_new, max_length: int) -> None:
+  index, num_new = np.asarray(index), np.asarray(num_new)
+  if (index < 0).any():
     raise ValueError(
         f"index must be non-negative (the number of filled cache positions), "
-        f"got {int(index)}: a negative start would be clamped to slot 0 and "
+        f"got {index.min()}: a negative start would be clamped to slot 0 and "
         "overwrite the start of the cache. Start an empty cache at "
         "jnp.int32(0) and advance it by T after each call.")
-  if int(index) + num_new > max_length:
+  full = index + num_new > max_length
+  if full.any():
+    at = f" in examples {np.flatnonzero(full).tolist()}" if index.ndim else ""
     raise ValueError(
-        f"KV cache overflow: {int(index)} positions are filled and this call "
-        f"brings {num_new} more, but max_length is {max_length}. Call "
-        "init_cache with a larger max_length.")
+        f"KV cache overflow{at}: {np.max(np.where(full, index, 0))} positions "
+        f"are filled and this call brings {np.max(num_new)} more, but "
+        f"max_length is {max_length}. Call init_cache with a larger "
+        "max_length.")
 
 
-def check_room(index: ArrayLike, num_new: int, max_length: int) -> None:
+def _concrete(x) -> bool:
+  return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def check_room(index: ArrayLike, num_new: ArrayLike, max_length: int) -> None:
   """Raises ``ValueError`` if ``num_new`` tokens do not fit after ``index``.
 
-  Also raises for a negative ``index``. A concrete index (a Python int, a
-  NumPy or a concrete JAX array, closed over by ``jit`` or not) is checked
-  at once. A traced index (a ``jit`` argument) is not known until run time,
-  so the check runs as a host callback and the error surfaces as a
-  ``JaxRuntimeError`` carrying the same message, never as a silent
-  wrap-around or clamped write.
+  Also raises for a negative ``index``. Only concrete values are checked
+  (a Python int, a NumPy or a concrete JAX array, closed over by ``jit`` or
+  not): that costs nothing at run time. A traced index (a ``jit`` argument)
+  is not known until the program runs; ``update_kv_cache`` then drops the
+  write of an example that does not fit (never wrapping or clamping it onto
+  earlier slots) and ``cache_overflow`` reports them as a value, so the decoding
+  step pays no host callback.
   """
-  if num_new > max_length:
-    raise ValueError(f"KV cache overflow: a call brings {num_new} tokens but "
-                     f"max_length is {max_length}.")
-  if isinstance(index, jax.core.Tracer):
-    jax.debug.callback(_raise_if_full, index, num_new, max_length)
-  else:
+  if np.max(num_new) > max_length if _concrete(num_new) else False:
+    raise ValueError(f"KV cache overflow: a call brings {np.max(num_new)} "
+                     f"tokens but max_length is {max_length}.")
+  if _concrete(index) and (num_new is None or _concrete(num_new)):
     _raise_if_full(index, num_new, max_length)
 
 
+def cache_overflow(index: ArrayLike, num_new: ArrayLike,
+                   max_length: int) -> jax.Array:
+  """True where ``num_new`` tokens after ``index`` do not fit ``max_length``.
+
+  The error value of a traced write: elementwise over ``index`` (a scalar
+  or ``[B]``) and ``num_new``; a negative index counts as overflow too.
+  ``MultiHeadAttention`` keeps it (sticky) in its cache and
+  ``check_cache()`` raises from it, outside the decoding step.
+
+  Example:
+    >>> cache_overflow(jnp.array([3, 7]), 2, 8)
+    Array([False,  True], dtype=bool)
+  """
+  index = jnp.asarray(index)
+  return (index < 0) | (index + jnp.asarray(num_new) > max_length)
+
+
 def _check_index(index, batch: int) -> None:
-  """``index`` is one integer scalar shared by the batch."""
+  """``index`` is an integer scalar (shared) or ``[B]`` (one per example)."""
   shape = _checks.shape_of(index)
   dtype = jnp.result_type(index)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
-        f"index must be an integer scalar (the number of filled cache "
-        f"positions), got dtype {dtype} with shape {shape}. Pass e.g. "
+        f"index must be an integer scalar or [B] array (the number of filled "
+        f"cache positions), got dtype {dtype} with shape {shape}. Pass e.g. "
         "jnp.int32(n).")
-  if len(shape) == 1:
+  if shape not in ((), (batch,)):
     raise ValueError(
-        f"index must be an integer scalar shared by the batch, got shape "
-        f"{shape} (the cache has batch B = {batch}): per-example positions "
-        "are not supported by update_kv_cache. Write every row at the same "
-        "index and hide each row's unused slots with a mask or "
-        "key_value_seq_lengths.")
-  if shape:
-    raise ValueError(
-        f"index must be an integer scalar (the number of filled cache "
-        f"positions), got shape {shape}.")
+        f"index must be an integer scalar shared by the batch or one per "
+        f"example [B] = [{batch}], got shape {shape}.")
 
 
-def _check_operands(cached_key, cached_value, index, key, value) -> None:
+def _check_new_lengths(new_lengths, batch: int, t: int):
+  """``[B]`` counts of real new tokens (right-padded), or None."""
+  if new_lengths is None:
+    return None
+  if isinstance(new_lengths, (list, tuple)):
+    new_lengths = np.asarray(new_lengths)
+  dtype = jnp.result_type(new_lengths)
+  shape = _checks.shape_of(new_lengths)
+  if not jnp.issubdtype(dtype, jnp.integer) or shape not in ((), (batch,)):
+    raise ValueError(
+        f"new_lengths must be integer [B] = [{batch}] (real new tokens per "
+        f"example, right-padded), got dtype {dtype} with shape {shape}.")
+  _checks.check_concrete_range("new_lengths", new_lengths, t)
+  return jnp.asarray(new_lengths, jnp.int32)
+
+
+def _check_operands(cached_key, cached_value, index, key, value,
+                    ring: bool = False) -> None:
   """The checks of ``update_kv_cache``, all at trace time but the index's."""
   arrays = (("cached_key", cached_key), ("cached_value", cached_value),
             ("key", key), ("value", value))
@@ -120,7 +158,7 @@ def _check_operands(cached_key, cached_value, index, key, value) -> None:
     raise ValueError(
         f"key {k} and value {v} must bring the same number of new tokens T "
         "(axis 2).")
-  if k[2] > length:
+  if k[2] > length and not ring:
     raise ValueError(
         f"KV cache overflow: key {k} brings {k[2]} tokens but max_length is "
         f"{length} (cached_key {ck}). Create the cache with max_length >= "
@@ -128,38 +166,60 @@ def _check_operands(cached_key, cached_value, index, key, value) -> None:
   _check_index(index, b)
 
 
+def _scatter(buffer, new, slots):
+  """Writes ``new [B, K, T, H]`` at ``slots [B, T]``; slots ``>= L`` are dropped.
+
+  A scatter with ``mode="drop"``: a slot outside the buffer writes nothing,
+  where ``dynamic_update_slice`` would clamp the start and overwrite earlier
+  positions.
+  """
+  rows = jnp.arange(buffer.shape[0])[:, None]  # [B, 1]
+  new = jnp.swapaxes(new.astype(buffer.dtype), 1, 2)  # [B, T, K, H]
+  return buffer.at[rows, :, slots].set(new, mode="drop")
+
+
 def update_kv_cache(
     cached_key: jax.Array,
     cached_value: jax.Array,
-    index: jax.Array,
+    index: ArrayLike,
     key: jax.Array,
     value: jax.Array,
+    *,
+    new_lengths: ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Writes new keys/values at ``index`` and says what each query may see.
 
   Args:
     cached_key: float ``[B, K, L, H]``.
     cached_value: float ``[B, K, L, Hv]``, the same ``B``, ``K``, ``L``.
-    index: integer scalar, filled positions so far (one for the whole batch;
-      a per-example ``[B]`` index is refused).
+    index: filled positions so far: an integer scalar shared by the batch,
+      or ``[B]``, one per example (ragged batches: each example writes and
+      attends from its own position).
     key: float ``[B, K, T, H]`` keys of the new tokens, ``T <= L``; cast to
       ``cached_key``'s dtype.
     value: float ``[B, K, T, Hv]`` values of the new tokens; cast to
       ``cached_value``'s dtype.
+    new_lengths: optional integer ``[B]``: how many of the ``T`` new tokens
+      are real in each example (prompts right-padded to ``T``). Tokens past
+      it are not written and their rows see nothing; the caller advances
+      each example's index by its length. None means all ``T``.
 
   Returns:
     ``(cached_key, cached_value, visible)``: the updated buffers and a bool
-    ``[T, L]`` mask, True where new query ``i`` may attend to cache slot
-    ``j`` (``j <= index + i``). The caller advances the index by ``T``.
+    mask, True where new query ``i`` may attend to cache slot ``j``
+    (``j <= index + i``, and ``i < new_lengths``): ``[T, L]`` for a scalar
+    index without ``new_lengths``, else ``[B, T, L]``.
 
   Raises:
     TypeError: a non-float array or a non-integer ``index``.
-    ValueError: wrong ranks, shapes that do not fit the cache, a non-scalar
-      ``index``, or a concrete ``index`` that is negative or leaves no room
-      for ``T`` tokens. All of these are found at trace time. A traced
-      ``index`` (an argument of ``jit``) cannot be: it is checked at run time
-      by a host callback (``check_room``), and a negative or overflowing one
-      surfaces as a ``JaxRuntimeError`` carrying the same message.
+    ValueError: wrong ranks, shapes that do not fit the cache, an index
+      that is neither a scalar nor ``[B]``, or a concrete ``index`` that is
+      negative or leaves no room for the new tokens. All of these are found
+      at trace time. A traced ``index`` (an argument of ``jit``) cannot be:
+      then an example whose write does not fit writes nothing (never
+      wrapped or clamped onto earlier slots) and ``cache_overflow(index,
+      new_lengths, L)`` says where, as a value, without a host callback in
+      the step.
 
   Example:
     >>> ck = cv = jnp.zeros((1, 1, 4, 2))
@@ -170,13 +230,121 @@ def update_kv_cache(
            [1, 1, 1, 0]], dtype=int32))
   """
   _check_operands(cached_key, cached_value, index, key, value)
-  t, max_length = key.shape[2], cached_key.shape[2]
-  check_room(index, t, max_length)
-  start = (0, 0, index, 0)
-  cached_key = jax.lax.dynamic_update_slice(
-      cached_key, key.astype(cached_key.dtype), start)
-  cached_value = jax.lax.dynamic_update_slice(
-      cached_value, value.astype(cached_value.dtype), start)
-  positions = jnp.arange(max_length)[None, :]  # [1, L]
-  visible = positions <= index + jnp.arange(t)[:, None]  # [T, L]
+  b, t, max_length = key.shape[0], key.shape[2], cached_key.shape[2]
+  lengths = _check_new_lengths(new_lengths, b, t)
+  check_room(index, t if lengths is None else new_lengths, max_length)
+  per_example = np.ndim(index) == 1 or lengths is not None
+  start = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))[:, None]
+  new = jnp.arange(t)[None, :]  # [1, T]
+  real = new < (t if lengths is None else lengths[:, None])  # [B|1, T]
+  slots = start + new  # [B, T]
+  count = t if lengths is None else lengths[:, None]
+  fits = ~cache_overflow(start, count, max_length)  # [B, 1]
+  slots = jnp.where(real & fits, slots, max_length)  # else dropped
+  cached_key = _scatter(cached_key, key, slots)
+  cached_value = _scatter(cached_value, value, slots)
+  positions = jnp.arange(max_length)[None, None, :]  # [1, 1, L]
+  visible = (positions <= (start + new)[:, :, None]) & real[:, :, None]
+  if not per_example:
+    visible = visible[0]  # [T, L], the same for every example
   return cached_key, cached_value, visible
+
+
+def ring_slot_positions(index: jax.Array, num_slots: int) -> jax.Array:
+  """Absolute position held by each slot of a ring buffer; -1 where empty.
+
+  After ``index[b]`` tokens, slot ``j`` holds the latest position ``p <
+  index[b]`` with ``p % W == j``.
+
+  Args:
+    index: integer ``[B]`` tokens written so far.
+    num_slots: ``W``.
+
+  Returns:
+    int32 ``[B, W]``.
+
+  Example:
+    >>> ring_slot_positions(jnp.array([2, 7]), 4)
+    Array([[ 0,  1, -1, -1],
+           [ 4,  5,  6,  3]], dtype=int32)
+  """
+  slot = jnp.arange(num_slots)[None, :]  # [1, W]
+  last = jnp.asarray(index, jnp.int32)[:, None] - 1  # [B, 1]
+  held = slot + num_slots * jnp.floor_divide(last - slot, num_slots)
+  return jnp.where(held >= 0, held, -1).astype(jnp.int32)
+
+
+def update_ring_cache(
+    cached_key: jax.Array,
+    cached_value: jax.Array,
+    index: ArrayLike,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    window: int,
+    new_lengths: ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """A sliding-window cache: a ring buffer of ``W`` slots, any ``T`` per call.
+
+  Position ``p`` lives in slot ``p % W``, so memory does not grow with the
+  generated length. A query at position ``q`` sees keys ``q - window ..
+  q``; the call's queries attend over the buffer as it was *plus* the new
+  keys (``W + T`` of them), so a prompt longer than the buffer is
+  prefilled in one call; afterwards only the last ``W`` real tokens are
+  kept. ``window < W`` is required (a key must survive until the last
+  query that may see it).
+
+  Args:
+    cached_key: float ``[B, K, W, H]``.
+    cached_value: float ``[B, K, W, Hv]``.
+    index: integer scalar or ``[B]``: tokens written so far per example.
+    key: float ``[B, K, T, H]``.
+    value: float ``[B, K, T, Hv]``.
+    window: how many earlier positions a query sees (``local_window_size``'s
+      left side).
+    new_lengths: optional integer ``[B]``: real new tokens per example
+      (right-padded), as in ``update_kv_cache``.
+
+  Returns:
+    ``(keys [B, K, W + T, H], values [B, K, W + T, Hv], visible bool [B, T,
+    W + T], key_positions int32 [B, W + T], cached_key, cached_value)``:
+    what the queries attend over (the old slots, then the new tokens), what
+    each query may see there, the absolute position of each of those keys
+    (-1 for empty slots), and the updated buffers.
+
+  Example:
+    >>> ck = cv = jnp.zeros((1, 1, 3, 1))
+    >>> new = jnp.arange(4.0).reshape(1, 1, 4, 1)  # positions 0..3
+    >>> *_, ck, cv = update_ring_cache(ck, cv, 0, new, new, window=2)
+    >>> ck[0, 0, :, 0]  # slots hold positions 3, 1, 2
+    Array([3., 1., 2.], dtype=float32)
+  """
+  _check_operands(cached_key, cached_value, index, key, value, ring=True)
+  b, t, slots_n = key.shape[0], key.shape[2], cached_key.shape[2]
+  if isinstance(window, bool) or not isinstance(window, int) or not (
+      0 <= window < slots_n):
+    raise ValueError(
+        f"window must be an int in [0, W) = [0, {slots_n}) for a ring buffer "
+        f"of W = {slots_n} slots, got {window!r}: a key must stay in the "
+        "buffer until the last query that may see it.")
+  lengths = _check_new_lengths(new_lengths, b, t)
+  check_room(index, 0, np.iinfo(np.int32).max)  # refuses a negative index
+  start = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]
+  count = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
+  new = jnp.arange(t)[None, :]  # [1, T]
+  real = new < count[:, None]  # [B, T]
+  new_pos = start[:, None] + new  # [B, T]
+  old_pos = ring_slot_positions(start, slots_n)  # [B, W]
+  key_pos = jnp.concatenate([old_pos, jnp.where(real, new_pos, -1)], 1)
+  q_pos = new_pos[:, :, None]  # [B, T, 1]
+  k_pos = key_pos[:, None, :]  # [B, 1, W + T]
+  visible = ((k_pos >= 0) & (k_pos <= q_pos) & (k_pos >= q_pos - window)
+             & real[:, :, None])  # [B, T, W + T]
+  keys = jnp.concatenate([cached_key, key.astype(cached_key.dtype)], 2)
+  values = jnp.concatenate([cached_value, value.astype(cached_value.dtype)], 2)
+  # Only the last W real tokens are written: two of them never share a slot.
+  kept = real & (new >= count[:, None] - slots_n)
+  slots = jnp.where(kept, jnp.mod(new_pos, slots_n), slots_n)  # else dropped
+  cached_key = _scatter(cached_key, key, slots)
+  cached_value = _scatter(cached_value, value, slots)
+  return keys, values, visible, key_pos, cached_key, cached_value

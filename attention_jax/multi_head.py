@@ -3,25 +3,35 @@
 Shape glossary: B batch, T query length, S key/value length, N query heads,
 K key/value heads (grouped-query attention; ``K == N`` is ordinary MHA,
 ``K == 1`` multi-query), G = N // K query heads per key/value head, H head
-dim = D // N, D model dim.
+dim (``D // N`` unless chosen), D model (query) dim, Dkv key/value input
+features, Dout output features.
 
-Parameters follow the lesson's names: ``{"W_q", "W_k", "W_v", "W_o"}``, each
-``{"kernel": [in, out], "bias": [out]}`` with ``y = x @ kernel + bias``.
+Parameters follow the lesson's names, ``{"W_q", "W_k", "W_v", "W_o"}``, laid
+out per head as flax's ``LinearGeneral`` (and ``nnx.MultiHeadAttention``)
+lays them out:
 
-How the heads are computed (the project's design, kept literal so readers can
-follow it): a kernel's output features are split into per-head kernels
-(``split_heads``), one pure per-head projection (``project``) is
-``jax.vmap``-ed over them, the single-head attention of ``dot_product.py`` is
-vmapped over the head axes, and the head outputs are concatenated again
-(``merge_heads``) before ``W_o``. A key/value head is shared by its G query
-heads through ``vmap`` (an unmapped operand), not copied. ``forward`` is the
-one projection -> attention -> output path, used with a KV cache by
-``MultiHeadAttention`` when decoding.
+- ``W_q``: ``{"kernel": [D, N, H], "bias": [N, H]}``
+- ``W_k``, ``W_v``: ``{"kernel": [Dkv, K, H], "bias": [K, H]}``
+- ``W_o``: ``{"kernel": [N, H, Dout], "bias": [Dout]}``
+- optional ``q_norm``, ``k_norm``: ``{"scale": [H]}`` (qk-norm)
+
+The head structure lives in the parameters, so everything (N, K, H, D, Dkv,
+Dout, qk-norm) is read from their shapes (``param_dims``).
+
+How the heads are computed (kept literal so readers can follow it): one pure
+projection (``project``) is ``jax.vmap``-ed over the heads axis of a kernel
+(``project_heads``), the single-head attention of ``dot_product.py`` is
+vmapped over the head axes, and the per-head outputs are weighted by their
+slice of ``W_o`` and summed over heads (``output_projection``), which is the
+lesson's concat followed by one linear layer. A key/value head is shared by
+its G query heads through ``vmap`` (an unmapped operand), not copied.
+``forward`` is the one projection -> attention -> output path, used with a KV
+cache by ``MultiHeadAttention`` when decoding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 import functools
 import math
 from typing import Any, NamedTuple
@@ -43,6 +53,64 @@ from attention_jax import sharding
 Params = dict[str, dict[str, jax.Array]]
 # Anything with scaled_dot_product_attention's contract (see attend_heads).
 AttentionFn = Callable[..., Any]
+# jnp.einsum's precision: None, a jax.lax.Precision, or a pair of them.
+Precision = Any
+
+# The per-head layout of each parameter, for messages.
+LAYOUT = {
+    "W_q": "kernel [D, N, H], bias [N, H]",
+    "W_k": "kernel [Dkv, K, H], bias [K, H]",
+    "W_v": "kernel [Dkv, K, H], bias [K, H]",
+    "W_o": "kernel [N, H, Dout], bias [Dout]",
+    "q_norm": "scale [H]",
+    "k_norm": "scale [H]",
+}
+QK_NORM_EPSILON = 1e-6  # flax nnx.RMSNorm's default
+
+
+class HeadDims(NamedTuple):
+  """The sizes a multi-head parameter dict implies."""
+  num_heads: int  # N
+  num_kv_heads: int  # K
+  head_dim: int  # H
+  d_model: int  # D, query features
+  kv_features: int  # Dkv, key/value features
+  out_features: int  # Dout
+  normalize_qk: bool  # q_norm/k_norm present
+
+
+def check_dims(d_model: int, num_heads: int, *,
+               num_kv_heads: int | None = None, head_dim: int | None = None,
+               kv_features: int | None = None,
+               out_features: int | None = None) -> HeadDims:
+  """Validates the sizes of a layer to build; fills the defaults.
+
+  ``num_kv_heads`` defaults to ``num_heads``, ``head_dim`` to
+  ``d_model // num_heads`` (then ``num_heads`` must divide ``d_model``),
+  ``kv_features`` and ``out_features`` to ``d_model``.
+
+  Example:
+    >>> check_dims(16, 4, num_kv_heads=2).head_dim
+    4
+  """
+  _checks.check_positive_int("d_model", d_model)
+  _checks.check_positive_int("num_heads", num_heads)
+  if head_dim is None:
+    if d_model % num_heads:
+      raise ValueError(
+          f"d_model={d_model} must be divisible by num_heads={num_heads}: "
+          f"head_dim defaults to d_model // num_heads; pass head_dim= to "
+          f"choose it.")
+    head_dim = d_model // num_heads
+  _checks.check_positive_int("head_dim", head_dim)
+  num_kv_heads = _checks.check_head_counts(num_heads * head_dim, num_heads,
+                                           num_kv_heads)
+  kv_features = d_model if kv_features is None else kv_features
+  out_features = d_model if out_features is None else out_features
+  _checks.check_positive_int("kv_features", kv_features)
+  _checks.check_positive_int("out_features", out_features)
+  return HeadDims(num_heads, num_kv_heads, head_dim, d_model, kv_features,
+                  out_features, False)
 
 
 def init_multi_head_params(
@@ -51,137 +119,297 @@ def init_multi_head_params(
     num_heads: int,
     *,
     num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    kv_features: int | None = None,
+    out_features: int | None = None,
     use_bias: bool = True,
+    normalize_qk: bool = False,
     dtype: jnp.dtype = jnp.float32,
 ) -> Params:
   """Initialises ``W_q``, ``W_k``, ``W_v``, ``W_o`` for ``multi_head_attention``.
 
-  Kernels are LeCun-normal (flax's ``nnx.Linear`` default), biases zero.
+  Kernels are LeCun-normal, drawn as flax's ``LinearGeneral`` draws them: on
+  the flat 2-D shape (``[D, N*H]``, ``[N*H, Dout]``, so fan-in is ``D`` and
+  ``N*H``), then reshaped per head. Biases are zero, qk-norm scales one.
 
   Args:
     rng: ``jax.random.key``.
-    d_model: ``D``, input and output features.
-    num_heads: ``N``; must divide ``d_model``.
+    d_model: ``D``, query features.
+    num_heads: ``N``.
     num_kv_heads: ``K``; must divide ``num_heads``. ``None`` means ``N``.
+    head_dim: ``H``; ``None`` means ``D // N`` (then ``N`` must divide ``D``).
+    kv_features: ``Dkv``, key/value input features; ``None`` means ``D``.
+    out_features: ``Dout``, output features; ``None`` means ``D``.
     use_bias: whether each projection has a bias.
+    normalize_qk: add ``q_norm`` and ``k_norm`` (RMSNorm scales of the
+      projected queries and keys, per head).
     dtype: parameter dtype.
 
   Returns:
-    ``{"W_q": {"kernel": [D, N*H], "bias": [N*H]}, "W_k": {... [D, K*H]},
-    "W_v": {... [D, K*H]}, "W_o": {"kernel": [N*H, D], "bias": [D]}}``
-    (no ``"bias"`` entries when ``use_bias=False``).
+    ``{"W_q": {"kernel": [D, N, H], "bias": [N, H]}, "W_k": {"kernel":
+    [Dkv, K, H], "bias": [K, H]}, "W_v": (as W_k), "W_o": {"kernel":
+    [N, H, Dout], "bias": [Dout]}}`` (no ``"bias"`` entries when
+    ``use_bias=False``), plus ``"q_norm"``/``"k_norm"``: ``{"scale": [H]}``
+    with ``normalize_qk``.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)
-    >>> p["W_k"]["kernel"].shape
-    (8, 4)
+    >>> p["W_q"]["kernel"].shape, p["W_k"]["kernel"].shape
+    ((8, 4, 2), (8, 2, 2))
+    >>> p["W_o"]["kernel"].shape
+    (4, 2, 8)
   """
-  num_kv_heads = _checks.check_head_counts(d_model, num_heads, num_kv_heads)
-  head_dim = d_model // num_heads
+  n, k, h, d, dkv, dout, _ = check_dims(
+      d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      kv_features=kv_features, out_features=out_features)
   init = jax.nn.initializers.lecun_normal()
-  shapes = {"W_q": (d_model, num_heads * head_dim),
-            "W_k": (d_model, num_kv_heads * head_dim),
-            "W_v": (d_model, num_kv_heads * head_dim),
-            "W_o": (num_heads * head_dim, d_model)}
+  shapes = {  # name: (kernel shape, bias shape)
+      "W_q": ((d, n, h), (n, h)),
+      "W_k": ((dkv, k, h), (k, h)),
+      "W_v": ((dkv, k, h), (k, h)),
+      "W_o": ((n, h, dout), (dout,)),
+  }
   params = {}
-  for rng_i, (name, shape) in zip(jax.random.split(rng, 4), shapes.items()):
-    params[name] = {"kernel": init(rng_i, shape, dtype)}
+  for rng_i, (name, (shape, bias_shape)) in zip(jax.random.split(rng, 4),
+                                                 shapes.items()):
+    fan_in = shape[0] if name != "W_o" else n * h
+    flat = (fan_in, math.prod(shape) // fan_in)  # LinearGeneral's 2-D draw
+    params[name] = {"kernel": init(rng_i, flat, dtype).reshape(shape)}
     if use_bias:
-      params[name]["bias"] = jnp.zeros(shape[1:], dtype)
+      params[name]["bias"] = jnp.zeros(bias_shape, dtype)
+  if normalize_qk:
+    for name in ("q_norm", "k_norm"):
+      params[name] = {"scale": jnp.ones((h,), dtype)}
   return params
 
 
-def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
-  """Splits the last axis into heads, heads first: ``[..., N*H] -> [N, ..., H]``.
+def _layer(params, name: str) -> Mapping[str, Any]:
+  layer = params.get(name)
+  allowed = {"scale"} if name.endswith("norm") else {"kernel", "bias"}
+  need = "scale" if name.endswith("norm") else "kernel"
+  if not isinstance(layer, Mapping) or need not in layer:
+    got = (f"keys {sorted(layer)}" if isinstance(layer, Mapping)
+           else type(layer).__name__)
+    raise ValueError(f"params['{name}'] must be a dict with {LAYOUT[name]}; "
+                     f"got {got}.")
+  extra = set(layer) - allowed
+  if extra:
+    raise ValueError(f"params['{name}'] has unexpected entries "
+                     f"{sorted(extra)}; its layout is {LAYOUT[name]}.")
+  return layer
+
+
+def _shape(params, name: str, entry: str) -> tuple[int, ...]:
+  return _checks.shape_of(params[name][entry])
+
+
+def _wrong(params, name: str, entry: str, expected: str, why: str = ""):
+  got = _shape(params, name, entry)
+  flat = ""
+  if entry == "kernel" and len(got) == 2:
+    flat = (" Flat [in, out] kernels reshape per head: W_q/W_k/W_v "
+            "kernel.reshape(D, heads, H) and bias.reshape(heads, H), W_o "
+            "kernel.reshape(N, H, Dout).")
+  return ValueError(f"params['{name}']['{entry}'] has shape {got}, expected "
+                    f"{expected}{why} ({name}: {LAYOUT[name]}).{flat}")
+
+
+def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
+               num_kv_heads: int | None = None) -> HeadDims:
+  """Validates a multi-head parameter dict and reads its sizes.
+
+  Args:
+    params: ``{"W_q", "W_k", "W_v", "W_o"}`` (and optionally ``"q_norm"``,
+      ``"k_norm"``) in the layout of ``init_multi_head_params``.
+    num_heads: when given, must equal the ``N`` of ``W_q``.
+    num_kv_heads: when given, must equal the ``K`` of ``W_k``/``W_v``.
+
+  Returns:
+    ``HeadDims(N, K, H, D, Dkv, Dout, normalize_qk)``.
+
+  Raises:
+    ValueError: naming the parameter, its shape and the expected layout.
 
   Example:
-    >>> split_heads(jnp.ones((2, 5, 12)), 3).shape  # [B, T, N*H] -> [N, B, T, H]
-    (3, 2, 5, 4)
+    >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)
+    >>> param_dims(p)[:3]  # N, K, H
+    (4, 2, 2)
   """
-  *lead, features = x.shape
-  x = x.reshape(*lead, num_heads, features // num_heads)
-  return jnp.moveaxis(x, -2, 0)
+  if not isinstance(params, Mapping):
+    raise TypeError(f"params must be a dict of W_q, W_k, W_v, W_o (see "
+                    f"init_multi_head_params), got {type(params).__name__}.")
+  unknown = set(params) - set(LAYOUT)
+  if unknown:
+    raise ValueError(f"params has unexpected entries {sorted(unknown)}; "
+                     f"multi-head params are {list(LAYOUT)}.")
+  for name in ("W_q", "W_k", "W_v", "W_o"):
+    if name not in params:
+      raise ValueError(f"params must have {name} ({LAYOUT[name]}), got keys "
+                       f"{sorted(params)}.")
+    _layer(params, name)
+  q = _shape(params, "W_q", "kernel")
+  if len(q) != 3:
+    raise _wrong(params, "W_q", "kernel", "[D, N, H]")
+  d, n, h = q
+  k_kernel = _shape(params, "W_k", "kernel")
+  if len(k_kernel) != 3 or k_kernel[2] != h:
+    raise _wrong(params, "W_k", "kernel", f"[Dkv, K, H] with H={h} (W_q's "
+                 f"head dim)")
+  dkv, k = k_kernel[:2]
+  if n % k:
+    raise _wrong(params, "W_k", "kernel", "[Dkv, K, H]",
+                 f": its K={k} heads must divide W_q's N={n} heads")
+  if _shape(params, "W_v", "kernel") != k_kernel:
+    raise _wrong(params, "W_v", "kernel", f"{k_kernel}, as W_k's")
+  o = _shape(params, "W_o", "kernel")
+  if len(o) != 3 or o[:2] != (n, h):
+    raise _wrong(params, "W_o", "kernel", f"[N, H, Dout] with N={n}, H={h} "
+                 f"(W_q's heads and head dim)")
+  dout = o[2]
+  biases = {"W_q": (n, h), "W_k": (k, h), "W_v": (k, h), "W_o": (dout,)}
+  for name, shape in biases.items():
+    if "bias" in params[name] and _shape(params, name, "bias") != shape:
+      raise _wrong(params, name, "bias", str(shape))
+  norms = [name for name in ("q_norm", "k_norm") if name in params]
+  if len(norms) == 1:
+    raise ValueError(f"params has {norms[0]} but not "
+                     f"{({'q_norm', 'k_norm'} - set(norms)).pop()}: qk-norm "
+                     "needs both (each {'scale': [H]}).")
+  for name in norms:
+    _layer(params, name)
+    if _shape(params, name, "scale") != (h,):
+      raise _wrong(params, name, "scale", f"({h},) = [H]")
+  for arg, value, got, what, layer in (
+      ("num_heads", num_heads, n, "heads", "W_q"),
+      ("num_kv_heads", num_kv_heads, k, "key/value heads", "W_k")):
+    if value is not None:
+      _checks.check_positive_int(arg, value)
+      if value != got:
+        raise ValueError(
+            f"{arg}={value} but params['{layer}']['kernel'] has shape "
+            f"{_shape(params, layer, 'kernel')}: {got} {what}. The head "
+            f"counts are read from the params; pass params built for {arg}="
+            f"{value} or leave {arg} out.")
+  return HeadDims(n, k, h, d, dkv, dout, bool(norms))
 
 
-def merge_heads(x: jax.Array) -> jax.Array:
-  """Concatenates heads: ``[B, N, T, H] -> [B, T, N*H]`` (the lesson's concat).
-
-  Example:
-    >>> merge_heads(jnp.ones((2, 3, 5, 4))).shape
-    (2, 5, 12)
-  """
-  b, n, t, h = x.shape
-  return jnp.transpose(x, (0, 2, 1, 3)).reshape(b, t, n * h)
-
-
-def project(x: jax.Array, kernel: jax.Array,
-            bias: jax.Array | None) -> jax.Array:
+def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, *,
+            precision: Precision = None) -> jax.Array:
   """One dense projection ``x @ kernel + bias``: ``[B, T, D] @ [D, F] -> [B, T, F]``.
 
   Example:
     >>> project(jnp.ones((2, 5, 8)), jnp.ones((8, 4)), jnp.zeros(4)).shape
     (2, 5, 4)
   """
-  y = jnp.einsum("BTD,DF->BTF", x, kernel)
+  y = jnp.einsum("BTD,DF->BTF", x, kernel, precision=precision)
   return y if bias is None else y + bias[None, None, :]
 
 
-def project_heads(x: jax.Array, layer: dict[str, jax.Array],
-                  num_heads: int) -> jax.Array:
-  """Per-head projection, vmapped over heads: ``[B, T, D] -> [B, N, T, H]``.
+def project_heads(x: jax.Array, layer: Mapping[str, jax.Array], *,
+                  precision: Precision = None) -> jax.Array:
+  """Per-head projection, ``project`` vmapped over the kernel's heads axis.
 
   Args:
     x: ``[B, T, D]``.
-    layer: ``{"kernel": [D, N*H], "bias": [N*H]}`` (bias optional).
-    num_heads: ``N``.
+    layer: ``{"kernel": [D, N, H], "bias": [N, H]}`` (bias optional).
+    precision: ``jnp.einsum``'s precision for the projection.
 
   Returns:
-    ``[B, N, T, H]``: ``project`` applied with each head's kernel slice.
+    ``[B, N, T, H]``: head ``n`` is ``x @ kernel[:, n] + bias[n]``.
 
   Example:
-    >>> layer = {"kernel": jnp.ones((8, 12))}
-    >>> project_heads(jnp.ones((2, 5, 8)), layer, 3).shape
+    >>> layer = {"kernel": jnp.ones((8, 3, 4))}
+    >>> project_heads(jnp.ones((2, 5, 8)), layer).shape
     (2, 3, 5, 4)
   """
-  kernels = split_heads(layer["kernel"], num_heads)  # [N, D, H]
   bias = layer.get("bias")
-  biases = None if bias is None else split_heads(bias, num_heads)  # [N, H]
-  return jax.vmap(project, in_axes=(None, 0, 0 if biases is not None else None),
-                  out_axes=1)(x, kernels, biases)  # [B, N, T, H]
+  per_head = functools.partial(project, precision=precision)
+  return jax.vmap(per_head, in_axes=(None, 1, 0 if bias is not None else None),
+                  out_axes=1)(x, layer["kernel"], bias)  # [B, N, T, H]
 
 
-def _check_params(params, d_model: int, num_heads: int,
-                  num_kv_heads: int) -> None:
-  head_dim = d_model // num_heads
-  expected = {"W_q": (d_model, num_heads * head_dim),
-              "W_k": (d_model, num_kv_heads * head_dim),
-              "W_v": (d_model, num_kv_heads * head_dim),
-              "W_o": (num_heads * head_dim, d_model)}
-  for name, shape in expected.items():
-    if name not in params or "kernel" not in params[name]:
-      raise ValueError(f"params must have {name}['kernel'], got keys "
-                       f"{sorted(params)}.")
-    got = _checks.shape_of(params[name]["kernel"])
-    if got != shape:
-      raise ValueError(
-          f"params['{name}']['kernel'] has shape {got}, expected {shape} for "
-          f"d_model={d_model}, num_heads={num_heads}, "
-          f"num_kv_heads={num_kv_heads}.")
-    if "bias" in params[name]:
-      got = _checks.shape_of(params[name]["bias"])
-      if got != shape[1:]:
-        raise ValueError(f"params['{name}']['bias'] has shape {got}, "
-                         f"expected {shape[1:]}.")
+def output_projection(heads: jax.Array, layer: Mapping[str, jax.Array], *,
+                      precision: Precision = None) -> jax.Array:
+  """``W_o`` over per-head outputs: ``[B, N, T, H] x [N, H, Dout] -> [B, T, Dout]``.
+
+  Each head's output meets its own ``[H, Dout]`` slice of the kernel and the
+  heads are summed, which equals the lesson's concat (``[B, T, N*H]``)
+  followed by one linear layer with the kernel flattened to ``[N*H, Dout]``.
+
+  Args:
+    heads: ``[B, N, T, H]``.
+    layer: ``{"kernel": [N, H, Dout], "bias": [Dout]}`` (bias optional).
+    precision: ``jnp.einsum``'s precision.
+
+  Returns:
+    ``[B, T, Dout]``.
+
+  Example:
+    >>> heads = jnp.ones((2, 3, 5, 4))                  # [B, N, T, H]
+    >>> w_o = {"kernel": jnp.ones((3, 4, 6))}           # [N, H, Dout]
+    >>> concat = jnp.swapaxes(heads, 1, 2).reshape(2, 5, 12)
+    >>> bool(jnp.allclose(output_projection(heads, w_o),
+    ...                   concat @ w_o["kernel"].reshape(12, 6)))
+    True
+  """
+  y = jnp.einsum("BNTH,NHD->BTD", heads, layer["kernel"],
+                 precision=precision)  # [B, T, Dout]
+  bias = layer.get("bias")
+  return y if bias is None else y + bias[None, None, :]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, *,
+             epsilon: float = QK_NORM_EPSILON) -> jax.Array:
+  """RMSNorm over the last (head) axis, computed in float32 (or float64).
+
+  ``x / sqrt(mean(x**2) + epsilon) * scale``, as flax's ``nnx.RMSNorm``:
+  qk-norm as Gemma applies it to each projected query and key head.
+  (flax's ``nnx.MultiHeadAttention(normalize_qk=True)`` uses a bias-free
+  LayerNorm instead, which also subtracts the mean.)
+
+  Args:
+    x: ``[..., H]``.
+    scale: ``[H]``, learned.
+    epsilon: added to the mean square.
+
+  Returns:
+    ``[..., H]`` in ``x``'s dtype.
+
+  Example:
+    >>> y = rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2))
+    >>> bool(jnp.allclose(jnp.mean(y ** 2), 1.0, atol=1e-5))
+    True
+  """
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  x32 = x.astype(dtype)
+  mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  scale = jnp.asarray(scale, dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+  return (x32 * jax.lax.rsqrt(mean_square + epsilon) * scale).astype(x.dtype)
 
 
 def _check_mask_and_bias(mask, bias, full: tuple[int, ...], layout: str):
   """Validates per-head ``mask``/``bias`` against ``full``; returns them as arrays.
 
-  The mask comes back bool, the bias as a float array; ``None`` stays None.
+  Both must have the logits' full rank 4 (size-1 axes broadcast): a lower
+  rank could be read two ways (a ``[B, S]`` padding mask aligned to the
+  right would be taken as ``[T, S]``). The mask comes back bool, the bias as
+  a float array; ``None`` stays None.
   """
   for name, x in (("mask", mask), ("bias", bias)):
-    if x is not None:
-      _checks.check_broadcastable_to(name, _checks.shape_of(x), full, layout)
+    if x is None:
+      continue
+    shape = _checks.shape_of(x)
+    if len(shape) != 4:
+      raise ValueError(
+          f"{name} with shape {shape} has rank {len(shape)}, but multi-head "
+          f"attention needs the logits' full rank 4, broadcastable to "
+          f"{layout} = {full} (size-1 axes where it is shared), so its axes "
+          f"cannot be read two ways. A [B, S] key-padding {name} becomes "
+          f"{name}[:, None, None, :], a [T, S] one {name}[None, None]; "
+          f"aj.make_attention_mask(query_valid, key_valid) builds "
+          f"[B, 1, T, S] masks; for key padding alone pass "
+          f"key_value_seq_lengths=[B] instead.")
+    _checks.check_broadcastable_to(name, shape, full, layout)
   if mask is not None:
     _checks.check_mask_dtype("mask", mask)
     mask = _numerics.as_bool_mask(mask)
@@ -212,8 +440,8 @@ def attend_heads(
     query: ``[B, N, T, H]`` projected queries.
     key: ``[B, K, S, H]`` projected keys; ``K`` divides ``N``.
     value: ``[B, K, S, H]`` projected values.
-    mask: optional bool broadcastable to ``[B, N, T, S]``.
-    bias: optional float broadcastable to ``[B, N, T, S]``.
+    mask: optional bool of rank 4, broadcastable to ``[B, N, T, S]``.
+    bias: optional float of rank 4, broadcastable to ``[B, N, T, S]``.
     is_causal: bottom-right aligned causal masking.
     dropout_rate: dropout on the attention weights.
     dropout_rng: key for dropout.
@@ -296,13 +524,15 @@ def _heads_layout(pattern: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def _decode_pattern(pattern: dict[str, Any], visible, index):
-  """Pattern arguments for queries over cache slots; the visibility mask.
+def _decode_pattern(pattern: dict[str, Any], visible, q_pos, key_pos):
+  """Pattern arguments for queries over cached keys; the visibility mask.
 
-  The window becomes part of the ``[T, L]`` visibility mask (slot positions
-  are absolute, the queries stand at ``index + i``), and ``score_mod`` sees
-  absolute query positions through one extra argument, so cached decoding
-  equals the full forward. Segment ids would need a cache of their own.
+  ``visible [B, T, S']`` says which keys each query may see, ``q_pos [B,
+  T]`` and ``key_pos [B|1, S']`` are absolute positions (per example, slots
+  of a linear cache or of a ring buffer). The window becomes part of the
+  mask, and ``score_mod`` sees absolute query and key positions through two
+  extra arguments, so cached decoding equals the full forward. Segment ids
+  would need a cache of their own.
   """
   pattern = dict(pattern)
   for name in ("query_segment_ids", "key_segment_ids"):
@@ -313,37 +543,32 @@ def _decode_pattern(pattern: dict[str, Any], visible, index):
           "instead.")
   window = _patterns.check_window(pattern.pop("local_window_size", None))
   if window is not None:
-    t, length = visible.shape
-    position = index + jnp.arange(t)[:, None]  # [T, 1] absolute
-    slots = jnp.arange(length)[None, :]  # [1, L]
-    visible = visible & (slots >= position - window[0]) & (
-        slots <= position + window[1])
+    qp, kp = q_pos[:, :, None], key_pos[:, None, :]  # [B, T, 1], [B|1, 1, S']
+    visible = visible & (kp >= qp - window[0]) & (kp <= qp + window[1])
   score_mod = pattern.get("score_mod")
   if score_mod is not None:
-    shift = jnp.asarray(index, jnp.float32).reshape(1, 1)
+    q_arg = q_pos[:, None, :, None].astype(jnp.float32)  # [B, 1, T, 1]
+    k_arg = key_pos[:, None, None, :].astype(jnp.float32)  # [B|1, 1, 1, S']
 
     def absolute(score, q_idx, kv_idx, *args):
-      *args, offset = args
-      return score_mod(score, q_idx + offset.astype(q_idx.dtype), kv_idx,
-                       *args)
+      *args, q_at, k_at = args
+      return score_mod(score, q_at.astype(q_idx.dtype),
+                       k_at.astype(kv_idx.dtype), *args)
 
     pattern["score_mod"] = absolute
     pattern["score_mod_args"] = tuple(pattern.get("score_mod_args")
-                                      or ()) + (shift,)
+                                      or ()) + (q_arg, k_arg)
   return pattern, visible
 
 
-def _rope_positions(t: int, s: int, cache, pattern):
+def _rope_positions(t: int, s: int, pattern):
   """Positions of this call's queries and keys for rotary embeddings.
 
-  Decoding: both at ``index + i`` (keys are rotated before they enter the
-  cache). Packed documents: restarting per segment (``segment_positions``,
+  Packed documents: restarting per segment (``segment_positions``,
   ``[B, 1, T]``). Otherwise ``arange``, queries bottom-right aligned
-  (``S - T + i``, the package's convention).
+  (``S - T + i``, the package's convention). (Decoding uses each example's
+  cache positions, see ``forward``.)
   """
-  if cache is not None:
-    here = cache.index + jnp.arange(t)
-    return here, here
   q_ids, k_ids = (pattern.get(n) for n in ("query_segment_ids",
                                             "key_segment_ids"))
   if q_ids is not None and k_ids is not None:
@@ -355,27 +580,99 @@ def _rope_positions(t: int, s: int, cache, pattern):
 
 
 class KVCache(NamedTuple):
-  """A key/value cache: buffers ``[B, K, L, H]`` and the filled count."""
+  """A key/value cache for ``forward``.
+
+  ``key``/``value`` are ``[B, K, L, H]`` buffers: ``L`` positions of a
+  linear cache, or ``W`` slots of a ring buffer when ``window`` is set (a
+  sliding-window layer: position ``p`` lives in slot ``p % W`` and keys
+  older than ``window`` are forgotten). ``index`` counts the tokens written
+  per example (``[B]``, or a scalar for all). ``overflow`` (bool ``[B]``,
+  sticky) marks examples whose write did not fit a linear cache: it is an
+  error value, checked outside the step (``MultiHeadAttention.check_cache``)
+  so decoding pays no host callback.
+  """
   key: jax.Array
   value: jax.Array
-  index: jax.Array  # int32 scalar
+  index: jax.Array
+  overflow: jax.Array | None = None
+  window: int | None = None
 
 
-def _check_inputs(query, key, value, cache: KVCache | None) -> None:
+def _decode_lengths(pattern, b: int, t: int):
+  """In decoding, ``query_seq_lengths [B]`` is each example's new tokens."""
+  lengths = pattern.get("query_seq_lengths")
+  if lengths is None:
+    return None
+  if np.ndim(lengths) != 1 or np.shape(lengths)[0] != b:
+    raise ValueError(
+        f"while decoding, query_seq_lengths is the number of real new "
+        f"tokens per example (right-padded), integer [B] = [{b}]; got shape "
+        f"{np.shape(lengths)}.")
+  _checks.check_concrete_range("query_seq_lengths", lengths, t)
+  return jnp.asarray(lengths, jnp.int32)
+
+
+def _decode(cache: KVCache, k, v, mask, bias, pattern, index, new_lengths,
+            q_pos):
+  """Writes this call's keys/values; what the queries attend over.
+
+  Returns ``(keys, values, mask [B|1, N|1, T, S'], pattern, new cache)``,
+  ``S'`` = ``L`` slots of a linear cache, ``W + T`` for a ring buffer (its
+  old slots, then the new keys).
+  """
+  t = k.shape[2]
+  count = t if new_lengths is None else new_lengths
+  if cache.window is None:
+    ck, cv, visible = kv_cache.update_kv_cache(
+        cache.key, cache.value, index, k, v,
+        new_lengths=new_lengths)  # [B, K, L, H]; visible [B, T, L]
+    keys, values = ck, cv
+    key_pos = jnp.arange(ck.shape[2])[None, :]  # [1, L]
+    overflow = kv_cache.cache_overflow(index, count, ck.shape[2])
+  else:
+    for name, x in (("mask", mask), ("bias", bias),
+                    ("key_value_seq_lengths",
+                     pattern.get("key_value_seq_lengths"))):
+      if x is not None:
+        raise ValueError(
+            f"{name} is not supported with a ring-buffer (sliding-window) "
+            "cache, whose slots hold changing positions: the window and "
+            "the per-example positions already say what each query sees.")
+    keys, values, visible, key_pos, ck, cv = kv_cache.update_ring_cache(
+        cache.key, cache.value, index, k, v, window=cache.window,
+        new_lengths=new_lengths)  # [B, K, W + T, H]; visible [B, T, W + T]
+    overflow = jnp.zeros(index.shape, bool)
+  if cache.overflow is not None:
+    overflow = overflow | cache.overflow
+  pattern, visible = _decode_pattern(pattern, visible, q_pos, key_pos)
+  mask = masks.combine_masks(mask, visible[:, None])  # [B, 1, T, S']
+  new_cache = KVCache(ck, cv, index + count, overflow, cache.window)
+  return keys, values, mask, pattern, new_cache
+
+
+def _check_inputs(query, key, value, cache: KVCache | None,
+                  params: Mapping[str, Any], dims: HeadDims) -> None:
   for name, x in (("query", query), ("key", key), ("value", value)):
     _checks.check_float_array(name, x)
   _checks.check_rank("query", query, (3,), "[B, T, D]")
-  _checks.check_rank("key", key, (3,), "[B, S, D]")
-  _checks.check_rank("value", value, (3,), "[B, S, D]")
+  _checks.check_rank("key", key, (3,), "[B, S, Dkv]")
+  _checks.check_rank("value", value, (3,), "[B, S, Dkv]")
   q_shape, k_shape, v_shape = map(_checks.shape_of, (query, key, value))
-  d_model = q_shape[-1]
-  if k_shape[-1] != d_model or v_shape[-1] != d_model:
+  if k_shape != v_shape:
     raise ValueError(
-        f"query, key and value must share the model dim D: query {q_shape}, "
-        f"key {k_shape}, value {v_shape}.")
-  if k_shape[:2] != v_shape[:2]:
-    raise ValueError(f"key {k_shape} and value {v_shape} must have the same "
-                     "[B, S].")
+        f"key {k_shape} and value {v_shape} must have the same shape "
+        f"[B, S, Dkv] (one W_k/W_v input width Dkv).")
+  if q_shape[-1] != dims.d_model:
+    raise ValueError(
+        f"query has {q_shape[-1]} features (shape {q_shape}), but "
+        f"params['W_q']['kernel'] has shape {_shape(params, 'W_q', 'kernel')}"
+        f": [D, N, H] with D={dims.d_model}.")
+  if k_shape[-1] != dims.kv_features:
+    raise ValueError(
+        f"key and value have {k_shape[-1]} features (shape {k_shape}), but "
+        f"params['W_k']['kernel'] has shape {_shape(params, 'W_k', 'kernel')}"
+        f": [Dkv, K, H] with Dkv={dims.kv_features}. Keys of another width "
+        f"need params built with kv_features={k_shape[-1]}.")
   if q_shape[0] != k_shape[0]:
     raise ValueError(f"query {q_shape} and key {k_shape} must have the same "
                      "batch size B.")
@@ -394,7 +691,7 @@ def forward(
     value: ArrayLike,
     mask: ArrayLike | None = None,
     *,
-    num_heads: int,
+    num_heads: int | None = None,
     num_kv_heads: int | None = None,
     bias: ArrayLike | None = None,
     is_causal: bool = False,
@@ -404,6 +701,7 @@ def forward(
     implementation: str | None = None,
     return_weights: bool = False,
     head_axis: str | None = None,
+    precision: Precision = None,
     cache: KVCache | None = None,
     rope: float | None = None,
     **pattern: Any,
@@ -411,51 +709,66 @@ def forward(
   """The one projection -> attention -> output path, with or without a cache.
 
   ``multi_head_attention`` is this without a cache; ``MultiHeadAttention``
-  calls it with its cache when decoding. With ``cache``, this call's keys and
-  values are written at ``cache.index`` (``update_kv_cache``) and the
-  queries attend causally to every filled slot; ``mask``/``bias`` are then
-  over the ``L`` cache slots (``[B, N, T, L]``). ``pattern`` holds the
-  structured-attention arguments (``PATTERN_ARGS``) in the ``[B, T, D]``
-  layout (lengths ``[B]``, segment ids ``[B, T]``). ``rope`` is the base of
-  rotary position embeddings applied to the projected queries and keys
-  (``_rope_positions`` says which positions), None for none.
+  calls it with its cache when decoding. The sizes (N, K, H, D, Dkv, Dout,
+  qk-norm) come from ``params`` (``param_dims``); ``num_heads`` /
+  ``num_kv_heads``, when given, must agree with them. With ``cache``, this
+  call's keys and values are written at ``cache.index``
+  (``update_kv_cache``) and the queries attend causally to every filled
+  slot; ``mask``/``bias`` are then over the ``L`` cache slots
+  (``[B, N, T, L]``, rank 4). ``pattern`` holds the structured-attention
+  arguments (``PATTERN_ARGS``) in the ``[B, T, D]`` layout (lengths ``[B]``,
+  segment ids ``[B, T]``). Order per head: projection, qk-norm, rotary
+  positions (``rope``, the base; ``_rope_positions`` says which positions),
+  cache write, attention, ``W_o``.
 
   Returns:
-    ``(output [B, T, D], weights [B, N, T, S or L] or None, updated cache or
-    None)``.
+    ``(output [B, T, Dout], weights [B, N, T, S or L] or None, updated
+    cache or None)``.
+
+  Example:
+    >>> p = init_multi_head_params(jax.random.key(0), 8, 2)
+    >>> x = jnp.ones((1, 3, 8))
+    >>> out, _, _ = forward(p, x, x, x, is_causal=True)
+    >>> out.shape
+    (1, 3, 8)
   """
-  _check_inputs(query, key, value, cache)
+  dims = param_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
+  _check_inputs(query, key, value, cache, params, dims)
   q_shape, k_shape = _checks.shape_of(query), _checks.shape_of(key)
-  num_kv_heads = _checks.check_head_counts(q_shape[-1], num_heads,
-                                           num_kv_heads)
-  _check_params(params, q_shape[-1], num_heads, num_kv_heads)
-  sharding.check_heads_divide(num_heads, num_kv_heads, head_axis)
+  sharding.check_heads_divide(dims.num_heads, dims.num_kv_heads, head_axis)
   b, t = q_shape[:2]
   if cache is None:
-    full, layout = (b, num_heads, t, k_shape[1]), "[B, N, T, S]"
+    full, layout = (b, dims.num_heads, t, k_shape[1]), "[B, N, T, S]"
   else:
-    full = (b, num_heads, t, cache.key.shape[2])
+    full = (b, dims.num_heads, t, cache.key.shape[2])
     layout = "[B, N, T, L] (decoding: L cache slots)"
   mask, bias = _check_mask_and_bias(mask, bias, full, layout)
   query, key, value = map(jnp.asarray, (query, key, value))
   if mask is not None and cache is None:
     # Padded inputs may hold NaN: zero them before W_k/W_v.
-    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B|1, N|1, T|1, S|1]
-    key, value = _numerics.zero_unseen(jnp.any(m, axis=(1, 2)), key, value)
-  q = project_heads(query, params["W_q"], num_heads)  # [B, N, T, H]
-  k = project_heads(key, params["W_k"], num_kv_heads)  # [B, K, S, H]
-  v = project_heads(value, params["W_v"], num_kv_heads)  # [B, K, S, H]
+    seen = jnp.any(mask, axis=(1, 2))  # [B|1, S|1]
+    key, value = _numerics.zero_unseen(seen, key, value)
+  q = project_heads(query, params["W_q"], precision=precision)  # [B, N, T, H]
+  k = project_heads(key, params["W_k"], precision=precision)  # [B, K, S, H]
+  v = project_heads(value, params["W_v"], precision=precision)  # [B, K, S, H]
   q, k, v = (sharding.constrain_heads(x, head_axis) for x in (q, k, v))
+  if dims.normalize_qk:  # Gemma's order: norm, then rotary positions
+    q = rms_norm(q, params["q_norm"]["scale"])
+    k = rms_norm(k, params["k_norm"]["scale"])
+  if cache is not None:  # every example at its own position
+    index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
+    new_lengths = _decode_lengths(pattern, b, t)
+    q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] absolute
   if rope is not None:
-    q_pos, k_pos = _rope_positions(t, k.shape[2], cache, pattern)
-    q = rope_lib.apply_rope(q, q_pos, base=rope)
-    k = rope_lib.apply_rope(k, k_pos, base=rope)  # cached keys stay rotated
+    if cache is not None:  # keys are rotated before they enter the cache
+      q_rot = k_rot = q_pos[:, None, :]  # [B, 1, T]
+    else:
+      q_rot, k_rot = _rope_positions(t, k.shape[2], pattern)
+    q = rope_lib.apply_rope(q, q_rot, base=rope)
+    k = rope_lib.apply_rope(k, k_rot, base=rope)
   if cache is not None:
-    k, v, visible = kv_cache.update_kv_cache(cache.key, cache.value,
-                                             cache.index, k, v)  # [B, K, L, H]
-    pattern, visible = _decode_pattern(pattern, visible, cache.index)
-    cache = KVCache(k, v, cache.index + t)
-    mask = masks.combine_masks(mask, visible)  # the causal part, over slots
+    k, v, mask, pattern, cache = _decode(cache, k, v, mask, bias, pattern,
+                                         index, new_lengths, q_pos)
     is_causal = False
   result = attend_heads(
       q, k, v, mask, bias=bias, is_causal=is_causal,
@@ -463,8 +776,8 @@ def forward(
       attention_fn=attention_fn, implementation=implementation,
       return_weights=return_weights, **_heads_layout(pattern))
   out, weights = result if return_weights else (result, None)
-  output = project(merge_heads(out), params["W_o"]["kernel"],
-                   params["W_o"].get("bias"))  # [B, T, D]
+  output = output_projection(out, params["W_o"],
+                             precision=precision)  # [B, T, Dout]
   return output, weights, cache
 
 
@@ -475,7 +788,7 @@ def multi_head_attention(
     value: ArrayLike,
     mask: ArrayLike | None = None,
     *,
-    num_heads: int,
+    num_heads: int | None = None,
     num_kv_heads: int | None = None,
     bias: ArrayLike | None = None,
     is_causal: bool = False,
@@ -485,6 +798,7 @@ def multi_head_attention(
     implementation: str | None = None,
     return_weights: bool = False,
     head_axis: str | None = None,
+    precision: Precision = None,
     key_value_seq_lengths: ArrayLike | None = None,
     query_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
@@ -498,16 +812,23 @@ def multi_head_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
+  The head structure is read from ``params`` (see ``init_multi_head_params``
+  for the layout): ``N`` and ``H`` from ``W_q``, ``K`` from ``W_k``, the
+  output width from ``W_o``, qk-norm from ``q_norm``/``k_norm``.
+
   Args:
-    params: from ``init_multi_head_params``.
+    params: from ``init_multi_head_params`` (or a converter such as
+      ``from_torch_multihead_attention``).
     query: float ``[B, T, D]``.
-    key: float ``[B, S, D]``.
-    value: float ``[B, S, D]``.
-    mask: optional bool/integer broadcastable to ``[B, N, T, S]`` (True =
-      may attend), e.g. from ``make_attention_mask``.
-    num_heads: ``N`` (static).
-    num_kv_heads: ``K`` (static); ``None`` means ``N``.
-    bias: optional float broadcastable to ``[B, N, T, S]`` added to logits.
+    key: float ``[B, S, Dkv]``.
+    value: float ``[B, S, Dkv]``.
+    mask: optional bool/integer of rank 4, broadcastable to ``[B, N, T, S]``
+      (True = may attend), e.g. from ``make_attention_mask``; a ``[B, S]``
+      key-padding mask is passed as ``mask[:, None, None, :]``.
+    num_heads: optional ``N``; if given, must match ``params``.
+    num_kv_heads: optional ``K``; if given, must match ``params``.
+    bias: optional float of rank 4 broadcastable to ``[B, N, T, S]``, added
+      to the logits.
     is_causal: bottom-right aligned causal masking (static).
     dropout_rate: dropout on attention weights, in ``[0, 1)`` (static).
     dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
@@ -521,6 +842,9 @@ def multi_head_attention(
       ``attention_jax.sharding``); under ``jax.set_mesh`` with that axis the
       projected heads are pinned to it, elsewhere it is ignored. ``N`` and
       ``K`` must divide its size.
+    precision: ``jax.lax.Precision`` (or None) of the projection einsums
+      (``W_q``, ``W_k``, ``W_v``, ``W_o``); the attention itself runs at
+      ``scaled_dot_product_attention``'s precision, which takes none.
     key_value_seq_lengths: optional integer ``[B]``: keys at positions
       ``>=`` the length are padding (no ``[T, S]`` mask needed).
     query_seq_lengths: optional integer ``[B]``: rows past it get output 0.
@@ -535,21 +859,26 @@ def multi_head_attention(
     rope: base of rotary position embeddings (e.g. ``10000.0``) applied to
       the projected queries and keys (``apply_rope``; positions restart per
       document with segment ids, queries bottom-right aligned otherwise);
-      None for none.
+      None for none. With qk-norm, the norm comes first.
 
   Returns:
-    ``output [B, T, D]``, or ``(output, weights float32 [B, N, T, S])`` with
-    ``return_weights``.
+    ``output [B, T, Dout]``, or ``(output, weights float32 [B, N, T, S])``
+    with ``return_weights``.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 16, 4)
     >>> x = jnp.ones((2, 5, 16))
-    >>> multi_head_attention(p, x, x, x, num_heads=4, is_causal=True).shape
+    >>> multi_head_attention(p, x, x, x, is_causal=True).shape
     (2, 5, 16)
-    >>> out, w = multi_head_attention(p, x, x, x, num_heads=4,
-    ...                               return_weights=True)
+    >>> out, w = multi_head_attention(p, x, x, x, return_weights=True)
     >>> w.shape
     (2, 4, 5, 5)
+    >>> q = init_multi_head_params(jax.random.key(0), 16, 2, head_dim=3,
+    ...                            kv_features=6, out_features=4,
+    ...                            normalize_qk=True)
+    >>> multi_head_attention(q, x, jnp.ones((2, 7, 6)), jnp.ones((2, 7, 6)),
+    ...                      jnp.ones((2, 1, 1, 7), bool)).shape
+    (2, 5, 4)
   """
   output, weights, _ = forward(
       params, query, key, value, mask, num_heads=num_heads,
@@ -557,7 +886,7 @@ def multi_head_attention(
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       attention_fn=attention_fn, implementation=implementation,
       return_weights=return_weights, head_axis=head_axis,
-      key_value_seq_lengths=key_value_seq_lengths,
+      precision=precision, key_value_seq_lengths=key_value_seq_lengths,
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,

@@ -3,11 +3,14 @@
 Shape glossary: B batch, T query length, N query heads, K key/value heads,
 H head dim, D model dim.
 
-With a mesh axis ``head_axis`` of size M, ``W_q``/``W_k``/``W_v`` kernels
-``[D, N*H]`` are split by output features and ``W_o`` ``[N*H, D]`` by input
-features (Megatron-style). Each device then projects, attends and weights
-its own ``N/M`` heads with no communication; the only collective is the sum
-of the partial ``W_o`` products (one all-reduce per attention call).
+With a mesh axis ``head_axis`` of size M, the parameters are split along
+their heads axis (Megatron-style, whole heads per device): ``W_q`` kernels
+``[D, N, H]`` and biases ``[N, H]`` (and ``W_k``/``W_v``, ``[Dkv, K, H]``,
+``[K, H]``) by ``N`` (``K``), ``W_o`` kernels ``[N, H, Dout]`` by ``N``; the
+``W_o`` bias ``[Dout]`` and qk-norm scales ``[H]`` are replicated. Each
+device then projects, attends and weights its own ``N/M`` heads with no
+communication; the only collective is the sum of the partial ``W_o``
+products (one all-reduce per attention call).
 """
 
 from __future__ import annotations
@@ -19,10 +22,19 @@ _FREE = PartitionSpec.UNCONSTRAINED
 
 
 def projection_specs(head_axis: str) -> dict[str, dict[str, tuple]]:
-  """``{layer: {"kernel": spec, "bias": spec}}`` for ``W_q/W_k/W_v/W_o``."""
-  split_out = {"kernel": (None, head_axis), "bias": (head_axis,)}
-  return {"W_q": split_out, "W_k": split_out, "W_v": split_out,
-          "W_o": {"kernel": (head_axis, None), "bias": (None,)}}
+  """``{layer: {"kernel": spec, "bias": spec}}`` for ``W_q/W_k/W_v/W_o``.
+
+  Each spec names the mesh axis per parameter axis: the heads axis of
+  every kernel (``[D, N, H]``, ``[N, H, Dout]``) and bias (``[N, H]``) is
+  split over ``head_axis``; the rest is replicated.
+
+  Example:
+    >>> projection_specs("model")["W_q"]
+    {'kernel': (None, 'model', None), 'bias': ('model', None)}
+  """
+  split_heads = {"kernel": (None, head_axis, None), "bias": (head_axis, None)}
+  return {"W_q": split_heads, "W_k": split_heads, "W_v": split_heads,
+          "W_o": {"kernel": (head_axis, None, None), "bias": (None,)}}
 
 
 def mesh_axis_size(axis: str | None) -> int | None:

@@ -45,18 +45,26 @@ def params(init_fn, seed: int, *args, **kwargs):
 
   ``jax.eval_shape`` gives the shapes without compiling the initialiser.
   Matrices get std ``1/sqrt(fan_in)``; vectors (biases, ``v``) std 0.5 so
-  that biases are non-zero and really tested; scalars (a learned scale) are
-  ``1 + 0.2 * N(0, 1)``.
+  that biases are non-zero and really tested; scalars (a learned scale) and
+  qk-norm ``scale`` vectors are ``1 + 0.2 * N(0, 1)``. Multi-head kernels are
+  per head (``[D, N, H]``: fan-in ``D``; ``W_o``'s ``[N, H, D]``: ``N * H``)
+  and their biases (``[N, H]``) count as vectors.
   """
   shapes = jax.eval_shape(lambda key: init_fn(key, *args, **kwargs),
                           jax.random.key(0))
-  leaves, treedef = jax.tree.flatten(shapes)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   values = []
-  for i, leaf in enumerate(leaves):
+  for i, (path, leaf) in enumerate(leaves):
+    names = [getattr(k, "key", None) for k in path]
     x = normal(seed + i, leaf.shape, leaf.dtype)
-    if leaf.ndim == 2:
+    if names[-1] == "kernel":
+      fan_in = np.prod(leaf.shape[:-1]) if "W_o" in names else leaf.shape[0]
+      x = x / np.sqrt(fan_in)
+    elif names[-1] == "bias":
+      x = 0.5 * x
+    elif leaf.ndim == 2:
       x = x / np.sqrt(leaf.shape[0])
-    elif leaf.ndim == 1:
+    elif leaf.ndim == 1 and names[-1] != "scale":
       x = 0.5 * x
     else:
       x = 1.0 + 0.2 * x

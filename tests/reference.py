@@ -52,26 +52,55 @@ def linear(x, layer):
   return y
 
 
-def multi_head_attention(params, query, key, value, mask=None, *, num_heads,
-                         num_kv_heads=None, is_causal=False):
-  """The lesson's MultiHeadAttention.forward (view/transpose/concat), + GQA."""
-  num_kv_heads = num_kv_heads or num_heads
-  b, t, d = np.shape(query)
+def rms_norm(x, scale, eps=1e-6):
+  """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * scale."""
+  x = np.asarray(x, np.float64)
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * np.asarray(
+      scale, np.float64)
+
+
+def multi_head_attention(params, query, key, value, mask=None, *,
+                         num_heads=None, num_kv_heads=None, is_causal=False):
+  """The lesson's MultiHeadAttention.forward (view/transpose/concat), + GQA.
+
+  ``params`` hold per-head kernels (``W_q`` ``[D, N, H]``, ``W_k``/``W_v``
+  ``[Dkv, K, H]``, ``W_o`` ``[N, H, Dout]``); here they are flattened back to
+  the lesson's ``[in, out]`` matrices and the heads split from the projected
+  features as the lesson does. ``H`` need not be ``D / N``; keys/values may
+  have their own width; ``q_norm``/``k_norm`` RMS-normalise each head.
+  """
+  _, n, h = np.shape(params["W_q"]["kernel"])
+  kv_heads = np.shape(params["W_k"]["kernel"])[1]
+  if num_heads not in (None, n) or num_kv_heads not in (None, kv_heads):
+    raise ValueError("head counts disagree with the params")
+  b, t, _ = np.shape(query)
   s = np.shape(key)[1]
-  h = d // num_heads
+
+  def flat(layer):  # [in, heads, H] -> [in, heads*H], as a Linear's
+    kernel = np.asarray(layer["kernel"])
+    out = {"kernel": kernel.reshape(kernel.shape[0], -1)}
+    if "bias" in layer:
+      out["bias"] = np.asarray(layer["bias"]).reshape(-1)
+    return out
 
   def split(x, heads, length):  # [B, L, heads*H] -> [B, heads, L, H]
     return x.reshape(b, length, heads, h).transpose(0, 2, 1, 3)
 
-  q = split(linear(query, params["W_q"]), num_heads, t)
-  k = split(linear(key, params["W_k"]), num_kv_heads, s)
-  v = split(linear(value, params["W_v"]), num_kv_heads, s)
-  group = num_heads // num_kv_heads
+  q = split(linear(query, flat(params["W_q"])), n, t)
+  k = split(linear(key, flat(params["W_k"])), kv_heads, s)
+  v = split(linear(value, flat(params["W_v"])), kv_heads, s)
+  if "q_norm" in params:
+    q = rms_norm(q, params["q_norm"]["scale"])
+    k = rms_norm(k, params["k_norm"]["scale"])
+  group = n // kv_heads
   k = np.repeat(k, group, axis=1)  # explicit head repetition for GQA
   v = np.repeat(v, group, axis=1)
   out, weights = sdpa(q, k, v, mask, is_causal=is_causal)
-  out = out.transpose(0, 2, 1, 3).reshape(b, t, num_heads * h)  # concat heads
-  return linear(out, params["W_o"]), weights
+  out = out.transpose(0, 2, 1, 3).reshape(b, t, n * h)  # concat heads
+  w_o = {"kernel": np.reshape(params["W_o"]["kernel"], (n * h, -1))}
+  if "bias" in params["W_o"]:
+    w_o["bias"] = params["W_o"]["bias"]
+  return linear(out, w_o), weights
 
 
 def _context(scores, values, mask):

@@ -135,6 +135,7 @@ class PoisonedPaddingTest(parameterized.TestCase):
   @parameterized.parameters("additive", "luong")
   def test_decoder_attention_and_its_params(self, kind):
     k, v, mask = self._keys()
+    mask = mask[:, None, :]  # [B, 1, S]: the weights' rank
     q = _data.normal(15, (2, 3, 16))
     if kind == "additive":
       params = _data.params(aj.init_additive_params, 1, 16, 16, 8)

@@ -20,7 +20,7 @@ I0 = jnp.int32(2)
 def _with(**changes):
   """The update with one operand swapped for a bad one."""
   args = dict(cached_key=CK, cached_value=CV, index=I0, key=NEW_K,
-              value=NEW_V)
+              value=NEW_V, new_lengths=None)
   args.update(changes)
   return lambda: aj.update_kv_cache(**args)
 
@@ -71,10 +71,15 @@ CASES = [
      r"index must be non-negative .*got -1.*clamped to slot 0"),
     ("negative_python_index", _with(index=-3), ValueError,
      r"index must be non-negative .*got -3"),
-    ("per_example_index", _with(index=jnp.array([1, 2], jnp.int32)),
-     ValueError, r"index must be an integer scalar shared by the batch, got "
-     r"shape \(2,\) \(the cache has batch B = 2\): per-example positions are "
-     r"not supported by update_kv_cache"),
+    ("index_batch", _with(index=jnp.array([1, 2, 3], jnp.int32)),
+     ValueError, r"index must be an integer scalar shared by the batch or one "
+     r"per example \[B\] = \[2\], got shape \(3,\)"),
+    ("per_example_overflow", _with(index=jnp.array([1, 6], jnp.int32)),
+     ValueError, r"KV cache overflow in examples \[1\]: 6 positions"),
+    ("new_lengths_too_long", _with(new_lengths=jnp.array([1, 4])),
+     ValueError, r"new_lengths must lie in \[0, 3\]"),
+    ("new_lengths_shape", _with(new_lengths=jnp.array([1, 2, 3])),
+     ValueError, r"new_lengths must be integer \[B\] = \[2\]"),
     ("matrix_index", _with(index=jnp.zeros((1, 1), jnp.int32)), ValueError,
      r"index must be an integer scalar .*got shape \(1, 1\)"),
     ("float_index", _with(index=jnp.float32(2.0)), TypeError,
@@ -101,17 +106,17 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(error, regex):
       jax.jit(call)()
 
-  def test_traced_negative_index_fails_at_run_time(self):
-    # A jit argument is not known at trace time; the host callback refuses
-    # it when the program runs instead of clamping the write to slot 0.
-    update = jax.jit(aj.update_kv_cache)
-    with self.assertRaisesRegex(Exception, r"index must be non-negative"):
-      jax.block_until_ready(update(CK, CV, jnp.int32(-1), NEW_K, NEW_V))
-
-  def test_traced_overflow_fails_at_run_time(self):
-    update = jax.jit(aj.update_kv_cache)
-    with self.assertRaisesRegex(Exception, r"KV cache overflow: 6 positions"):
-      jax.block_until_ready(update(CK, CV, jnp.int32(6), NEW_K, NEW_V))
+  @parameterized.named_parameters(("negative", [-1, 2]), ("overflow", [6, 2]))
+  def test_traced_misfit_is_dropped_and_reported_as_a_value(self, index):
+    # A jit argument is not known at trace time. No host callback in the
+    # step: what does not fit is not written (never clamped onto slot 0 or
+    # the last slots), and cache_overflow says where.
+    index = jnp.array(index, jnp.int32)
+    ck, _, _ = jax.jit(aj.update_kv_cache)(CK, CV, index, NEW_K, NEW_V)
+    np.testing.assert_array_equal(ck[0], 0.0)  # row 0 untouched
+    np.testing.assert_array_equal(ck[1, :, 2:5], 1.0)  # row 1 written at 2
+    np.testing.assert_array_equal(
+        aj.cache_overflow(index, 3, L), [True, False])
 
 
 def _numpy_update(ck, cv, index, k, v):
@@ -121,6 +126,37 @@ def _numpy_update(ck, cv, index, k, v):
   cv[:, :, index:index + t] = v
   visible = np.arange(ck.shape[2])[None, :] <= index + np.arange(t)[:, None]
   return ck, cv, visible
+
+
+def _numpy_ragged(ck, cv, index, lengths, k, v):
+  """Per example: write its first lengths[b] tokens at index[b]."""
+  ck, cv = np.array(ck), np.array(cv)
+  t, length = k.shape[2], ck.shape[2]
+  visible = np.zeros((len(index), t, length), bool)
+  for b, (i, n) in enumerate(zip(index, lengths)):
+    ck[b, :, i:i + n] = k[b, :, :n]
+    cv[b, :, i:i + n] = v[b, :, :n]
+    for q in range(n):
+      visible[b, q, :i + q + 1] = True
+  return ck, cv, visible
+
+
+def _numpy_ring(slots, window, chunks):
+  """Feeds [B, T] position chunks token by token into W slots: returns, per
+  call, what each query may see ({absolute key position}) and the slots."""
+  held = [[-1] * slots for _ in chunks[0][0]]
+  seen, tokens = [], [0] * len(chunks[0][0])
+  for chunk_lengths in chunks:
+    per_call = []
+    for b, n in enumerate(chunk_lengths[0]):
+      start = tokens[b]
+      per_call.append([{p for p in range(max(0, start + i - window),
+                                         start + i + 1)} for i in range(n)])
+      for i in range(n):
+        held[b][(start + i) % slots] = start + i
+      tokens[b] += n
+    seen.append(per_call)
+  return seen, held
 
 
 class MatchesNumpyTest(parameterized.TestCase):
@@ -145,6 +181,47 @@ class MatchesNumpyTest(parameterized.TestCase):
     for g, w in zip(got, want):
       chex.assert_trees_all_equal(np.asarray(g), w)
     self.assertEqual(got[2].dtype, jnp.bool_)
+
+  def test_ragged_rows_write_and_see_from_their_own_positions(self):
+    rng = np.random.default_rng(0)
+    ck = rng.normal(size=(B, K, L, H)).astype(np.float32)
+    cv = rng.normal(size=(B, K, L, HV)).astype(np.float32)
+    k = rng.normal(size=(B, K, 3, H)).astype(np.float32)
+    v = rng.normal(size=(B, K, 3, HV)).astype(np.float32)
+    index, lengths = np.array([5, 1]), np.array([2, 3])
+    got = jax.jit(aj.update_kv_cache)(ck, cv, jnp.asarray(index), k, v,
+                                      new_lengths=jnp.asarray(lengths))
+    for g, w in zip(got, _numpy_ragged(ck, cv, index, lengths, k, v)):
+      chex.assert_trees_all_equal(np.asarray(g), w)
+
+  def test_ring_buffer_keeps_the_window_and_sees_what_full_attention_sees(
+      self):
+    slots, window = 4, 2
+    ck = jnp.zeros((B, 1, slots, 1))
+    index = jnp.zeros((B,), jnp.int32)
+    # A prompt longer than the buffer (ragged), then one token at a time.
+    chunks = [(np.array([6, 3]),)] + [(np.array([1, 1]),)] * 5
+    seen, held = _numpy_ring(slots, window, chunks)
+    for (lengths,), want in zip(chunks, seen):
+      t = int(lengths.max())
+      pos = (index[:, None] + jnp.arange(t)[None, :]).astype(jnp.float32)
+      new = pos[:, None, :, None]  # a key's value is its position
+      keys, _, visible, key_pos, ck, _ = aj.update_ring_cache(
+          ck, ck, index, new, new, window=window,
+          new_lengths=jnp.asarray(lengths))
+      for b in range(B):
+        for i in range(int(lengths[b])):
+          got = set(np.asarray(key_pos[b])[np.asarray(visible[b, i])])
+          self.assertEqual(got, want[b][i])
+          self.assertEqual(  # the keys there are the right ones
+              set(np.asarray(keys[b, 0, :, 0])[np.asarray(visible[b, i])]),
+              {float(p) for p in want[b][i]})
+        self.assertFalse(np.asarray(visible[b, int(lengths[b]):]).any())
+      index = index + jnp.asarray(lengths)
+    for b in range(B):
+      filled = [p for p in held[b] if p >= 0]
+      np.testing.assert_array_equal(
+          np.asarray(ck[b, 0, :, 0])[[p % slots for p in filled]], filled)
 
   def test_new_values_are_cast_to_the_cache_dtype(self):
     ck = jnp.zeros((B, K, L, H), jnp.bfloat16)

@@ -100,13 +100,17 @@ class MatchesReferencesTest(parameterized.TestCase):
 
 class KVCacheTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(("mha", None), ("gqa", 2), ("mqa", 1))
-  def test_prefill_then_steps_equals_full_causal(self, kv_heads):
-    mha = _module(num_kv_heads=kv_heads)
+  @parameterized.named_parameters(
+      ("mha", None, {}), ("gqa", 2, {}),
+      ("mqa_qk_norm_rope_head_dim", 1, dict(head_dim=6, normalize_qk=True,
+                                            rope=100.0)))
+  def test_prefill_then_steps_equals_full_causal(self, kv_heads, options):
+    mha = _module(num_kv_heads=kv_heads, **options)
     x = _x(t=8)
     full, full_w = mha(x, is_causal=True, return_weights=True)
     mha.init_cache(batch_size=2, max_length=10)
-    self.assertEqual(mha.cached_key.shape, (2, kv_heads or 4, 10, 4))
+    self.assertEqual(mha.cached_key.shape,
+                     (2, kv_heads or 4, 10, options.get("head_dim", 4)))
     step = nnx.jit(functools.partial(type(mha).__call__, decode=True,
                                      return_weights=True))
     pieces, weights = [], []
@@ -118,7 +122,7 @@ class KVCacheTest(parameterized.TestCase):
                                 rtol=2e-6)
     chex.assert_trees_all_close(jnp.concatenate(weights, 2), full_w,
                                 atol=2e-6, rtol=2e-6)
-    self.assertEqual(int(mha.cache_index[...]), 8)
+    np.testing.assert_array_equal(mha.cache_index[...], [8, 8])
 
   @parameterized.named_parameters(
       ("window", dict(local_window_size=(2, 0)), {}),
@@ -155,8 +159,9 @@ class KVCacheTest(parameterized.TestCase):
     x = _x(seed=5, t=6)
     p = mha.params_dict()
 
-    def heads(name, n):
-      y = x @ p[name]["kernel"] + p[name]["bias"][None, None]  # [B, T, n*H]
+    def heads(name, n):  # the lesson's flat [D, n*H] matrix, split after
+      kernel = p[name]["kernel"].reshape(16, n * 4)
+      y = x @ kernel + p[name]["bias"].reshape(-1)[None, None]  # [B, T, n*H]
       return jnp.swapaxes(y.reshape(2, 6, n, 4), 1, 2)  # [B, n, T, H]
 
     pos = jnp.arange(6)
@@ -165,7 +170,8 @@ class KVCacheTest(parameterized.TestCase):
     out = aj.scaled_dot_product_attention(q, k, heads("W_v", 2),
                                           is_causal=True)
     out = jnp.swapaxes(out, 1, 2).reshape(2, 6, 16)
-    want = out @ p["W_o"]["kernel"] + p["W_o"]["bias"][None, None]
+    want = out @ p["W_o"]["kernel"].reshape(16, 16) + p["W_o"]["bias"][
+        None, None]
     chex.assert_trees_all_close(mha(x, is_causal=True), want, atol=2e-6,
                                 rtol=2e-6)
 
@@ -222,26 +228,137 @@ class KVCacheTest(parameterized.TestCase):
     x = _x(t=6)
     for i in range(6):
       step(mha, x[:, i:i + 1])
-    self.assertEqual(int(mha.cache_index[...]), 6)
+    np.testing.assert_array_equal(mha.cache_index[...], [6, 6])
 
-  def test_overflow_is_an_error_eagerly_and_under_jit(self):
+  def test_overflow_is_an_error_eagerly_and_a_value_under_jit(self):
     mha = _module()
     mha.init_cache(2, 4)
     mha(_x(t=3), decode=True)
-    with self.assertRaisesRegex(ValueError, r"KV cache overflow: 3 positions "
-                                r"are filled and this call brings 2 more, but "
-                                r"max_length is 4"):
+    with self.assertRaisesRegex(ValueError, r"KV cache overflow in examples "
+                                r"\[0, 1\]: 3 positions are filled and this "
+                                r"call brings 2 more, but max_length is 4"):
       mha(_x(t=2), decode=True)
+    # Under jit the index is traced: no host callback in the step. The
+    # write is dropped (the cached tokens stay intact), the flag is kept,
+    # and check_cache raises outside the step.
+    before = mha.cached_key[...]
     step = nnx.jit(lambda m, x: m(x, decode=True))
-    with self.assertRaisesRegex(Exception, r"KV cache overflow"):
-      jax.block_until_ready(step(mha, _x(t=2)))
+    jax.block_until_ready(step(mha, _x(t=2)))
+    chex.assert_trees_all_equal(mha.cached_key[...], before)
+    np.testing.assert_array_equal(mha.cache_overflow[...], [True, True])
+    with self.assertRaisesRegex(ValueError, r"KV cache overflow in examples "
+                                r"\[0, 1\].*max_length is 4"):
+      mha.check_cache()
     with self.assertRaisesRegex(ValueError, r"brings 5 tokens but max_length "
                                 r"is 4"):
       step(mha, _x(t=5))
 
+  def test_ragged_prefill_then_each_example_decodes_from_its_own_position(
+      self):
+    # Right-padded prompts of lengths 2 and 5, then 3 tokens each: every
+    # example equals its own unpadded causal forward (RoPE positions per
+    # example, GQA), and padded prompt rows neither enter the cache nor
+    # shift the positions.
+    mha = _module(num_kv_heads=2, rope=100.0)
+    lengths = np.array([2, 5])
+    seqs = [_x(seed=20 + b, b=1, t=int(n) + 3) for b, n in enumerate(lengths)]
+    prompt = jnp.concatenate(  # [B, 5, D], right-padded with zeros
+        [jnp.pad(s[:, :n], ((0, 0), (0, 5 - n), (0, 0)))
+         for s, n in zip(seqs, lengths.tolist())], 0)
+    mha.init_cache(2, 9)
+    step = nnx.jit(lambda m, x, n: m(x, decode=True, query_seq_lengths=n))
+    first = step(mha, prompt, jnp.asarray(lengths))
+    np.testing.assert_array_equal(mha.cache_index[...], lengths)
+    outs = [first]
+    for i in range(3):
+      token = jnp.concatenate([s[:, int(n) + i:int(n) + i + 1]
+                               for s, n in zip(seqs, lengths)], 0)
+      outs.append(nnx.jit(lambda m, x: m(x, decode=True))(mha, token))
+    for b, n in enumerate(lengths):
+      want = mha(seqs[b], is_causal=True)[0]  # [n + 3, D]
+      got = jnp.concatenate([outs[0][b, :n]] + [o[b] for o in outs[1:]], 0)
+      chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
+      np.testing.assert_array_equal(outs[0][b, n:], 0.0)  # padded rows
+    mha.check_cache()  # nothing overflowed
+
+  @parameterized.named_parameters(("prefill_longer_than_buffer", 7),
+                                  ("token_by_token", 1))
+  def test_ring_buffer_equals_full_attention_with_the_window(self, chunk):
+    # A sliding-window layer decodes with W = window + 1 slots whatever the
+    # length: 15 tokens through 4 slots, with ALiBi on absolute positions.
+    mha = _module(local_window_size=(3, 0), score_mod=aj.alibi)
+    slopes = (aj.alibi_slopes(4)[:, None, None],)
+    x = _x(seed=7, t=15)
+    full = mha(x, is_causal=True, score_mod_args=slopes)
+    mha.init_cache(2)  # ring buffer, implied by the window
+    self.assertEqual(mha.cached_key.shape, (2, 4, 4, 4))  # [B, K, W, H]
+    step = nnx.jit(lambda m, x: m(x, decode=True, score_mod_args=slopes))
+    pieces = [step(mha, x[:, :chunk])]
+    pieces += [step(mha, x[:, i:i + 1]) for i in range(chunk, 15)]
+    chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
+                                rtol=2e-6)
+    np.testing.assert_array_equal(mha.cache_index[...], [15, 15])
+    with self.assertRaisesRegex(ValueError, r"window=3 slots forgets keys "
+                                r"older than 2 positions"):
+      mha.init_cache(2, window=3)
+    with self.assertRaisesRegex(ValueError, r"needs max_length"):
+      _module().init_cache(2)
+
   def test_decode_without_cache_is_an_error(self):
     with self.assertRaisesRegex(ValueError, r"call init_cache"):
       _module()(_x(), decode=True)
+
+
+class ParamsTest(absltest.TestCase):
+
+  def test_equals_flax_multi_head_attention(self):
+    # flax's nnx.MultiHeadAttention has the same per-head layout (W_q kernel
+    # [D, N, H], W_o kernel [N, H, Dout]) and creates its projections in the
+    # same order from the same initialisers: one seed gives the same
+    # parameters. With other (random) parameters loaded into both, outputs
+    # agree with H != D / N, GQA, keys of another width and another output
+    # width. float32 on both sides with different op orders: ~1e-6.
+    ours = aj.MultiHeadAttention(16, 4, num_kv_heads=2, head_dim=3,
+                                 kv_features=6, out_features=5,
+                                 rngs=nnx.Rngs(3))
+    theirs = nnx.MultiHeadAttention(4, 16, qkv_features=12, out_features=5,
+                                    num_kv_heads=2, in_kv_features=6,
+                                    decode=False, rngs=nnx.Rngs(3))
+    names = {"W_q": "query", "W_k": "key", "W_v": "value", "W_o": "out"}
+    for name, flax_name in names.items():
+      for entry in ("kernel", "bias"):
+        np.testing.assert_array_equal(
+            getattr(getattr(ours, name), entry)[...],
+            getattr(getattr(theirs, flax_name), entry)[...],
+            err_msg=f"{name} {entry}")
+    params = _data.params(aj.init_multi_head_params, 4, 16, 4,
+                          num_kv_heads=2, head_dim=3, kv_features=6,
+                          out_features=5)
+    ours.load_params(params)
+    for name, flax_name in names.items():
+      for entry in ("kernel", "bias"):
+        getattr(getattr(theirs, flax_name), entry)[...] = params[name][entry]
+    x, mem = _x(), _data.normal(8, (2, 7, 6))
+    mask = aj.make_attention_mask(jnp.ones((2, 5), bool),
+                                  aj.padding_mask(jnp.array([7, 4]), 7))
+    chex.assert_trees_all_close(ours(x, mem, mask=mask),
+                                theirs(x, mem, mask=mask), atol=1e-5,
+                                rtol=1e-5)
+
+  def test_load_params_checks_the_layout(self):
+    source = _module(num_kv_heads=2, normalize_qk=True, seed=1)
+    source.q_norm.scale[...] = jnp.array([0.5, 1.0, 2.0, 1.5])
+    target = _module(num_kv_heads=2, normalize_qk=True)
+    target.load_params(source.params_dict())
+    x = _x()
+    chex.assert_trees_all_close(target(x), source(x), atol=0, rtol=0)
+    with self.assertRaisesRegex(
+        ValueError, r"params\['W_k'\]\['kernel'\] has shape \(16, 4, 4\), "
+        r"but this module's is \(16, 2, 4\)"):
+      target.load_params(_module(normalize_qk=True).params_dict())
+    with self.assertRaisesRegex(ValueError, r"but this module has \['W_k', "
+                                r"'W_o', 'W_q', 'W_v', 'k_norm', 'q_norm'\]"):
+      target.load_params(_module(num_kv_heads=2).params_dict())
 
 
 class DropoutTest(absltest.TestCase):

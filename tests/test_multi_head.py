@@ -62,13 +62,12 @@ class MultiHeadTest(chex.TestCase):
   def test_gqa_equals_mha_with_repeated_kv_heads(self):
     x, y = _inputs()
     gqa = _data.params(aj.init_multi_head_params, 2, 16, 4, num_kv_heads=2)
-    # Repeat each KV head's projection columns for its 2 query heads.
-    def repeat_heads(w):
-      return jnp.repeat(w.reshape(w.shape[:-1] + (2, 4)), 2,
-                        axis=-2).reshape(w.shape[:-1] + (16,))
+    # Repeat each KV head's projection for its 2 query heads: kernels
+    # [D, K, H] and biases [K, H] along their heads axis.
     mha = dict(gqa)
     for name in ("W_k", "W_v"):
-      mha[name] = jax.tree.map(repeat_heads, gqa[name])
+      mha[name] = {"kernel": jnp.repeat(gqa[name]["kernel"], 2, axis=1),
+                   "bias": jnp.repeat(gqa[name]["bias"], 2, axis=0)}
     got = aj.multi_head_attention(gqa, x, y, y, num_heads=4, num_kv_heads=2,
                                   return_weights=True)
     want = aj.multi_head_attention(mha, x, y, y, num_heads=4,
@@ -80,38 +79,88 @@ class MultiHeadTest(chex.TestCase):
     params = _data.params(aj.init_multi_head_params, 3, 16, 4)
     _, weights = aj.multi_head_attention(params, x, y, y, num_heads=4,
                                          return_weights=True)
-    q = x @ params["W_q"]["kernel"] + params["W_q"]["bias"][None, None]
-    k = y @ params["W_k"]["kernel"] + params["W_k"]["bias"][None, None]
-    v = y @ params["W_v"]["kernel"] + params["W_v"]["bias"][None, None]
+    def head(x, name, n):  # x @ kernel[:, n] + bias[n]: [B, T, H]
+      layer = params[name]
+      return x @ layer["kernel"][:, n] + layer["bias"][n][None, None]
+
     for n in range(4):
-      cols = slice(4 * n, 4 * (n + 1))
-      _, w = aj.scaled_dot_product_attention(q[..., cols], k[..., cols],
-                                             v[..., cols], return_weights=True)
+      _, w = aj.scaled_dot_product_attention(
+          head(x, "W_q", n), head(y, "W_k", n), head(y, "W_v", n),
+          return_weights=True)
       chex.assert_trees_all_close(weights[:, n], w, atol=1e-6, rtol=1e-6)
 
   def test_init_shapes_and_scale(self):
-    params = aj.init_multi_head_params(jax.random.key(0), 64, 8,
-                                       num_kv_heads=2)
+    key = jax.random.key(0)
+    params = aj.init_multi_head_params(key, 64, 8, num_kv_heads=2)
     shapes = jax.tree.map(jnp.shape, params)
     self.assertEqual(shapes, {
-        "W_q": {"kernel": (64, 64), "bias": (64,)},
-        "W_k": {"kernel": (64, 16), "bias": (16,)},
-        "W_v": {"kernel": (64, 16), "bias": (16,)},
-        "W_o": {"kernel": (64, 64), "bias": (64,)}})
+        "W_q": {"kernel": (64, 8, 8), "bias": (8, 8)},
+        "W_k": {"kernel": (64, 2, 8), "bias": (2, 8)},
+        "W_v": {"kernel": (64, 2, 8), "bias": (2, 8)},
+        "W_o": {"kernel": (8, 8, 64), "bias": (64,)}})
     np.testing.assert_array_equal(params["W_o"]["bias"], 0.0)
     # LeCun normal: std 1/sqrt(fan_in) = 0.125; 4096 draws put the sample
     # std within ~3% of it (a 10% band is > 3 sigma).
     self.assertAlmostEqual(float(params["W_q"]["kernel"].std()), 0.125,
                            delta=0.0125)
-    no_bias = aj.init_multi_head_params(jax.random.key(0), 8, 2,
-                                        use_bias=False)
+    # Drawn as flax's LinearGeneral draws: on the flat 2-D shape (fan-in D
+    # for W_q, N*H for W_o), then reshaped; so the numbers are the flat
+    # [in, out] layout's, split per head.
+    init = jax.nn.initializers.lecun_normal()
+    keys = jax.random.split(key, 4)
+    np.testing.assert_array_equal(
+        params["W_q"]["kernel"], init(keys[0], (64, 64)).reshape(64, 8, 8))
+    np.testing.assert_array_equal(
+        params["W_o"]["kernel"], init(keys[3], (64, 64)).reshape(8, 8, 64))
+    no_bias = aj.init_multi_head_params(key, 8, 2, use_bias=False)
     self.assertEqual(set(no_bias["W_q"]), {"kernel"})
+    options = aj.init_multi_head_params(key, 8, 2, head_dim=3, kv_features=5,
+                                        out_features=7, normalize_qk=True)
+    self.assertEqual(jax.tree.map(jnp.shape, options), {
+        "W_q": {"kernel": (8, 2, 3), "bias": (2, 3)},
+        "W_k": {"kernel": (5, 2, 3), "bias": (2, 3)},
+        "W_v": {"kernel": (5, 2, 3), "bias": (2, 3)},
+        "W_o": {"kernel": (2, 3, 7), "bias": (7,)},
+        "q_norm": {"scale": (3,)}, "k_norm": {"scale": (3,)}})
+    np.testing.assert_array_equal(options["q_norm"]["scale"], 1.0)
 
-  def test_split_merge_heads_round_trip(self):
-    x = jnp.arange(2 * 3 * 8, dtype=jnp.float32).reshape(2, 3, 8)
-    heads = aj.split_heads(x, 4)  # [N, B, T, H]
-    chex.assert_shape(heads, (4, 2, 3, 2))
-    np.testing.assert_array_equal(aj.merge_heads(jnp.moveaxis(heads, 0, 1)), x)
+  def test_options_match_numpy_lesson(self):
+    # H != D / N, keys of their own width, another output width, qk-norm
+    # and GQA at once, against the float64 lesson with the same options.
+    params = _data.params(aj.init_multi_head_params, 5, 16, 4,
+                          num_kv_heads=2, head_dim=3, kv_features=6,
+                          out_features=5, normalize_qk=True)
+    x, mem = _data.normal(0, (2, 4, 16)), _data.normal(1, (2, 6, 6))
+    mask = aj.make_attention_mask(jnp.ones((2, 4), bool),
+                                  aj.padding_mask(jnp.array([6, 3]), 6))
+    fn = functools.partial(aj.multi_head_attention, is_causal=True,
+                           return_weights=True,
+                           precision=jax.lax.Precision.HIGHEST)
+    out, weights = jax.jit(fn)(params, x, mem, mem, mask)
+    # The precision reaches the projections' dot products.
+    jaxpr = str(jax.make_jaxpr(fn)(params, x, mem, mem, mask))
+    self.assertGreaterEqual(jaxpr.count("Precision.HIGHEST"), 4)
+    ref_out, ref_w = reference.multi_head_attention(params, x, mem, mem, mask,
+                                                    is_causal=True)
+    chex.assert_shape((out, weights), ((2, 4, 5), (2, 4, 4, 6)))
+    chex.assert_trees_all_close(out, ref_out.astype(np.float32), **TOL)
+    chex.assert_trees_all_close(weights, ref_w.astype(np.float32), **TOL)
+
+  def test_head_counts_must_agree_with_the_params(self):
+    # Params for 8 heads of 2 dims with num_heads=4 used to run silently
+    # (16 = 4 * 4 = 8 * 2 columns either way); the heads now live in the
+    # params' shapes and a disagreeing count is an error.
+    params = _data.params(aj.init_multi_head_params, 0, 16, 8,
+                          num_kv_heads=4)
+    x = jnp.ones((1, 3, 16))
+    with self.assertRaisesRegex(
+        ValueError, r"num_heads=4 but params\['W_q'\]\['kernel'\] has shape "
+        r"\(16, 8, 2\): 8 heads"):
+      aj.multi_head_attention(params, x, x, x, num_heads=4)
+    with self.assertRaisesRegex(
+        ValueError, r"num_kv_heads=2 but params\['W_k'\]\['kernel'\] has "
+        r"shape \(16, 4, 2\): 4 key/value heads"):
+      aj.multi_head_attention(params, x, x, x, num_heads=8, num_kv_heads=2)
 
   def test_dropout_is_reproducible_and_keeps_weights(self):
     x, _ = _inputs()

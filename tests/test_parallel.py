@@ -59,7 +59,7 @@ class HeadAxisTest(absltest.TestCase):
                                       rngs=nnx.Rngs(0))
       got = sharded(x, is_causal=True)
     self.assertEqual(sharded.W_q.kernel[...].sharding.spec,
-                     jax.sharding.PartitionSpec(None, "model"))
+                     jax.sharding.PartitionSpec(None, "model", None))
     chex.assert_trees_all_equal(got, plain(x, is_causal=True))
 
 

@@ -30,9 +30,29 @@ CASES = [
      r"same length S.*key \(2, 6, 8\), value \(2, 5, 5\)"),
     ("sdpa_batch", lambda: sdpa(jnp.ones((3, 4, 8)), K, V), ValueError,
      r"do not broadcast: query \(3,\), key \(2,\)"),
-    ("sdpa_mask_shape", lambda: sdpa(Q, K, V, jnp.ones((4, 5), bool)),
-     ValueError, r"mask with shape \(4, 5\) is not broadcastable to \[T, S\] "
-     r"= \(4, 6\)"),
+    ("sdpa_mask_shape", lambda: sdpa(Q, K, V, jnp.ones((1, 4, 5), bool)),
+     ValueError, r"mask with shape \(1, 4, 5\) \(its last axes \(4, 5\)\) "
+     r"is not broadcastable to \[T, S\] = \(4, 6\)"),
+    # A [B, S] padding mask against [B, N, T, S] logits with T == B would
+    # be read as [T, S] by NumPy broadcasting: refused, with the fix.
+    ("sdpa_mask_rank_padding", lambda: sdpa(
+        jnp.ones((2, 3, 2, 8)), jnp.ones((2, 3, 6, 8)), jnp.ones((2, 3, 6, 8)),
+        jnp.ones((2, 6), bool)), ValueError,
+     r"mask with shape \(2, 6\) has rank 2, but the logits are \[B, N, T, "
+     r"S\] = \(2, 3, 2, 6\).*mask\[:, None, None, :\].*"
+     r"key_value_seq_lengths"),
+    ("sdpa_mask_rank_shared", lambda: sdpa(Q, K, V, jnp.ones((4, 6), bool)),
+     ValueError, r"mask with shape \(4, 6\) has rank 2.*mask\[None\]"),
+    ("sdpa_bias_rank", lambda: sdpa(Q, K, V, bias=jnp.ones((4, 6))),
+     ValueError, r"bias with shape \(4, 6\) has rank 2.*bias\[None\]"),
+    # jax.nn's [B, T, N, H] operands with a mask that fits that reading.
+    ("sdpa_jax_nn_layout", lambda: sdpa(
+        jnp.ones((2, 5, 4, 8)), jnp.ones((2, 7, 4, 8)), jnp.ones((2, 7, 4, 8)),
+        jnp.ones((2, 1, 5, 7), bool)), ValueError,
+     r"jax.nn's \[B, T, N, H\] layout.*jnp.swapaxes\(x, 1, 2\)"),
+    ("sdpa_jax_nn_layout_heads", lambda: sdpa(
+        jnp.ones((2, 5, 4, 8)), jnp.ones((2, 7, 3, 8)), jnp.ones((2, 7, 3, 8))),
+     ValueError, r"jnp.swapaxes\(x, 1, 2\)"),
     ("sdpa_mask_batch", lambda: sdpa(Q, K, V, jnp.ones((3, 4, 6), bool)),
      ValueError, r"mask \(3,\)"),
     ("sdpa_float_mask", lambda: sdpa(Q, K, V, jnp.ones((4, 6))), TypeError,
@@ -43,8 +63,9 @@ CASES = [
      TypeError, r"key must be a real floating-point.*complex64"),
     ("sdpa_int_bias", lambda: sdpa(Q, K, V, bias=jnp.ones((4, 6), jnp.int32)),
      TypeError, r"bias must be a real floating-point"),
-    ("sdpa_bias_shape", lambda: sdpa(Q, K, V, bias=jnp.ones((3, 6))),
-     ValueError, r"bias with shape \(3, 6\) is not broadcastable"),
+    ("sdpa_bias_shape", lambda: sdpa(Q, K, V, bias=jnp.ones((1, 3, 6))),
+     ValueError, r"bias with shape \(1, 3, 6\) \(its last axes \(3, 6\)\) "
+     r"is not broadcastable"),
     ("sdpa_dropout_rate_high", lambda: sdpa(Q, K, V, dropout_rate=1.0,
                                             dropout_rng=jax.random.key(0)),
      ValueError, r"dropout_rate must be in \[0, 1\), got 1.0"),
@@ -101,13 +122,46 @@ CASES = [
      r"query must have rank 3 \(\[B, T, D\]\), got shape \(3, 16\)"),
     ("mha_model_dim", lambda: mha(MHA, X, jnp.ones((2, 3, 8)),
                                   jnp.ones((2, 3, 8)), num_heads=4),
-     ValueError, r"share the model dim D: query \(2, 3, 16\), key \(2, 3, 8\)"),
+     ValueError, r"key and value have 8 features \(shape \(2, 3, 8\)\), but "
+     r"params\['W_k'\]\['kernel'\] has shape \(16, 4, 4\): \[Dkv, K, H\] with "
+     r"Dkv=16"),
+    ("mha_query_dim", lambda: mha(MHA, jnp.ones((2, 3, 8)), X, X), ValueError,
+     r"query has 8 features \(shape \(2, 3, 8\)\), but params\['W_q'\]"),
     ("mha_kv_heads_vs_params", lambda: mha(MHA, X, X, X, num_heads=4,
                                            num_kv_heads=2),
-     ValueError, r"params\['W_k'\]\['kernel'\] has shape \(16, 16\), expected "
-     r"\(16, 8\) for d_model=16, num_heads=4, num_kv_heads=2"),
-    ("mha_heads_divide", lambda: mha(MHA, X, X, X, num_heads=5), ValueError,
-     r"d_model=16 must be divisible by num_heads=5"),
+     ValueError, r"num_kv_heads=2 but params\['W_k'\]\['kernel'\] has shape "
+     r"\(16, 4, 4\): 4 key/value heads"),
+    ("mha_heads_vs_params", lambda: mha(MHA, X, X, X, num_heads=5),
+     ValueError, r"num_heads=5 but params\['W_q'\]\['kernel'\] has shape "
+     r"\(16, 4, 4\): 4 heads"),
+    ("mha_flat_params", lambda: mha(
+        {**MHA, "W_q": {"kernel": jnp.ones((16, 16))}}, X, X, X), ValueError,
+     r"params\['W_q'\]\['kernel'\] has shape \(16, 16\), expected \[D, N, H\]"
+     r".*kernel.reshape\(D, heads, H\)"),
+    ("mha_kv_heads_divide_params", lambda: mha(
+        {**MHA, "W_k": {"kernel": jnp.ones((16, 3, 4))},
+         "W_v": {"kernel": jnp.ones((16, 3, 4))}}, X, X, X), ValueError,
+     r"params\['W_k'\]\['kernel'\] has shape \(16, 3, 4\).*K=3 heads must "
+     r"divide W_q's N=4 heads"),
+    ("mha_w_o_layout", lambda: mha(
+        {**MHA, "W_o": {"kernel": jnp.ones((4, 2, 16))}}, X, X, X), ValueError,
+     r"params\['W_o'\]\['kernel'\] has shape \(4, 2, 16\), expected "
+     r"\[N, H, Dout\] with N=4, H=4"),
+    ("mha_bias_layout", lambda: mha(
+        {**MHA, "W_q": {**MHA["W_q"], "bias": jnp.ones(16)}}, X, X, X),
+     ValueError, r"params\['W_q'\]\['bias'\] has shape \(16,\), expected "
+     r"\(4, 4\)"),
+    ("mha_one_qk_norm", lambda: mha(
+        {**MHA, "q_norm": {"scale": jnp.ones(4)}}, X, X, X), ValueError,
+     r"params has q_norm but not k_norm"),
+    ("mha_mask_rank", lambda: mha(MHA, X, X, X, jnp.ones((2, 3), bool)),
+     ValueError, r"mask with shape \(2, 3\) has rank 2, but multi-head "
+     r"attention needs the logits' full rank 4.*mask\[:, None, None, :\]"),
+    ("mha_bias_rank", lambda: mha(MHA, X, X, X, bias=jnp.zeros((3, 3))),
+     ValueError, r"bias with shape \(3, 3\) has rank 2.*bias\[None, None\]"),
+    ("init_head_dim", lambda: aj.init_multi_head_params(
+        jax.random.key(0), 16, 4, head_dim=0), ValueError,
+     r"head_dim must be positive, got 0"),
     ("mha_mask_shape", lambda: mha(MHA, X, X, X, jnp.ones((2, 3, 3, 3), bool),
                                    num_heads=4), ValueError,
      r"mask with shape \(2, 3, 3, 3\) is not broadcastable to \[B, N, T, S\] "
@@ -125,6 +179,15 @@ CASES = [
     ("additive_mask_shape", lambda: aj.additive_attention(
         ADD, DQ, KEYS, mask=jnp.ones((2, 4), bool)), ValueError,
      r"mask with shape \(2, 4\) is not broadcastable to \[B, S\] = \(2, 5\)"),
+    # One rule with the others: a [B, S] mask for [B, T, Dq] queries is a
+    # lower rank than the weights [B, T, S] and could be read as [T, S].
+    ("additive_mask_rank", lambda: aj.additive_attention(
+        ADD, jnp.ones((2, 3, 6)), KEYS, mask=jnp.ones((2, 5), bool)),
+     ValueError, r"mask with shape \(2, 5\) has rank 2, but the logits are "
+     r"\[B, T, S\] = \(2, 3, 5\).*mask\[:, None, :\]"),
+    ("luong_mask_rank", lambda: aj.luong_attention(
+        None, jnp.ones((2, 3, 4)), KEYS, mask=jnp.ones((2, 5), bool)),
+     ValueError, r"mask with shape \(2, 5\) has rank 2.*mask\[:, None, :\]"),
     ("additive_values_length", lambda: aj.additive_attention(
         ADD, DQ, KEYS, jnp.ones((2, 4, 3))), ValueError,
      r"keys \(2, 5, 4\) and values \(2, 4, 3\)"),
@@ -172,8 +235,12 @@ CASES = [
         Q.astype(jnp.complex64), K, V), TypeError,
      r"query must be a real floating-point array, got dtype complex64"),
     ("blockwise_mask_shape", lambda: aj.blockwise_attention(
-        Q, K, V, mask=jnp.ones((4, 5), bool)), ValueError,
-     r"mask with shape \(4, 5\) is not broadcastable"),
+        Q, K, V, mask=jnp.ones((1, 4, 5), bool)), ValueError,
+     r"mask with shape \(1, 4, 5\) \(its last axes \(4, 5\)\) is not "
+     r"broadcastable"),
+    ("blockwise_mask_rank", lambda: aj.blockwise_attention(
+        Q, K, V, mask=jnp.ones((4, 6), bool)), ValueError,
+     r"mask with shape \(4, 6\) has rank 2"),
     ("sdpa_unknown_implementation", lambda: sdpa(Q, K, V,
                                                  implementation="flash"),
      ValueError, r"implementation must be None or one of .*'flash'"),
@@ -304,6 +371,13 @@ MODULE_CASES = [
         16, 4, rngs=nnx.Rngs(0))(jnp.ones((2, 3, 8))), ValueError,
      r"query has 8 features \(shape \(2, 3, 8\)\), but the module was built "
      r"with d_model=16"),
+    ("mha_call_kv_features", lambda: aj.MultiHeadAttention(
+        16, 4, kv_features=6, rngs=nnx.Rngs(0))(X), ValueError,
+     r"key has 16 features \(shape \(2, 3, 16\)\), but the module was built "
+     r"with kv_features=6"),
+    ("mha_head_dim", lambda: aj.MultiHeadAttention(
+        16, 4, head_dim=-1, rngs=nnx.Rngs(0)), ValueError,
+     r"head_dim must be positive, got -1"),
     ("mha_cache_length", lambda: aj.MultiHeadAttention(
         16, 4, rngs=nnx.Rngs(0)).init_cache(2, -1), ValueError,
      r"max_length must be positive, got -1"),

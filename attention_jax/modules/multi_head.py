@@ -1,22 +1,30 @@
 """``MultiHeadAttention``: the lesson's module in Flax NNX, with a KV cache.
 
 Shape glossary: B batch, T query length, S key/value length, N query heads,
-K key/value heads, H head dim = D // N, D model dim, L cache capacity.
+K key/value heads, H head dim (``D // N`` unless chosen), D model dim, Dkv
+key/value features, Dout output features, L cache capacity.
 
 The module owns its parameters as plain ``nnx.Param``s (``W_q``, ``W_k``,
-``W_v``, ``W_o``, each a ``kernel`` and optional ``bias``, laid out as
-``aj.multi_head_attention``'s params dict) and, after ``init_cache``, the
-cache variables. The maths is ``attention_jax.multi_head.forward`` (projection
+``W_v``, ``W_o``, each a ``kernel`` and optional ``bias``, and with qk-norm
+``q_norm``/``k_norm``, each a ``scale``), laid out per head as
+``aj.multi_head_attention``'s params dict (``W_q`` kernel ``[D, N, H]``,
+``W_o`` kernel ``[N, H, Dout]``, ...), and, after ``init_cache``, the cache
+variables. The maths is ``attention_jax.multi_head.forward`` (projection
 per head, attention of N query heads over K shared KV heads, ``W_o``), the
 same path for the full call and for cached decoding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+import math
+from typing import Any
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
+import numpy as np
 
 from attention_jax import _checks
 from attention_jax import _patterns
@@ -28,21 +36,37 @@ _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
 _ZEROS = nnx.initializers.zeros_init()
 
 
-class Projection(nnx.Module):
-  """The parameters of one projection: ``kernel [in, out]``, ``bias [out]``.
+def _reshaped(value, shape: tuple[int, ...]):
+  """An initialiser's result reshaped, keeping sharding metadata if any."""
+  if isinstance(value, nnx.VariableMetadata):  # from nnx.with_partitioning
+    value.raw_value = jnp.reshape(value.raw_value, shape)
+    return value
+  return jnp.reshape(value, shape)
 
-  Only parameters: ``aj.multi_head_attention`` does the maths. Created in
-  ``nnx.Linear``'s order (kernel, then bias, each from ``rngs.params()``), so
-  the same seed gives the same numbers as a Linear layer would.
+
+class Projection(nnx.Module):
+  """One projection's parameters: ``kernel [*in, *out]``, ``bias [*out]``.
+
+  Only parameters: ``aj.multi_head_attention`` does the maths. Created as
+  flax's ``nnx.LinearGeneral`` creates them: the initialisers see the flat
+  2-D shape ``[prod(in), prod(out)]`` (so fan-in is ``prod(in)``) and the
+  result is reshaped, kernel first, then bias, each from ``rngs.params()``;
+  the same seed gives the same numbers as a Linear layer of the flat shape.
+  ``kernel_init``/``bias_init`` may carry sharding (``nnx.with_partitioning``)
+  for the final shape.
   """
 
-  def __init__(self, n_in: int, n_out: int, *, use_bias: bool,
+  def __init__(self, in_features: tuple[int, ...],
+               out_features: tuple[int, ...], *, use_bias: bool,
                param_dtype, kernel_init, bias_init, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(kernel_init(rngs.params(), (n_in, n_out),
-                                        param_dtype))
+    flat = (math.prod(in_features), math.prod(out_features))
+    self.kernel = nnx.Param(_reshaped(
+        kernel_init(rngs.params(), flat, param_dtype),
+        (*in_features, *out_features)))
     self.bias = nnx.data(None)
     if use_bias:
-      self.bias = nnx.Param(bias_init(rngs.params(), (n_out,), param_dtype))
+      self.bias = nnx.Param(_reshaped(
+          bias_init(rngs.params(), flat[1:], param_dtype), out_features))
 
   def as_dict(self, dtype=None) -> dict[str, jax.Array]:
     """``{"kernel", "bias"}`` arrays, cast to ``dtype`` if given."""
@@ -54,16 +78,41 @@ class Projection(nnx.Module):
     return out
 
 
+class NormScale(nnx.Module):
+  """The learned ``scale [H]`` of a per-head RMSNorm (qk-norm), initialised to 1.
+
+  Only the parameter: ``aj.multi_head_attention`` normalises.
+  """
+
+  def __init__(self, head_dim: int, *, param_dtype):
+    self.scale = nnx.Param(jnp.ones((head_dim,), param_dtype))  # [H]
+
+  def as_dict(self, dtype=None) -> dict[str, jax.Array]:
+    """``{"scale"}``, cast to ``dtype`` if given."""
+    scale = self.scale[...]
+    return {"scale": scale if dtype is None else scale.astype(dtype)}
+
+
 class MultiHeadAttention(nnx.Module):
   """Multi-head attention for self-, cross- and causal (cached) attention.
 
   Args:
-    d_model: ``D``, input and output features.
-    num_heads: ``N``; divides ``d_model``.
+    d_model: ``D``, query features (and output features by default).
+    num_heads: ``N``; divides ``d_model`` unless ``head_dim`` is given.
     rngs: ``nnx.Rngs`` for parameter init (``params`` stream) and dropout
       (``dropout`` stream, falling back to the default one).
     num_kv_heads: ``K`` key/value heads (grouped-query attention); divides
       ``num_heads``. ``None`` means ``N``; 1 is multi-query attention.
+    head_dim: ``H``; ``None`` means ``d_model // num_heads``.
+    kv_features: ``Dkv``, the width of keys and values (cross-attention to
+      another model's states); ``None`` means ``d_model``.
+    out_features: ``Dout``, the output width; ``None`` means ``d_model``.
+    normalize_qk: RMSNorm each projected query and key head before
+      attention (and before ``rope``, Gemma's order), with learned scales
+      ``q_norm`` / ``k_norm`` ``[H]``. (flax's ``nnx.MultiHeadAttention``
+      normalises with a bias-free LayerNorm instead.)
+    precision: ``jax.lax.Precision`` of the projection einsums (``None``:
+      the default).
     dropout_rate: dropout on the attention weights, in ``[0, 1)``.
     deterministic: default for calls; ``True`` disables dropout. ``model.eval()``
       and ``nnx.view(model, deterministic=...)`` set it, as for flax's modules.
@@ -72,7 +121,9 @@ class MultiHeadAttention(nnx.Module):
       inputs and params). Attention itself runs in float32 for <=32-bit
       inputs.
     param_dtype: parameter dtype.
-    kernel_init: initialiser for the four kernels (LeCun normal).
+    kernel_init: initialiser for the four kernels (LeCun normal), called on
+      the flat 2-D shapes ``[D, N*H]``, ``[N*H, Dout]`` as flax's
+      ``LinearGeneral`` calls it, then reshaped per head.
     bias_init: initialiser for the biases (zeros).
     attention_fn: replacement for ``aj.scaled_dot_product_attention`` with the
       same signature and return value.
@@ -80,8 +131,9 @@ class MultiHeadAttention(nnx.Module):
       the problem is small, else cuDNN on GPU or blockwise), ``"dense"``,
       ``"blockwise"`` or ``"cudnn"``; see ``aj.scaled_dot_product_attention``.
     head_axis: mesh axis for head (tensor) parallelism, e.g. ``"model"``:
-      ``W_q/W_k/W_v`` kernels are annotated ``(None, head_axis)`` (whole
-      heads per device), ``W_o`` ``(head_axis, None)``, so attention needs no
+      ``W_q/W_k/W_v`` kernels ``[D, N, H]`` are annotated
+      ``(None, head_axis, None)`` (whole heads per device), ``W_o``
+      ``[N, H, Dout]`` ``(head_axis, None, None)``, so attention needs no
       communication and ``W_o`` ends in one all-reduce. Build the module under
       ``jax.set_mesh(mesh)`` (flax then shards the parameters as it creates
       them); ``N`` and ``K`` must divide the axis size.
@@ -109,8 +161,10 @@ class MultiHeadAttention(nnx.Module):
     >>> mha.init_cache(batch_size=2, max_length=8)     # causal decoding
     >>> prompt = mha(x, decode=True)                   # prefill 5 tokens
     >>> step = mha(jnp.ones((2, 1, 16)), decode=True)  # then one at a time
-    >>> int(mha.cache_index[...])
-    6
+    >>> mha.cache_index[...]                           # per example
+    Array([6, 6], dtype=int32)
+    >>> mha.W_q.kernel.shape, mha.W_o.kernel.shape     # [D, N, H], [N, H, D]
+    ((16, 4, 4), (4, 4, 16))
   """
 
   def __init__(
@@ -120,6 +174,11 @@ class MultiHeadAttention(nnx.Module):
       *,
       rngs: nnx.Rngs,
       num_kv_heads: int | None = None,
+      head_dim: int | None = None,
+      kv_features: int | None = None,
+      out_features: int | None = None,
+      normalize_qk: bool = False,
+      precision: multi_head.Precision = None,
       dropout_rate: float = 0.0,
       deterministic: bool = False,
       use_bias: bool = True,
@@ -136,8 +195,10 @@ class MultiHeadAttention(nnx.Module):
       score_mod: multi_head.ScoreMod | None = None,
       rope: float | None = None,
   ):
-    num_kv_heads = _checks.check_head_counts(d_model, num_heads,
-                                             num_kv_heads)
+    dims = multi_head.check_dims(
+        d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        kv_features=kv_features, out_features=out_features)
+    num_kv_heads = dims.num_kv_heads
     if (head_axis and nnx.using_eager_sharding()
         and sharding.mesh_axis_size(head_axis) is None):
       raise ValueError(
@@ -150,7 +211,11 @@ class MultiHeadAttention(nnx.Module):
     self.d_model = d_model
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
-    self.head_dim = d_model // num_heads
+    self.head_dim = head_dim = dims.head_dim
+    self.kv_features = dims.kv_features
+    self.out_features = dims.out_features
+    self.normalize_qk = bool(normalize_qk)
+    self.precision = precision
     self.dropout_rate = dropout_rate
     self.deterministic = deterministic
     self.dtype = dtype
@@ -170,52 +235,175 @@ class MultiHeadAttention(nnx.Module):
     self.sinks = nnx.data(None)
     if attention_sinks:
       self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype))  # [N]
-    kv_features = num_kv_heads * self.head_dim
     specs = sharding.projection_specs(head_axis) if head_axis else {}
 
-    def linear(name, n_in, n_out):
+    def linear(name, in_features, out_features):
       k_init, b_init = kernel_init, bias_init
       if name in specs:  # flax shards these as it creates them
         k_init = nnx.with_partitioning(k_init, specs[name]["kernel"])
         b_init = nnx.with_partitioning(b_init, specs[name]["bias"])
-      return Projection(n_in, n_out, use_bias=use_bias,
+      return Projection(in_features, out_features, use_bias=use_bias,
                         param_dtype=param_dtype, kernel_init=k_init,
                         bias_init=b_init, rngs=rngs)
 
-    self.W_q = linear("W_q", d_model, d_model)
-    self.W_k = linear("W_k", d_model, kv_features)
-    self.W_v = linear("W_v", d_model, kv_features)
-    self.W_o = linear("W_o", d_model, d_model)
+    n, k, dkv = num_heads, num_kv_heads, dims.kv_features
+    self.W_q = linear("W_q", (d_model,), (n, head_dim))  # [D, N, H]
+    self.W_k = linear("W_k", (dkv,), (k, head_dim))  # [Dkv, K, H]
+    self.W_v = linear("W_v", (dkv,), (k, head_dim))  # [Dkv, K, H]
+    self.W_o = linear("W_o", (n, head_dim), (dims.out_features,))
+    self.q_norm = nnx.data(None)
+    self.k_norm = nnx.data(None)
+    if normalize_qk:
+      self.q_norm = NormScale(head_dim, param_dtype=param_dtype)
+      self.k_norm = NormScale(head_dim, param_dtype=param_dtype)
     self.rngs = _rngs.dropout_stream(rngs, dropout_rate)
     self.cached_key: nnx.Cache | None = nnx.data(None)
     self.cached_value: nnx.Cache | None = nnx.data(None)
     self.cache_index: nnx.Cache | None = nnx.data(None)
+    self.cache_overflow: nnx.Cache | None = nnx.data(None)
+    self.cache_window: int | None = None
+
+  def _layers(self) -> dict[str, Projection | NormScale]:
+    names = ("W_q", "W_k", "W_v", "W_o") + (
+        ("q_norm", "k_norm") if self.normalize_qk else ())
+    return {name: getattr(self, name) for name in names}
 
   def params_dict(self) -> multi_head.Params:
     """The parameters in ``aj.multi_head_attention``'s layout, in ``dtype``."""
-    return {name: getattr(self, name).as_dict(self.dtype)
-            for name in ("W_q", "W_k", "W_v", "W_o")}
+    return {name: layer.as_dict(self.dtype)
+            for name, layer in self._layers().items()}
 
-  def init_cache(self, batch_size: int, max_length: int,
+  def load_params(self, params: Mapping[str, Mapping[str, Any]]) -> None:
+    """Assigns a params dict (e.g. converted weights) to this module.
+
+    Args:
+      params: ``aj.multi_head_attention``'s layout, e.g. from
+        ``aj.from_torch_multihead_attention`` or another module's
+        ``params_dict()``; the same entries (biases, qk-norm) and shapes as
+        this module's. Values are cast to ``param_dtype``.
+
+    Raises:
+      ValueError: naming the entry and both shapes when they differ.
+
+    Example:
+      >>> a = MultiHeadAttention(8, 2, rngs=nnx.Rngs(0))
+      >>> b = MultiHeadAttention(8, 2, rngs=nnx.Rngs(1))
+      >>> b.load_params(a.params_dict())
+      >>> x = jnp.ones((1, 3, 8))
+      >>> bool(jnp.array_equal(a(x), b(x)))
+      True
+    """
+    multi_head.param_dims(params)  # a valid layout, with its own messages
+    mine = self._layers()
+    if set(params) != set(mine):
+      raise ValueError(
+          f"params has entries {sorted(params)}, but this module has "
+          f"{sorted(mine)} (normalize_qk={self.normalize_qk}).")
+    for name, layer in mine.items():
+      have = {entry: getattr(layer, entry) for entry in ("kernel", "bias",
+                                                          "scale")
+              if getattr(layer, entry, None) is not None}
+      if set(params[name]) != set(have):
+        raise ValueError(
+            f"params['{name}'] has {sorted(params[name])}, but this module's "
+            f"{name} has {sorted(have)} (use_bias must match).")
+      for entry, variable in have.items():
+        got, want = _checks.shape_of(params[name][entry]), variable.shape
+        if got != tuple(want):
+          raise ValueError(
+              f"params['{name}']['{entry}'] has shape {got}, but this "
+              f"module's is {tuple(want)} ({multi_head.LAYOUT[name]}; "
+              f"d_model={self.d_model}, num_heads={self.num_heads}, "
+              f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+              f"kv_features={self.kv_features}, "
+              f"out_features={self.out_features}).")
+    for name, layer in mine.items():
+      for entry, value in params[name].items():
+        variable = getattr(layer, entry)
+        variable[...] = jnp.asarray(value, variable.dtype)
+
+  def init_cache(self, batch_size: int, max_length: int | None = None, *,
+                 window: int | None = None,
                  dtype: jnp.dtype | None = None) -> None:
-    """Creates an empty KV cache of ``max_length`` positions.
+    """Creates an empty KV cache: linear, or a ring buffer for a window.
+
+    Every example of the batch has its own position (``cache_index [B]``):
+    a ragged prefill (``query_seq_lengths=`` the prompt lengths, prompts
+    right-padded) leaves each example where its prompt ended, and each
+    then decodes from there.
 
     Args:
       batch_size: ``B``.
-      max_length: ``L``, the most tokens (prompt + generated) it will hold.
+      max_length: ``L``, the most tokens (prompt + generated) a linear
+        cache holds. Leave it out for a layer with a causal
+        ``local_window_size`` to get a ring buffer instead.
+      window: ``W`` slots of a ring buffer (sliding-window cache): memory
+        independent of the generated length, equal to full attention with
+        the module's window. Needs ``local_window_size=(w, 0)`` (or ``w``
+        with causal decoding) with ``w < W``; defaults to ``w + 1`` when
+        neither ``max_length`` nor ``window`` is given.
       dtype: cache dtype; defaults to the module's ``dtype`` or
         ``param_dtype``.
     """
     _checks.check_positive_int("batch_size", batch_size)
-    _checks.check_positive_int("max_length", max_length)
+    left = None if self.local_window_size is None else (
+        self.local_window_size[0])
+    if max_length is not None and window is not None:
+      raise ValueError(
+          f"init_cache takes max_length (a linear cache) or window (a ring "
+          f"buffer), not both; got max_length={max_length}, window={window}.")
+    if max_length is None and window is None:
+      if left is None:
+        raise ValueError(
+            "init_cache needs max_length, the most tokens the cache will "
+            "hold (a ring buffer, without one, needs local_window_size).")
+      window = left + 1
+    if window is not None:
+      _checks.check_positive_int("window", window)
+      if left is None or not window > left:
+        raise ValueError(
+            f"a ring buffer of window={window} slots forgets keys older than "
+            f"{window - 1} positions, so the module must attend within that: "
+            f"local_window_size is {self.local_window_size}. Build the module "
+            f"with local_window_size={window - 1} (or smaller), or use "
+            "init_cache(batch_size, max_length) for a linear cache.")
+      length = window
+    else:
+      _checks.check_positive_int("max_length", max_length)
+      length = max_length
     dtype = dtype or self.dtype or self.param_dtype
-    shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
+    shape = (batch_size, self.num_kv_heads, length, self.head_dim)
     meta = {}
     if sharding.mesh_axis_size(self.head_axis) is not None:  # K heads split
       meta["out_sharding"] = (None, self.head_axis, None, None)
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype), **meta)  # [B, K, L, H]
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype), **meta)
-    self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+    self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))  # [B]
+    self.cache_overflow = nnx.Cache(jnp.zeros((batch_size,), bool))  # [B]
+    self.cache_window = None if window is None else left
+
+  def check_cache(self) -> None:
+    """Raises ``ValueError`` if a decoding call overflowed the cache.
+
+    The step itself records overflow as a value (``cache_overflow [B]``,
+    sticky) instead of a host callback; call this where a host sync is
+    cheap (after generating, or every n steps). An example that overflowed
+    did not write the tokens that did not fit, and its outputs since then
+    are not meaningful.
+    """
+    if self.cache_overflow is None:
+      raise ValueError("no cache: call init_cache(batch_size, max_length) "
+                       "first.")
+    over = np.asarray(self.cache_overflow[...])
+    if over.any():
+      rows = np.flatnonzero(over).tolist()
+      index = np.asarray(self.cache_index[...])[rows].tolist()
+      raise ValueError(
+          f"KV cache overflow in examples {rows}: they reached positions "
+          f"{index}, but max_length is {self.cached_key.shape[2]}; the "
+          "tokens past it were not cached and those examples' outputs are "
+          "not meaningful. Call init_cache with a larger max_length (or use "
+          "a ring buffer with local_window_size).")
 
   def __call__(
       self,
@@ -240,12 +428,15 @@ class MultiHeadAttention(nnx.Module):
 
     Args:
       query: ``[B, T, D]``.
-      key: ``[B, S, D]``; defaults to ``query`` (self-attention).
-      value: ``[B, S, D]``; defaults to ``key`` (cross-attention passes the
-        encoder output once).
-      mask: bool/integer broadcastable to ``[B, N, T, S]`` (True = may
-        attend); with ``decode=True``, to ``[B, N, T, L]`` over cache slots.
-      bias: float broadcastable like ``mask``, added to the logits.
+      key: ``[B, S, Dkv]``; defaults to ``query`` (self-attention).
+      value: ``[B, S, Dkv]``; defaults to ``key`` (cross-attention passes
+        the encoder output once).
+      mask: bool/integer of rank 4, broadcastable to ``[B, N, T, S]`` (True
+        = may attend; a ``[B, S]`` key-padding mask is
+        ``mask[:, None, None, :]``); with ``decode=True``, to
+        ``[B, N, T, L]`` over cache slots.
+      bias: float of rank 4, broadcastable like ``mask``, added to the
+        logits.
       is_causal: bottom-right aligned causal masking (implied by ``decode``).
       deterministic: overrides the constructor's; True disables dropout.
       rngs: overrides the module's dropout stream for this call.
@@ -253,9 +444,16 @@ class MultiHeadAttention(nnx.Module):
       decode: append this call's keys/values to the cache (``init_cache``
         first) and attend causally to everything cached. Any number of tokens
         per call; the result equals full causal attention over the sequence.
+        Each example writes at its own position (``cache_index [B]``).
+        Overflow of a linear cache is recorded, not raised, inside the step:
+        ``check_cache()`` raises it.
       key_value_seq_lengths: integer ``[B]``: keys (cache slots when
-        decoding) at positions ``>=`` the length are padding.
-      query_seq_lengths: integer ``[B]``: rows past it get output 0.
+        decoding with a linear cache) at positions ``>=`` the length are
+        padding.
+      query_seq_lengths: integer ``[B]``: rows past it get output 0. While
+        decoding it is each example's number of real new tokens (a ragged
+        prefill of right-padded prompts): only those are cached, and each
+        example's position advances by its own length.
       query_segment_ids: integer ``[B, T]``: packed documents (not while
         decoding).
       key_segment_ids: integer ``[B, S]``, with the query ids.
@@ -263,18 +461,21 @@ class MultiHeadAttention(nnx.Module):
         broadcastable to ``[B, N, T, S]``.
 
     Returns:
-      ``output [B, T, D]``, or ``(output, weights [B, N, T, S])`` (``S = L``
+      ``output [B, T, Dout]``, or ``(output, weights [B, N, T, S])`` (``S = L``
       when decoding) with ``return_weights=True``.
     """
     key = query if key is None else key
     value = key if value is None else value
-    for name, x in (("query", query), ("key", key), ("value", value)):
-      _checks.check_rank(name, x, (3,), "[B, T or S, D]")
-      if _checks.shape_of(x)[-1] != self.d_model:
+    for name, x, width, arg in (
+        ("query", query, self.d_model, "d_model"),
+        ("key", key, self.kv_features, "kv_features"),
+        ("value", value, self.kv_features, "kv_features")):
+      _checks.check_rank(name, x, (3,), "[B, T or S, features]")
+      if _checks.shape_of(x)[-1] != width:
         raise ValueError(
             f"{name} has {_checks.shape_of(x)[-1]} features (shape "
             f"{_checks.shape_of(x)}), but the module was built with "
-            f"d_model={self.d_model}.")
+            f"{arg}={width}.")
     if self.dtype is not None:  # as nnx.Linear: compute in `dtype`
       query, key, value = (jnp.asarray(x, self.dtype)
                            for x in (query, key, value))
@@ -289,13 +490,15 @@ class MultiHeadAttention(nnx.Module):
                          "init_cache(batch_size, max_length) first.")
       cache = multi_head.KVCache(self.cached_key[...],
                                  self.cached_value[...],
-                                 self.cache_index[...])
+                                 self.cache_index[...],
+                                 self.cache_overflow[...], self.cache_window)
     out, weights, cache = multi_head.forward(
         self.params_dict(), query, key, value, mask, num_heads=self.num_heads,
         num_kv_heads=self.num_kv_heads, bias=bias, is_causal=is_causal,
         dropout_rate=rate, dropout_rng=dropout_rng,
         attention_fn=self.attention_fn, implementation=self.implementation,
-        return_weights=return_weights, head_axis=self.head_axis, cache=cache,
+        return_weights=return_weights, head_axis=self.head_axis,
+        precision=self.precision, cache=cache,
         key_value_seq_lengths=key_value_seq_lengths,
         query_seq_lengths=query_seq_lengths,
         local_window_size=self.local_window_size,
@@ -308,4 +511,5 @@ class MultiHeadAttention(nnx.Module):
       self.cached_key[...] = cache.key
       self.cached_value[...] = cache.value
       self.cache_index[...] = cache.index
+      self.cache_overflow[...] = cache.overflow
     return (out, weights) if return_weights else out

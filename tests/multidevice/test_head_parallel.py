@@ -51,9 +51,15 @@ class HeadParallelTest(parameterized.TestCase):
   )
   def test_equals_unsharded(self, init, call, cross):
     plain, sharded = self._pair(**init)
-    kernel = sharded.W_q.kernel[...]
-    self.assertEqual(kernel.sharding.spec, P(None, "model"))
-    self.assertEqual(sharded.W_o.kernel[...].sharding.spec, P("model", None))
+    # Heads axis split: W_q/W_k/W_v [D, N, H] and [N, H], W_o [N, H, D].
+    for name in ("W_q", "W_k", "W_v"):
+      layer = getattr(sharded, name)
+      self.assertEqual(layer.kernel[...].sharding.spec,
+                       P(None, "model", None), name)
+      self.assertEqual(layer.bias[...].sharding.spec, P("model", None), name)
+    self.assertEqual(sharded.W_o.kernel[...].sharding.spec,
+                     P("model", None, None))
+    chex.assert_trees_all_equal(sharded.params_dict(), plain.params_dict())
     args = (self.x, self.memory) if cross else (self.x,)
     want = plain(*args, **call)
     with jax.set_mesh(self.mesh):

@@ -84,7 +84,7 @@ class ShardedTrainingTest(absltest.TestCase):
       chex.assert_trees_all_equal(got, want)
       kernel = model.encoder[0].self_attention.W_q.kernel[...]
       self.assertEqual(kernel.sharding.spec, jax.sharding.PartitionSpec(
-          None, "model"))
+          None, "model", None))  # W_q [D, N, H]: heads split
       self.assertEqual(kernel.sharding.mesh.shape["model"],
                        mesh.shape["model"])
 
