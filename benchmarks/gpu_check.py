@@ -1,0 +1,629 @@
+"""Implementations vs a reference, then timed: ``python -m benchmarks.gpu_check``.
+
+Meant to be run whenever a GPU is at hand (it also runs on CPU, where the
+cuDNN rows are skipped with the reason). On the default backend it checks
+``aj.scaled_dot_product_attention`` with ``implementation="dense"``,
+``"blockwise"``, ``"cudnn"`` (GPU only) and ``aj.ring_attention`` (the
+sequence split over every device; skipped with one device), and
+``aj.multi_head_attention`` with each ``implementation=``, against a dense
+reference written here (an explicit boolean mask, a plain masked softmax,
+repeated key/value heads) computed in float64 on CPU and in float32 at
+``"highest"`` matmul precision elsewhere. Compared: outputs, the
+log-sum-exp where the implementation returns it, and the gradients of a
+random projection of both (``q``, ``k``, ``v``; for multi-head attention the
+input and every parameter).
+
+The case grid: plain, causal, causal cross-attention (``T < S``, bottom-right
+aligned), grouped-query (``K = N / 4``, causal), key padding lengths (one
+example of length 0, whose rows see nothing), a causal sliding window,
+packed documents (segment ids), each with float32 and bfloat16 inputs.
+Checks run under ``jax.default_matmul_precision("highest")`` so that float32
+tolerances are float32 rounding, not TF32's (the GPU default for float32
+matmuls, about 1e-3 relative); bfloat16 inputs keep their own precision.
+An implementation that refuses a case it is known not to take (cuDNN:
+float32, segment ids) is skipped with the library's message; any other
+refusal or exception is a FAIL.
+
+Then forward and forward+backward of each implementation are timed at the
+default matmul precision, medians of ``--repeats`` after a compiling call:
+B4 N8 T=S=4096 H64 causal on a GPU, B1 N4 T=S=1024 H64 on CPU, tiny with
+``--quick``. Prints a PASS/FAIL table and a timing table, writes ``--out``
+(JSON) if given, and exits non-zero on any FAIL.
+
+Layout ``[B, N, T, H]``; shape glossary: B batch, N query heads, K key/value
+heads, T query length, S key/value length, H head dim, D model dim (N * H).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+import attention_jax as aj
+
+# Normalised max error allowed per input dtype: max |got - want| over
+# max(1, max |want|) for outputs and lse; for gradients over max(1, the
+# largest |want| of all the call's gradients), since some are sums whose
+# terms cancel (W_k's bias gets exactly 0: adding q . b to a whole row of
+# logits changes no softmax), so their own size says nothing about their
+# rounding. float32 (highest precision): the kernels and the reference
+# round differently over <= 1024 keys, ~sqrt(S) * 6e-8 ~ 2e-6, and the flash
+# backward recomputes P from the lse (a few more roundings); 1e-4 / 5e-4 leave
+# room while a key masked wrongly moves outputs by ~1e-3 or more. bfloat16
+# (eps 3.9e-3): the output's final rounding plus, in the flash kernels and
+# cuDNN, P rounded to bfloat16 before P @ V, as in tests/contract.py.
+TOLERANCES = {"float32": {"fwd": 1e-4, "grad": 5e-4},
+              "bfloat16": {"fwd": 3e-2, "grad": 1e-1}}
+# "auto" is implementation=None: the choice users get by default (on a GPU
+# with 16-bit inputs and T * S >= 1024 * 1024, cuDNN).
+SDPA_IMPLS = ("auto", "dense", "blockwise", "cudnn", "ring")
+MHA_IMPLS = ("auto", "dense", "blockwise", "cudnn")
+CASES = ("plain", "causal", "causal_cross", "gqa_causal", "lengths",
+         "window", "segments")
+# Cases of the multi-head level: where [B]/[B, T] arguments become the 4-D
+# layout (lengths, segment ids) and K < N heads are projected.
+MHA_CASES = ("gqa_causal", "lengths", "window", "segments")
+DTYPES = ("float32", "bfloat16")
+# What an implementation is known to refuse: (feature -> why).
+KNOWN_REFUSALS = {"cudnn": {"float32": "cuDNN takes float16/bfloat16 only",
+                            "segments": "cuDNN takes no segment ids"}}
+
+
+def _define_flags():
+  """The command line's flags, defined only when run as a program."""
+  global _QUICK, _OUT, _REPEATS, _CASES, _TIMING, _IMPLS
+  _QUICK = flags.DEFINE_bool(
+      "quick", False, "Tiny shapes everywhere (a CPU smoke run, seconds).")
+  _OUT = flags.DEFINE_string("out", None, "Write the results here (JSON).")
+  _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per point.",
+                                  lower_bound=1)
+  _CASES = flags.DEFINE_list("cases", [],
+                             f"Only these cases (default all): {CASES}.")
+  _TIMING = flags.DEFINE_bool("timing", True, "Time fwd and fwd+bwd.")
+  _IMPLS = flags.DEFINE_list(
+      "impls", [], f"Only these implementations (default all): {SDPA_IMPLS}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  check: tuple[int, int, int, int]  # B, N, T = S, H of the checks
+  window: int  # causal window (tokens, the query's own included)
+  docs: int  # packed documents per example
+  time: tuple[int, int, int, int]  # B, N, T = S, H of the timings
+
+
+def sizes(quick: bool) -> Sizes:
+  if quick:
+    return Sizes((2, 4, 32, 16), 8, 3, (1, 2, 128, 16))
+  if jax.default_backend() == "gpu":
+    return Sizes((2, 8, 1024, 64), 128, 5, (4, 8, 4096, 64))
+  return Sizes((2, 4, 1024, 32), 128, 5, (1, 4, 1024, 64))
+
+
+# --------------------------------------------------------------------------
+# The reference: written out, independent of the library's kernels.
+
+
+def _ref_dtype():
+  return jnp.float64 if jax.default_backend() == "cpu" else jnp.float32
+
+
+@contextlib.contextmanager
+def _reference_mode():
+  """float64 available on CPU; nothing to switch elsewhere."""
+  if jax.default_backend() == "cpu":
+    with jax.enable_x64(True):
+      yield
+  else:
+    yield
+
+
+def reference_attention(query, key, value, *, scale=None, is_causal=False,
+                        key_value_seq_lengths=None, local_window_size=None,
+                        query_segment_ids=None, key_segment_ids=None,
+                        return_lse=False):
+  """Masked softmax attention over ``[B, N, T, H]`` / ``[B, K, S, H]``.
+
+  Computes in the reference dtype (float64 on CPU, float32 elsewhere) at
+  the highest matmul precision; bottom-right causal and windows; lengths
+  ``[B, 1]``; segment ids ``[B, 1, T]`` / ``[B, 1, S]``. A row that may see
+  nothing gives output 0 and lse ``-inf``. Returns ``out`` (and ``lse``) in
+  the reference dtype.
+  """
+  dtype, hi = _ref_dtype(), jax.lax.Precision.HIGHEST
+  q, k, v = (jnp.asarray(x, dtype) for x in (query, key, value))
+  b, n, t, h = q.shape
+  s = k.shape[2]
+  group = n // k.shape[1]
+  k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+  scale = 1.0 / np.sqrt(h) if scale is None else scale
+  logits = jnp.einsum("BNTH,BNSH->BNTS", q, k, precision=hi) * scale
+  i = np.arange(t)[:, None] + (s - t)  # each query's key position
+  j = np.arange(s)[None, :]
+  allowed = np.ones((t, s), bool)
+  if is_causal:
+    allowed &= j <= i
+  if local_window_size is not None:
+    left, right = local_window_size
+    allowed &= (j >= i - left) & (j <= i + right)
+  allowed = jnp.asarray(allowed)[None, None]  # [1, 1, T, S]
+  if key_value_seq_lengths is not None:
+    lengths = jnp.reshape(key_value_seq_lengths, (-1, 1, 1, 1))
+    allowed = allowed & (j[None, None] < lengths)
+  if query_segment_ids is not None:
+    allowed = allowed & (query_segment_ids[..., :, None]
+                         == key_segment_ids[..., None, :])
+  top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
+  top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+  e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
+  total = e.sum(-1, keepdims=True)
+  seen = total > 0
+  weights = e / jnp.where(seen, total, 1.0)
+  out = jnp.einsum("BNTS,BNSH->BNTH", weights, v, precision=hi)
+  if not return_lse:
+    return out
+  lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  return out, lse[..., 0]
+
+
+# --------------------------------------------------------------------------
+# Cases.
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  b: int
+  n: int
+  k: int
+  t: int
+  s: int
+  h: int
+  kwargs: dict[str, Any]  # pattern arguments, 4-D layout
+  features: frozenset[str]
+
+
+def build_case(name: str, z: Sizes) -> Case:
+  b, n, t, h = z.check
+  k, s, kwargs, features = n, t, {}, set()
+  if name == "causal":
+    kwargs["is_causal"] = True
+  elif name == "causal_cross":
+    t = t // 2
+    kwargs["is_causal"] = True
+  elif name == "gqa_causal":
+    k = max(1, n // 4)
+    kwargs["is_causal"] = True
+  elif name == "lengths":
+    lengths = [s, s - s // 4 - 3, 1, 0][:b] if b >= 4 else [s - s // 4 - 3,
+                                                            0][:b]
+    kwargs["key_value_seq_lengths"] = np.array(lengths, np.int32)[:, None]
+  elif name == "window":
+    kwargs["is_causal"] = True
+    kwargs["local_window_size"] = (z.window - 1, 0)
+  elif name == "segments":
+    kwargs["is_causal"] = True
+    ids = []
+    for e in range(b):  # contiguous documents, other cut points per example
+      cuts = np.sort(np.random.default_rng(e).choice(
+          np.arange(1, t), z.docs - 1, replace=False))
+      ids.append(np.searchsorted(cuts, np.arange(t), side="right"))
+    ids = np.array(ids, np.int32)[:, None]  # [B, 1, T]
+    kwargs["query_segment_ids"] = kwargs["key_segment_ids"] = ids
+    features.add("segments")
+  elif name != "plain":
+    raise ValueError(f"unknown case {name!r}; known: {CASES}")
+  return Case(name, b, n, k, t, s, h, kwargs, frozenset(features))
+
+
+def _normal(seed, shape, dtype):
+  x = np.random.default_rng(seed).standard_normal(shape, np.float32)
+  return jnp.asarray(x, dtype)
+
+
+def _max_abs(x) -> float:
+  x = np.asarray(x, np.float64)
+  x = x[np.isfinite(x)]
+  return float(np.abs(x).max()) if x.size else 0.0
+
+
+def _err(got, want, scale=None) -> float:
+  """max |got - want| / max(1, scale); inf where finiteness differs.
+
+  ``scale`` defaults to ``max |want|``.
+  """
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  finite = np.isfinite(want)
+  if (np.isfinite(got) != finite).any() or (got[~finite]
+                                            != want[~finite]).any():
+    return float("inf")
+  if not finite.any():
+    return 0.0
+  scale = max(1.0, _max_abs(want) if scale is None else scale)
+  return float(np.abs(got[finite] - want[finite]).max()) / scale
+
+
+def _loss(out, lse, cot, cot_lse):
+  total = jnp.sum(out.astype(jnp.promote_types(out.dtype, jnp.float32))
+                  * cot)
+  if lse is not None:  # -inf rows contribute nothing
+    total = total + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * cot_lse)
+  return total
+
+
+def _ring(query, key, value, **kwargs):
+  """ring_attention with T and S split over every device."""
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("seq",), devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  seq = P(None, None, "seq")
+  return_lse = kwargs.pop("return_lse", False)
+  lengths = kwargs.pop("key_value_seq_lengths", None)
+  q_seg = kwargs.pop("query_segment_ids", None)
+  k_seg = kwargs.pop("key_segment_ids", None)
+
+  def local(q, k, v, lengths, q_seg, k_seg):
+    return aj.ring_attention(q, k, v, axis_name="seq",
+                             key_value_seq_lengths=lengths,
+                             query_segment_ids=q_seg, key_segment_ids=k_seg,
+                             return_lse=return_lse, **kwargs)
+
+  seg_spec = P() if q_seg is None else seq
+  return jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(seq, seq, seq, P(), seg_spec, seg_spec),
+      out_specs=(seq, seq) if return_lse else seq)(
+          query, key, value, lengths, q_seg, k_seg)
+
+
+def _sdpa_fn(impl: str):
+  if impl == "ring":
+    return _ring
+  return functools.partial(aj.scaled_dot_product_attention,
+                           implementation=None if impl == "auto" else impl)
+
+
+def _unavailable(impl: str) -> str | None:
+  """Why ``impl`` cannot run on this machine at all, or None."""
+  if impl == "cudnn" and jax.default_backend() != "gpu":
+    return f"needs a GPU; the backend is {jax.default_backend()!r}"
+  if impl == "ring" and len(jax.devices()) < 2:
+    return f"needs more than one device; {len(jax.devices())} here"
+  return None
+
+
+def _known_refusal(impl, features) -> str | None:
+  known = KNOWN_REFUSALS.get(impl, {})
+  reasons = [known[f] for f in sorted(features) if f in known]
+  return "; ".join(reasons) or None
+
+
+def _row(level, case, dtype, impl, **extra):
+  return {"level": level, "case": case.name, "dtype": dtype, "impl": impl,
+          "shape": f"B{case.b} N{case.n} K{case.k} T{case.t} S{case.s} "
+                   f"H{case.h}", "status": None, "out_err": None,
+          "lse_err": None, "grad_err": None, "grad_worst": None,
+          "reason": None, **extra}
+
+
+def _compare(row, got, want, names, dtype):
+  """Fills the errors and the status of ``row`` from ``(out, lse, grads)``."""
+  (out, lse, grads), (ref_out, ref_lse, ref_grads) = got, want
+  tol = TOLERANCES[dtype]
+  row["out_err"] = _err(out, ref_out)
+  if lse is not None:
+    row["lse_err"] = _err(lse, ref_lse)
+  scale = max(_max_abs(r) for r in ref_grads)  # the call's largest gradient
+  errs = {name: _err(g, r, scale)
+          for name, g, r in zip(names, grads, ref_grads)}
+  row["grad_worst"] = max(errs, key=errs.get)
+  row["grad_err"] = errs[row["grad_worst"]]
+  ok = (row["out_err"] <= tol["fwd"] and (row["lse_err"] is None
+                                          or row["lse_err"] <= tol["fwd"])
+        and row["grad_err"] <= tol["grad"])
+  row["status"] = "PASS" if ok else "FAIL"
+  row["tolerance"] = tol
+
+
+def _run_guarded(row, impl, features, run):
+  """``run()``; a refusal is a SKIP when known, anything else a FAIL."""
+  try:
+    return run()
+  except (ValueError, TypeError) as err:
+    known = _known_refusal(impl, features)
+    if known is None:
+      row["status"], row["reason"] = "FAIL", f"{type(err).__name__}: {err}"
+    else:
+      row["status"] = "SKIP"
+      row["reason"] = f"refused ({known}): {str(err).splitlines()[0]}"
+  except Exception as err:  # noqa: BLE001 - reported as a FAIL row
+    row["status"] = "FAIL"
+    row["reason"] = f"{type(err).__name__}: {err}"
+    traceback.print_exc()
+  return None
+
+
+def check_sdpa(case: Case, dtype: str, impls) -> list[dict]:
+  """One case and dtype, every implementation of the attention function."""
+  q = _normal(0, (case.b, case.n, case.t, case.h), dtype)
+  k = _normal(1, (case.b, case.k, case.s, case.h), dtype)
+  v = _normal(2, (case.b, case.k, case.s, case.h), dtype)
+  cot = _normal(3, (case.b, case.n, case.t, case.h), jnp.float32)
+  cot_lse = _normal(4, (case.b, case.n, case.t), jnp.float32)
+  static, arrays = _split_kwargs(case.kwargs)
+
+  def value_and_grads(fn, with_lse, q=q, k=k, v=v):
+    def loss(q, k, v, arrays, cot, cot_lse):
+      kw = {**static, **arrays}
+      res = fn(q, k, v, return_lse=True, **kw) if with_lse else (
+          fn(q, k, v, **kw), None)
+      return _loss(*res, cot, cot_lse if with_lse else None), res
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(
+        loss, (0, 1, 2), has_aux=True))(q, k, v, arrays, cot, cot_lse)
+    return out, lse, grads
+
+  wants = {}
+
+  def want(with_lse):  # the reference, with or without the lse in the loss
+    if with_lse not in wants:
+      with _reference_mode(), jax.default_matmul_precision("highest"):
+        # The same (rounded) inputs, upcast: the reference's gradients are
+        # then not rounded back to the inputs' dtype.
+        ref_qkv = [jnp.asarray(x, _ref_dtype()) for x in (q, k, v)]
+        wants[with_lse] = jax.tree.map(np.asarray, value_and_grads(
+            reference_attention, with_lse, *ref_qkv))
+    return wants[with_lse]
+
+  rows = []
+  for impl in impls:
+    row = _row("sdpa", case, dtype, impl)
+    rows.append(row)
+    why = _unavailable(impl)
+    if why:
+      row["status"], row["reason"] = "SKIP", why
+      continue
+    # cuDNN returns no lse; asking "auto" for one would steer it off cuDNN.
+    with_lse = impl not in ("cudnn", "auto")
+    features = case.features | {dtype}
+    got = _run_guarded(row, impl, features, lambda impl=impl, lse=with_lse: (
+        _with_precision(value_and_grads, _sdpa_fn(impl), lse)))
+    if got is not None:
+      _compare(row, got, want(with_lse), ("dq", "dk", "dv"), dtype)
+  return rows
+
+
+def _with_precision(fn, *args):
+  with jax.default_matmul_precision("highest"):
+    return jax.tree.map(np.asarray, fn(*args))
+
+
+def _split_kwargs(kwargs):
+  """``(static, arrays)``: arrays go through ``jit`` as arguments, so that
+  XLA does not constant-fold work on them at compile time."""
+  arrays = {n: jnp.asarray(x) for n, x in kwargs.items()
+            if isinstance(x, np.ndarray)}
+  return {n: x for n, x in kwargs.items() if n not in arrays}, arrays
+
+
+def _mha_kwargs(case: Case):
+  """The case's pattern arguments in multi_head_attention's [B]/[B, T]."""
+  out = {}
+  for name, x in case.kwargs.items():
+    if name == "key_value_seq_lengths":
+      x = x[:, 0]  # [B]
+    elif name.endswith("segment_ids"):
+      x = x[:, 0]  # [B, T]
+    out[name] = x
+  return out
+
+
+def check_mha(case: Case, dtype: str, impls) -> list[dict]:
+  """One case and dtype through ``aj.multi_head_attention``'s dispatch."""
+  d = case.n * case.h
+  params = aj.init_multi_head_params(jax.random.key(0), d, case.n,
+                                     num_kv_heads=case.k)
+  params = jax.tree.map(lambda p: np.asarray(p, np.float32), params)
+  x = np.asarray(_normal(5, (case.b, case.t, d), jnp.float32))
+  cot = _normal(6, (case.b, case.t, d), jnp.float32)
+  static, arrays = _split_kwargs(_mha_kwargs(case))
+
+  def value_and_grads(params, x, **call):
+    def loss(params, x, arrays, cot):
+      out = aj.multi_head_attention(params, x, x, x, num_heads=case.n,
+                                    num_kv_heads=case.k, **static, **arrays,
+                                    **call)
+      return jnp.sum(out.astype(jnp.float32) * cot), out
+    (_, out), grads = jax.jit(jax.value_and_grad(
+        loss, (0, 1), has_aux=True))(params, x, arrays, cot)
+    return out, None, grads
+
+  cast = lambda tree, dt: jax.tree.map(lambda a: jnp.asarray(a, dt), tree)
+  # The reference sees the same (rounded) inputs, upcast.
+  rounded = cast((params, x), dtype)
+  with _reference_mode(), jax.default_matmul_precision("highest"):
+    ref_in = cast(rounded, _ref_dtype())
+    want = value_and_grads(*ref_in, attention_fn=reference_attention)
+    want = jax.tree.map(np.asarray, want)
+  ref_out, _, (ref_gp, ref_gx) = want
+  names = ["dx"] + [jax.tree_util.keystr(p) for p, _ in
+                    jax.tree_util.tree_leaves_with_path(ref_gp)]
+  flat_want = (ref_out, None, [ref_gx, *jax.tree.leaves(ref_gp)])
+  rows = []
+  for impl in impls:
+    row = _row("mha", case, dtype, impl)
+    rows.append(row)
+    why = _unavailable(impl)
+    if why:
+      row["status"], row["reason"] = "SKIP", why
+      continue
+    got = _run_guarded(row, impl, case.features | {dtype},
+                       lambda impl=impl: _with_precision(
+                           functools.partial(
+                               value_and_grads,
+                               implementation=None if impl == "auto"
+                               else impl),
+                           *rounded))
+    if got is not None:
+      out, _, (gp, gx) = got
+      _compare(row, (out, None, [gx, *jax.tree.leaves(gp)]), flat_want,
+               names, dtype)
+  return rows
+
+
+# --------------------------------------------------------------------------
+# Timing.
+
+
+def time_impls(z: Sizes, repeats: int, impls=SDPA_IMPLS,
+               dtypes=DTYPES) -> list[dict]:
+  """fwd and fwd+bwd of each implementation, causal, in each dtype."""
+  b, n, t, h = z.time
+  rows = []
+  for dtype in dtypes:
+    q, k, v = (_normal(i, (b, n, t, h), dtype) for i in range(3))
+    for impl in impls:
+      for mode in ("fwd", "fwd+bwd"):
+        row = {"shape": f"B{b} N{n} T{t} H{h}", "dtype": dtype, "impl": impl,
+               "mode": mode, "ms": None, "compile_s": None, "reason": None}
+        rows.append(row)
+        why = _unavailable(impl)
+        if why:
+          row["reason"] = why
+          continue
+        fn = functools.partial(_sdpa_fn(impl), is_causal=True)
+        if mode == "fwd":
+          call = jax.jit(fn)
+        else:
+          call = jax.jit(jax.grad(
+              lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
+              (0, 1, 2)))
+        try:
+          start = time.perf_counter()
+          jax.block_until_ready(call(q, k, v))
+          first = time.perf_counter() - start
+        except ValueError as err:
+          row["reason"] = f"refused: {str(err).splitlines()[0]}"
+          continue
+        times = []
+        for _ in range(repeats):
+          start = time.perf_counter()
+          jax.block_until_ready(call(q, k, v))
+          times.append(time.perf_counter() - start)
+        row["ms"] = 1e3 * statistics.median(times)
+        row["compile_s"] = max(first - row["ms"] / 1e3, 0.0)
+  return rows
+
+
+# --------------------------------------------------------------------------
+# Tables and the run.
+
+
+def _fmt(x):
+  return "-" if x is None else f"{x:.2e}"
+
+
+def checks_table(rows: list[dict]) -> str:
+  lines = ["| level | case | dtype | impl | status | out err | lse err | "
+           "grad err (worst) | note |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    grad = _fmt(r["grad_err"]) + (f" ({r['grad_worst']})"
+                                  if r["grad_worst"] else "")
+    lines.append(f"| {r['level']} | {r['case']} | {r['dtype']} | "
+                 f"{r['impl']} | {r['status']} | {_fmt(r['out_err'])} | "
+                 f"{_fmt(r['lse_err'])} | {grad} | {r['reason'] or ''} |")
+  return "\n".join(lines)
+
+
+def timing_table(rows: list[dict]) -> str:
+  lines = ["| shape | dtype | impl | mode | ms | compile (s) |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    if r["ms"] is None:
+      lines.append(f"| {r['shape']} | {r['dtype']} | {r['impl']} | "
+                   f"{r['mode']} | skipped: {r['reason']} | |")
+    else:
+      lines.append(f"| {r['shape']} | {r['dtype']} | {r['impl']} | "
+                   f"{r['mode']} | {r['ms']:.4g} | {r['compile_s']:.2f} |")
+  return "\n".join(lines)
+
+
+def machine() -> str:
+  devices = jax.devices()
+  return (f"{platform.node() or 'host'}: {os.cpu_count()} CPUs, jax "
+          f"{jax.__version__}, backend {jax.default_backend()}, "
+          f"{len(devices)} x {devices[0].device_kind}")
+
+
+def run_check(quick: bool = False, cases=(), repeats: int = 5,
+              timing: bool = True, out: str | None = None,
+              dtypes=DTYPES, impls=()) -> dict:
+  """Runs the checks (and timings), prints both tables; returns the results.
+
+  ``results["failed"]`` counts FAIL rows; ``main`` exits non-zero on any.
+  """
+  z = sizes(quick)
+  names = [c for c in CASES if not cases or c in cases]
+  unknown = set(cases) - set(CASES)
+  if unknown:
+    raise ValueError(f"unknown cases {sorted(unknown)}; known: {CASES}")
+  unknown = set(impls) - set(SDPA_IMPLS)
+  if unknown:
+    raise ValueError(f"unknown implementations {sorted(unknown)}; known: "
+                     f"{SDPA_IMPLS}")
+  sdpa_impls = [i for i in SDPA_IMPLS if not impls or i in impls]
+  mha_impls = [i for i in MHA_IMPLS if not impls or i in impls]
+  print(f"{machine()}; checks at B,N,T,H = {z.check}", flush=True)
+  checks = []
+  for name in names:
+    case = build_case(name, z)
+    for dtype in dtypes:
+      checks += check_sdpa(case, dtype, sdpa_impls)
+      if name in MHA_CASES:
+        checks += check_mha(case, dtype, mha_impls)
+  print(f"\n{checks_table(checks)}\n", flush=True)
+  timings = time_impls(z, repeats, sdpa_impls, dtypes) if timing else []
+  if timings:
+    print(f"{timing_table(timings)}\n", flush=True)
+  failed = sum(r["status"] == "FAIL" for r in checks)
+  counts = {s: sum(r["status"] == s for r in checks)
+            for s in ("PASS", "FAIL", "SKIP")}
+  print(f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} "
+        "SKIP", flush=True)
+  results = {"machine": machine(), "backend": jax.default_backend(),
+             "devices": len(jax.devices()), "quick": quick,
+             "sizes": dataclasses.asdict(z), "checks": checks,
+             "timings": timings, "failed": failed}
+  if out:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(results, f, indent=1, default=str)
+  return results
+
+
+def main(argv):
+  del argv
+  results = run_check(_QUICK.value, _CASES.value, _REPEATS.value,
+                      _TIMING.value, _OUT.value, impls=_IMPLS.value)
+  if results["failed"]:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
