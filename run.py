@@ -3,7 +3,9 @@
 With no flags: the copy task, a GRU encoder-decoder without attention
 (``none``) against one with Bahdanau attention, the same step budget each;
 about 3 minutes on 2 CPU cores. ``--experiment=logit_scale`` measures the
-1/sqrt(d_k) logit scale instead.
+1/sqrt(d_k) logit scale instead; ``--experiment=lm`` trains a character-level
+causal language model on Python's help topics and generates with the KV
+cache.
 
 The flags are generated from the experiments' config dataclasses
 (``experiments/config_flags.py``): names, defaults, help and bounds are
@@ -18,6 +20,7 @@ from absl import flags
 from absl import logging
 
 from experiments import config_flags
+from experiments import lm
 from experiments import logit_scale
 from experiments import parallel
 from experiments import seq2seq
@@ -26,12 +29,14 @@ from experiments import seq2seq
 EXPERIMENTS = {
     "seq2seq": (seq2seq.Seq2SeqConfig, seq2seq.run),
     "logit_scale": (logit_scale.LogitScaleConfig, logit_scale.run),
+    "lm": (lm.LMConfig, lm.run),
 }
 
 _EXPERIMENT = flags.DEFINE_enum(
     "experiment", "seq2seq", list(EXPERIMENTS),
     "seq2seq: copy/reverse with and without attention (bottleneck, "
-    "alignment). logit_scale: why attention divides by sqrt(d_k).")
+    "alignment). logit_scale: why attention divides by sqrt(d_k). lm: a "
+    "causal character-level language model on Python's help topics.")
 config_flags.define_flags(
     [parallel.DistributedConfig, *(c for c, _ in EXPERIMENTS.values())],
     flags.FLAGS)

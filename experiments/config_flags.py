@@ -45,6 +45,8 @@ class Flag:
       non-empty list of them).
     not_above: a sibling field this one must not exceed (``min_len`` of
       ``max_len``); checked when both are flags.
+    divides: a sibling field this one must divide (heads of a model
+      width); checked when both are flags.
     default_none: the flag defaults to None, meaning "the experiment's own
       default" (``--workdir``: ``runs/<experiment>``).
   """
@@ -53,6 +55,7 @@ class Flag:
   lower_bound: float | None = None
   choices: tuple[str, ...] | None = None
   not_above: str | None = None
+  divides: str | None = None
   default_none: bool = False
 
 
@@ -165,15 +168,17 @@ def _specs(cls: type, default: Any, path: tuple[str, ...],
   return specs
 
 
-def _rules(specs: Sequence[FlagSpec]) -> list[tuple[str, str]]:
-  """``(low, high)`` flag names whose values must satisfy low <= high."""
+def _rules(specs: Sequence[FlagSpec]) -> list[tuple[str, str, str]]:
+  """``(kind, a, b)``: flag ``a`` must not exceed (``not_above``) or must
+  divide (``divides``) flag ``b``."""
   by_path = {s.path: s for s in specs}
   rules = []
   for s in specs:
-    if s.flag.not_above:
-      other = by_path.get(s.path[:-1] + (s.flag.not_above,))
+    for kind in ("not_above", "divides"):
+      sibling = getattr(s.flag, kind)
+      other = by_path.get(s.path[:-1] + (sibling,)) if sibling else None
       if other is not None:
-        rules.append((s.name, other.name))
+        rules.append((kind, s.name, other.name))
   return rules
 
 
@@ -243,11 +248,15 @@ def define_flags(config_classes: Sequence[type],
       defined[spec.name] = spec
       _define(spec, flag_values)
     rules += [r for r in _rules(specs) if r not in rules]
-  for low, high in rules:
-    flags.register_multi_flags_validator(
-        [low, high], lambda v, low=low, high=high: v[low] <= v[high],
-        message=f"--{low} must not exceed --{high}.",
-        flag_values=flag_values)
+  for kind, a, b in rules:
+    if kind == "not_above":
+      check = lambda v, a=a, b=b: v[a] <= v[b]  # noqa: E731
+      message = f"--{a} must not exceed --{b}."
+    else:
+      check = lambda v, a=a, b=b: v[a] > 0 and v[b] % v[a] == 0  # noqa: E731
+      message = f"--{a} must divide --{b}."
+    flags.register_multi_flags_validator([a, b], check, message=message,
+                                         flag_values=flag_values)
 
 
 def _replace(config: Any, path: tuple[str, ...], value: Any) -> Any:

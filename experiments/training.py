@@ -1,4 +1,5 @@
-"""Training one model on the copy/reverse task: jitted step, checkpoints.
+"""Training one model (the copy/reverse task unless told otherwise): jitted
+step, checkpoints.
 
 The data of step ``s`` is a pure function of ``(seed, s)`` and the model has
 no dropout, so a run that is killed and resumed from its last checkpoint ends
@@ -7,7 +8,9 @@ with exactly the numbers of an uninterrupted run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
+import functools
 import signal
 import threading
 import time
@@ -15,6 +18,7 @@ import time
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from experiments import checkpoints
@@ -45,16 +49,23 @@ class TrainConfig:
   log_every: int = config_flags.field(50, "Steps between logged losses.",
                                       lower_bound=1)
   mesh: str = config_flags.field(
-      "", "Device mesh for seq2seq training, e.g. 'data:2,model:4' (batch "
+      "", "Device mesh for training, e.g. 'data:2,model:4' (batch "
       "split over data; Transformer heads and FFN over model; -1 = the "
       "remaining devices). Default: all devices on data.")
 
 
 def make_optimizer(model: nnx.Module, config: TrainConfig) -> nnx.Optimizer:
-  schedule = optax.cosine_decay_schedule(config.learning_rate, config.steps,
-                                         alpha=0.1)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+  tx = _transform(config.learning_rate, config.steps)
   return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@functools.cache
+def _transform(learning_rate: float, steps: int):
+  """One optax transform per schedule: the optimizer holds it as static
+  data, so a new one per model would retrace ``train_step`` for every
+  model of the same structure (a resumed run, another variant)."""
+  schedule = optax.cosine_decay_schedule(learning_rate, steps, alpha=0.1)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
 
 
 def loss_fn(model, src, src_len, tgt_in, tgt_out, tgt_mask):
@@ -91,7 +102,9 @@ def training_mesh(config: TrainConfig) -> jax.sharding.Mesh:
 
 def train(name: str, model: nnx.Module, config: TrainConfig,
           checkpointer: checkpoints.Checkpointer | None,
-          mesh: jax.sharding.Mesh | None = None) -> dict:
+          mesh: jax.sharding.Mesh | None = None, *,
+          batches: Callable[[int], tuple[np.ndarray, ...]] | None = None,
+          step_fn: Callable[..., jax.Array] | None = None) -> dict:
   """Trains ``model`` in place, resuming from ``checkpointer`` if it has one.
 
   With ``mesh`` (``training_mesh``; build the model under ``jax.set_mesh(mesh)``
@@ -100,14 +113,33 @@ def train(name: str, model: nnx.Module, config: TrainConfig,
   single-device one up to float summation order. Ctrl-C saves a checkpoint
   of the last finished step, then re-raises; so does SIGTERM.
 
+  Another experiment brings its own data and loss: ``batches(step)`` gives
+  the host arrays of a step (a pure function of the step, so a resumed run
+  sees the same data) and ``step_fn(model, optimizer, *arrays)`` trains on
+  them and returns the loss. The defaults are ``config.task``'s batches
+  (``data.train_batch``) and ``train_step``.
+
   Returns:
     ``{"steps", "final_loss", "seconds", "steps_per_s", "resumed_from",
     "loss_curve": [[step, loss], ...]}``.
   """
   if mesh is None:
     mesh = training_mesh(config)
+  if batches is None:
+    batches = functools.partial(_task_batch, config)
   with jax.set_mesh(mesh), _StopRequests() as stop:
-    return _train(name, model, config, checkpointer, mesh, stop)
+    return _train(name, model, config, checkpointer, mesh, stop, batches,
+                  step_fn or train_step)
+
+
+def _task_batch(config: TrainConfig, step: int) -> tuple[np.ndarray, ...]:
+  """The copy/reverse batch of ``step`` as ``train_step``'s arrays."""
+  batch = data.train_batch(
+      config.task, step, seed=config.seed, batch_size=config.batch_size,
+      min_len=config.min_len, max_len=config.max_len,
+      vocab_size=config.vocab_size)
+  return (batch.src, batch.src_len, batch.tgt_in, batch.tgt_out,
+          batch.tgt_mask)
 
 
 class _StopRequests:
@@ -142,7 +174,7 @@ class _StopRequests:
     return False
 
 
-def _train(name, model, config, checkpointer, mesh, stop):
+def _train(name, model, config, checkpointer, mesh, stop, batches, step_fn):
   parallel.shard_state(model, mesh)
   optimizer = make_optimizer(model, config)
   parallel.shard_state(optimizer, mesh)
@@ -154,11 +186,8 @@ def _train(name, model, config, checkpointer, mesh, stop):
   step, loss, t0 = start, None, time.perf_counter()
   try:
     while step < config.steps:
-      batch = data.train_batch(
-          config.task, step, seed=config.seed, batch_size=config.batch_size,
-          min_len=config.min_len, max_len=config.max_len,
-          vocab_size=config.vocab_size)
-      loss = train_step(model, optimizer, *batch_arrays(batch, mesh))
+      arrays = parallel.shard_batch(batches(step), mesh)
+      loss = step_fn(model, optimizer, *arrays)
       step += 1
       if step % config.log_every == 0 or step == config.steps:
         value = float(loss)

@@ -1,0 +1,155 @@
+"""A small decoder-only Transformer (GPT-style) from ``aj.MultiHeadAttention``.
+
+Shape glossary: B batch, T length, D model dim, N heads, V vocabulary size,
+L cache capacity.
+
+Pre-LayerNorm residual blocks of causal self-attention (rotary positions,
+optional qk-norm, an optional sliding window) and a GELU feed-forward block;
+no position embedding (RoPE puts positions into the scores). A row of packed
+documents comes with segment ids: with them no token sees another document
+and rotary positions restart at each document; ids that are all equal make
+the row one sequence (what a model unaware of the packing does).
+
+The same module generates with the KV cache of each attention layer
+(``init_cache``, then ``decode``); a window layer gets a ring buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+import attention_jax as aj
+from experiments import config_flags
+from experiments import transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class LMModelConfig:
+  """The architecture; each field is also a ``run.py`` flag."""
+  d_model: int = config_flags.field(  # D
+      128, "lm: model width D.", name="lm_d_model", lower_bound=1)
+  num_heads: int = config_flags.field(  # N
+      4, "lm: attention heads per layer (divides --lm_d_model).",
+      name="lm_heads", lower_bound=1, divides="d_model")
+  num_layers: int = config_flags.field(
+      2, "lm: Transformer blocks.", name="lm_layers", lower_bound=1)
+  ffn_dim: int = config_flags.field(
+      512, "lm: hidden units of each feed-forward block.",
+      name="lm_ffn_dim", lower_bound=1)
+  normalize_qk: bool = config_flags.field(
+      False, "lm: RMS-normalise queries and keys per head (qk-norm).",
+      name="qk_norm")
+  rope_base: float = config_flags.field(
+      10000.0, "lm: rotary position base.", lower_bound=1.0)
+
+
+class Block(nnx.Module):
+  """``x + attention(norm(x))``, then ``x + ffn(norm(x))``."""
+
+  def __init__(self, config: LMModelConfig, *, window: int | None,
+               implementation: str | None, rngs: nnx.Rngs,
+               model_axis: str | None = None):
+    d = config.d_model
+    self.norm1 = nnx.LayerNorm(d, rngs=rngs)
+    self.attention = aj.MultiHeadAttention(
+        d, config.num_heads, rngs=rngs, normalize_qk=config.normalize_qk,
+        rope=config.rope_base, implementation=implementation,
+        # A causal window: each token sees itself and `window` before it.
+        local_window_size=None if window is None else (window, 0),
+        head_axis=model_axis)
+    self.norm2 = nnx.LayerNorm(d, rngs=rngs)
+    self.ffn = transformer.FeedForward(d, config.ffn_dim, rngs=rngs,
+                                       model_axis=model_axis)
+
+  def __call__(self, x, *, segment_ids=None, decode=False, lengths=None,
+               return_weights=False):
+    """``x [B, T, D]`` -> ``(x, weights [B, N, T, S] or None)``."""
+    h = self.norm1(x)
+    if decode:
+      out = self.attention(h, decode=True, query_seq_lengths=lengths)
+      weights = None
+    else:
+      out = self.attention(h, is_causal=True, query_segment_ids=segment_ids,
+                           key_segment_ids=segment_ids,
+                           return_weights=return_weights)
+      out, weights = out if return_weights else (out, None)
+    x = x + out
+    return x + self.ffn(self.norm2(x)), weights
+
+
+class DecoderLM(nnx.Module):
+  """Next-token logits of a character sequence.
+
+  Args:
+    config: the architecture.
+    vocab_size: ``V``.
+    window: a causal sliding window of this many previous tokens in every
+      layer, or None.
+    rngs: parameter initialisation.
+    implementation: ``aj.MultiHeadAttention``'s (None: automatic).
+    model_axis: mesh axis to split heads and FFN units over, or None.
+  """
+
+  def __init__(self, config: LMModelConfig, *, vocab_size: int,
+               window: int | None = None, rngs: nnx.Rngs,
+               implementation: str | None = None,
+               model_axis: str | None = None):
+    self.config, self.window = config, window
+    self.embed = nnx.Embed(vocab_size, config.d_model, rngs=rngs)
+    self.blocks = nnx.List([
+        Block(config, window=window, implementation=implementation,
+              rngs=rngs, model_axis=model_axis)
+        for _ in range(config.num_layers)])
+    self.final_norm = nnx.LayerNorm(config.d_model, rngs=rngs)
+    self.output = nnx.Linear(config.d_model, vocab_size, rngs=rngs)
+
+  def _logits(self, x):
+    return self.output(self.final_norm(x))  # [B, T, V]
+
+  def __call__(self, tokens, segment_ids=None, *, return_weights=False):
+    """The full causal forward.
+
+    Args:
+      tokens: int ``[B, T]``.
+      segment_ids: int ``[B, T]`` documents of a packed row (None: one
+        sequence per row).
+      return_weights: also return each layer's attention weights.
+
+    Returns:
+      ``logits [B, T, V]``, and with ``return_weights`` a list of
+      ``[B, N, T, T]`` per layer.
+    """
+    x = self.embed(tokens)  # [B, T, D]
+    weights = []
+    for block in self.blocks:
+      x, w = block(x, segment_ids=segment_ids, return_weights=return_weights)
+      weights.append(w)
+    logits = self._logits(x)
+    return (logits, weights) if return_weights else logits
+
+  def init_cache(self, batch_size: int, max_length: int) -> None:
+    """Empty KV caches: linear of ``max_length``, or with a window a ring
+    buffer of ``window + 1`` slots (memory independent of the length)."""
+    for block in self.blocks:
+      if self.window is None:
+        block.attention.init_cache(batch_size, max_length)
+      else:
+        block.attention.init_cache(batch_size)
+
+  def check_cache(self) -> None:
+    """Raises if a decoding call overflowed a linear cache."""
+    for block in self.blocks:
+      block.attention.check_cache()
+
+  def decode(self, tokens, lengths=None):
+    """Appends ``tokens [B, T]`` to the caches; logits ``[B, T, V]``.
+
+    ``lengths [B]``: real tokens per example of a right-padded prefill
+    (each example then continues from its own position).
+    """
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x, _ = block(x, decode=True, lengths=lengths)
+    return self._logits(x)
