@@ -124,11 +124,9 @@ class KVCacheTest(parameterized.TestCase):
                                 atol=2e-6, rtol=2e-6)
     np.testing.assert_array_equal(mha.cache_index[...], [8, 8])
 
+  # A window with ALiBi alone is covered by the ring-buffer test below.
   @parameterized.named_parameters(
-      ("window", dict(local_window_size=(2, 0)), {}),
       ("sinks_softcap", dict(attention_sinks=True, logits_soft_cap=2.0), {}),
-      ("alibi", dict(score_mod=aj.alibi),
-       dict(score_mod_args=(aj.alibi_slopes(4)[:, None, None],))),
       ("query_lengths", {}, dict(query_seq_lengths=jnp.array([8, 6]))),
       ("everything", dict(local_window_size=(3, 0), attention_sinks=True,
                           logits_soft_cap=1.5, score_mod=aj.alibi),
