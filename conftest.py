@@ -25,15 +25,3 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def _doctest_namespace(doctest_namespace):
   doctest_namespace.update(jax=jax, jnp=jnp, np=np, nnx=nnx)
 
-
-# The longest single tests (whole-process multi-device files, runs of the
-# experiments) go first: xdist cannot split a test, so one that starts near
-# the end of a worker's queue leaves the other core idle until it finishes.
-_LONG_FIRST = ("tests/test_multidevice.py", "tests/test_experiment_reliability.py",
-               "tests/test_experiment_training.py", "tests/test_lm_experiment.py",
-               "tests/test_readme.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-  del session, config
-  items.sort(key=lambda item: not item.nodeid.startswith(_LONG_FIRST))

@@ -173,15 +173,11 @@ class KVCacheTest(parameterized.TestCase):
     chex.assert_trees_all_close(mha(x, is_causal=True), want, atol=2e-6,
                                 rtol=2e-6)
 
-  def test_rope_decoding_and_packing_equal_the_full_forward(self):
+  def test_rope_positions_restart_per_packed_document(self):
+    # (Rotary decoding is checked by the qk-norm/rope prefill case and the
+    # ragged test; windows while decoding by the ring-buffer test.)
     mha = _module(num_kv_heads=2, rope=10000.0, local_window_size=(3, 0))
     x = _x(seed=6, t=8)
-    full = mha(x, is_causal=True)
-    mha.init_cache(batch_size=2, max_length=9)
-    pieces = [mha(x[:, a:b], decode=True) for a, b in ((0, 5), (5, 6),
-                                                          (6, 8))]
-    chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
-                                rtol=2e-6)
     # Packed: the second document's positions restart at 0.
     ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]] * 2)
     packed = mha(x, is_causal=True, query_segment_ids=ids,
