@@ -336,10 +336,22 @@ def _loss(out, lse, cot, cot_lse):
   return total
 
 
+# The dispatcher forwards these cases' arguments to blockwise_attention
+# unchanged (no pattern argument to route or block size rule to pick), and
+# the blockwise column runs every one of them: its column keeps the cases
+# whose arguments it has to route.
+_DISPATCH_SKIPS = frozenset({
+    "plain_t_ne_s", "causal_t_lt_s", "causal_t_gt_s_empty_rows", "mha",
+    "float16", "mask_empty_rows", "bias_neg_inf", "zero_length_nan_padding",
+    "bfloat16_causal_lengths", "mqa_causal_lengths"})
+
+
 def suite(names):
   """A ``chex.TestCase`` running every case on each named implementation."""
   params = [(f"{name}__{case_name}", name, case_name)
-            for name in names for case_name in CASES]
+            for name in names for case_name in CASES
+            if not (name == "dispatch_blockwise"
+                    and case_name in _DISPATCH_SKIPS)]
 
   class ContractTest(chex.TestCase):
 
