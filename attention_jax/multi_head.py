@@ -399,16 +399,7 @@ def _check_mask_and_bias(mask, bias, full: tuple[int, ...], layout: str):
     if x is None:
       continue
     shape = _checks.shape_of(x)
-    if len(shape) != 4:
-      raise ValueError(
-          f"{name} with shape {shape} has rank {len(shape)}, but multi-head "
-          f"attention needs the logits' full rank 4, broadcastable to "
-          f"{layout} = {full} (size-1 axes where it is shared), so its axes "
-          f"cannot be read two ways. A [B, S] key-padding {name} becomes "
-          f"{name}[:, None, None, :], a [T, S] one {name}[None, None]; "
-          f"aj.make_attention_mask(query_valid, key_valid) builds "
-          f"[B, 1, T, S] masks; for key padding alone pass "
-          f"key_value_seq_lengths=[B] instead.")
+    _checks.check_logits_rank(name, shape, full, layout)
     _checks.check_broadcastable_to(name, shape, full, layout)
   if mask is not None:
     _checks.check_mask_dtype("mask", mask)

@@ -155,8 +155,8 @@ CASES = [
         {**MHA, "q_norm": {"scale": jnp.ones(4)}}, X, X, X), ValueError,
      r"params has q_norm but not k_norm"),
     ("mha_mask_rank", lambda: mha(MHA, X, X, X, jnp.ones((2, 3), bool)),
-     ValueError, r"mask with shape \(2, 3\) has rank 2, but multi-head "
-     r"attention needs the logits' full rank 4.*mask\[:, None, None, :\]"),
+     ValueError, r"mask with shape \(2, 3\) has rank 2, but the logits are "
+     r"\[B, N, T, S\] = \(2, 4, 3, 3\) \(rank 4\).*mask\[:, None, None, :\]"),
     ("mha_bias_rank", lambda: mha(MHA, X, X, X, bias=jnp.zeros((3, 3))),
      ValueError, r"bias with shape \(3, 3\) has rank 2.*bias\[None, None\]"),
     ("init_head_dim", lambda: aj.init_multi_head_params(
