@@ -91,3 +91,14 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """``{"train": {"steps": 3}}`` -> ``{"train.steps": 3}`` (fingerprints)."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat

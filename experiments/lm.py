@@ -139,23 +139,13 @@ def build_model(variant: str, config: LMConfig, vocab_size: int,
       model_axis=parallel.model_axis(mesh) if mesh else None)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
 def fingerprint(variant: str, config: LMConfig) -> dict:
   """The settings a checkpoint must share with the run that resumes it:
   every field but ``RESUMABLE_CHANGES``, the copy task's and, for variants
   without a window, ``window``."""
   skip = RESUMABLE_CHANGES | _UNUSED_TRAIN | (
       set() if variant == "window" else {"window"})
-  settings = {k: v for k, v in _flatten(dataclasses.asdict(config)).items()
+  settings = {k: v for k, v in checkpoints.flatten(dataclasses.asdict(config)).items()
               if k not in skip}
   return report.jsonable({"variant": variant, **settings})
 

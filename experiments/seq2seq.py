@@ -165,17 +165,6 @@ def _summary(config: Seq2SeqConfig, results: dict) -> str:
   return "\n".join(parts)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  """``{"train": {"steps": 3}}`` -> ``{"train.steps": 3}``."""
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
 def _fingerprint(name: str, config: Seq2SeqConfig) -> dict:
   """The settings a checkpoint must share with the run that resumes it.
 
@@ -184,7 +173,7 @@ def _fingerprint(name: str, config: Seq2SeqConfig) -> dict:
   ``transformer``, nor the Transformer's on ``rnn``), as dotted names.
   """
   unused = "rnn." if name == "transformer" else "transformer."
-  settings = {k: v for k, v in _flatten(dataclasses.asdict(config)).items()
+  settings = {k: v for k, v in checkpoints.flatten(dataclasses.asdict(config)).items()
               if k not in RESUMABLE_CHANGES and not k.startswith(unused)}
   return report.jsonable({"model": name, **settings})
 

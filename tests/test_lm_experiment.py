@@ -16,6 +16,7 @@ from absl.testing import absltest
 import jax
 import numpy as np
 
+from experiments import checkpoints
 from experiments import lm
 from experiments import lm_data
 from experiments import lm_generate
@@ -224,7 +225,7 @@ class FingerprintTest(absltest.TestCase):
 
   def test_every_field_that_shapes_training_is_fingerprinted(self):
     base = lm.LMConfig()
-    flat = lm._flatten(dataclasses.asdict(base))
+    flat = checkpoints.flatten(dataclasses.asdict(base))
     unused = {"train.task", "train.min_len", "train.max_len",
               "train.vocab_size"}
     for path, value in flat.items():
