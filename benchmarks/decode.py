@@ -353,7 +353,10 @@ def report(rows: list[dict], config: dict, command: str) -> str:
       "steps (one step gives every sequence of the batch its next token). "
       "The two modes' first outputs agreed before timing (max |diff| "
       f"{max(r['check_max_diff'] for r in rows):.2g}).")
-  return f"{textwrap.fill(text, 76)}\n\n{table(rows)}\n"
+  # Whole words only: a flag or a CPU model name is never split.
+  text = textwrap.fill(text, 76, break_long_words=False,
+                       break_on_hyphens=False)
+  return f"{text}\n\n{table(rows)}\n"
 
 
 def _fmt_load(load) -> str:

@@ -27,6 +27,11 @@ class DecodeSmokeTest(absltest.TestCase):
     out = self.enterContext(tempfile.TemporaryDirectory())
     page = pathlib.Path(out) / "page.md"
     page.write_text(f"# Page\n\n{decode.START}\nold\n{decode.END}\n\ntail\n")
+    # The paragraph wraps at 76 columns, so where the command lands depends
+    # on the machine's description: a long CPU name stands in for any.
+    self.enterContext(mock.patch.object(
+        decode, "machine", lambda: "64-core CPU (AMD EPYC 9654 96-Core "
+        "Processor with a long name), jax 0.0 cpu backend, 1 x cpu"))
     rows = decode.run_benchmark(
         batch_sizes=(2,), context=6, d_model=8, num_heads=2, layers=2,
         prompt_len=2, repeats=1, check_steps=3, command="tiny smoke",
@@ -43,8 +48,25 @@ class DecodeSmokeTest(absltest.TestCase):
     self.assertTrue(text.startswith(f"# Page\n\n{decode.START}\n"))
     self.assertTrue(text.endswith(f"{decode.END}\n\ntail\n"))
     self.assertNotIn("old", text)
-    self.assertIn("`tiny smoke`", text)
+    self.assertIn("`tiny smoke`", " ".join(text.split()))  # any wrapping
     self.assertIn("| 2 | recompute |", text)
+
+  def test_report_names_the_command_on_any_machine(self):
+    rows = [dict(batch=1, mode=m, prefill_ms=1.0, tokens_per_s=1.0,
+                 ms_per_token=1.0, speedup=None, steps=1, check_max_diff=0.0)
+            for m in decode.MODES]
+    config = dict(context=2, d_model=8, num_heads=2, layers=1, prompt_len=1,
+                  repeats=1, implementation=None, load=[None, 1.5])
+    for name in ("CPU", "2-core CPU (Intel(R) Xeon(R) CPU @ 2.20GHz)",
+                 "2-core CPU (AMD EPYC)",
+                 "96-core CPU (" + "a-very-long-model-name " * 5 + ")"):
+      with mock.patch.object(decode, "machine", lambda name=name: name):
+        text = decode.report(rows, config, "python -m benchmarks.decode "
+                             "--batch_sizes=1,8 --repeats=3")
+      flat = " ".join(text.split())
+      self.assertIn(f"Measured on a {name};", flat)
+      self.assertIn("`python -m benchmarks.decode --batch_sizes=1,8 "
+                    "--repeats=3`", flat)
 
   def test_a_wrong_cache_is_caught(self):
     # Outputs off by more than the tolerance at one step must raise before
