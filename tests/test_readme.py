@@ -9,8 +9,12 @@ work on a fresh machine, stays a front page, links only to pages that exist,
 and no page carries issue numbers or test counts that go stale.
 """
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -52,6 +56,22 @@ def test_readme_starts_with_the_fresh_machine_commands():
   install = "python -m pip install -r requirements.txt"
   assert commands[:2] == [f"{install} && python run.py",
                           f"{install} && python -m pytest"], commands
+
+
+def test_first_command_installs_this_checkout():
+  # After the README's first command a script anywhere imports the package,
+  # and it is this checkout's code (an editable install), not a stale copy.
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  with tempfile.TemporaryDirectory() as elsewhere:
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import attention_jax; print(attention_jax.__file__)"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, (
+      "`import attention_jax` fails outside the repository after `python -m "
+      f"pip install -r requirements.txt`:\n{result.stderr[-2000:]}")
+  found = pathlib.Path(result.stdout.strip()).resolve()
+  assert found == ROOT / "attention_jax" / "__init__.py", found
 
 
 def test_readme_first_example_is_the_lessons_line():
