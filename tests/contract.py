@@ -117,7 +117,9 @@ class Case:
   window: tuple[int, int] | None = None  # local_window_size (left, right)
   softcap: float | None = None  # logits_soft_cap
   # Packed documents: "sorted" (contiguous, differing per example and
-  # between queries and keys) or "unsorted" ids.
+  # between queries and keys), "unsorted" ids, or "recurring": one-id
+  # query blocks facing key blocks of that id on both sides of a block of
+  # another id (a block between two of the same id is not full).
   segments: str | None = None
   sinks: bool = False  # per-head sink logits [N], differentiated
   alibi: bool = False  # score_mod ALiBi with slopes [N, 1, 1], differentiated
@@ -166,6 +168,8 @@ CASES = {
     "segments_unsorted_window_lengths": Case(
         t=24, s=40, segments="unsorted", window=(6, 3), lengths=(40, 27),
         q_lengths=(24, 19)),
+    "segments_recurring_ids": Case(t=20, s=28, segments="recurring",
+                                   lse=True),
     "sinks_causal_query_lengths": Case(t=40, s=40, causal=True, sinks=True,
                                        q_lengths=(40, 23), lse=True),
     "alibi_causal_gqa": Case(causal=True, alibi=True, lse=True),
@@ -243,6 +247,11 @@ def _segment_ids(case: Case):
     k = np.stack([ids(case.s, (13, 33)), ids(case.s, (5, 6, 30))])
     if case.t != case.s:  # cross-attention: other cut points for keys
       k = np.stack([ids(case.s, (11, 20)), ids(case.s, (3, 36))])
+  elif case.segments == "recurring":  # runs of 5 queries, 7 keys: the
+    # blockwise column's blocks (5, 7) each hold one id.
+    runs = lambda ids, size: np.repeat(np.array(ids), size)
+    q = np.stack([runs([1, 1, 2, 2], 5), runs([2, 1, 1, 1], 5)])
+    k = np.stack([runs([1, 2, 1, 2], 7), runs([2, 1, 1, 2], 7)])
   else:
     q = np.asarray(_data.bernoulli(9, 0.5, (B, case.t)), np.int32)
     k = np.asarray(_data.bernoulli(10, 0.5, (B, case.s)), np.int32)
