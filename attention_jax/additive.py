@@ -80,8 +80,9 @@ def additive_score(query_hidden: jax.Array, key_hidden: jax.Array,
   """``v . tanh(query_hidden + key_hidden_j)`` for one query: ``[A], [S, A] -> [S]``.
 
   Example:
-    >>> additive_score(jnp.zeros(3), jnp.zeros((4, 3)), jnp.ones(3))
-    Array([0., 0., 0., 0.], dtype=float32)
+    >>> keys = jnp.array([[0.0, 0.0], [1.0, -1.0], [2.0, 2.0]])  # [S, A]
+    >>> additive_score(jnp.zeros(2), keys, jnp.ones(2)).round(4).tolist()
+    [0.0, 0.0, 1.9281]
   """
   return jnp.tanh(query_hidden[None, :] + key_hidden) @ v  # [S]
 

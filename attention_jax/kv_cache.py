@@ -223,11 +223,12 @@ def update_kv_cache(
 
   Example:
     >>> ck = cv = jnp.zeros((1, 1, 4, 2))
-    >>> new = jnp.ones((1, 1, 2, 2))
+    >>> new = jnp.array([5.0, 7.0])[None, None, :, None].repeat(2, -1)
     >>> ck, cv, visible = update_kv_cache(ck, cv, jnp.int32(1), new, new)
-    >>> ck[0, 0, :, 0], visible.astype(int)
-    (Array([0., 1., 1., 0.], dtype=float32), Array([[1, 1, 0, 0],
-           [1, 1, 1, 0]], dtype=int32))
+    >>> ck[0, 0, :, 0].astype(int).tolist()  # slots 1 and 2 written
+    [0, 5, 7, 0]
+    >>> visible.astype(int).tolist()
+    [[1, 1, 0, 0], [1, 1, 1, 0]]
   """
   _check_operands(cached_key, cached_value, index, key, value)
   b, t, max_length = key.shape[0], key.shape[2], cached_key.shape[2]
@@ -316,8 +317,8 @@ def update_ring_cache(
     >>> ck = cv = jnp.zeros((1, 1, 3, 1))
     >>> new = jnp.arange(4.0).reshape(1, 1, 4, 1)  # positions 0..3
     >>> *_, ck, cv = update_ring_cache(ck, cv, 0, new, new, window=2)
-    >>> ck[0, 0, :, 0]  # slots hold positions 3, 1, 2
-    Array([3., 1., 2.], dtype=float32)
+    >>> ck[0, 0, :, 0].astype(int).tolist()  # slots hold positions 3, 1, 2
+    [3, 1, 2]
   """
   _check_operands(cached_key, cached_value, index, key, value, ring=True)
   b, t, slots_n = key.shape[0], key.shape[2], cached_key.shape[2]

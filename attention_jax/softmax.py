@@ -54,8 +54,12 @@ def masked_softmax(logits: ArrayLike, mask: ArrayLike | None = None,
     the row is blocked.
 
   Example:
-    >>> masked_softmax(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, True, False]))
+    >>> w = masked_softmax(jnp.array([1.0, 2.0, 3.0]),
+    ...                    jnp.array([True, True, False]))
+    >>> w
     Array([0.26894143, 0.7310586 , 0.        ], dtype=float32)
+    >>> (w == 0).tolist()  # exactly 0 where blocked
+    [False, False, True]
   """
   unnormalised, total, _ = _shifted_exp(logits, mask, axis)
   return unnormalised / jnp.where(total > 0, total, 1.0)
@@ -106,9 +110,8 @@ def softmax_and_lse(logits: ArrayLike, allowed: ArrayLike | None = None,
   Example:
     >>> w, lse = softmax_and_lse(jnp.array([[0.0, 0.0, 5.0], [1.0, 2.0, 3.0]]),
     ...                          jnp.array([[1, 1, 0], [0, 0, 0]]))
-    >>> w
-    Array([[0.5, 0.5, 0. ],
-           [0. , 0. , 0. ]], dtype=float32)
+    >>> w.tolist()  # a fully blocked row is 0, not a uniform 1/3
+    [[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]]
     >>> lse
     Array([0.6931472,      -inf], dtype=float32)
   """

@@ -218,6 +218,16 @@ class MatchesNumpyTest(parameterized.TestCase):
               {float(p) for p in want[b][i]})
         self.assertFalse(np.asarray(visible[b, int(lengths[b]):]).any())
       index = index + jnp.asarray(lengths)
+      # The whole buffer after each call: slot j holds the latest position
+      # p < index with p % W == j (a key's value is its position), and the
+      # initial 0 where none was written yet.
+      for b in range(B):
+        written = int(index[b])
+        want_slots = [max((p for p in range(written) if p % slots == j),
+                          default=0) for j in range(slots)]
+        np.testing.assert_array_equal(np.asarray(ck[b, 0, :, 0]),
+                                      np.array(want_slots, np.float32),
+                                      err_msg=f"example {b} after {written}")
     for b in range(B):
       filled = [p for p in held[b] if p >= 0]
       np.testing.assert_array_equal(
