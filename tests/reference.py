@@ -59,15 +59,36 @@ def rms_norm(x, scale, eps=1e-6):
       scale, np.float64)
 
 
+def rope(x, positions, base):
+  """Rotary embedding (Su et al. 2021) in float64, half-split pairs.
+
+  Pair ``(x[i], x[i + H/2])`` of the token at position ``p`` is rotated by
+  the angle ``p * base**(-2 i / H)``; ``positions`` broadcast against
+  ``x.shape[:-1]``.
+  """
+  x = np.asarray(x, np.float64)
+  half = x.shape[-1] // 2
+  freq = base ** (-2.0 * np.arange(half) / (2 * half))  # [H/2]
+  theta = np.asarray(positions, np.float64)[..., None] * freq
+  cos, sin = np.cos(theta), np.sin(theta)
+  x1, x2 = x[..., :half], x[..., half:2 * half]
+  return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos,
+                         x[..., 2 * half:]], -1)
+
+
 def multi_head_attention(params, query, key, value, mask=None, *,
-                         num_heads=None, num_kv_heads=None, is_causal=False):
+                         num_heads=None, num_kv_heads=None, is_causal=False,
+                         rope_base=None, query_positions=None,
+                         key_positions=None):
   """The lesson's MultiHeadAttention.forward (view/transpose/concat), + GQA.
 
   ``params`` hold per-head kernels (``W_q`` ``[D, N, H]``, ``W_k``/``W_v``
   ``[Dkv, K, H]``, ``W_o`` ``[N, H, Dout]``); here they are flattened back to
   the lesson's ``[in, out]`` matrices and the heads split from the projected
   features as the lesson does. ``H`` need not be ``D / N``; keys/values may
-  have their own width; ``q_norm``/``k_norm`` RMS-normalise each head.
+  have their own width; ``q_norm``/``k_norm`` RMS-normalise each head; with
+  ``rope_base`` queries and keys are then rotated at ``query_positions``
+  ``[T]`` and ``key_positions`` ``[S]`` (given explicitly by the caller).
   """
   _, n, h = np.shape(params["W_q"]["kernel"])
   kv_heads = np.shape(params["W_k"]["kernel"])[1]
@@ -92,6 +113,9 @@ def multi_head_attention(params, query, key, value, mask=None, *,
   if "q_norm" in params:
     q = rms_norm(q, params["q_norm"]["scale"])
     k = rms_norm(k, params["k_norm"]["scale"])
+  if rope_base is not None:
+    q = rope(q, query_positions, rope_base)
+    k = rope(k, key_positions, rope_base)
   group = n // kv_heads
   k = np.repeat(k, group, axis=1)  # explicit head repetition for GQA
   v = np.repeat(v, group, axis=1)

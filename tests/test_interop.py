@@ -320,12 +320,13 @@ class FlaxAttentionFnTest(parameterized.TestCase):
 
   def test_cross_attention_top_left_causal_extra_batch_dim(self):
     q = _data.normal(1, (2, 2, 3, 8))   # [batch..., T, D]
-    kv = _data.normal(2, (2, 2, 6, 5))  # [batch..., S, Dkv]
+    k = _data.normal(2, (2, 2, 6, 5))   # [batch..., S, Dkv]
+    v = _data.normal(5, (2, 2, 6, 5))   # distinct from the keys
     key_valid = jnp.arange(6)[None, None] < jnp.array([[6, 4], [5, 2]])[..., None]
     mask = nnx.make_attention_mask(jnp.ones((2, 2, 3), bool), key_valid)
     layers = _flax_layers(in_kv_features=5)
     (ours_g, ours), (theirs_g, theirs) = _flax_values_and_grads(
-        layers, (q, kv), _data.normal(9, (2, 2, 3, 8)), mask=mask,
+        layers, (q, k, v), _data.normal(9, (2, 2, 3, 8)), mask=mask,
         is_causal=True)  # T = 3 < S = 6: query i sees keys j <= i
     chex.assert_trees_all_close(ours, theirs, **FLAX_TOL)
     chex.assert_trees_all_close(ours_g, theirs_g, **FLAX_TOL)

@@ -52,17 +52,18 @@ class MatchesReferencesTest(parameterized.TestCase):
       mask = aj.make_attention_mask(
           aj.padding_mask(jnp.array([5, 4]), 5),
           aj.padding_mask(jnp.array([y.shape[1], 2]), y.shape[1]))
-    key = None if kind == "self" else y  # key=None means self-attention
-    out, weights = mha(x, key, mask=mask, is_causal=causal,
+    key = None if kind == "self" else y  # key=None means the query
+    value = _x(seed=9, t=y.shape[1])  # distinct: W_v must project value
+    out, weights = mha(x, key, value, mask=mask, is_causal=causal,
                        return_weights=True)
     params = mha.params_dict()
     fn_out, fn_weights = aj.multi_head_attention(
-        params, x, y, y, mask, num_heads=4, num_kv_heads=kv_heads,
+        params, x, y, value, mask, num_heads=4, num_kv_heads=kv_heads,
         is_causal=causal, return_weights=True)
     chex.assert_trees_all_close((out, weights), (fn_out, fn_weights),
                                 atol=0, rtol=0)
     ref_out, ref_weights = reference.multi_head_attention(
-        jax.tree.map(np.asarray, params), x, y, y, mask, num_heads=4,
+        jax.tree.map(np.asarray, params), x, y, value, mask, num_heads=4,
         num_kv_heads=kv_heads, is_causal=causal)
     chex.assert_trees_all_close(out, ref_out.astype(np.float32), **TOL)
     chex.assert_trees_all_close(weights, ref_weights.astype(np.float32),
@@ -172,6 +173,32 @@ class KVCacheTest(parameterized.TestCase):
         None, None]
     chex.assert_trees_all_close(mha(x, is_causal=True), want, atol=2e-6,
                                 rtol=2e-6)
+
+  def test_rope_queries_after_their_keys_and_chunked_prefill(self):
+    # T < S: the last two tokens' queries over all six keys stand at
+    # positions 4 and 5 (bottom-right, as in the full forward); a prompt
+    # prefilled in chunks of 4 then 2 rotates from the cache positions.
+    # Both against the float64 lesson with the positions written out, and
+    # with values distinct from keys.
+    mha = _module(num_kv_heads=2, rope=100.0)
+    x, v = _x(seed=6, t=6), _x(seed=7, t=6)
+    params = mha.params_dict()
+    p64 = jax.tree.map(np.asarray, params)
+    late, _ = reference.multi_head_attention(
+        p64, x[:, 4:], x, v, is_causal=True, rope_base=100.0,
+        query_positions=np.arange(4, 6), key_positions=np.arange(6))
+    chex.assert_trees_all_close(mha(x[:, 4:], x, v, is_causal=True),
+                                late.astype(np.float32), **TOL)
+    chex.assert_trees_all_close(
+        aj.multi_head_attention(params, x[:, 4:], x, v, is_causal=True,
+                                rope=100.0), late.astype(np.float32), **TOL)
+    full, _ = reference.multi_head_attention(
+        p64, x, x, x, is_causal=True, rope_base=100.0,
+        query_positions=np.arange(6), key_positions=np.arange(6))
+    mha.init_cache(batch_size=2, max_length=8)
+    chunks = [mha(x[:, :4], decode=True), mha(x[:, 4:], decode=True)]
+    chex.assert_trees_all_close(jnp.concatenate(chunks, 1),
+                                full.astype(np.float32), **TOL)
 
   def test_rope_positions_restart_per_packed_document(self):
     # (Rotary decoding is checked by the qk-norm/rope prefill case and the
@@ -333,10 +360,11 @@ class ParamsTest(absltest.TestCase):
       for entry in ("kernel", "bias"):
         getattr(getattr(theirs, flax_name), entry)[...] = params[name][entry]
     x, mem = _x(), _data.normal(8, (2, 7, 6))
+    val = _data.normal(9, (2, 7, 6))  # distinct from the keys
     mask = aj.make_attention_mask(jnp.ones((2, 5), bool),
                                   aj.padding_mask(jnp.array([7, 4]), 7))
-    chex.assert_trees_all_close(ours(x, mem, mask=mask),
-                                theirs(x, mem, mask=mask), atol=1e-5,
+    chex.assert_trees_all_close(ours(x, mem, val, mask=mask),
+                                theirs(x, mem, val, mask=mask), atol=1e-5,
                                 rtol=1e-5)
 
   def test_load_params_checks_the_layout(self):

@@ -39,6 +39,7 @@ class MultiHeadTest(chex.TestCase):
                                 is_causal, mask_kind, use_bias):
     x, y = _inputs()
     key = x if kind == "self" else y
+    value = _data.normal(9, key.shape)  # distinct: W_v must project value
     b, t, s = x.shape[0], x.shape[1], key.shape[1]
     params = _data.params(aj.init_multi_head_params, 1, 16, num_heads,
                           num_kv_heads=num_kv_heads, use_bias=use_bias)
@@ -50,9 +51,9 @@ class MultiHeadTest(chex.TestCase):
     fn = self.variant(functools.partial(
         aj.multi_head_attention, num_heads=num_heads,
         num_kv_heads=num_kv_heads, is_causal=is_causal, return_weights=True))
-    out, weights = fn(params, x, key, key, mask)
+    out, weights = fn(params, x, key, value, mask)
     ref_out, ref_w = reference.multi_head_attention(
-        params, x, key, key, mask, num_heads=num_heads,
+        params, x, key, value, mask, num_heads=num_heads,
         num_kv_heads=num_kv_heads, is_causal=is_causal)
     chex.assert_shape(out, (b, t, 16))
     chex.assert_shape(weights, (b, num_heads, t, s))
@@ -131,16 +132,17 @@ class MultiHeadTest(chex.TestCase):
                           num_kv_heads=2, head_dim=3, kv_features=6,
                           out_features=5, normalize_qk=True)
     x, mem = _data.normal(0, (2, 4, 16)), _data.normal(1, (2, 6, 6))
+    val = _data.normal(2, (2, 6, 6))
     mask = aj.make_attention_mask(jnp.ones((2, 4), bool),
                                   aj.padding_mask(jnp.array([6, 3]), 6))
     fn = functools.partial(aj.multi_head_attention, is_causal=True,
                            return_weights=True,
                            precision=jax.lax.Precision.HIGHEST)
-    out, weights = jax.jit(fn)(params, x, mem, mem, mask)
+    out, weights = jax.jit(fn)(params, x, mem, val, mask)
     # The precision reaches the projections' dot products.
-    jaxpr = str(jax.make_jaxpr(fn)(params, x, mem, mem, mask))
+    jaxpr = str(jax.make_jaxpr(fn)(params, x, mem, val, mask))
     self.assertGreaterEqual(jaxpr.count("Precision.HIGHEST"), 4)
-    ref_out, ref_w = reference.multi_head_attention(params, x, mem, mem, mask,
+    ref_out, ref_w = reference.multi_head_attention(params, x, mem, val, mask,
                                                     is_causal=True)
     chex.assert_shape((out, weights), ((2, 4, 5), (2, 4, 4, 6)))
     chex.assert_trees_all_close(out, ref_out.astype(np.float32), **TOL)

@@ -229,6 +229,7 @@ class ModulePropertiesTest(absltest.TestCase):
                           num_kv_heads=k)
     x = _data.normal(seed, (b, t, d))
     mem = _data.normal(seed + 1, (b, s, d))
+    val = _data.normal(seed + 3, (b, s, d))  # distinct from the keys
     mask = None
     if kind == "random":
       mask = _data.bernoulli(seed + 2, 0.6, (b, 1, t, s))
@@ -236,12 +237,12 @@ class ModulePropertiesTest(absltest.TestCase):
       mask = jnp.asarray(np.arange(s)[None, None, None, :] <
                          (np.arange(b) % s + 1)[:, None, None, None])
     dense = implementation == "dense"
-    result = _MHA(params, x, mem, mem, mask, num_heads=n, num_kv_heads=k,
+    result = _MHA(params, x, mem, val, mask, num_heads=n, num_kv_heads=k,
                   is_causal=causal, implementation=implementation,
                   return_weights=dense)
     out, w = result if dense else (result, None)
     ref, ref_w = reference.multi_head_attention(
-        params, x, mem, mem, None if mask is None else np.asarray(mask),
+        params, x, mem, val, None if mask is None else np.asarray(mask),
         num_heads=n, num_kv_heads=k, is_causal=causal)
     self.assertEqual(out.shape, (b, t, d))
     # float32 projections and attention vs float64: a few ulp of |out| ~ 1.

@@ -11,6 +11,7 @@ import numpy as np
 
 from attention_jax import rope
 from tests import _data
+from tests import reference
 
 # float32 against float64 with positions < 64: the angle p * base**(-2i/rot)
 # is rounded twice (the frequency, then the product), an absolute error of
@@ -119,6 +120,15 @@ class ApplyRopeTest(chex.TestCase):
       # float64 angles at positions ~1e5: ~1e5 * 2.2e-16 rad of error.
       np.testing.assert_allclose(out, _rope_reference(x, positions),
                                  atol=1e-10, rtol=1e-10)
+
+  def test_the_multi_head_reference_rotates_as_the_loop_does(self):
+    # tests/reference.py's vectorised rotary (used against the module) is
+    # the same rotation as the explicit 2x2 loop above.
+    x = np.asarray(_data.normal(6, (2, 3, 5, 6)), np.float64)
+    positions = _positions(7, (2, 1, 5))
+    np.testing.assert_allclose(reference.rope(x, positions, 500.0),
+                               _rope_reference(x, positions, base=500.0),
+                               atol=1e-12, rtol=1e-12)
 
   def test_position_zero_is_identity(self):
     x = _data.normal(5, (2, 3, 16))

@@ -73,10 +73,11 @@ class FromStateDictTest(parameterized.TestCase):
     params = aj.from_torch_multihead_attention(sd, num_heads=N)
     x = _data.normal(10, (2, 3, E))
     mem = _data.normal(11, (2, 5, kdim or E))
+    val = _data.normal(12, (2, 5, kdim or E))  # distinct from the keys
     padding = np.array([[False] * 5, [False] * 3 + [True] * 2])  # torch: True = pad
-    got = aj.multi_head_attention(params, x, mem, mem,
+    got = aj.multi_head_attention(params, x, mem, val,
                                   ~padding[:, None, None, :])
-    want = _torch_formula(sd, x, mem, mem, key_padding_mask=padding)
+    want = _torch_formula(sd, x, mem, val, key_padding_mask=padding)
     chex.assert_trees_all_close(got, want.astype(np.float32), **TOL)
 
   def test_refusals(self):
@@ -132,15 +133,16 @@ class AgainstTorchTest(parameterized.TestCase):
     params = aj.from_torch_multihead_attention(module)
     x = np.array(_data.normal(20, (2, 5, E)))  # writable, for torch
     mem = np.array(_data.normal(21, (2, 5, kdim or E)))
+    val = np.array(_data.normal(22, (2, 5, kdim or E)))  # distinct from keys
     padding = np.array([[False] * 5, [False] * 3 + [True] * 2])  # True = pad
     causal = np.triu(np.ones((5, 5), bool), 1)  # torch: True = not allowed
     t = torch.from_numpy
     with torch.no_grad():
-      want, want_w = module(t(x), t(mem), t(mem), key_padding_mask=t(padding),
+      want, want_w = module(t(x), t(mem), t(val), key_padding_mask=t(padding),
                             attn_mask=t(causal), is_causal=True,
                             average_attn_weights=False)
     got, got_w = aj.multi_head_attention(
-        params, x, mem, mem, ~padding[:, None, None, :], is_causal=True,
+        params, x, mem, val, ~padding[:, None, None, :], is_causal=True,
         return_weights=True)
     chex.assert_trees_all_close((got, got_w), (want.numpy(), want_w.numpy()),
                                 **TOL)
