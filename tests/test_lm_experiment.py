@@ -59,6 +59,7 @@ class RunTest(absltest.TestCase):
     for check in (self._writes_the_report,
                   self._every_variant_trains_one_step_after_another,
                   self._validation_bits_per_character,
+                  self._bits_per_character_recomputed_from_logits,
                   self._cached_generation_equals_recomputation,
                   self._only_naive_attends_across_documents,
                   self._ragged_cached_greedy_of_a_fresh_model,
@@ -106,6 +107,33 @@ class RunTest(absltest.TestCase):
           # Near-uniform after 4 steps: below log2(V) plus slack, above 0.
           self.assertBetween(valid[key], 0.5,
                              math.log2(self.corpus.vocab.size) + 1.0)
+
+  def _bits_per_character_recomputed_from_logits(self):
+    # evaluate's numbers against -log2 p(target) written out in float64
+    # from one batch's logits: four validation rows, every target weighted
+    # by whether it belongs to its input's document.
+    model, mesh = _as_run_builds_it(self.config, "segments",
+                                    self.corpus.vocab.size)
+    valid = self.corpus.valid
+    rows = lm_data.Packed(valid.tokens[:4], valid.segment_ids[:4],
+                          valid.doc_positions[:4])
+    with jax.set_mesh(mesh):
+      got = lm.evaluate(model, "segments", rows, 4, start_chars=8)
+      inputs, targets, weights, ids = lm_data.batch(rows, np.arange(4))
+      logits = np.asarray(model(inputs, ids), np.float64)  # [B, T, V]
+    top = logits.max(-1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(-1,
+                                                           keepdims=True))
+    nats = -np.take_along_axis(log_p, targets[..., None], -1)[..., 0]
+    bits = nats / np.log(2.0)
+    start = weights * (rows.doc_positions[:, 1:] <= 8)
+    for key, w in (("bits_per_char", weights), ("bits_per_char_doc_start",
+                                                start),
+                   ("bits_per_char_rest", weights - start)):
+      # float32 logits and log-softmax against float64: ~1e-6 relative.
+      self.assertAlmostEqual(got[key], float((bits * w).sum() / w.sum()),
+                             delta=1e-5 * got[key], msg=key)
+    self.assertEqual(got["chars"], int(weights.sum()))
 
   def _cached_generation_equals_recomputation(self):
     lengths = {len(p) for p in self.config.prompts}

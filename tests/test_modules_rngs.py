@@ -50,11 +50,27 @@ class ConstructionTest(parameterized.TestCase):
     chex.assert_trees_all_close(both(x), only_dropout(x), atol=0, rtol=0)
 
   @parameterized.named_parameters(
-      ("bahdanau", lambda r: aj.BahdanauAttention(6, 4, 8, rngs=r)),
-      ("luong", lambda r: aj.LuongAttention(4, 4, score="general", rngs=r)),
+      ("bahdanau", lambda r: aj.BahdanauAttention(6, 4, 8, rngs=r),
+       lambda key: aj.init_additive_params(key, 6, 4, 8), (2, 6), (2, 4)),
+      ("luong", lambda r: aj.LuongAttention(4, 4, score="general", rngs=r),
+       lambda key: aj.init_luong_params(key, 4, 4, score="general"),
+       (2, 3, 4), (2, 3, 4)),
   )
-  def test_decoder_attention_needs_only_params(self, make):
-    make(nnx.Rngs(params=0))  # no dropout there, so no dropout stream
+  def test_decoder_attention_needs_only_params(self, make, init, q_shape,
+                                               out_shape):
+    # No dropout there, so no dropout stream: the params stream alone
+    # builds the module, its parameters are exactly what the pure init
+    # draws from that stream's first key (another seed draws others), and
+    # it runs.
+    module = make(nnx.Rngs(params=0))
+    chex.assert_trees_all_equal(module.params_dict(),
+                                init(nnx.Rngs(params=0).params()))
+    other = make(nnx.Rngs(params=1)).params_dict()
+    self.assertTrue(any(_differs(a, b) for a, b in zip(
+        jax.tree.leaves(module.params_dict()), jax.tree.leaves(other))))
+    out = module(_data.normal(1, q_shape), _data.normal(2, (2, 5, 4)))
+    chex.assert_shape(out, out_shape)
+    chex.assert_tree_all_finite(out)
 
 
 class DefaultStreamDropoutTest(absltest.TestCase):
