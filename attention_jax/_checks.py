@@ -440,6 +440,20 @@ def check_soft_cap(logits_soft_cap) -> None:
                      f"{logits_soft_cap}.")
 
 
+def check_scale(scale) -> None:
+  """A layer's ``scale`` is a positive, finite Python number or None."""
+  if scale is None:
+    return
+  if isinstance(scale, bool) or not isinstance(
+      scale, (int, float, np.integer, np.floating)):
+    raise TypeError(f"scale must be a positive Python number (the multiplier "
+                    f"of q . k) or None, got {scale!r} "
+                    f"({type(scale).__name__}).")
+  if not scale > 0 or not np.isfinite(scale):
+    raise ValueError(f"scale must be positive and finite, got {scale}; None "
+                     "means 1 / sqrt(head_dim).")
+
+
 def check_head_counts(d_model: int, num_heads: int,
                       num_kv_heads: int | None) -> int:
   """Validates ``D``, ``N`` and ``K``; returns ``K`` (``N`` when None)."""

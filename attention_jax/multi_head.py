@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import functools
+import inspect
 import math
 from typing import Any, NamedTuple
 
@@ -417,6 +418,7 @@ def attend_heads(
     mask: jax.Array | None = None,
     *,
     bias: jax.Array | None = None,
+    scale: float | None = None,
     is_causal: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -433,13 +435,17 @@ def attend_heads(
     value: ``[B, K, S, H]`` projected values.
     mask: optional bool of rank 4, broadcastable to ``[B, N, T, S]``.
     bias: optional float of rank 4, broadcastable to ``[B, N, T, S]``.
+    scale: multiplier of ``q . k``; None leaves it to ``attention_fn``'s
+      default (``1 / sqrt(H)`` for the package's functions), so a
+      ``functools.partial(fn, scale=...)`` is honoured. Giving both is
+      refused: one of them would be silently ignored.
     is_causal: bottom-right aligned causal masking.
     dropout_rate: dropout on the attention weights.
     dropout_rng: key for dropout.
     attention_fn: replaces ``scaled_dot_product_attention``, with its
       contract: called as ``attention_fn(query, key, value, mask=...,
       bias=..., scale=..., is_causal=...)`` on these ``[B, N, T, H]`` /
-      ``[B, K, S, H]`` operands (``mask``/``bias`` only when given;
+      ``[B, K, S, H]`` operands (``mask``/``bias``/``scale`` only when given;
       ``dropout_rate``/``dropout_rng`` only when dropout is on;
       ``return_weights=True`` only when weights are asked for), returning
       the output (and the weights with ``return_weights``). So
@@ -469,7 +475,15 @@ def attend_heads(
     attention_fn = functools.partial(
         dot_product.scaled_dot_product_attention,
         implementation=implementation)
-  kwargs = {"scale": 1.0 / math.sqrt(query.shape[-1]), "is_causal": is_causal}
+  kwargs = {"is_causal": is_causal}
+  if scale is not None:
+    fixed = _partial_keywords(attention_fn)
+    if "scale" in fixed:
+      raise ValueError(
+          f"scale={scale!r} was given, and attention_fn fixes "
+          f"scale={fixed['scale']!r} (functools.partial): set the scale in "
+          "one place.")
+    kwargs["scale"] = scale
   if mask is not None:
     kwargs["mask"] = mask
   if bias is not None:
@@ -485,7 +499,49 @@ def attend_heads(
                     f"{list(PATTERN_ARGS)}.")
   kwargs.update({k: x for k, x in pattern.items()
                  if x is not None and not (k == "score_mod_args" and not x)})
+  _check_accepts(attention_fn, kwargs)
   return attention_fn(query, key, value, **kwargs)
+
+
+def _check_accepts(attention_fn, kwargs: dict[str, Any]) -> None:
+  """Refuses, by name, what a custom ``attention_fn`` cannot take.
+
+  Python's own error ("unexpected keyword argument") would not say that the
+  layer passes it, nor what to do; a function with ``**kwargs`` (or one
+  whose signature cannot be read) is trusted.
+  """
+  try:
+    params = inspect.signature(attention_fn).parameters.values()
+  except (TypeError, ValueError):
+    return
+  if any(p.kind is p.VAR_KEYWORD for p in params):
+    return
+  names = {p.name for p in params
+           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  missing = [k for k in kwargs if k not in names]
+  if missing:
+    given = ", ".join(f"{k}={_short(kwargs[k])}" for k in missing)
+    fn_name = getattr(attention_fn, "__name__", type(attention_fn).__name__)
+    raise ValueError(
+        f"attention_fn {fn_name} takes no {', '.join(missing)}, which this "
+        f"call passes ({given}): accept it in attention_fn (with "
+        "scaled_dot_product_attention's meaning), or leave it out of the "
+        "layer and the call.")
+
+
+def _short(x) -> str:
+  """A value for a message: arrays by shape, the rest by repr."""
+  shape = getattr(x, "shape", None)
+  return f"<array {list(shape)}>" if shape is not None else repr(x)
+
+
+def _partial_keywords(fn) -> dict[str, Any]:
+  """The keywords a (nested) ``functools.partial`` fixes."""
+  fixed = {}
+  while isinstance(fn, functools.partial):
+    fixed = {**fn.keywords, **fixed}
+    fn = fn.func
+  return fixed
 
 
 ScoreMod = _patterns.ScoreMod
@@ -685,6 +741,7 @@ def forward(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     bias: ArrayLike | None = None,
+    scale: float | None = None,
     is_causal: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -762,7 +819,7 @@ def forward(
                                          index, new_lengths, q_pos)
     is_causal = False
   result = attend_heads(
-      q, k, v, mask, bias=bias, is_causal=is_causal,
+      q, k, v, mask, bias=bias, scale=scale, is_causal=is_causal,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       attention_fn=attention_fn, implementation=implementation,
       return_weights=return_weights, **_heads_layout(pattern))
@@ -782,6 +839,7 @@ def multi_head_attention(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     bias: ArrayLike | None = None,
+    scale: float | None = None,
     is_causal: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -820,6 +878,9 @@ def multi_head_attention(
     num_kv_heads: optional ``K``; if given, must match ``params``.
     bias: optional float of rank 4 broadcastable to ``[B, N, T, S]``, added
       to the logits.
+    scale: multiplier of ``q . k`` (static); None means ``1 / sqrt(H)``
+      (or ``attention_fn``'s own default). Gemma 2 uses
+      ``query_pre_attn_scalar ** -0.5``.
     is_causal: bottom-right aligned causal masking (static).
     dropout_rate: dropout on attention weights, in ``[0, 1)`` (static).
     dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
@@ -873,7 +934,7 @@ def multi_head_attention(
   """
   output, weights, _ = forward(
       params, query, key, value, mask, num_heads=num_heads,
-      num_kv_heads=num_kv_heads, bias=bias, is_causal=is_causal,
+      num_kv_heads=num_kv_heads, bias=bias, scale=scale, is_causal=is_causal,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       attention_fn=attention_fn, implementation=implementation,
       return_weights=return_weights, head_axis=head_axis,

@@ -78,7 +78,7 @@ def rope(x, positions, base):
 
 def multi_head_attention(params, query, key, value, mask=None, *,
                          num_heads=None, num_kv_heads=None, is_causal=False,
-                         rope_base=None, query_positions=None,
+                         scale=None, rope_base=None, query_positions=None,
                          key_positions=None):
   """The lesson's MultiHeadAttention.forward (view/transpose/concat), + GQA.
 
@@ -119,7 +119,7 @@ def multi_head_attention(params, query, key, value, mask=None, *,
   group = n // kv_heads
   k = np.repeat(k, group, axis=1)  # explicit head repetition for GQA
   v = np.repeat(v, group, axis=1)
-  out, weights = sdpa(q, k, v, mask, is_causal=is_causal)
+  out, weights = sdpa(q, k, v, mask, scale=scale, is_causal=is_causal)
   out = out.transpose(0, 2, 1, 3).reshape(b, t, n * h)  # concat heads
   w_o = {"kernel": np.reshape(params["W_o"]["kernel"], (n * h, -1))}
   if "bias" in params["W_o"]:

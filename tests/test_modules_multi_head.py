@@ -80,6 +80,74 @@ class MatchesReferencesTest(parameterized.TestCase):
                                 atol=1e-6)
     np.testing.assert_array_equal(weights[1, :, :, 3:], 0.0)
 
+  def test_a_custom_scale_reaches_the_logits_in_every_path(self):
+    # Gemma 2's query_pre_attn_scalar: a scale other than 1/sqrt(H), given
+    # to the module, the function, or fixed in an attention_fn partial,
+    # and through prefill + decode steps; all against the float64 lesson.
+    scale = 0.3  # 1/sqrt(H) = 0.5 here
+    mha = _module(num_kv_heads=2, scale=scale)
+    x, v = _x(seed=11), _x(seed=12)
+    params = mha.params_dict()
+    want, _ = reference.multi_head_attention(
+        jax.tree.map(np.asarray, params), x, x, v, is_causal=True,
+        scale=scale)
+    want = want.astype(np.float32)
+    default, _ = reference.multi_head_attention(
+        jax.tree.map(np.asarray, params), x, x, v, is_causal=True)
+    self.assertGreater(np.abs(want - default).max(), 1e-2)  # it matters
+    partial = functools.partial(aj.scaled_dot_product_attention, scale=scale)
+    got = {
+        "module": mha(x, x, v, is_causal=True),
+        "function": aj.multi_head_attention(params, x, x, v, scale=scale,
+                                            is_causal=True),
+        "partial": aj.multi_head_attention(params, x, x, v, is_causal=True,
+                                           attention_fn=partial),
+        "blockwise": aj.multi_head_attention(
+            params, x, x, v, scale=scale, is_causal=True,
+            implementation="blockwise"),
+    }
+    for name, out in got.items():
+      chex.assert_trees_all_close(out, want, **TOL, custom_message=name)
+    want_self, _ = reference.multi_head_attention(
+        jax.tree.map(np.asarray, params), x, x, x, is_causal=True,
+        scale=scale)
+    mha.init_cache(batch_size=2, max_length=6)
+    steps = [mha(x[:, :3], decode=True), mha(x[:, 3:4], decode=True),
+             mha(x[:, 4:], decode=True)]
+    chex.assert_trees_all_close(jnp.concatenate(steps, 1),
+                                want_self.astype(np.float32), **TOL)
+    with self.assertRaisesRegex(ValueError, "set the scale in one place"):
+      aj.multi_head_attention(params, x, x, v, scale=0.5,
+                              attention_fn=partial)
+    for bad, error in ((0.0, ValueError), ("0.1", TypeError),
+                       (jnp.float32(0.1), TypeError)):
+      with self.assertRaisesRegex(error, "scale"):
+        _module(scale=bad)
+
+  def test_a_custom_attention_fn_gets_only_what_it_takes(self):
+    # The docs' jax.nn adapter takes a window: a windowed layer runs through
+    # it and equals ours. What it cannot take (a soft cap) is refused by
+    # name before it is called, not with Python's "unexpected keyword".
+    def jax_nn_attention(q, k, v, *, mask=None, bias=None, scale=None,
+                         is_causal=False, local_window_size=None):
+      swap = lambda x: jnp.swapaxes(x, 1, 2)
+      return swap(jax.nn.dot_product_attention(
+          swap(q), swap(k), swap(v), bias=bias, mask=mask, scale=scale,
+          is_causal=is_causal, local_window_size=local_window_size))
+
+    x = _x(seed=13)
+    ours = _module(num_kv_heads=2, local_window_size=(2, 0))
+    theirs = _module(num_kv_heads=2, local_window_size=(2, 0),
+                     attention_fn=jax_nn_attention)
+    chex.assert_trees_all_close(theirs(x, is_causal=True),
+                                ours(x, is_causal=True), atol=1e-6,
+                                rtol=1e-6)
+    capped = _module(logits_soft_cap=2.0, attention_fn=jax_nn_attention)
+    with self.assertRaisesRegex(
+        ValueError, r"attention_fn jax_nn_attention takes no "
+        r"logits_soft_cap, which this call passes \(logits_soft_cap=2.0\)"):
+      capped(x)
+
   def test_value_defaults_to_key(self):
     mha, x, enc = _module(), _x(), _x(seed=5, t=6)
     chex.assert_trees_all_close(mha(x, enc), mha(x, enc, enc), atol=0, rtol=0)

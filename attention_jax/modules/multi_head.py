@@ -141,6 +141,9 @@ class MultiHeadAttention(nnx.Module):
       this window (a sliding-window layer); see
       ``aj.scaled_dot_product_attention``. Decoding honours it.
     logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
+    scale: multiplier of ``q . k``, a positive number; None means
+      ``1 / sqrt(head_dim)`` (or ``attention_fn``'s default). Gemma 2 uses
+      ``query_pre_attn_scalar ** -0.5``. Decoding honours it.
     attention_sinks: learn one sink logit per head (``sinks``, an
       ``nnx.Param [N]`` initialised to 0) joining every row's softmax
       denominator.
@@ -191,6 +194,7 @@ class MultiHeadAttention(nnx.Module):
       head_axis: str | None = None,
       local_window_size: int | tuple[int, int] | None = None,
       logits_soft_cap: float | None = None,
+      scale: float | None = None,
       attention_sinks: bool = False,
       score_mod: multi_head.ScoreMod | None = None,
       rope: float | None = None,
@@ -226,6 +230,8 @@ class MultiHeadAttention(nnx.Module):
     self.local_window_size = _patterns.check_window(local_window_size)
     _checks.check_soft_cap(logits_soft_cap)
     self.logits_soft_cap = logits_soft_cap
+    _checks.check_scale(scale)
+    self.scale = scale
     self.score_mod = score_mod
     if rope is not None and (isinstance(rope, bool) or not isinstance(
         rope, (int, float)) or not rope > 0):
@@ -494,8 +500,8 @@ class MultiHeadAttention(nnx.Module):
                                  self.cache_overflow[...], self.cache_window)
     out, weights, cache = multi_head.forward(
         self.params_dict(), query, key, value, mask, num_heads=self.num_heads,
-        num_kv_heads=self.num_kv_heads, bias=bias, is_causal=is_causal,
-        dropout_rate=rate, dropout_rng=dropout_rng,
+        num_kv_heads=self.num_kv_heads, bias=bias, scale=self.scale,
+        is_causal=is_causal, dropout_rate=rate, dropout_rng=dropout_rng,
         attention_fn=self.attention_fn, implementation=self.implementation,
         return_weights=return_weights, head_axis=self.head_axis,
         precision=self.precision, cache=cache,
