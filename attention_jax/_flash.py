@@ -90,6 +90,9 @@ class Extras(NamedTuple):
   k_seg: jax.Array | None = None  # int32 [Sp]
   block_mask: _patterns.BlockMask | None = None  # custom pattern
   mod_args: tuple = ()  # float [Tp|1, Sp|1] each, for score_mod
+  # Values score_mod closes over that may carry gradients (hoist_score_mod),
+  # passed whole after the argument tiles.
+  mod_consts: tuple = ()
 
 
 class Place(NamedTuple):
@@ -223,6 +226,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
     varying = jnp.zeros_like(logits, shape=())
     tiles = [_tile_keep(a, i0, j0, st.bq, st.bk).astype(jnp.float32)
              + varying for a in ex.mod_args]
+    tiles += [c + varying.astype(c.dtype) for c in ex.mod_consts]
 
     def mod(score, *args):
       return jnp.broadcast_to(
@@ -422,9 +426,12 @@ def _attend_bwd(st, residuals, cotangents):
   q, k, v, ex = residuals[:4]
   dq, dk, dv, dbias, dargs = backward(st, residuals, cotangents)
   # None is a zero cotangent: masks, lengths, ids and tables have none.
+  n = len(ex.mod_args)
   d_ex = Extras(
       bias=None if ex.bias is None else dbias.astype(ex.bias.dtype),
-      mod_args=tuple(d.astype(a.dtype) for d, a in zip(dargs, ex.mod_args)))
+      mod_args=tuple(d.astype(a.dtype) for d, a in zip(dargs, ex.mod_args)),
+      mod_consts=tuple(d.astype(c.dtype)
+                       for d, c in zip(dargs[n:], ex.mod_consts)))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_ex,
           None)
 
@@ -432,7 +439,8 @@ def _attend_bwd(st, residuals, cotangents):
 def backward(st, residuals, cotangents):
   """FlashAttention-2 backward; float32 ``(dq, dk, dv, dbias, dargs)``.
 
-  ``dargs`` are the cotangents of ``score_mod``'s arguments (a tuple).
+  ``dargs`` are the cotangents of ``score_mod``'s arguments, then of its
+  hoisted closure values (one tuple: ``ex.mod_args + ex.mod_consts``).
   ``out`` and ``lse`` in ``residuals`` may be those of a longer key sequence
   of which ``k``/``v`` are one block (ring attention): ``P = exp(S - lse)``
   are then that block's share of the global probabilities, and the returned
@@ -474,8 +482,10 @@ def backward(st, residuals, cotangents):
         ds = ds * dcap
       if mod_vjp is not None:  # back through score_mod, to its arguments too
         ds, *d_args = mod_vjp(ds)
-        dargs = tuple(_add_tile(acc, d, i0, j0)
-                      for acc, d in zip(dargs, d_args))
+        n = len(ex.mod_args)
+        dargs = tuple(_add_tile(acc, d, i0, j0) for acc, d in zip(
+            dargs[:n], d_args[:n])) + tuple(
+                acc + d.astype(f32) for acc, d in zip(dargs[n:], d_args[n:]))
       dkj = dkj + jnp.einsum("TS,TH->SH", ds, qi.astype(f32)) * st.scale
       dqi = jnp.einsum("TS,SH->TH", ds, kj.astype(f32)) * st.scale
       dq = jax.lax.dynamic_update_slice_in_dim(
@@ -495,7 +505,8 @@ def backward(st, residuals, cotangents):
     return (dq, dbias, dargs), (dkj, dvj)
 
   dbias0 = None if ex.bias is None else jnp.zeros(ex.bias.shape, f32) + zero
-  dargs0 = tuple(jnp.zeros(a.shape, f32) + zero for a in ex.mod_args)
+  dargs0 = tuple(jnp.zeros(a.shape, f32) + zero
+                 for a in ex.mod_args + ex.mod_consts)
   (dq, dbias, dargs), (dk, dv) = jax.lax.scan(
       key_block, (jnp.zeros(q.shape, f32) + zero, dbias0, dargs0),
       jnp.arange(num_k))
@@ -534,12 +545,36 @@ def padded_extras(st: Static, tp: int, sp: int, h) -> Extras:
                 _edge_pad(h.k_seg, sp), block_mask, mod_args)
 
 
+def hoist_score_mod(st: Static, ex: Extras) -> tuple[Static, Extras]:
+  """``score_mod`` with the traced values it closes over made operands.
+
+  A custom VJP cannot differentiate a closure over a traced value (a
+  parameter under ``jax.grad``, say a learned slope): JAX raises an
+  ``UnexpectedTracerError``. ``jax.closure_convert``, traced at this
+  kernel's block shapes, hoists such values out; they travel in
+  ``ex.mod_consts`` and get their gradients like the argument tiles.
+  """
+  if st.score_mod is None:
+    return st, ex
+  f32 = jnp.float32
+  tile = lambda a: jnp.zeros((1 if a.shape[0] == 1 else st.bq,  # noqa: E731
+                              1 if a.shape[1] == 1 else st.bk), f32)
+  fn, consts = jax.closure_convert(
+      st.score_mod, jnp.zeros((st.bq, st.bk), f32),
+      jnp.zeros((st.bq, 1), jnp.int32), jnp.zeros((1, st.bk), jnp.int32),
+      *map(tile, ex.mod_args))
+  if not consts:  # nothing traced to differentiate: the caller's function
+    return st, ex
+  return st._replace(score_mod=fn), ex._replace(mod_consts=tuple(consts))
+
+
 def single_head(q, k, v, h, *, out_dtype, **blocks):
   """One head (``_broadcast.Head`` operands): pad, attend, strip, sink."""
   if h.mask is not None:  # keys no query sees may hold NaN: zero them
     k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
   ex = padded_extras(st, q.shape[0], k.shape[0], h)
+  st, ex = hoist_score_mod(st, ex)
   out, lse = _attend(st, q, k, v, ex, Place(st.s - st.t))
   out, lse = out[:st.t], lse[:st.t]
   if h.sink is not None:

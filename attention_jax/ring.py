@@ -206,9 +206,10 @@ def _ring_bwd(rg, residuals, cotangents):
     # orders on different devices and deadlock).
     dk, dv, dargs = jax.lax.optimization_barrier((dk, dv, dargs))
     dargs = tuple(jax.lax.psum(d, rg.axis_name).astype(a.dtype)
-                  for d, a in zip(dargs, ex0.mod_args))
+                  for d, a in zip(dargs, ex0.mod_args + ex0.mod_consts))
+  n = len(ex0.mod_args)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          _flash.Extras(mod_args=dargs))
+          _flash.Extras(mod_args=dargs[:n], mod_consts=dargs[n:]))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -217,6 +218,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
   st, q, k, v = _flash.padded(q, k, v, **blocks)
   ex = _flash.padded_extras(st, q.shape[0], k.shape[0], h)
+  st, ex = _flash.hoist_score_mod(st, ex)
   out, lse = _ring(_Ring(st, axis_name, size, needed_steps(st, size)), q,
                    k, v, ex)
   out, lse = out[:st.t], lse[:st.t]
