@@ -39,8 +39,10 @@ from attention_jax.multi_head import multi_head_attention
 from attention_jax.ring import ring_attention
 from attention_jax.rope import apply_rope
 from attention_jax.rope import segment_positions
+from attention_jax.score_mods import ScoreMod
 from attention_jax.score_mods import alibi
 from attention_jax.score_mods import alibi_slopes
+from attention_jax.score_mods import chain
 from attention_jax.softmax import masked_softmax
 from attention_jax.torch_convert import from_torch_multihead_attention
 from attention_jax.torch_convert import to_torch_multihead_attention
@@ -52,8 +54,10 @@ __all__ = [
     "BlockMask",
     "LuongAttention",
     "MultiHeadAttention",
+    "ScoreMod",
     "alibi",
     "alibi_slopes",
+    "chain",
     "apply_rope",
     "attend_heads",
     "block_mask",

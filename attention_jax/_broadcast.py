@@ -65,7 +65,7 @@ class Head(NamedTuple):
   q_seg: jax.Array | None  # int32 [T]
   k_seg: jax.Array | None  # int32 [S]
   sink: jax.Array | None  # float scalar
-  mod_args: tuple  # float [T|1, S|1] each
+  index: tuple | None  # int32 scalars (b, h) for score_mod, or None
   block_mask: Any  # a BlockMask (shared by every head) or None
 
 
@@ -79,18 +79,17 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   come back over the leading dims with grouped heads merged again
   (``[..., N, T, Hv]``).
   """
+  b, h = (None, None) if ops.head_index is None else ops.head_index
   operands = (ops.query, ops.key, ops.value, ops.mask, ops.bias,
               ops.lengths, ops.q_lengths, ops.q_seg, ops.k_seg, ops.sinks,
-              *ops.mod_args, *extra)
-  core = (2, 2, 2, 2, 2, 0, 0, 1, 1, 0, *(2,) * len(ops.mod_args),
-          *extra_core_ndims)
-  num_args = len(ops.mod_args)
+              b, h, *extra)
+  core = (2, 2, 2, 2, 2, 0, 0, 1, 1, 0, 0, 0, *extra_core_ndims)
 
   def per_head(q, k, v, mask, bias, length, q_length, q_seg, k_seg, sink,
-               *rest):
+               b, h, *rest):
     head = Head(mask, bias, length, q_length, q_seg, k_seg, sink,
-                tuple(rest[:num_args]), ops.block_mask)
-    return head_fn(q, k, v, head, *rest[num_args:])
+                None if b is None else (b, h), ops.block_mask)
+    return head_fn(q, k, v, head, *rest)
 
   out, weights, lse = broadcast_vmap(per_head, core, operands)
   return (_grouping.merge(out, ops.groups, -3),

@@ -162,7 +162,9 @@ class Operands(NamedTuple):
   q_seg: jax.Array | None  # int32 [..., T] query segment ids
   k_seg: jax.Array | None  # int32 [..., S] key segment ids
   sinks: jax.Array | None  # float [...] per-head sink logits
-  mod_args: tuple[jax.Array, ...]  # float [..., T|1, S|1] each
+  # int32 (b, h) indices for score_mod, each broadcastable to the leading
+  # dims (grouped like the heads), or None without a score_mod.
+  head_index: tuple[jax.Array, jax.Array] | None
   groups: _grouping.Groups | None
   batch_shape: tuple[int, ...]  # broadcast leading dims (grouped)
   # Static parts of the pattern.
@@ -170,16 +172,6 @@ class Operands(NamedTuple):
   softcap: float | None = None
   score_mod: Any = None
   block_mask: _patterns.BlockMask | None = None
-
-
-def _as_pair_operand(name, x, t, s):
-  """A float operand broadcastable to ``[..., T, S]``, at least 2-D."""
-  check_float_array(name, x)
-  x = jnp.asarray(x)
-  if x.ndim < 2:
-    x = x.reshape((1,) * (2 - x.ndim) + x.shape)
-  check_broadcastable_to(name, x.shape[-2:], (t, s), "[T, S]", x.shape)
-  return x
 
 
 def _logits_layout(rank: int) -> str:
@@ -295,8 +287,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                        key_value_seq_lengths=None, query_seq_lengths=None,
                        local_window_size=None, logits_soft_cap=None,
                        query_segment_ids=None, key_segment_ids=None,
-                       sinks=None, score_mod=None,
-                       score_mod_args=()) -> Operands:
+                       sinks=None, score_mod=None) -> Operands:
   """Checks the operands of an attention function and normalises them.
 
   The checks are stated in the caller's terms (query heads N against
@@ -354,18 +345,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     bias = jnp.asarray(bias)
     _check_pair_axes("bias", bias.shape, t, s, q_shape, k_shape)
     leading["bias"] = bias.shape[:-2]
-  if score_mod_args and score_mod is None:
-    raise ValueError("score_mod_args were given without a score_mod.")
-  if score_mod is not None and not callable(score_mod):
-    raise TypeError(f"score_mod must be callable (score, q_idx, kv_idx, "
-                    f"*score_mod_args), got {type(score_mod).__name__}.")
-  if not isinstance(score_mod_args, (tuple, list)):
-    raise TypeError("score_mod_args must be a tuple of arrays, got "
-                    f"{type(score_mod_args).__name__}.")
-  mod_args = tuple(_as_pair_operand(f"score_mod_args[{n}]", x, t, s)
-                   for n, x in enumerate(score_mod_args))
-  for n, x in enumerate(mod_args):
-    leading[f"score_mod_args[{n}]"] = x.shape[:-2]
+  check_score_mod(score_mod)
   what = "leading (batch) dimensions of the attention operands"
   if len(q_shape) == 4 and len(k_shape) == 4 and groups is None:
     what += (" (4-D operands are [B, N, T, H] queries over [B, K, S, H] "
@@ -408,12 +388,12 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     check_broadcastable_to("sinks", sinks.shape, batch_shape,
                            "the leading dims (e.g. [B, N] or [N])")
   batch_shape = broadcast_shapes(what, **leading)
+  head_index = None if score_mod is None else _head_index(batch_shape, groups)
   window = _patterns.check_window(local_window_size)
   check_soft_cap(logits_soft_cap)
   query, key, value = (_grouping.split(jnp.asarray(x), groups, -3)
                        for x in (query, key, value))
   mask, bias = (_grouping.split(x, groups, -3) for x in (mask, bias))
-  mod_args = tuple(_grouping.split(x, groups, -3) for x in mod_args)
   lengths, q_lengths = (_grouping.split(x, groups, -1)
                         for x in all_lengths.values())
   q_seg, k_seg = (_grouping.split(x, groups, -2) for x in (q_seg, k_seg))
@@ -422,9 +402,37 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     batch_shape = batch_shape[:-1] + (groups.num_kv_heads,
                                       groups.num_heads // groups.num_kv_heads)
   return Operands(query, key, value, mask, bias, lengths, q_lengths, q_seg,
-                  k_seg, sinks, mod_args, groups, batch_shape, window,
+                  k_seg, sinks, head_index, groups, batch_shape, window,
                   None if logits_soft_cap is None else float(logits_soft_cap),
                   score_mod, block_mask)
+
+
+def check_score_mod(score_mod) -> None:
+  """A score modifier is callable as ``(score, b, h, q_idx, kv_idx)``."""
+  if score_mod is not None and not callable(score_mod):
+    raise TypeError(
+        f"score_mod must be callable as score_mod(score, b, h, q_idx, "
+        f"kv_idx) (e.g. aj.alibi(slopes), or aj.ScoreMod(fn, params)), got "
+        f"{type(score_mod).__name__}.")
+
+
+def _head_index(batch_shape, groups):
+  """``(b, h)``: int32 indices over the leading dims, for ``score_mod``.
+
+  ``h`` runs over the last leading axis (the query heads of ``[B, N, T,
+  H]``), ``b`` over the one before (the batch); with one leading axis that
+  axis is ``b`` and ``h`` is 0; with none both are 0. Shaped to broadcast
+  against the leading dims, and split like the heads when they are grouped
+  (query head ``n`` keeps its own ``h``).
+  """
+  zero = jnp.zeros((), jnp.int32)
+  if not batch_shape:
+    return zero, zero
+  if len(batch_shape) == 1:
+    return jnp.arange(batch_shape[0], dtype=jnp.int32), zero
+  b = jnp.arange(batch_shape[-2], dtype=jnp.int32)[:, None]  # [B, 1]
+  h = jnp.arange(batch_shape[-1], dtype=jnp.int32)[None, :]  # [1, N]
+  return _grouping.split(b, groups, -1), _grouping.split(h, groups, -1)
 
 
 def check_soft_cap(logits_soft_cap) -> None:

@@ -25,7 +25,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
   ``h`` is the head's ``_broadcast.Head`` (mask, bias, lengths, segment
-  ids, sink, score_mod arguments, block mask), ``keep`` the ``[T, S]``
+  ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``keep`` the ``[T, S]``
   dropout draw or None; ``window``, ``softcap`` and ``score_mod`` as in
   ``_patterns`` / the flash core.
   Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``; weights and
@@ -71,8 +71,8 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     finite = logits > -jnp.inf
   if score_mod is not None:
     safe = logits if finite is None else jnp.where(finite, logits, 0.0)
-    logits = jnp.broadcast_to(score_mod(
-        safe, rows, cols, *(a.astype(compute_dtype) for a in h.mod_args)),
+    b, n = h.index
+    logits = jnp.broadcast_to(score_mod(safe, b, n, rows, cols),
                               (t, s)).astype(compute_dtype)
     finite = (logits > -jnp.inf) if finite is None else (
         finite & (logits > -jnp.inf))

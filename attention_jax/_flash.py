@@ -57,6 +57,7 @@ in the values' dtype, so bf16 runs bf16 dots with float32 accumulation).
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -67,13 +68,15 @@ import jax.numpy as jnp
 from attention_jax import _checks
 from attention_jax import _numerics
 from attention_jax import _patterns
+from attention_jax import score_mods
 
 
 class Static(NamedTuple):
   scale: float
   bounds: _patterns.Bounds  # causal and window bounds (None = open)
   softcap: float | None  # logits -> softcap * tanh(logits / softcap)
-  score_mod: Callable | None  # score_mod(score, q_idx, kv_idx, *args)
+  # score_mod(score, b, h, q_idx, kv_idx, *consts) (after hoist_score_mod)
+  score_mod: Callable | None
   t: int  # true (unpadded) lengths
   s: int
   bq: int
@@ -89,9 +92,9 @@ class Extras(NamedTuple):
   q_seg: jax.Array | None = None  # int32 [Tp] segment ids
   k_seg: jax.Array | None = None  # int32 [Sp]
   block_mask: _patterns.BlockMask | None = None  # custom pattern
-  mod_args: tuple = ()  # float [Tp|1, Sp|1] each, for score_mod
+  index: tuple | None = None  # int32 scalars (b, h) for score_mod
   # Values score_mod closes over that may carry gradients (hoist_score_mod),
-  # passed whole after the argument tiles.
+  # passed whole.
   mod_consts: tuple = ()
 
 
@@ -219,25 +222,29 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
     ok = both(logits > -jnp.inf)
   mod_vjp = None
   if st.score_mod is not None:
-    q_idx, kv_idx = rows + place.q_start, cols + place.kv_start
-    # Tiles vary over every mesh axis the scores do (a shard_map-invariant
-    # argument would make the VJP below all-reduce inside the block loop,
-    # whose trip count differs between devices).
+    # The values and indices vary over every mesh axis the scores do, as
+    # in hoist_score_mod's trace (a shard_map-invariant argument would make
+    # the VJP below all-reduce inside the block loop, whose trip count
+    # differs between devices; the converted function replays primitives
+    # that need their operands alike).
     varying = jnp.zeros_like(logits, shape=())
-    tiles = [_tile_keep(a, i0, j0, st.bq, st.bk).astype(jnp.float32)
-             + varying for a in ex.mod_args]
-    tiles += [c + varying.astype(c.dtype) for c in ex.mod_consts]
+    vary = lambda x: x + varying.astype(x.dtype)  # noqa: E731
+    q_idx, kv_idx = vary(rows + place.q_start), vary(cols + place.kv_start)
+    b, h = map(vary, ex.index)
+    consts = list(ex.mod_consts)
+    if isinstance(st.score_mod, _Direct):  # (a replayed jaxpr varies its own)
+      consts = list(map(vary, consts))
 
-    def mod(score, *args):
-      return jnp.broadcast_to(
-          st.score_mod(score, q_idx, kv_idx, *args).astype(jnp.float32),
-          score.shape)
+    def mod(score, *consts):
+      return jnp.broadcast_to(st.score_mod(
+          score, b, h, q_idx, kv_idx, *consts).astype(jnp.float32),
+                              score.shape)
 
     safe = logits if ok is None else jnp.where(ok, logits, 0.0)
     if want_vjp:
-      logits, mod_vjp = jax.vjp(mod, safe, *tiles)
+      logits, mod_vjp = jax.vjp(mod, safe, *consts)
     else:
-      logits = mod(safe, *tiles)
+      logits = mod(safe, *consts)
     ok = both(logits > -jnp.inf)
   dcap = None
   if st.softcap is not None:
@@ -426,12 +433,10 @@ def _attend_bwd(st, residuals, cotangents):
   q, k, v, ex = residuals[:4]
   dq, dk, dv, dbias, dargs = backward(st, residuals, cotangents)
   # None is a zero cotangent: masks, lengths, ids and tables have none.
-  n = len(ex.mod_args)
   d_ex = Extras(
       bias=None if ex.bias is None else dbias.astype(ex.bias.dtype),
-      mod_args=tuple(d.astype(a.dtype) for d, a in zip(dargs, ex.mod_args)),
       mod_consts=tuple(d.astype(c.dtype)
-                       for d, c in zip(dargs[n:], ex.mod_consts)))
+                       for d, c in zip(dargs, ex.mod_consts)))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_ex,
           None)
 
@@ -439,8 +444,8 @@ def _attend_bwd(st, residuals, cotangents):
 def backward(st, residuals, cotangents):
   """FlashAttention-2 backward; float32 ``(dq, dk, dv, dbias, dargs)``.
 
-  ``dargs`` are the cotangents of ``score_mod``'s arguments, then of its
-  hoisted closure values (one tuple: ``ex.mod_args + ex.mod_consts``).
+  ``dargs`` are the cotangents of the values ``score_mod`` closes over
+  (``ex.mod_consts``, a tuple).
   ``out`` and ``lse`` in ``residuals`` may be those of a longer key sequence
   of which ``k``/``v`` are one block (ring attention): ``P = exp(S - lse)``
   are then that block's share of the global probabilities, and the returned
@@ -480,12 +485,9 @@ def backward(st, residuals, cotangents):
       ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i0, st.bq)[:, None])
       if dcap is not None:  # back through softcap * tanh(modded / softcap)
         ds = ds * dcap
-      if mod_vjp is not None:  # back through score_mod, to its arguments too
-        ds, *d_args = mod_vjp(ds)
-        n = len(ex.mod_args)
-        dargs = tuple(_add_tile(acc, d, i0, j0) for acc, d in zip(
-            dargs[:n], d_args[:n])) + tuple(
-                acc + d.astype(f32) for acc, d in zip(dargs[n:], d_args[n:]))
+      if mod_vjp is not None:  # back through score_mod, to its values too
+        ds, *d_consts = mod_vjp(ds)
+        dargs = tuple(acc + d.astype(f32) for acc, d in zip(dargs, d_consts))
       dkj = dkj + jnp.einsum("TS,TH->SH", ds, qi.astype(f32)) * st.scale
       dqi = jnp.einsum("TS,SH->TH", ds, kj.astype(f32)) * st.scale
       dq = jax.lax.dynamic_update_slice_in_dim(
@@ -505,8 +507,7 @@ def backward(st, residuals, cotangents):
     return (dq, dbias, dargs), (dkj, dvj)
 
   dbias0 = None if ex.bias is None else jnp.zeros(ex.bias.shape, f32) + zero
-  dargs0 = tuple(jnp.zeros(a.shape, f32) + zero
-                 for a in ex.mod_args + ex.mod_consts)
+  dargs0 = tuple(jnp.zeros(c.shape, f32) + zero for c in ex.mod_consts)
   (dq, dbias, dargs), (dk, dv) = jax.lax.scan(
       key_block, (jnp.zeros(q.shape, f32) + zero, dbias0, dargs0),
       jnp.arange(num_k))
@@ -536,36 +537,75 @@ def padded_extras(st: Static, tp: int, sp: int, h) -> Extras:
     mask = pad_axis(pad_axis(mask, 0, tp, False), 1, sp, False)
   if bias is not None:
     bias = pad_axis(pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
-  mod_args = tuple(pad_axis(pad_axis(x, 0, tp, 0.0), 1, sp, 0.0)
-                   for x in h.mod_args)
   block_mask = None
   if h.block_mask is not None:  # its tables are indexed by traced blocks
     block_mask = jax.tree.map(jnp.asarray, h.block_mask)
   return Extras(mask, bias, h.length, h.q_length, _edge_pad(h.q_seg, tp),
-                _edge_pad(h.k_seg, sp), block_mask, mod_args)
+                _edge_pad(h.k_seg, sp), block_mask, h.index)
 
 
-def hoist_score_mod(st: Static, ex: Extras) -> tuple[Static, Extras]:
-  """``score_mod`` with the traced values it closes over made operands.
+@dataclasses.dataclass(frozen=True)
+class _Direct:
+  """A score modifier called with its parameters as explicit leaves.
 
-  A custom VJP cannot differentiate a closure over a traced value (a
-  parameter under ``jax.grad``, say a learned slope): JAX raises an
-  ``UnexpectedTracerError``. ``jax.closure_convert``, traced at this
-  kernel's block shapes, hoists such values out; they travel in
-  ``ex.mod_consts`` and get their gradients like the argument tiles.
+  ``fn(score, b, h, q_idx, kv_idx, params)``, e.g. a ``ScoreMod``'s.
+
+  Hashable (a ``Static`` field): the function and the parameters' tree
+  structure, not the arrays, which travel in ``Extras.mod_consts``.
   """
-  if st.score_mod is None:
+  fn: Callable[..., jax.Array]  # fn(score, b, h, q_idx, kv_idx, params)
+  treedef: Any
+
+  def __call__(self, score, b, h, q_idx, kv_idx, *leaves):
+    return self.fn(score, b, h, q_idx, kv_idx,
+                   jax.tree.unflatten(self.treedef, leaves))
+
+
+def hoist_score_mod(st: Static, ex: Extras, like, *,
+                    replay_closures: bool = True) -> tuple[Static, Extras]:
+  """``score_mod`` with every array it uses made an operand of the kernel.
+
+  A custom VJP cannot differentiate a closure over a traced value (JAX
+  raises an ``UnexpectedTracerError``). An ``aj.ScoreMod``'s parameters are
+  passed as explicit leaves (``_Direct``). Traced values a function closes
+  over besides are found with ``jax.closure_convert`` (traced at this
+  kernel's block shapes, ``like`` giving the example arguments the mesh
+  axes the scores vary over) and, with ``replay_closures``, passed too: the
+  converted function replays the traced program. Without it (ring
+  attention, whose replay would mix invariant and device-varying values)
+  such a closure is refused with the fix. Either way ``st.score_mod``
+  becomes hashable and takes ``(score, b, h, q_idx, kv_idx, *consts)``.
+  """
+  mod = st.score_mod
+  if mod is None:
     return st, ex
-  f32 = jnp.float32
-  tile = lambda a: jnp.zeros((1 if a.shape[0] == 1 else st.bq,  # noqa: E731
-                              1 if a.shape[1] == 1 else st.bk), f32)
-  fn, consts = jax.closure_convert(
-      st.score_mod, jnp.zeros((st.bq, st.bk), f32),
-      jnp.zeros((st.bq, 1), jnp.int32), jnp.zeros((1, st.bk), jnp.int32),
-      *map(tile, ex.mod_args))
-  if not consts:  # nothing traced to differentiate: the caller's function
-    return st, ex
-  return st._replace(score_mod=fn), ex._replace(mod_consts=tuple(consts))
+  if isinstance(mod, score_mods.ScoreMod):
+    fn, params = mod.fn, mod.params
+  else:
+    fn, params = functools.partial(score_mods.plain_fn, mod), None
+  leaves, treedef = jax.tree.flatten(params)
+  direct = _Direct(fn, treedef)
+  zero = jnp.zeros_like(like, jnp.int32, shape=())
+  example = lambda shape, dtype: jnp.zeros(shape, dtype) + zero.astype(  # noqa: E731
+      dtype)
+  i32 = jnp.int32
+  replayed, hidden = jax.closure_convert(
+      lambda *a: direct(*a), example((st.bq, st.bk), jnp.float32),
+      example((), i32), example((), i32), example((st.bq, 1), i32),
+      example((1, st.bk), i32), *leaves)
+  if not hidden:
+    return st._replace(score_mod=direct), ex._replace(
+        mod_consts=tuple(leaves))
+  if not replay_closures:
+    raise ValueError(
+        f"score_mod closes over {len(hidden)} traced array(s) (shapes "
+        f"{[tuple(jnp.shape(c)) for c in hidden]}) that ring_attention "
+        "cannot carry round the ring as a closure: pass them explicitly, "
+        "aj.ScoreMod(lambda score, b, h, q_idx, kv_idx, params: ..., "
+        "params), and they are differentiated (their gradients summed over "
+        "the devices).")
+  return st._replace(score_mod=replayed), ex._replace(
+      mod_consts=tuple(leaves) + tuple(hidden))
 
 
 def single_head(q, k, v, h, *, out_dtype, **blocks):
@@ -574,7 +614,7 @@ def single_head(q, k, v, h, *, out_dtype, **blocks):
     k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
   ex = padded_extras(st, q.shape[0], k.shape[0], h)
-  st, ex = hoist_score_mod(st, ex)
+  st, ex = hoist_score_mod(st, ex, q)
   out, lse = _attend(st, q, k, v, ex, Place(st.s - st.t))
   out, lse = out[:st.t], lse[:st.t]
   if h.sink is not None:

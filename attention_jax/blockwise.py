@@ -41,7 +41,6 @@ def blockwise_attention(
     logits_soft_cap: float | None = None,
     sinks: ArrayLike | None = None,
     score_mod: ScoreMod | None = None,
-    score_mod_args: tuple[ArrayLike, ...] = (),
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
@@ -81,12 +80,10 @@ def blockwise_attention(
       after scale, bias and ``score_mod``, before masking.
     sinks: float broadcastable to the leading dims (e.g. ``[N]``): a logit
       per head added to every row's softmax denominator; differentiable.
-    score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)``,
-      applied to each block's ``[bq, bk]`` scores (after scale and bias)
-      with ``q_idx [bq, 1]`` and ``kv_idx [1, bk]`` indices; e.g. ALiBi.
-    score_mod_args: float arrays broadcastable to ``[..., T, S]`` like
-      ``bias`` (``slopes[:, None, None]`` for per-head values); each reaches
-      ``score_mod`` as its block; differentiable.
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` (see
+      ``scaled_dot_product_attention``), applied to each visited block's
+      ``[bq, bk]`` scores with ``q_idx [bq, 1]`` and ``kv_idx [1, bk]``; the
+      arrays it holds (``aj.ScoreMod``) or closes over are differentiated.
     block_q: query block size (clipped to T). Default by pattern (measured,
       see ``_flash.block_sizes``): 256 for windows and segment ids, 256 for
       causal, else 1024; a ``BlockMask`` fixes its own.
@@ -98,7 +95,7 @@ def blockwise_attention(
     ``output [..., T, Hv]`` in the inputs' dtype, or ``(output, lse)`` with
     ``return_lse`` (``lse [..., T]`` float32; ``-inf`` for rows with nothing
     to attend to, whose output is 0). Gradients flow to query, key, value,
-    bias, sinks and ``score_mod_args``, through ``lse`` as well.
+    bias, sinks and ``score_mod``'s arrays, through ``lse`` as well.
 
   Example:
     >>> q = jnp.ones((2, 4, 100, 16))   # [B, N, T, H]
@@ -115,8 +112,7 @@ def blockwise_attention(
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
-      score_mod_args=score_mod_args)
+      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
   block_q, block_k = _flash.block_sizes(ops, is_causal, block_q, block_k)
   head = functools.partial(_flash.single_head, scale=scale,
                            is_causal=is_causal, window=ops.window,

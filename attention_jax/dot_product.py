@@ -101,7 +101,6 @@ def scaled_dot_product_attention(
     logits_soft_cap: float | None = None,
     sinks: ArrayLike | None = None,
     score_mod: ScoreMod | None = None,
-    score_mod_args: tuple[ArrayLike, ...] = (),
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     implementation: str | None = None,
@@ -153,14 +152,16 @@ def scaled_dot_product_attention(
       for ``[B, N, T, H]``): per-head sink logits; ``exp(sink)`` joins every
       row's softmax denominator, so weights sum to less than 1 (gpt-oss's
       learned sinks). Differentiable. The returned lse includes the sink.
-    score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)`` returns
-      modified float32 scores (after scale and bias, before the soft cap);
-      ``q_idx``/``kv_idx`` are broadcast integer query/key indices (``[T, 1]``
-      and ``[1, S]``, or one block's). ``-inf`` blocks an entry. ALiBi:
-      ``lambda s, qi, ki, slope: s - slope * (qi - ki)``.
-    score_mod_args: arrays broadcastable to ``[..., T, S]`` like ``bias``
-      (``alibi_slopes(N)[:, None, None]`` for per-head slopes), passed to
-      ``score_mod`` per head (and per block); differentiable.
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` returns modified
+      float32 scores (after scale and bias, before the soft cap): ``b`` and
+      ``h`` are the int32 batch and query-head indices (of ``[B, N, T, H]``
+      operands: the last leading axis is ``h``, the one before ``b``; with
+      one leading axis, ``b`` and ``h = 0``), ``q_idx``/``kv_idx`` broadcast
+      integer query/key indices (``[T, 1]`` and ``[1, S]``, or one block's).
+      ``-inf`` blocks an entry. Arrays travel inside it: ``aj.ScoreMod(fn,
+      params)`` (a pytree; ``aj.alibi(slopes)``, ``aj.t5_relative_bias``)
+      or a plain closure; either way they are differentiated in every
+      implementation.
     dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
@@ -225,8 +226,7 @@ def scaled_dot_product_attention(
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
-      score_mod_args=score_mod_args)
+      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
   _checks.check_dropout(dropout_rate, dropout_rng)
   dropout_on = not (isinstance(dropout_rate, (int, float))
                     and dropout_rate == 0.0)
@@ -257,7 +257,7 @@ def scaled_dot_product_attention(
         query_seq_lengths=query_seq_lengths, local_window_size=ops.window,
         query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
-        score_mod_args=score_mod_args, return_lse=return_lse)
+        return_lse=return_lse)
   if implementation == "cudnn":
     q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths)
     return _cudnn.attention(

@@ -457,8 +457,8 @@ def attend_heads(
     **pattern: the structured-attention arguments of
       ``scaled_dot_product_attention`` (``key_value_seq_lengths``,
       ``query_seq_lengths``, ``local_window_size``, ``query_segment_ids``,
-      ``key_segment_ids``, ``logits_soft_cap``, ``sinks``, ``score_mod``,
-      ``score_mod_args``) in its 4-D conventions (e.g. lengths ``[B, 1]``);
+      ``key_segment_ids``, ``logits_soft_cap``, ``sinks``, ``score_mod``)
+      in its 4-D conventions (e.g. lengths ``[B, 1]``);
       passed to ``attention_fn`` only when not None.
 
   Returns:
@@ -498,7 +498,7 @@ def attend_heads(
                     f"{sorted(unknown)}; the pattern arguments are "
                     f"{list(PATTERN_ARGS)}.")
   kwargs.update({k: x for k, x in pattern.items()
-                 if x is not None and not (k == "score_mod_args" and not x)})
+                 if x is not None})
   _check_accepts(attention_fn, kwargs)
   return attention_fn(query, key, value, **kwargs)
 
@@ -549,7 +549,7 @@ ScoreMod = _patterns.ScoreMod
 # The structured-attention arguments multi-head attention passes through.
 PATTERN_ARGS = ("key_value_seq_lengths", "query_seq_lengths",
                 "local_window_size", "query_segment_ids", "key_segment_ids",
-                "logits_soft_cap", "sinks", "score_mod", "score_mod_args")
+                "logits_soft_cap", "sinks", "score_mod")
 
 
 def _heads_layout(pattern: dict[str, Any]) -> dict[str, Any]:
@@ -577,9 +577,9 @@ def _decode_pattern(pattern: dict[str, Any], visible, q_pos, key_pos):
   ``visible [B, T, S']`` says which keys each query may see, ``q_pos [B,
   T]`` and ``key_pos [B|1, S']`` are absolute positions (per example, slots
   of a linear cache or of a ring buffer). The window becomes part of the
-  mask, and ``score_mod`` sees absolute query and key positions through two
-  extra arguments, so cached decoding equals the full forward. Segment ids
-  would need a cache of their own.
+  mask, and ``score_mod`` sees each example's absolute query and key
+  positions instead of rows and slots, so cached decoding equals the full
+  forward. Segment ids would need a cache of their own.
   """
   pattern = dict(pattern)
   for name in ("query_segment_ids", "key_segment_ids"):
@@ -594,17 +594,16 @@ def _decode_pattern(pattern: dict[str, Any], visible, q_pos, key_pos):
     visible = visible & (kp >= qp - window[0]) & (kp <= qp + window[1])
   score_mod = pattern.get("score_mod")
   if score_mod is not None:
-    q_arg = q_pos[:, None, :, None].astype(jnp.float32)  # [B, 1, T, 1]
-    k_arg = key_pos[:, None, None, :].astype(jnp.float32)  # [B|1, 1, 1, S']
+    q_pos = jnp.asarray(q_pos, jnp.int32)  # [B, T]
+    key_pos = jnp.asarray(key_pos, jnp.int32)  # [B|1, S']
 
-    def absolute(score, q_idx, kv_idx, *args):
-      *args, q_at, k_at = args
-      return score_mod(score, q_at.astype(q_idx.dtype),
-                       k_at.astype(kv_idx.dtype), *args)
+    def absolute(score, b, h, q_idx, kv_idx):
+      # Padded block rows (past T) clip: their outputs are dropped.
+      k_row = key_pos[b] if key_pos.shape[0] > 1 else key_pos[0]
+      return score_mod(score, b, h, jnp.take(q_pos[b], q_idx, mode="clip"),
+                       jnp.take(k_row, kv_idx, mode="clip"))
 
     pattern["score_mod"] = absolute
-    pattern["score_mod_args"] = tuple(pattern.get("score_mod_args")
-                                      or ()) + (q_arg, k_arg)
   return pattern, visible
 
 
@@ -856,7 +855,6 @@ def multi_head_attention(
     logits_soft_cap: float | None = None,
     sinks: ArrayLike | None = None,
     score_mod: Any = None,
-    score_mod_args: tuple[ArrayLike, ...] = (),
     rope: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
@@ -906,8 +904,9 @@ def multi_head_attention(
     key_segment_ids: optional integer ``[B, S]``, with the query ids.
     logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
     sinks: optional float ``[N]``: per-head sink logits.
-    score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)``.
-    score_mod_args: arrays broadcastable to ``[B, N, T, S]``.
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, e.g.
+      ``aj.alibi(slopes)``; see ``scaled_dot_product_attention``. Decoding
+      passes each example's absolute positions as ``q_idx``/``kv_idx``.
     rope: base of rotary position embeddings (e.g. ``10000.0``) applied to
       the projected queries and keys (``apply_rope``; positions restart per
       document with segment ids, queries bottom-right aligned otherwise);
@@ -943,5 +942,5 @@ def multi_head_attention(
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
       logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
-      score_mod_args=score_mod_args, rope=rope)
+      rope=rope)
   return (output, weights) if return_weights else output

@@ -200,16 +200,15 @@ def _ring_bwd(rg, residuals, cotangents):
   # each block's gradient goes home
   dk, dv = _shift(dk, rg, rg.size - held), _shift(dv, rg, rg.size - held)
   if dargs:
-    # score_mod arguments are per head ([1, 1]) and replicated: every
-    # device's share adds up. The barrier orders the all-reduce after the
-    # last shift (independent collectives may otherwise run in different
-    # orders on different devices and deadlock).
+    # What score_mod closes over is replicated: every device's share adds
+    # up. The barrier orders the all-reduce after the last shift
+    # (independent collectives may otherwise run in different orders on
+    # different devices and deadlock).
     dk, dv, dargs = jax.lax.optimization_barrier((dk, dv, dargs))
-    dargs = tuple(jax.lax.psum(d, rg.axis_name).astype(a.dtype)
-                  for d, a in zip(dargs, ex0.mod_args + ex0.mod_consts))
-  n = len(ex0.mod_args)
+    dargs = tuple(jax.lax.psum(d, rg.axis_name).astype(c.dtype)
+                  for d, c in zip(dargs, ex0.mod_consts))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          _flash.Extras(mod_args=dargs[:n], mod_consts=dargs[n:]))
+          _flash.Extras(mod_consts=dargs))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -218,7 +217,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
   st, q, k, v = _flash.padded(q, k, v, **blocks)
   ex = _flash.padded_extras(st, q.shape[0], k.shape[0], h)
-  st, ex = _flash.hoist_score_mod(st, ex)
+  st, ex = _flash.hoist_score_mod(st, ex, q, replay_closures=False)
   out, lse = _ring(_Ring(st, axis_name, size, needed_steps(st, size)), q,
                    k, v, ex)
   out, lse = out[:st.t], lse[:st.t]
@@ -249,7 +248,6 @@ def ring_attention(
     logits_soft_cap: float | None = None,
     sinks: ArrayLike | None = None,
     score_mod: ScoreMod | None = None,
-    score_mod_args: tuple[ArrayLike, ...] = (),
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
@@ -292,22 +290,21 @@ def ring_attention(
     logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
     sinks: per-head sink logits (replicated), as in ``blockwise_attention``.
     score_mod: as in ``blockwise_attention``, called with *global* query
-      and key indices.
-    score_mod_args: per-head arrays whose last two axes are 1 (e.g.
-      ``slopes[:, None, None]``), replicated.
+      and key indices; the arrays it holds or closes over are replicated
+      (their gradients are summed over the devices).
     block_q, block_k: block sizes of the per-device blockwise computation.
     return_lse: also return the global log-sum-exp of each query row.
 
   Returns:
     ``output [..., T, Hv]`` in the inputs' dtype, or ``(output, lse)`` with
     ``return_lse`` (``lse [..., T]`` float32). Differentiable in query, key,
-    value, sinks and ``score_mod_args`` (through ``lse`` too); the backward
+    value, sinks and ``score_mod``'s arrays (through ``lse`` too); the backward
     pass goes round the ring blockwise.
 
   Raises:
     ValueError: ``axis_name`` is not bound (not inside ``shard_map``), a
-      ``mask`` or ``bias`` is given, ``score_mod_args`` with a T or S axis,
-      or operand shapes do not fit (as for ``blockwise_attention``).
+      ``mask`` or ``bias`` is given, or operand shapes do not fit (as for
+      ``blockwise_attention``).
     TypeError: non-float operands, float64, non-integer lengths.
 
   Example:
@@ -330,13 +327,6 @@ def ring_attention(
           "key_value_seq_lengths, causality with is_causal, windows with "
           "local_window_size and documents with segment ids, or gather the "
           "sequence and call blockwise_attention.")
-  for n, x in enumerate(score_mod_args):
-    if _checks.shape_of(x)[-2:] not in ((), (1,), (1, 1)):
-      raise ValueError(
-          f"ring_attention's score_mod_args[{n}] with shape "
-          f"{_checks.shape_of(x)} has a T or S axis, which would have to be "
-          "split round the ring: pass per-head values ([..., 1, 1]) and "
-          "compute position terms from q_idx/kv_idx in score_mod.")
   ops, scale, out_dtype = _flash.validate(
       "ring_attention", query, key, value, None, None, block_q, block_k,
       scale, flags={"is_causal": is_causal, "return_lse": return_lse},
@@ -344,8 +334,7 @@ def ring_attention(
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
-      score_mod_args=score_mod_args)
+      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
   try:
     size = jax.lax.axis_size(axis_name)
   except NameError as e:

@@ -313,15 +313,9 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
     return lambda q, k, v: aj.blockwise_attention(q, k, v, is_causal=True,
                                                   **kw)
 
-  def alibi(q, k, v):
-    slopes = aj.alibi_slopes(n)
-    return aj.blockwise_attention(
-        q, k, v, is_causal=True,
-        score_mod=lambda s, qi, ki, slope: s - slope * (qi - ki),
-        score_mod_args=(slopes[:, None, None],))
-
   mods = {"aj_plain": modded(), "aj_soft_cap": modded(logits_soft_cap=30.0),
-          "aj_sinks": modded(sinks=jnp.zeros((n,))), "aj_alibi": alibi}
+          "aj_sinks": modded(sinks=jnp.zeros((n,))),
+          "aj_alibi": modded(score_mod=aj.alibi(aj.alibi_slopes(n)))}
   cases["score_mods_T2048"] = Case(
       "score_mods_T2048", (b, n, z["t_mods"], h), ("fwd+bwd",),
       {name: lambda mode, x, f=f: _jax_entry(f, mode, x)

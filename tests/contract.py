@@ -45,7 +45,7 @@ RING_DEVICES = 4
 def _ring(query, key, value, mask=None, *, bias=None,
           key_value_seq_lengths=None, query_seq_lengths=None,
           query_segment_ids=None, key_segment_ids=None, sinks=None,
-          score_mod_args=(), return_lse=False, **static):
+          score_mod=None, return_lse=False, **static):
   """ring_attention with T and S split over RING_DEVICES devices."""
   mesh = jax.make_mesh((RING_DEVICES,), ("seq",),
                        devices=jax.devices()[:RING_DEVICES],
@@ -53,13 +53,13 @@ def _ring(query, key, value, mask=None, *, bias=None,
   seq = P(None, None, "seq")
   out_specs = (seq, P(None, None, "seq")) if return_lse else seq
 
-  def local(q, k, v, lengths, q_lengths, q_seg, k_seg, sinks, mod_args,
+  def local(q, k, v, lengths, q_lengths, q_seg, k_seg, sinks, score_mod,
             mask, bias):
     return aj.ring_attention(q, k, v, mask, axis_name="seq", bias=bias,
                              key_value_seq_lengths=lengths,
                              query_seq_lengths=q_lengths,
                              query_segment_ids=q_seg, key_segment_ids=k_seg,
-                             sinks=sinks, score_mod_args=mod_args,
+                             sinks=sinks, score_mod=score_mod,
                              return_lse=return_lse, block_q=4, block_k=3,
                              **static)
 
@@ -69,8 +69,7 @@ def _ring(query, key, value, mask=None, *, bias=None,
                        out_specs=out_specs)(
                            query, key, value, key_value_seq_lengths,
                            query_seq_lengths, query_segment_ids,
-                           key_segment_ids, sinks, tuple(score_mod_args),
-                           mask, bias)
+                           key_segment_ids, sinks, score_mod, mask, bias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +121,7 @@ class Case:
   # another id (a block between two of the same id is not full).
   segments: str | None = None
   sinks: bool = False  # per-head sink logits [N], differentiated
-  alibi: bool = False  # score_mod ALiBi with slopes [N, 1, 1], differentiated
+  alibi: bool = False  # score_mod aj.alibi(slopes [N]), differentiated
   block_mask: str | None = None  # "prefix_lm" or "chunked" (a BlockMask)
   nan_padding: bool = False  # NaN in keys/values past the lengths
   dtype: str = "float32"
@@ -191,10 +190,6 @@ BLOCK_MASK_FNS = {  # the library's helpers; _allowed writes them out again
 }
 
 
-def alibi(score, q_idx, kv_idx, slope):
-  """ALiBi as a score_mod: a per-head linear penalty on distance."""
-  return score - slope * (q_idx - kv_idx)
-
 B, N, H = 2, 4, 8
 # Relative error budget per dtype of the *inputs*: float32 compute
 # accumulates over <= 40 keys (~1e-6) and the flash backward recomputes P
@@ -260,12 +255,12 @@ def _segment_ids(case: Case):
 
 
 def _differentiable_extras(case: Case):
-  """``{"sinks": [N], "slopes": [N, 1, 1]}`` for the cases that use them."""
+  """``{"sinks": [N], "slopes": [N]}`` for the cases that use them."""
   extras = {}
   if case.sinks:
     extras["sinks"] = 0.5 * _data.normal(12, (N,)) + 0.5
   if case.alibi:
-    extras["slopes"] = jnp.abs(_data.normal(13, (N, 1, 1))) * 0.3
+    extras["slopes"] = jnp.abs(_data.normal(13, (N,))) * 0.3
   return extras
 
 
@@ -315,9 +310,9 @@ def reference(q, k, v, bias, allowed, softcap=None, sinks=None, slopes=None,
   logits = jnp.einsum("BNTH,BNSH->BNTS", q, k) / np.sqrt(q.shape[-1])
   if bias is not None:
     logits = logits + jnp.where(allowed, bias, 0.0)
-  if slopes is not None:  # [N, 1, 1] times the distance i - j
+  if slopes is not None:  # [N] times the distance i - j
     distance = np.arange(q.shape[2])[:, None] - np.arange(k.shape[2])[None]
-    logits = logits - slopes[None] * distance[None, None]
+    logits = logits - slopes[None, :, None, None] * distance[None, None]
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
@@ -388,8 +383,6 @@ def suite(names):
       if q_seg is not None:
         extra["query_segment_ids"] = jnp.asarray(q_seg)
         extra["key_segment_ids"] = jnp.asarray(k_seg)
-      if case.alibi:
-        extra["score_mod"] = alibi
       mask_in = mask
       if case.block_mask is not None:  # built for the odd blockwise blocks
         mask_in = aj.block_mask(BLOCK_MASK_FNS[case.block_mask](), case.t,
@@ -404,7 +397,7 @@ def suite(names):
         if "sinks" in diff:
           kw["sinks"] = diff["sinks"]
         if "slopes" in diff:
-          kw["score_mod_args"] = (diff["slopes"],)
+          kw["score_mod"] = aj.alibi(diff["slopes"])
         result = fn(q, k, v, mask_in, **kw)
         return result if case.lse else (result, None)
 

@@ -198,8 +198,8 @@ class KVCacheTest(parameterized.TestCase):
       ("sinks_softcap", dict(attention_sinks=True, logits_soft_cap=2.0), {}),
       ("query_lengths", {}, dict(query_seq_lengths=jnp.array([8, 6]))),
       ("everything", dict(local_window_size=(3, 0), attention_sinks=True,
-                          logits_soft_cap=1.5, score_mod=aj.alibi),
-       dict(score_mod_args=(aj.alibi_slopes(4)[:, None, None],))))
+                          logits_soft_cap=1.5,
+                          score_mod=aj.alibi(aj.alibi_slopes(4))), {}))
   def test_decoding_equals_full_forward_under_patterns(self, layer, call):
     # Window, sinks, soft cap, ALiBi (absolute positions) and query lengths
     # hold over cache slots exactly as in the full causal forward.
@@ -375,13 +375,13 @@ class KVCacheTest(parameterized.TestCase):
   def test_ring_buffer_equals_full_attention_with_the_window(self, chunk):
     # A sliding-window layer decodes with W = window + 1 slots whatever the
     # length: 15 tokens through 4 slots, with ALiBi on absolute positions.
-    mha = _module(local_window_size=(3, 0), score_mod=aj.alibi)
-    slopes = (aj.alibi_slopes(4)[:, None, None],)
+    mha = _module(local_window_size=(3, 0),
+                  score_mod=aj.alibi(aj.alibi_slopes(4)))
     x = _x(seed=7, t=15)
-    full = mha(x, is_causal=True, score_mod_args=slopes)
+    full = mha(x, is_causal=True)
     mha.init_cache(2)  # ring buffer, implied by the window
     self.assertEqual(mha.cached_key.shape, (2, 4, 4, 4))  # [B, K, W, H]
-    step = nnx.jit(lambda m, x: m(x, decode=True, score_mod_args=slopes))
+    step = nnx.jit(lambda m, x: m(x, decode=True))
     pieces = [step(mha, x[:, :chunk])]
     pieces += [step(mha, x[:, i:i + 1]) for i in range(chunk, 15)]
     chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,

@@ -1,5 +1,6 @@
 """Score modifiers: the built-ins against their papers, closures in kernels."""
 
+import functools
 import math
 
 from absl.testing import absltest
@@ -80,7 +81,7 @@ class ClosureTest(absltest.TestCase):
       q, k, v, cot = _closure_problem(t)
 
       def loss(slope, q, k, v, cot=cot, kwargs=kwargs):
-        mod = lambda s, qi, ki: s - slope * (qi - ki)  # closes over slope
+        mod = lambda s, b, h, qi, ki: s - slope * (qi - ki)  # closes over slope
         out = aj.scaled_dot_product_attention(
             q, k, v, is_causal=True, score_mod=mod, **kwargs)
         return jnp.sum(out * cot)
@@ -97,3 +98,31 @@ class ClosureTest(absltest.TestCase):
             np.asarray(g, np.float64), w, rtol=1e-4,
             atol=1e-4 * max(1.0, float(np.abs(w).max())),
             err_msg=f"{name} {n}")
+
+
+class IndexTest(absltest.TestCase):
+
+  def test_b_and_h_name_the_example_and_the_query_head(self):
+    # score + table[b, h] must equal the same numbers given as a bias, in
+    # every in-process kernel, with grouped heads (N = 4 over K = 2) and
+    # with [B, T, H] operands (h = 0).
+    table = _data.normal(50, (2, 4))  # [B, N]
+    q = _data.normal(51, (2, 4, 6, 8))
+    k, v = _data.normal(52, (2, 2, 9, 8)), _data.normal(53, (2, 2, 9, 8))
+    mod = aj.ScoreMod(lambda s, b, h, qi, ki, t: s + t[b, h], table)
+    want = aj.scaled_dot_product_attention(q, k, v, bias=table[..., None, None],
+                                           implementation="dense")
+    for impl in ("dense", "blockwise"):
+      got = jax.jit(functools.partial(
+          aj.scaled_dot_product_attention, implementation=impl))(
+              q, k, v, score_mod=mod)
+      # the same float32 sums in another order: 1e-6
+      np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6,
+                                 err_msg=impl)
+    flat = aj.ScoreMod(lambda s, b, h, qi, ki, t: s + t[b] + 10.0 * h,
+                       table[:, 0])
+    got = aj.scaled_dot_product_attention(q[:, 0], k[:, 0], v[:, 0],
+                                          score_mod=flat)
+    want = aj.scaled_dot_product_attention(
+        q[:, 0], k[:, 0], v[:, 0], bias=table[:, 0, None, None])
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)

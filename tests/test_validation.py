@@ -301,15 +301,14 @@ CASES = [
     ("blockwise_int_sinks", lambda: aj.blockwise_attention(
         Q, K, V, sinks=jnp.ones(2, jnp.int32)), TypeError,
      r"sinks must be a real floating-point array"),
-    ("sdpa_score_mod_args_alone", lambda: sdpa(
-        Q, K, V, score_mod_args=(jnp.ones(1),)), ValueError,
-     r"score_mod_args were given without a score_mod"),
     ("sdpa_score_mod_not_callable", lambda: sdpa(Q, K, V, score_mod=2.0),
-     TypeError, r"score_mod must be callable"),
-    ("blockwise_score_mod_args_shape", lambda: aj.blockwise_attention(
-        Q, K, V, score_mod=aj.alibi, score_mod_args=(jnp.ones((3, 6)),)),
-     ValueError, r"score_mod_args\[0\] with shape \(3, 6\) is not "
-     r"broadcastable to \[T, S\] = \(4, 6\)"),
+     TypeError, r"score_mod must be callable as score_mod\(score, b, h, "
+     r"q_idx, kv_idx\)"),
+    ("alibi_slopes_not_per_head", lambda: aj.alibi(jnp.ones((2, 1, 1))),
+     ValueError, r"alibi takes float slopes \[N\], one per query head, got "
+     r"shape \(2, 1, 1\)"),
+    ("chain_not_callable", lambda: aj.chain(aj.alibi(jnp.ones(2)), 3),
+     TypeError, r"chain's argument 1 must be a score modifier"),
     ("block_mask_not_bool", lambda: aj.block_mask(
         lambda q, k: q - k, 4, 6), TypeError,
      r"mask_fn must return a bool array, got dtype int64"),
@@ -319,10 +318,6 @@ CASES = [
         Q, K, V, aj.block_mask(aj.chunked_mask_fn(2), 4, 6),
         axis_name="seq"), ValueError,
      r"ring_attention takes no mask \(got BlockMask\(q_len=4"),
-    ("ring_score_mod_args_with_positions", lambda: aj.ring_attention(
-        Q, K, V, score_mod=aj.alibi, score_mod_args=(jnp.ones((4, 6)),),
-        axis_name="seq"), ValueError,
-     r"score_mod_args\[0\] with shape \(4, 6\) has a T or S axis"),
     ("mha_segments_while_decoding", lambda: _decode_with_segments(),
      ValueError, r"query_segment_ids is not supported while decoding"),
     ("sdpa_traced_is_causal", lambda: jax.jit(

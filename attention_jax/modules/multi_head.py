@@ -147,8 +147,10 @@ class MultiHeadAttention(nnx.Module):
     attention_sinks: learn one sink logit per head (``sinks``, an
       ``nnx.Param [N]`` initialised to 0) joining every row's softmax
       denominator.
-    score_mod: ``score_mod(score, q_idx, kv_idx, *score_mod_args)`` applied
-      in every call (``score_mod_args`` per call); e.g. ``aj.alibi``.
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` applied in every
+      call, e.g. ``aj.alibi(aj.alibi_slopes(num_heads))``; an
+      ``aj.ScoreMod``'s arrays are constants of the layer (learned ones go
+      in an ``nnx.Param`` and a per-call ``score_mod``).
     rope: base of rotary position embeddings (e.g. ``10000.0``) on the
       projected queries and keys, None for none. Positions come from the
       cache while decoding and restart per document with segment ids.
@@ -232,7 +234,8 @@ class MultiHeadAttention(nnx.Module):
     self.logits_soft_cap = logits_soft_cap
     _checks.check_scale(scale)
     self.scale = scale
-    self.score_mod = score_mod
+    _checks.check_score_mod(score_mod)
+    self.score_mod = nnx.data(score_mod)  # an aj.ScoreMod may hold arrays
     if rope is not None and (isinstance(rope, bool) or not isinstance(
         rope, (int, float)) or not rope > 0):
       raise ValueError(f"rope is the rotary base, a positive number such as "
@@ -428,7 +431,6 @@ class MultiHeadAttention(nnx.Module):
       query_seq_lengths: ArrayLike | None = None,
       query_segment_ids: ArrayLike | None = None,
       key_segment_ids: ArrayLike | None = None,
-      score_mod_args: tuple[ArrayLike, ...] = (),
   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attends ``query`` to ``key``/``value``.
 
@@ -463,8 +465,6 @@ class MultiHeadAttention(nnx.Module):
       query_segment_ids: integer ``[B, T]``: packed documents (not while
         decoding).
       key_segment_ids: integer ``[B, S]``, with the query ids.
-      score_mod_args: arrays for the constructor's ``score_mod``,
-        broadcastable to ``[B, N, T, S]``.
 
     Returns:
       ``output [B, T, Dout]``, or ``(output, weights [B, N, T, S])`` (``S = L``
@@ -511,7 +511,7 @@ class MultiHeadAttention(nnx.Module):
         query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
         logits_soft_cap=self.logits_soft_cap,
         sinks=None if self.sinks is None else self.sinks[...],
-        score_mod=self.score_mod, score_mod_args=score_mod_args,
+        score_mod=self.score_mod,
         rope=self.rope)
     if decode:
       self.cached_key[...] = cache.key

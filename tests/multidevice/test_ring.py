@@ -117,23 +117,25 @@ class RingAttentionTest(parameterized.TestCase):
                                   local_window_size=window)
     chex.assert_trees_all_close(fn(q, k, v), want, **FWD_TOL)
 
-  def test_score_mod_closing_over_a_learned_slope(self):
-    # A closure over a differentiated value inside shard_map: hoisted out
-    # of the custom VJP, its gradient summed over the devices' shares.
+  def test_score_mod_with_a_learned_slope(self):
+    # A ScoreMod's parameter passed into shard_map (replicated): its
+    # gradient is the sum of the devices' shares. A plain closure over the
+    # same traced value is refused with the fix.
     t = 16
     q, k, v = (_data.normal(i, (1, 2, t, 8)) for i in (40, 41, 42))
     cot = _data.normal(43, (1, 2, t, 8))
+    penalty = lambda s, b, h, qi, ki, slope: s - slope * (qi - ki)
 
     def loss(slope, q, k, v, fn):
-      mod = lambda s, qi, ki: s - slope * (qi - ki)  # closes over slope
-      return jnp.sum(fn(q, k, v, mod) * cot)
+      return jnp.sum(fn(q, k, v, aj.ScoreMod(penalty, slope)) * cot)
 
     def ring(q, k, v, mod):
       return jax.shard_map(
-          lambda q, k, v: aj.ring_attention(q, k, v, axis_name="seq",
-                                            is_causal=True, score_mod=mod,
-                                            block_q=2, block_k=2),
-          mesh=_mesh(4), in_specs=(SEQ, SEQ, SEQ), out_specs=SEQ)(q, k, v)
+          lambda q, k, v, mod: aj.ring_attention(
+              q, k, v, axis_name="seq", is_causal=True, score_mod=mod,
+              block_q=2, block_k=2),
+          mesh=_mesh(4), in_specs=(SEQ, SEQ, SEQ, P()),
+          out_specs=SEQ)(q, k, v, mod)
 
     def dense(q, k, v, mod):
       return aj.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -145,6 +147,17 @@ class RingAttentionTest(parameterized.TestCase):
              for name, fn in (("ring", ring), ("dense", dense))}
     # dense is checked against float64 (tests/test_score_mods.py).
     chex.assert_trees_all_close(grads["ring"], grads["dense"], **GRAD_TOL)
+
+    def closure_loss(slope):
+      mod = lambda s, b, h, qi, ki: s - slope * (qi - ki)  # closes over it
+      return jnp.sum(jax.shard_map(
+          lambda q, k, v: aj.ring_attention(q, k, v, axis_name="seq",
+                                            score_mod=mod),
+          mesh=_mesh(4), in_specs=(SEQ, SEQ, SEQ), out_specs=SEQ)(q, k, v))
+
+    with self.assertRaisesRegex(ValueError, r"closes over 1 traced array"
+                                r".*aj\.ScoreMod"):
+      jax.grad(closure_loss)(jnp.float32(0.1))
 
   def test_unbound_axis_is_a_value_error(self):
     x = jnp.ones((4, 8))
