@@ -40,9 +40,12 @@ from attention_jax.ring import ring_attention
 from attention_jax.rope import apply_rope
 from attention_jax.rope import segment_positions
 from attention_jax.score_mods import ScoreMod
+from attention_jax.score_mods import T5Bias
 from attention_jax.score_mods import alibi
 from attention_jax.score_mods import alibi_slopes
 from attention_jax.score_mods import chain
+from attention_jax.score_mods import t5_buckets
+from attention_jax.score_mods import t5_relative_bias
 from attention_jax.softmax import masked_softmax
 from attention_jax.torch_convert import from_torch_multihead_attention
 from attention_jax.torch_convert import to_torch_multihead_attention
@@ -55,9 +58,12 @@ __all__ = [
     "LuongAttention",
     "MultiHeadAttention",
     "ScoreMod",
+    "T5Bias",
     "alibi",
     "alibi_slopes",
     "chain",
+    "t5_buckets",
+    "t5_relative_bias",
     "apply_rope",
     "attend_heads",
     "block_mask",

@@ -1,4 +1,4 @@
-"""Score modifiers: one contract, and the built-ins (ALiBi).
+"""Score modifiers: one contract, and the built-ins (ALiBi, T5).
 
 Shape glossary: B batch, N query heads; T query length, S key/value length.
 
@@ -14,7 +14,8 @@ Arrays travel with the function as one value: ``ScoreMod(fn, params)`` is a
 pytree (``fn`` static, ``params`` leaves), so it passes through ``jax.jit``
 and into modules, and ``chain`` composes several. A plain function closing
 over arrays works too (the flash kernels hoist what it closes over out of
-their custom VJPs). ``alibi(slopes)`` is the built-in ALiBi.
+their custom VJPs). Built-ins: ``alibi(slopes)`` (ALiBi) and
+``t5_relative_bias(table)`` (T5's bucketed relative positions).
 """
 
 from __future__ import annotations
@@ -143,3 +144,107 @@ def alibi(slopes: jax.Array) -> ScoreMod:
                      f"shape {slopes.shape} {slopes.dtype}: e.g. "
                      "aj.alibi(aj.alibi_slopes(num_heads)).")
   return ScoreMod(_alibi, slopes)
+
+
+def t5_buckets(relative_position: jax.Array, *, num_buckets: int,
+               max_distance: int, bidirectional: bool) -> jax.Array:
+  """T5's bucket of each relative position ``kv_idx - q_idx`` (int32).
+
+  Raffel et al. 2020 (mesh-tensorflow's ``_relative_position_bucket``):
+  half the buckets per direction when ``bidirectional`` (keys after the
+  query in the upper half), otherwise only the past counts (a key after the
+  query shares bucket 0). Distances below half the buckets each get their
+  own; beyond, buckets grow logarithmically up to ``max_distance``, and
+  everything farther shares the last. Computed in float32, as T5 does.
+
+  Example:
+    >>> t5_buckets(jnp.arange(-5, 6), num_buckets=8, max_distance=16,
+    ...            bidirectional=True).tolist()  # relative positions -5..5
+    [2, 2, 2, 2, 1, 0, 5, 6, 6, 6, 6]
+  """
+  rel = jnp.asarray(relative_position, jnp.int32)
+  buckets = jnp.zeros_like(rel)
+  if bidirectional:
+    num_buckets //= 2
+    buckets = jnp.where(rel > 0, num_buckets, 0)
+    rel = jnp.abs(rel)
+  else:
+    rel = -jnp.minimum(rel, 0)
+  max_exact = num_buckets // 2
+  small = rel < max_exact
+  scaled = (jnp.log(jnp.maximum(rel, 1).astype(jnp.float32) / max_exact)
+            / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+  large = jnp.minimum(max_exact + scaled.astype(jnp.int32), num_buckets - 1)
+  return buckets + jnp.where(small, rel, large)
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Bias:
+  """The static settings of a T5 relative position bias.
+
+  Attributes:
+    num_buckets: rows of the learned ``[num_buckets, N]`` table (T5: 32);
+      at least 4 (2 per direction when bidirectional).
+    max_distance: distances from here on share the last bucket (T5: 128).
+    bidirectional: True for encoders (keys on both sides), False for
+      causal decoders.
+  """
+  num_buckets: int = 32
+  max_distance: int = 128
+  bidirectional: bool = True
+
+  def __post_init__(self):
+    _checks.check_positive_int("num_buckets", self.num_buckets)
+    _checks.check_positive_int("max_distance", self.max_distance)
+    per_side = self.num_buckets // (2 if self.bidirectional else 1)
+    if per_side < 2 or self.max_distance <= per_side // 2:
+      raise ValueError(
+          f"T5Bias needs at least 2 buckets per direction and max_distance "
+          f"above the exact range (num_buckets // {2 if self.bidirectional else 1} "
+          f"// 2 = {per_side // 2}), got num_buckets={self.num_buckets}, "
+          f"max_distance={self.max_distance}.")
+    if not isinstance(self.bidirectional, bool):
+      raise TypeError(f"bidirectional must be a bool, got "
+                      f"{self.bidirectional!r}.")
+
+  def score_mod(self, table: jax.Array) -> ScoreMod:
+    """``t5_relative_bias(table, ...)`` with these settings."""
+    return t5_relative_bias(table, max_distance=self.max_distance,
+                            bidirectional=self.bidirectional)
+
+  def __call__(self, score, b, h, q_idx, kv_idx, table):
+    """The ``ScoreMod.fn``: hashable by value, so one per setting."""
+    del b
+    bucket = t5_buckets(kv_idx - q_idx, num_buckets=self.num_buckets,
+                        max_distance=self.max_distance,
+                        bidirectional=self.bidirectional)
+    return score + table[bucket, h].astype(score.dtype)
+
+
+def t5_relative_bias(table: jax.Array, *, max_distance: int = 128,
+                     bidirectional: bool = True) -> ScoreMod:
+  """T5's relative position bias: ``score + table[bucket(kv_idx - q_idx), h]``.
+
+  Args:
+    table: float ``[num_buckets, N]``, learned (differentiated in every
+      implementation). ``MultiHeadAttention(t5_bias=T5Bias(...))`` owns one.
+    max_distance: see ``t5_buckets``.
+    bidirectional: see ``t5_buckets``.
+
+  ``q_idx`` and ``kv_idx`` are positions in one sequence: self-attention
+  (``T == S``), or cached decoding, where ``MultiHeadAttention`` passes each
+  example's absolute positions.
+
+  Example:
+    >>> import attention_jax as aj
+    >>> table = jnp.zeros((32, 2))  # [num_buckets, N]
+    >>> q = k = v = jnp.ones((1, 2, 5, 8))  # [B, N, T, H]
+    >>> aj.scaled_dot_product_attention(
+    ...     q, k, v, score_mod=t5_relative_bias(table)).shape
+    (1, 2, 5, 8)
+  """
+  table = jnp.asarray(table)
+  if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
+    raise ValueError(f"t5_relative_bias takes a float table [num_buckets, N], "
+                     f"got shape {table.shape} {table.dtype}.")
+  return ScoreMod(T5Bias(table.shape[0], max_distance, bidirectional), table)

@@ -95,7 +95,7 @@ IMPLEMENTATIONS = {
         functools.partial(aj.scaled_dot_product_attention,
                           implementation="cudnn"),
         frozenset({"float32", "float64", "lse", "q_lengths", "window",
-                   "softcap", "segments", "sinks", "alibi", "block_mask"}),
+                   "softcap", "segments", "sinks", "alibi", "t5", "block_mask"}),
         needs_gpu=True),
     "ring": Implementation(_ring, frozenset({"mask", "bias", "float64",
                                              "block_mask"})),
@@ -122,6 +122,7 @@ class Case:
   segments: str | None = None
   sinks: bool = False  # per-head sink logits [N], differentiated
   alibi: bool = False  # score_mod aj.alibi(slopes [N]), differentiated
+  t5: bool = False  # score_mod aj.t5_relative_bias(table [10, N]), learned
   block_mask: str | None = None  # "prefix_lm" or "chunked" (a BlockMask)
   nan_padding: bool = False  # NaN in keys/values past the lengths
   dtype: str = "float32"
@@ -129,7 +130,7 @@ class Case:
   def features(self) -> set[str]:
     used = {self.dtype}
     for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap",
-                 "segments", "sinks", "alibi", "block_mask"):
+                 "segments", "sinks", "alibi", "t5", "block_mask"):
       if getattr(self, name):
         used.add(name)
     return used
@@ -172,6 +173,7 @@ CASES = {
     "sinks_causal_query_lengths": Case(t=40, s=40, causal=True, sinks=True,
                                        q_lengths=(40, 23), lse=True),
     "alibi_causal_gqa": Case(causal=True, alibi=True, lse=True),
+    "t5_bias_bidirectional_gqa": Case(t=40, s=40, t5=True, lse=True),
     "block_mask_prefix_lm": Case(t=40, s=40, block_mask="prefix_lm",
                                  lse=True),
     "block_mask_chunked_causal_sinks": Case(t=40, s=40, causal=True,
@@ -255,12 +257,14 @@ def _segment_ids(case: Case):
 
 
 def _differentiable_extras(case: Case):
-  """``{"sinks": [N], "slopes": [N]}`` for the cases that use them."""
+  """``{"sinks": [N], "slopes": [N], "t5_table": [10, N]}`` as used."""
   extras = {}
   if case.sinks:
     extras["sinks"] = 0.5 * _data.normal(12, (N,)) + 0.5
   if case.alibi:
     extras["slopes"] = jnp.abs(_data.normal(13, (N,))) * 0.3
+  if case.t5:
+    extras["t5_table"] = _data.normal(14, (T5_BUCKETS, N))
   return extras
 
 
@@ -295,8 +299,27 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
   return allowed
 
 
+# T5 settings of the t5 case: no relative position within S = 40 lands near
+# a bucket boundary (the float32 kernel and this float64 reference agree).
+T5_BUCKETS, T5_MAX_DISTANCE = 10, 20
+
+
+def _t5_bucket(relative_position):
+  """mesh-tensorflow's _relative_position_bucket, bidirectional, in NumPy."""
+  half = T5_BUCKETS // 2
+  bucket = (relative_position > 0) * half
+  n = np.abs(relative_position)
+  max_exact = half // 2
+  with np.errstate(divide="ignore"):
+    large = max_exact + (np.log(n / max_exact) / np.log(
+        T5_MAX_DISTANCE / max_exact) * (half - max_exact))
+  large = np.minimum(np.where(n < max_exact, 0, large).astype(np.int64),
+                     half - 1)
+  return bucket + np.where(n < max_exact, n, large)
+
+
 def reference(q, k, v, bias, allowed, softcap=None, sinks=None, slopes=None,
-              rows=None):
+              t5_table=None, rows=None):
   """Float64 attention with explicit head repetition; ``(out, lse)``.
 
   Written independently of the library: repeated K/V heads, ALiBi as a
@@ -313,6 +336,9 @@ def reference(q, k, v, bias, allowed, softcap=None, sinks=None, slopes=None,
   if slopes is not None:  # [N] times the distance i - j
     distance = np.arange(q.shape[2])[:, None] - np.arange(k.shape[2])[None]
     logits = logits - slopes[None, :, None, None] * distance[None, None]
+  if t5_table is not None:  # table[bucket(j - i), n] added per head
+    rel = np.arange(k.shape[2])[None, :] - np.arange(q.shape[2])[:, None]
+    logits = logits + jnp.moveaxis(t5_table[_t5_bucket(rel)], -1, 0)[None]
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
@@ -398,6 +424,9 @@ def suite(names):
           kw["sinks"] = diff["sinks"]
         if "slopes" in diff:
           kw["score_mod"] = aj.alibi(diff["slopes"])
+        if "t5_table" in diff:
+          kw["score_mod"] = aj.t5_relative_bias(
+              diff["t5_table"], max_distance=T5_MAX_DISTANCE)
         result = fn(q, k, v, mask_in, **kw)
         return result if case.lse else (result, None)
 

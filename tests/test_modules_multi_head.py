@@ -148,6 +148,40 @@ class MatchesReferencesTest(parameterized.TestCase):
         r"logits_soft_cap, which this call passes \(logits_soft_cap=2.0\)"):
       capped(x)
 
+  def test_t5_bias_learns_and_decodes(self):
+    # The layer's table is a parameter the loss reaches (the contract checks
+    # its gradient against float64); the layer equals the function with
+    # aj.t5_relative_bias over the same table; a causal T5 layer decodes
+    # as its full forward (absolute positions, not cache slots).
+    settings = aj.T5Bias(num_buckets=8, max_distance=16, bidirectional=False)
+    mha = _module(num_kv_heads=2, t5_bias=settings)
+    self.assertEqual(mha.t5_table.shape, (8, 4))
+    x = _x(seed=14, t=7)
+    want = aj.multi_head_attention(
+        mha.params_dict(), x, x, x, is_causal=True,
+        score_mod=aj.t5_relative_bias(mha.t5_table[...], max_distance=16,
+                                      bidirectional=False))
+    full = mha(x, is_causal=True)
+    chex.assert_trees_all_close(full, want, atol=0, rtol=0)
+    grads = nnx.grad(lambda m: jnp.sum(m(x, is_causal=True) ** 2))(mha)
+    # Exactly the buckets of the causal distances 0..6 get gradients.
+    rel = np.arange(7)[None, :] - np.arange(7)[:, None]  # kv - q
+    used = set(np.asarray(aj.t5_buckets(
+        rel[rel <= 0], num_buckets=8, max_distance=16,
+        bidirectional=False)).tolist())
+    reached = np.abs(np.asarray(grads["t5_table"][...])).sum(-1) > 0
+    self.assertEqual(set(np.flatnonzero(reached).tolist()), used)
+    mha.init_cache(batch_size=2, max_length=9)
+    pieces = [mha(x[:, :4], decode=True), mha(x[:, 4:5], decode=True),
+              mha(x[:, 5:], decode=True)]
+    chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
+                                rtol=2e-6)
+    with self.assertRaisesRegex(TypeError, r"t5_bias must be an aj\.T5Bias"):
+      _module(t5_bias=32)
+    with self.assertRaisesRegex(ValueError, r"at least 2 buckets per "
+                                r"direction"):
+      aj.T5Bias(num_buckets=2)
+
   def test_value_defaults_to_key(self):
     mha, x, enc = _module(), _x(), _x(seed=5, t=6)
     chex.assert_trees_all_close(mha(x, enc), mha(x, enc, enc), atol=0, rtol=0)

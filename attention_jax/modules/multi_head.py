@@ -29,6 +29,7 @@ import numpy as np
 from attention_jax import _checks
 from attention_jax import _patterns
 from attention_jax import multi_head
+from attention_jax import score_mods
 from attention_jax import sharding
 from attention_jax.modules import _rngs
 
@@ -151,6 +152,10 @@ class MultiHeadAttention(nnx.Module):
       call, e.g. ``aj.alibi(aj.alibi_slopes(num_heads))``; an
       ``aj.ScoreMod``'s arrays are constants of the layer (learned ones go
       in an ``nnx.Param`` and a per-call ``score_mod``).
+    t5_bias: an ``aj.T5Bias(num_buckets, max_distance, bidirectional)``:
+      learn T5's relative position bias, a ``t5_table`` ``nnx.Param
+      [num_buckets, N]`` (initialised normal, std ``d_model ** -0.5``),
+      applied before ``score_mod``; decoding uses absolute positions.
     rope: base of rotary position embeddings (e.g. ``10000.0``) on the
       projected queries and keys, None for none. Positions come from the
       cache while decoding and restart per document with segment ids.
@@ -199,6 +204,7 @@ class MultiHeadAttention(nnx.Module):
       scale: float | None = None,
       attention_sinks: bool = False,
       score_mod: multi_head.ScoreMod | None = None,
+      t5_bias: score_mods.T5Bias | None = None,
       rope: float | None = None,
   ):
     dims = multi_head.check_dims(
@@ -236,6 +242,15 @@ class MultiHeadAttention(nnx.Module):
     self.scale = scale
     _checks.check_score_mod(score_mod)
     self.score_mod = nnx.data(score_mod)  # an aj.ScoreMod may hold arrays
+    if t5_bias is not None and not isinstance(t5_bias, score_mods.T5Bias):
+      raise TypeError(f"t5_bias must be an aj.T5Bias(num_buckets, "
+                      f"max_distance, bidirectional), got {t5_bias!r}.")
+    self.t5_bias = t5_bias
+    self.t5_table = nnx.data(None)
+    if t5_bias is not None:
+      self.t5_table = nnx.Param(jax.random.normal(
+          rngs.params(), (t5_bias.num_buckets, num_heads), param_dtype)
+                                * d_model ** -0.5)  # [buckets, N]
     if rope is not None and (isinstance(rope, bool) or not isinstance(
         rope, (int, float)) or not rope > 0):
       raise ValueError(f"rope is the rotary base, a positive number such as "
@@ -271,6 +286,14 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index: nnx.Cache | None = nnx.data(None)
     self.cache_overflow: nnx.Cache | None = nnx.data(None)
     self.cache_window: int | None = None
+
+  def _score_mod(self):
+    """The layer's T5 bias (its learned table) then its ``score_mod``."""
+    if self.t5_bias is None:
+      return self.score_mod
+    t5 = self.t5_bias.score_mod(self.t5_table[...])
+    return t5 if self.score_mod is None else score_mods.chain(
+        t5, self.score_mod)
 
   def _layers(self) -> dict[str, Projection | NormScale]:
     names = ("W_q", "W_k", "W_v", "W_o") + (
@@ -511,8 +534,7 @@ class MultiHeadAttention(nnx.Module):
         query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
         logits_soft_cap=self.logits_soft_cap,
         sinks=None if self.sinks is None else self.sinks[...],
-        score_mod=self.score_mod,
-        rope=self.rope)
+        score_mod=self._score_mod(), rope=self.rope)
     if decode:
       self.cached_key[...] = cache.key
       self.cached_value[...] = cache.value
