@@ -44,6 +44,7 @@ from attention_jax.score_mods import T5Bias
 from attention_jax.score_mods import alibi
 from attention_jax.score_mods import alibi_slopes
 from attention_jax.score_mods import chain
+from attention_jax.score_mods import soft_cap
 from attention_jax.score_mods import t5_buckets
 from attention_jax.score_mods import t5_relative_bias
 from attention_jax.softmax import masked_softmax
@@ -62,6 +63,7 @@ __all__ = [
     "alibi",
     "alibi_slopes",
     "chain",
+    "soft_cap",
     "t5_buckets",
     "t5_relative_bias",
     "apply_rope",

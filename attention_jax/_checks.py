@@ -169,7 +169,6 @@ class Operands(NamedTuple):
   batch_shape: tuple[int, ...]  # broadcast leading dims (grouped)
   # Static parts of the pattern.
   window: tuple[int, int] | None = None  # (left, right)
-  softcap: float | None = None
   score_mod: Any = None
   block_mask: _patterns.BlockMask | None = None
 
@@ -285,7 +284,7 @@ def _check_pair_axes(name, shape, t, s, q_shape, k_shape) -> None:
 
 def attention_operands(query, key, value, mask=None, bias=None, *,
                        key_value_seq_lengths=None, query_seq_lengths=None,
-                       local_window_size=None, logits_soft_cap=None,
+                       local_window_size=None,
                        query_segment_ids=None, key_segment_ids=None,
                        sinks=None, score_mod=None) -> Operands:
   """Checks the operands of an attention function and normalises them.
@@ -390,7 +389,6 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   batch_shape = broadcast_shapes(what, **leading)
   head_index = None if score_mod is None else _head_index(batch_shape, groups)
   window = _patterns.check_window(local_window_size)
-  check_soft_cap(logits_soft_cap)
   query, key, value = (_grouping.split(jnp.asarray(x), groups, -3)
                        for x in (query, key, value))
   mask, bias = (_grouping.split(x, groups, -3) for x in (mask, bias))
@@ -403,7 +401,6 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                                       groups.num_heads // groups.num_kv_heads)
   return Operands(query, key, value, mask, bias, lengths, q_lengths, q_seg,
                   k_seg, sinks, head_index, groups, batch_shape, window,
-                  None if logits_soft_cap is None else float(logits_soft_cap),
                   score_mod, block_mask)
 
 
@@ -435,17 +432,17 @@ def _head_index(batch_shape, groups):
   return _grouping.split(b, groups, -1), _grouping.split(h, groups, -1)
 
 
-def check_soft_cap(logits_soft_cap) -> None:
-  """A soft cap is a positive Python number (static) or None."""
-  if logits_soft_cap is None:
+def check_soft_cap(value, name: str = "logits_soft_cap",
+                   optional: bool = True) -> None:
+  """A soft cap is a positive Python number (static), or None if optional."""
+  if value is None and optional:
     return
-  if isinstance(logits_soft_cap, bool) or not isinstance(
-      logits_soft_cap, (int, float, np.integer, np.floating)):
-    raise TypeError(f"logits_soft_cap must be a positive Python number, got "
-                    f"{logits_soft_cap!r} ({type(logits_soft_cap).__name__}).")
-  if not logits_soft_cap > 0 or not np.isfinite(logits_soft_cap):
-    raise ValueError(f"logits_soft_cap must be positive and finite, got "
-                     f"{logits_soft_cap}.")
+  if isinstance(value, bool) or not isinstance(
+      value, (int, float, np.integer, np.floating)):
+    raise TypeError(f"{name} must be a positive Python number, got "
+                    f"{value!r} ({type(value).__name__}).")
+  if not value > 0 or not np.isfinite(value):
+    raise ValueError(f"{name} must be positive and finite, got {value}.")
 
 
 def check_scale(scale) -> None:

@@ -45,7 +45,6 @@ from attention_jax import _patterns
 
 # Structured arguments jax.nn.dot_product_attention has no counterpart for.
 _NOT_IN_JAX_NN = {
-    "logits_soft_cap": "jax.nn's cuDNN kernel has no logit soft cap",
     "query_segment_ids": "jax.nn.dot_product_attention takes no segment ids",
     "key_segment_ids": "jax.nn.dot_product_attention takes no segment ids",
     "sinks": "jax.nn's cuDNN kernel has no attention sinks",

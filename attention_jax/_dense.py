@@ -20,13 +20,12 @@ from attention_jax import softmax
 
 
 def single_head(query, key, value, h, keep, *, scale, is_causal, window,
-                softcap, score_mod, dropout_rate, out_dtype, compute_dtype,
-                want_lse):
+                score_mod, dropout_rate, out_dtype, compute_dtype, want_lse):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
   ``h`` is the head's ``_broadcast.Head`` (mask, bias, lengths, segment
   ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``keep`` the ``[T, S]``
-  dropout draw or None; ``window``, ``softcap`` and ``score_mod`` as in
+  dropout draw or None; ``window`` and ``score_mod`` as in
   ``_patterns`` / the flash core.
   Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``; weights and
   lse in ``compute_dtype``, out in ``out_dtype``.
@@ -76,9 +75,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
                               (t, s)).astype(compute_dtype)
     finite = (logits > -jnp.inf) if finite is None else (
         finite & (logits > -jnp.inf))
-  if softcap is not None:
-    logits = softcap * jnp.tanh(logits / softcap)
-  if finite is not None:  # the cap would make a blocking -inf finite
+  if finite is not None:  # where a bias or score_mod blocks
     allowed = both(finite)
   want_lse = want_lse or h.sink is not None
   if additive:

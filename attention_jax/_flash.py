@@ -17,26 +17,28 @@ blocks and, for each, only the query blocks that can see it.
 Internal interface (what ``blockwise.py`` and ``ring.py`` use; nothing else
 of this module is imported elsewhere):
 
-* ``Static``: the static configuration of one head (scale, causality, true
-  lengths, block sizes); hashable, a ``nondiff_argnums`` of custom VJPs.
+* ``Static``: one head's static configuration (scale, causal/window bounds,
+  score modifier, true lengths, block sizes); hashable, the
+  ``nondiff_argnums`` of the custom VJPs.
+* ``Extras``: one head's other operands, padded (mask, bias, lengths,
+  segment ids, block mask, ``(b, h)``, the score modifier's arrays); a
+  pytree. ``Place``: where the local rows and columns stand.
 * ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
-  softcap)``: builds the ``Static`` and pads q, k, v to whole blocks.
-* ``forward(st, q, k, v, mask, bias, length, q_length, offset)``: float32
-  ``(out [Tp, Hv], lse [Tp])`` of padded operands.
-* ``backward(st, residuals, cotangents)``: float32 ``(dq, dk, dv, dbias)``
-  from ``residuals = (q, k, v, mask, bias, length, q_length, offset, out,
-  lse)`` and
+  score_mod)`` builds the ``Static`` and pads q, k, v to whole blocks;
+  ``padded_extras(st, tp, sp, head)`` pads a ``_broadcast.Head``;
+  ``hoist_score_mod(st, ex, like)`` makes the modifier's arrays operands.
+* ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp])``.
+* ``backward(st, residuals, cotangents)``: float32 ``(dq, dk, dv, dbias,
+  dargs)`` from ``residuals = (q, k, v, ex, place, out, lse)`` and
   ``cotangents = (d_out, d_lse)``; ``out``/``lse`` may be those of a longer
   key sequence of which ``k``/``v`` are one block (ring attention).
-* ``single_head(q, k, v, mask, bias, length, q_length, *, out_dtype,
-  scale, is_causal, block_q, block_k, window, softcap)``: one head end to
-  end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too);
-  returns
-  ``(out [T, Hv], None, lse [T])``, the ``_broadcast.lift_heads`` contract.
-* ``validate(name, query, key, value, mask, bias, key_value_seq_lengths,
-  query_seq_lengths, local_window_size, logits_soft_cap, block_q, block_k,
-  scale)``: the checks every flash entry point shares; returns
-  ``(operands, scale, window, out_dtype)``.
+* ``single_head(q, k, v, head, *, out_dtype, **blocks)``: one head end to
+  end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too),
+  returning ``(out [T, Hv], None, lse [T])``, the ``_broadcast.lift_heads``
+  contract.
+* ``validate(name, query, key, value, mask, bias, block_q, block_k, scale,
+  flags, **structured)``: the checks every flash entry point shares;
+  returns ``(operands, scale, out_dtype)``. ``block_sizes`` picks blocks.
 
 Operands: ``mask`` bool and ``bias`` float are ``[T|1, S|1]`` (size-1 axes
 broadcast), ``length``/``q_length`` int32 scalars (valid keys / queries) or
@@ -74,7 +76,6 @@ from attention_jax import score_mods
 class Static(NamedTuple):
   scale: float
   bounds: _patterns.Bounds  # causal and window bounds (None = open)
-  softcap: float | None  # logits -> softcap * tanh(logits / softcap)
   # score_mod(score, b, h, q_idx, kv_idx, *consts) (after hoist_score_mod)
   score_mod: Callable | None
   t: int  # true (unpadded) lengths
@@ -192,14 +193,14 @@ def _patterned(st: Static, ex: Extras) -> bool:
 
 def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
                   full: bool, scale=None, want_vjp: bool = False):
-  """Float32 logits of one block, where they are allowed, their slopes.
+  """Float32 logits of one block, where they are allowed, and a VJP.
 
-  Logits are ``scale * q.k + bias``, then ``score_mod``, then soft-capped.
+  Logits are ``scale * q.k + bias``, then ``score_mod`` (a soft cap is one).
   ``ok`` is None when every entry is allowed, statically; ``full`` says the
   block is known to hold no blocked entry (no pattern or mask pass is
-  made; ``-inf`` from a bias or ``score_mod`` still blocks). ``dcap`` is
-  ``d capped / d modded`` (None without a cap), ``mod_vjp`` the VJP of the
-  score modifier in ``(raw logits, *its argument tiles)`` (when asked).
+  made; ``-inf`` from a bias or ``score_mod`` still blocks). ``mod_vjp`` is
+  the VJP of the score modifier in ``(raw logits, *its arrays)`` (when
+  asked).
   Padded query rows (past ``T``) need no mask: their outputs are dropped
   and their cotangents are zero.
   """
@@ -246,12 +247,8 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
     else:
       logits = mod(safe, *consts)
     ok = both(logits > -jnp.inf)
-  dcap = None
-  if st.softcap is not None:
-    capped = jnp.tanh(logits / st.softcap)
-    logits, dcap = st.softcap * capped, 1.0 - capped * capped
   if full:
-    return logits, ok, dcap, mod_vjp
+    return logits, ok, mod_vjp
   if st.s % st.bk:
     ok = both(cols < st.s)
   q_seg = k_seg = None
@@ -265,7 +262,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
   if ex.block_mask is not None:
     ok = both(jnp.broadcast_to(ex.block_mask.mask_fn(
         rows + place.q_start, cols + place.kv_start), (st.bq, st.bk)))
-  return logits, ok, dcap, mod_vjp
+  return logits, ok, mod_vjp
 
 
 def _masked_exp(logits, ok, shift, scale=1.0):
@@ -370,7 +367,7 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
   # scale * max(l) for scale > 0, and XLA:CPU then runs no separate multiply
   # pass over each [bq, bk] block (it would not fuse it into the dot). Row
   # maxima are in raw-logit units; lse is converted back at the end.
-  defer = (ex.bias is None and st.softcap is None and st.score_mod is None
+  defer = (ex.bias is None and st.score_mod is None
            and st.scale > 0)
   later = st.scale if defer else 1.0
   seg = _segment_summary(st, ex)
@@ -385,7 +382,7 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
       j0 = j * st.bk
       kj = _key_rows(st, k, j0, ex.length)  # [bk, H]
       vj = _key_rows(st, v, j0, ex.length)  # [bk, Hv]
-      logits, ok, _, _ = _block_logits(st, qi, kj, i0, j0, ex, place, full,
+      logits, ok, _ = _block_logits(st, qi, kj, i0, j0, ex, place, full,
                                        scale=1.0 if defer else None)
       allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
       new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
@@ -473,7 +470,7 @@ def backward(st, residuals, cotangents):
       i0 = i * st.bq
       qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)
       doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
-      logits, ok, dcap, mod_vjp = _block_logits(
+      logits, ok, mod_vjp = _block_logits(
           st, qi, kj, i0, j0, ex, place, full,
           want_vjp=st.score_mod is not None)
       if ok is not None:  # rows with nothing to attend have lse = -inf
@@ -483,8 +480,6 @@ def backward(st, residuals, cotangents):
       dvj = dvj + jnp.einsum("TS,TV->SV", p, doi)
       dp = jnp.einsum("TV,SV->TS", doi, vj.astype(f32))
       ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i0, st.bq)[:, None])
-      if dcap is not None:  # back through softcap * tanh(modded / softcap)
-        ds = ds * dcap
       if mod_vjp is not None:  # back through score_mod, to its values too
         ds, *d_consts = mod_vjp(ds)
         dargs = tuple(acc + d.astype(f32) for acc, d in zip(dargs, d_consts))
@@ -518,14 +513,13 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def padded(q, k, v, *, scale, is_causal, block_q, block_k, window=None,
-           softcap=None, score_mod=None):
+           score_mod=None):
   """One head's static config and q, k, v padded to whole blocks."""
   t, s = q.shape[0], k.shape[0]
   bq, bk = min(block_q, t), min(block_k, s)
   tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
   st = Static(float(scale), _patterns.bounds(bool(is_causal), window),
-              None if softcap is None else float(softcap), score_mod, t, s,
-              bq, bk)
+              score_mod, t, s, bq, bk)
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 

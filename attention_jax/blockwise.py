@@ -38,7 +38,6 @@ def blockwise_attention(
     local_window_size: int | tuple[int, int] | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_segment_ids: ArrayLike | None = None,
-    logits_soft_cap: float | None = None,
     sinks: ArrayLike | None = None,
     score_mod: ScoreMod | None = None,
     block_q: int | None = None,
@@ -76,8 +75,6 @@ def blockwise_attention(
       dim): packed documents; a query sees only keys of its segment.
       Contiguous segments skip every cross-document block.
     key_segment_ids: integer ``[S]`` or ``[..., S]``, with the query ids.
-    logits_soft_cap: ``c`` (static): logits become ``c * tanh(logits / c)``
-      after scale, bias and ``score_mod``, before masking.
     sinks: float broadcastable to the leading dims (e.g. ``[N]``): a logit
       per head added to every row's softmax denominator; differentiable.
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` (see
@@ -112,11 +109,11 @@ def blockwise_attention(
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
+      sinks=sinks, score_mod=score_mod)
   block_q, block_k = _flash.block_sizes(ops, is_causal, block_q, block_k)
   head = functools.partial(_flash.single_head, scale=scale,
                            is_causal=is_causal, window=ops.window,
-                           softcap=ops.softcap, score_mod=ops.score_mod,
+                           score_mod=ops.score_mod,
                            block_q=block_q, block_k=block_k,
                            out_dtype=out_dtype)
   out, _, lse = _broadcast.lift_heads(head, ops)

@@ -98,7 +98,6 @@ def scaled_dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_segment_ids: ArrayLike | None = None,
-    logits_soft_cap: float | None = None,
     sinks: ArrayLike | None = None,
     score_mod: ScoreMod | None = None,
     dropout_rate: float = 0.0,
@@ -146,14 +145,12 @@ def scaled_dot_product_attention(
       blockwise path skip every cross-document block.
     key_segment_ids: integer ``[S]`` or ``[..., S]``; required with
       ``query_segment_ids`` (the same array for packed self-attention).
-    logits_soft_cap: ``c`` (static): logits become ``c * tanh(logits / c)``
-      after scale, bias and ``score_mod``, before masking (Gemma 2, Grok).
     sinks: float broadcastable to the leading dims (``[N]`` or ``[B, N]``
       for ``[B, N, T, H]``): per-head sink logits; ``exp(sink)`` joins every
       row's softmax denominator, so weights sum to less than 1 (gpt-oss's
       learned sinks). Differentiable. The returned lse includes the sink.
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` returns modified
-      float32 scores (after scale and bias, before the soft cap): ``b`` and
+      float32 scores (after scale and bias; ``aj.soft_cap(c)`` caps): ``b`` and
       ``h`` are the int32 batch and query-head indices (of ``[B, N, T, H]``
       operands: the last leading axis is ``h``, the one before ``b``; with
       one leading axis, ``b`` and ``h = 0``), ``q_idx``/``kv_idx`` broadcast
@@ -226,7 +223,7 @@ def scaled_dot_product_attention(
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
+      sinks=sinks, score_mod=score_mod)
   _checks.check_dropout(dropout_rate, dropout_rng)
   dropout_on = not (isinstance(dropout_rate, (int, float))
                     and dropout_rate == 0.0)
@@ -241,7 +238,7 @@ def scaled_dot_product_attention(
                 "local_window_size": ops.window,
                 "query_segment_ids": query_segment_ids,
                 "key_segment_ids": key_segment_ids,
-                "logits_soft_cap": ops.softcap, "sinks": sinks,
+                "sinks": sinks,
                 "score_mod": score_mod, "block_mask": ops.block_mask}
   implementation = choose_implementation(
       implementation, query, key, value, raw_mask, bias, raw_lengths,
@@ -256,8 +253,7 @@ def scaled_dot_product_attention(
         key_value_seq_lengths=key_value_seq_lengths,
         query_seq_lengths=query_seq_lengths, local_window_size=ops.window,
         query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
-        return_lse=return_lse)
+        sinks=sinks, score_mod=score_mod, return_lse=return_lse)
   if implementation == "cudnn":
     q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths)
     return _cudnn.attention(
@@ -274,7 +270,7 @@ def scaled_dot_product_attention(
   def head(q, k, v, h, kp):
     return _dense.single_head(
         q, k, v, h, kp, scale=scale, is_causal=is_causal, window=ops.window,
-        softcap=ops.softcap, score_mod=ops.score_mod,
+        score_mod=ops.score_mod,
         dropout_rate=dropout_rate, out_dtype=out_dtype,
         compute_dtype=_numerics.compute_dtype(out_dtype),
         want_lse=return_lse)

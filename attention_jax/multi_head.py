@@ -457,7 +457,7 @@ def attend_heads(
     **pattern: the structured-attention arguments of
       ``scaled_dot_product_attention`` (``key_value_seq_lengths``,
       ``query_seq_lengths``, ``local_window_size``, ``query_segment_ids``,
-      ``key_segment_ids``, ``logits_soft_cap``, ``sinks``, ``score_mod``)
+      ``key_segment_ids``, ``sinks``, ``score_mod``)
       in its 4-D conventions (e.g. lengths ``[B, 1]``);
       passed to ``attention_fn`` only when not None.
 
@@ -549,7 +549,7 @@ ScoreMod = _patterns.ScoreMod
 # The structured-attention arguments multi-head attention passes through.
 PATTERN_ARGS = ("key_value_seq_lengths", "query_seq_lengths",
                 "local_window_size", "query_segment_ids", "key_segment_ids",
-                "logits_soft_cap", "sinks", "score_mod")
+                "sinks", "score_mod")
 
 
 def _heads_layout(pattern: dict[str, Any]) -> dict[str, Any]:
@@ -852,7 +852,6 @@ def multi_head_attention(
     local_window_size: int | tuple[int, int] | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_segment_ids: ArrayLike | None = None,
-    logits_soft_cap: float | None = None,
     sinks: ArrayLike | None = None,
     score_mod: Any = None,
     rope: float | None = None,
@@ -902,7 +901,6 @@ def multi_head_attention(
       ``scaled_dot_product_attention`` (static).
     query_segment_ids: optional integer ``[B, T]`` (packed documents).
     key_segment_ids: optional integer ``[B, S]``, with the query ids.
-    logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
     sinks: optional float ``[N]``: per-head sink logits.
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, e.g.
       ``aj.alibi(slopes)``; see ``scaled_dot_product_attention``. Decoding
@@ -941,6 +939,6 @@ def multi_head_attention(
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod,
+      sinks=sinks, score_mod=score_mod,
       rope=rope)
   return (output, weights) if return_weights else output

@@ -245,7 +245,6 @@ def ring_attention(
     local_window_size: int | tuple[int, int] | None = None,
     query_segment_ids: ArrayLike | None = None,
     key_segment_ids: ArrayLike | None = None,
-    logits_soft_cap: float | None = None,
     sinks: ArrayLike | None = None,
     score_mod: ScoreMod | None = None,
     block_q: int | None = None,
@@ -287,7 +286,6 @@ def ring_attention(
       (sharded like the queries): packed documents.
     key_segment_ids: this device's ``[S]`` or ``[..., S]``; they travel
       round the ring with their keys.
-    logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
     sinks: per-head sink logits (replicated), as in ``blockwise_attention``.
     score_mod: as in ``blockwise_attention``, called with *global* query
       and key indices; the arrays it holds or closes over are replicated
@@ -334,7 +332,7 @@ def ring_attention(
       query_seq_lengths=query_seq_lengths,
       local_window_size=local_window_size,
       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
+      sinks=sinks, score_mod=score_mod)
   try:
     size = jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -345,7 +343,7 @@ def ring_attention(
   block_q, block_k = _flash.block_sizes(ops, is_causal, block_q, block_k)
   head = functools.partial(
       _single_head, axis_name=axis_name, size=size, scale=scale,
-      is_causal=is_causal, window=ops.window, softcap=ops.softcap,
+      is_causal=is_causal, window=ops.window,
       score_mod=ops.score_mod, block_q=block_q, block_k=block_k,
       out_dtype=out_dtype)
   out, _, lse = _broadcast.lift_heads(head, ops)

@@ -1,4 +1,4 @@
-"""Score modifiers: one contract, and the built-ins (ALiBi, T5).
+"""Score modifiers: one contract, and the built-ins (ALiBi, T5, soft cap).
 
 Shape glossary: B batch, N query heads; T query length, S key/value length.
 
@@ -14,8 +14,9 @@ Arrays travel with the function as one value: ``ScoreMod(fn, params)`` is a
 pytree (``fn`` static, ``params`` leaves), so it passes through ``jax.jit``
 and into modules, and ``chain`` composes several. A plain function closing
 over arrays works too (the flash kernels hoist what it closes over out of
-their custom VJPs). Built-ins: ``alibi(slopes)`` (ALiBi) and
-``t5_relative_bias(table)`` (T5's bucketed relative positions).
+their custom VJPs). Built-ins: ``alibi(slopes)`` (ALiBi),
+``t5_relative_bias(table)`` (T5's bucketed relative positions) and
+``soft_cap(cap)`` (Gemma 2's logit soft-capping).
 """
 
 from __future__ import annotations
@@ -248,3 +249,33 @@ def t5_relative_bias(table: jax.Array, *, max_distance: int = 128,
     raise ValueError(f"t5_relative_bias takes a float table [num_buckets, N], "
                      f"got shape {table.shape} {table.dtype}.")
   return ScoreMod(T5Bias(table.shape[0], max_distance, bidirectional), table)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SoftCap:
+  cap: float
+
+  def __call__(self, score, b, h, q_idx, kv_idx, params):
+    del b, h, q_idx, kv_idx, params
+    capped = self.cap * jnp.tanh(score / self.cap)
+    # A blocked entry (-inf from a bias or an earlier modifier) stays
+    # blocked: the cap alone would make it -cap, a finite logit.
+    return jnp.where(score == -jnp.inf, score, capped)
+
+
+def soft_cap(cap: float) -> ScoreMod:
+  """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``.
+
+  Args:
+    cap: a positive Python number (static), e.g. 50.0.
+
+  ``-inf`` (blocked) entries stay ``-inf``. After other modifiers it goes
+  last: ``chain(alibi(slopes), soft_cap(30.0))``.
+
+  Example:
+    >>> mod = soft_cap(2.0)
+    >>> mod(jnp.array([0.0, 100.0, -jnp.inf]), 0, 0, 0, 0).tolist()
+    [0.0, 2.0, -inf]
+  """
+  _checks.check_soft_cap(cap, "soft_cap's cap", optional=False)
+  return ScoreMod(_SoftCap(float(cap)))

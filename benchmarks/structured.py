@@ -313,7 +313,7 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
     return lambda q, k, v: aj.blockwise_attention(q, k, v, is_causal=True,
                                                   **kw)
 
-  mods = {"aj_plain": modded(), "aj_soft_cap": modded(logits_soft_cap=30.0),
+  mods = {"aj_plain": modded(), "aj_soft_cap": modded(score_mod=aj.soft_cap(30.0)),
           "aj_sinks": modded(sinks=jnp.zeros((n,))),
           "aj_alibi": modded(score_mod=aj.alibi(aj.alibi_slopes(n)))}
   cases["score_mods_T2048"] = Case(

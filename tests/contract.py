@@ -114,7 +114,7 @@ class Case:
   lse: bool = False  # return_lse, and a loss through lse
   q_lengths: tuple[int, ...] | None = None  # query_seq_lengths per example
   window: tuple[int, int] | None = None  # local_window_size (left, right)
-  softcap: float | None = None  # logits_soft_cap
+  softcap: float | None = None  # score_mod aj.soft_cap(c), after the others
   # Packed documents: "sorted" (contiguous, differing per example and
   # between queries and keys), "unsorted" ids, or "recurring": one-id
   # query blocks facing key blocks of that id on both sides of a block of
@@ -403,8 +403,6 @@ def suite(names):
         extra["query_seq_lengths"] = q_lengths
       if case.window is not None:
         extra["local_window_size"] = case.window
-      if case.softcap is not None:
-        extra["logits_soft_cap"] = case.softcap
       q_seg, k_seg = _segment_ids(case)
       if q_seg is not None:
         extra["query_segment_ids"] = jnp.asarray(q_seg)
@@ -422,11 +420,16 @@ def suite(names):
         kw = {} if bias is None else {"bias": bias}
         if "sinks" in diff:
           kw["sinks"] = diff["sinks"]
+        mods = []
         if "slopes" in diff:
-          kw["score_mod"] = aj.alibi(diff["slopes"])
+          mods.append(aj.alibi(diff["slopes"]))
         if "t5_table" in diff:
-          kw["score_mod"] = aj.t5_relative_bias(
-              diff["t5_table"], max_distance=T5_MAX_DISTANCE)
+          mods.append(aj.t5_relative_bias(diff["t5_table"],
+                                          max_distance=T5_MAX_DISTANCE))
+        if case.softcap is not None:
+          mods.append(aj.soft_cap(case.softcap))
+        if mods:
+          kw["score_mod"] = mods[0] if len(mods) == 1 else aj.chain(*mods)
         result = fn(q, k, v, mask_in, **kw)
         return result if case.lse else (result, None)
 

@@ -137,7 +137,7 @@ class ProblemTest(parameterized.TestCase):
   def test_nothing_structured(self):
     self.assertIsNone(self._problem())
     self.assertIsNone(self._problem(structured={}))
-    self.assertIsNone(self._problem(structured={"logits_soft_cap": None}))
+    self.assertIsNone(self._problem(structured={"sinks": None}))
 
   @parameterized.named_parameters(
       ("per_example", np.array([[3], [8]])),
@@ -180,7 +180,7 @@ class ProblemTest(parameterized.TestCase):
     self.assertRegex(self._problem(t, s, {"local_window_size": window}),
                      r"^local_window_size.*" + why)
 
-  @parameterized.parameters("logits_soft_cap", "query_segment_ids",
+  @parameterized.parameters("query_segment_ids",
                             "key_segment_ids", "sinks", "score_mod",
                             "block_mask", "something_new")
   def test_unsupported_named(self, name):
@@ -189,10 +189,9 @@ class ProblemTest(parameterized.TestCase):
 
   def test_first_refused_argument_named(self):
     structured = {"query_seq_lengths": np.array([[3], [8]]),
-                  "local_window_size": (2, 0), "logits_soft_cap": 30.0,
+                  "local_window_size": (2, 0), "score_mod": aj.soft_cap(30.0),
                   "sinks": jnp.zeros((N,))}
-    self.assertRegex(self._problem(structured=structured),
-                     "^logits_soft_cap")
+    self.assertRegex(self._problem(structured=structured), "^score_mod")
 
   def test_names_only_refused(self):  # the dispatcher's older call shape
     self.assertRegex(self._problem(structured=["local_window_size"]),
@@ -202,7 +201,7 @@ class ProblemTest(parameterized.TestCase):
   def test_earlier_checks_still_first(self):
     q, k, v = _qkv(8, 8)  # float32
     self.assertRegex(_cudnn.problem(q, k, v, None, None, None, False,
-                                    {"logits_soft_cap": 1.0}),
+                                    {"score_mod": aj.soft_cap(1.0)}),
                      "float16/bfloat16")
 
 

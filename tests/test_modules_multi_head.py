@@ -128,6 +128,7 @@ class MatchesReferencesTest(parameterized.TestCase):
     # The docs' jax.nn adapter takes a window: a windowed layer runs through
     # it and equals ours. What it cannot take (a soft cap) is refused by
     # name before it is called, not with Python's "unexpected keyword".
+    # (A soft cap is a score modifier.)
     def jax_nn_attention(q, k, v, *, mask=None, bias=None, scale=None,
                          is_causal=False, local_window_size=None):
       swap = lambda x: jnp.swapaxes(x, 1, 2)
@@ -144,8 +145,8 @@ class MatchesReferencesTest(parameterized.TestCase):
                                 rtol=1e-6)
     capped = _module(logits_soft_cap=2.0, attention_fn=jax_nn_attention)
     with self.assertRaisesRegex(
-        ValueError, r"attention_fn jax_nn_attention takes no "
-        r"logits_soft_cap, which this call passes \(logits_soft_cap=2.0\)"):
+        ValueError, r"attention_fn jax_nn_attention takes no score_mod, "
+        r"which this call passes \(score_mod=ScoreMod"):
       capped(x)
 
   def test_t5_bias_learns_and_decodes(self):

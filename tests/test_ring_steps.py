@@ -46,7 +46,7 @@ class NeededStepsTest(absltest.TestCase):
     for size, t, s, causal, window in itertools.product(
         (1, 2, 3, 4, 8), range(1, 6), range(1, 6), (False, True), WINDOWS):
       st = _flash.Static(scale=1.0, bounds=_patterns.bounds(causal, window),
-                         softcap=None, score_mod=None, t=t, s=s, bq=1, bk=1)
+                         score_mod=None, t=t, s=s, bq=1, bk=1)
       want = _brute_force(size, t, s, causal, window)
       self.assertEqual(ring.needed_steps(st, size), want,
                        f"P={size} T={t} S={s} (per device) causal={causal} "

@@ -80,11 +80,10 @@ CASES = [
     ("blockwise_window_triple", lambda: aj.blockwise_attention(
         Q, K, V, local_window_size=(1, 2, 3)), TypeError,
      r"local_window_size must be a Python int"),
-    ("sdpa_soft_cap_zero", lambda: sdpa(Q, K, V, logits_soft_cap=0.0),
-     ValueError, r"logits_soft_cap must be positive and finite, got 0.0"),
-    ("blockwise_soft_cap_array", lambda: aj.blockwise_attention(
-        Q, K, V, logits_soft_cap=jnp.ones(2)), TypeError,
-     r"logits_soft_cap must be a positive Python number"),
+    ("soft_cap_zero", lambda: aj.soft_cap(0.0),
+     ValueError, r"soft_cap's cap must be positive and finite, got 0.0"),
+    ("soft_cap_array", lambda: aj.soft_cap(jnp.ones(2)), TypeError,
+     r"soft_cap's cap must be a positive Python number"),
     ("sdpa_float_query_lengths", lambda: sdpa(
         Q, K, V, query_seq_lengths=jnp.ones(2)), TypeError,
      r"query_seq_lengths must be an integer array.*float32"),

@@ -141,7 +141,8 @@ class MultiHeadAttention(nnx.Module):
     local_window_size: ``w`` or ``(left, right)``: every call attends within
       this window (a sliding-window layer); see
       ``aj.scaled_dot_product_attention``. Decoding honours it.
-    logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
+    logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``, after
+      the other score modifiers (``aj.soft_cap``).
     scale: multiplier of ``q . k``, a positive number; None means
       ``1 / sqrt(head_dim)`` (or ``attention_fn``'s default). Gemma 2 uses
       ``query_pre_attn_scalar ** -0.5``. Decoding honours it.
@@ -288,12 +289,15 @@ class MultiHeadAttention(nnx.Module):
     self.cache_window: int | None = None
 
   def _score_mod(self):
-    """The layer's T5 bias (its learned table) then its ``score_mod``."""
-    if self.t5_bias is None:
-      return self.score_mod
-    t5 = self.t5_bias.score_mod(self.t5_table[...])
-    return t5 if self.score_mod is None else score_mods.chain(
-        t5, self.score_mod)
+    """The layer's T5 bias (its learned table), ``score_mod``, soft cap."""
+    mods = [self.score_mod] if self.score_mod is not None else []
+    if self.t5_bias is not None:
+      mods.insert(0, self.t5_bias.score_mod(self.t5_table[...]))
+    if self.logits_soft_cap is not None:
+      mods.append(score_mods.soft_cap(self.logits_soft_cap))
+    if len(mods) <= 1:
+      return mods[0] if mods else None
+    return score_mods.chain(*mods)
 
   def _layers(self) -> dict[str, Projection | NormScale]:
     names = ("W_q", "W_k", "W_v", "W_o") + (
@@ -532,7 +536,6 @@ class MultiHeadAttention(nnx.Module):
         query_seq_lengths=query_seq_lengths,
         local_window_size=self.local_window_size,
         query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-        logits_soft_cap=self.logits_soft_cap,
         sinks=None if self.sinks is None else self.sinks[...],
         score_mod=self._score_mod(), rope=self.rope)
     if decode:
