@@ -12,6 +12,7 @@ from attention_jax.additive import additive_score
 from attention_jax.additive import init_additive_params
 from attention_jax.additive import precompute_additive_keys
 from attention_jax.block_mask import BlockMask
+from attention_jax.block_mask import MaskRule
 from attention_jax.block_mask import block_mask
 from attention_jax.block_mask import chunked_mask_fn
 from attention_jax.block_mask import prefix_lm_mask_fn
@@ -57,6 +58,7 @@ __all__ = [
     "BahdanauAttention",
     "BlockMask",
     "LuongAttention",
+    "MaskRule",
     "MultiHeadAttention",
     "ScoreMod",
     "T5Bias",

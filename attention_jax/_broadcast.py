@@ -66,7 +66,7 @@ class Head(NamedTuple):
   k_seg: jax.Array | None  # int32 [S]
   sink: jax.Array | None  # float scalar
   index: tuple | None  # int32 scalars (b, h) for score_mod, or None
-  block_mask: Any  # a BlockMask (shared by every head) or None
+  block_mask: Any  # a BlockMask (this head's [nq, nk] tables) or None
 
 
 def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
@@ -80,16 +80,25 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   (``[..., N, T, Hv]``).
   """
   b, h = (None, None) if ops.head_index is None else ops.head_index
+  # A block mask with per-(b, h) tables is sliced per head like a mask;
+  # one without leading dims is shared.
+  bm = ops.block_mask
+  per_head_tables = bm is not None and bm.batch_shape
+  tables = bm.tables if per_head_tables else ()
   operands = (ops.query, ops.key, ops.value, ops.mask, ops.bias,
               ops.lengths, ops.q_lengths, ops.q_seg, ops.k_seg, ops.sinks,
-              b, h, *extra)
-  core = (2, 2, 2, 2, 2, 0, 0, 1, 1, 0, 0, 0, *extra_core_ndims)
+              b, h, *tables, *extra)
+  core = (2, 2, 2, 2, 2, 0, 0, 1, 1, 0, 0, 0, *(2,) * len(tables),
+          *extra_core_ndims)
 
   def per_head(q, k, v, mask, bias, length, q_length, q_seg, k_seg, sink,
                b, h, *rest):
+    head_bm = bm
+    if per_head_tables:
+      head_bm = bm.with_tables(rest[:len(tables)])
     head = Head(mask, bias, length, q_length, q_seg, k_seg, sink,
-                None if b is None else (b, h), ops.block_mask)
-    return head_fn(q, k, v, head, *rest)
+                None if b is None else (b, h), head_bm)
+    return head_fn(q, k, v, head, *rest[len(tables):])
 
   out, weights, lse = broadcast_vmap(per_head, core, operands)
   return (_grouping.merge(out, ops.groups, -3),

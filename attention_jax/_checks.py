@@ -331,6 +331,15 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
           f"mask is a BlockMask built for [T, S] = {list(block_mask.shape)}, "
           f"but the operands have T = {t}, S = {s}: build it with "
           f"block_mask(mask_fn, {t}, {s}, ...).")
+    batch = block_mask.batch_shape
+    if batch and len(batch) != len(q_shape) - 2:
+      raise ValueError(
+          f"mask is a BlockMask with tables for batch={batch}, but the "
+          f"operands have {len(q_shape) - 2} leading dims {q_shape[:-2]}: "
+          f"build it with one batch entry per leading dim (size 1 to "
+          f"broadcast), e.g. batch=(B, 1) for [B, N, T, H].")
+    if batch:
+      leading["mask"] = batch
   logits = _logits_shape(leading, t, s)
   if mask is not None:
     check_mask_dtype("mask", mask)
@@ -387,11 +396,17 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     check_broadcastable_to("sinks", sinks.shape, batch_shape,
                            "the leading dims (e.g. [B, N] or [N])")
   batch_shape = broadcast_shapes(what, **leading)
-  head_index = None if score_mod is None else _head_index(batch_shape, groups)
+  head_index = None
+  if score_mod is not None or block_mask is not None:
+    head_index = _head_index(batch_shape, groups)
   window = _patterns.check_window(local_window_size)
   query, key, value = (_grouping.split(jnp.asarray(x), groups, -3)
                        for x in (query, key, value))
   mask, bias = (_grouping.split(x, groups, -3) for x in (mask, bias))
+  if block_mask is not None and block_mask.batch_shape:
+    block_mask = block_mask.with_tables(
+        _grouping.split(jnp.asarray(x), groups, -3)
+        for x in block_mask.tables)
   lengths, q_lengths = (_grouping.split(x, groups, -1)
                         for x in all_lengths.values())
   q_seg, k_seg = (_grouping.split(x, groups, -2) for x in (q_seg, k_seg))

@@ -47,7 +47,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   allowed = both(_patterns.visible(rows, cols, s - t, bounds, h.q_length,
                                    h.length, q_seg, k_seg))
   if h.block_mask is not None:  # the same predicate the flash core evaluates
-    allowed = both(h.block_mask.mask_fn(rows, cols))
+    allowed = both(h.block_mask.mask_fn(*h.index, rows, cols))
   # Only a structural pattern blocks (iota comparisons, lengths, segments):
   # once unseen keys and empty rows' queries are zeroed, every blocked logit
   # is finite, so the softmax may block with an additive -inf, which XLA

@@ -261,7 +261,8 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
     ok = both(_tile(ex.mask, i0, j0, st.bq, st.bk))
   if ex.block_mask is not None:
     ok = both(jnp.broadcast_to(ex.block_mask.mask_fn(
-        rows + place.q_start, cols + place.kv_start), (st.bq, st.bk)))
+        *ex.index, rows + place.q_start, cols + place.kv_start),
+                               (st.bq, st.bk)))
   return logits, ok, mod_vjp
 
 
@@ -350,7 +351,8 @@ def _walk(st: Static, ex: Extras, ranges, listed, count: int, body, carry):
                           lambda c: masked(j, c), c)
 
     return jax.lax.fori_loop(first, last, step, carry)
-  if ex.mask is not None:
+  rule_only = ex.block_mask is not None  # a rule without tables (ring)
+  if ex.mask is not None or rule_only:  # every visited block is checked
     return jax.lax.fori_loop(lo, hi, masked, carry)
   carry = jax.lax.fori_loop(lo, full_lo, masked, carry)
   carry = jax.lax.fori_loop(full_lo, full_hi,
@@ -399,7 +401,7 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
             jnp.zeros((st.bq,), jnp.float32) + zero,
             jnp.zeros((st.bq, hv), jnp.float32) + zero)
     listed = None
-    if ex.block_mask is not None:
+    if ex.block_mask is not None and ex.block_mask.kinds is not None:
       listed = (ex.block_mask.kv_indices[i], ex.block_mask.kv_full[i])
     ranges = _key_ranges(st, ex, place, seg, i, num_k)
     row_max, total, acc = _walk(st, ex, ranges, listed, num_k, key_block,
@@ -494,7 +496,7 @@ def backward(st, residuals, cotangents):
     init = (jnp.zeros(kj.shape, f32) + zero, jnp.zeros(vj.shape, f32) + zero,
             dq, dbias, dargs)
     listed = None
-    if ex.block_mask is not None:
+    if ex.block_mask is not None and ex.block_mask.kinds is not None:
       listed = (ex.block_mask.q_indices[j], ex.block_mask.q_full[j])
     ranges = _query_ranges(st, ex, place, seg, j, num_q)
     dkj, dvj, dq, dbias, dargs = _walk(st, ex, ranges, listed, num_q,
@@ -652,10 +654,11 @@ def block_sizes(ops, is_causal: bool, block_q, block_k) -> tuple[int, int]:
   1.2-1.6 s with a 512 side), so that skipping and full blocks bite at
   their edges; plain causal takes 256 x 512 (T = 2048: fwd 0.21 s, fwd+bwd
   0.78 s; 256 x 256 gives 0.41 s and 0.95 s); everything else 1024 x 256
-  (fewer, larger matmuls). A block mask fixes its own sizes.
+  (fewer, larger matmuls). A block mask fixes its own sizes (a rule
+  without tables, in ring attention, counts as a fine pattern).
   """
   bm = ops.block_mask
-  if bm is not None:
+  if bm is not None and bm.kinds is not None:
     for size_name, given, own in (("block_q", block_q, bm.block_q),
                                   ("block_k", block_k, bm.block_k)):
       if given is not None and given != own:
@@ -664,7 +667,7 @@ def block_sizes(ops, is_causal: bool, block_q, block_k) -> tuple[int, int]:
             f"build it with block_mask(..., {size_name}={given}) or leave "
             f"{size_name} unset.")
     return bm.block_q, bm.block_k
-  if ops.window is not None or ops.q_seg is not None:
+  if ops.window is not None or ops.q_seg is not None or bm is not None:
     rule = (256, 256)
   elif is_causal:
     rule = (256, 512)

@@ -234,7 +234,7 @@ def ring_attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
-    mask: ArrayLike | None = None,
+    mask: BlockMask | None = None,
     *,
     axis_name: str,
     bias: ArrayLike | None = None,
@@ -263,9 +263,12 @@ def ring_attention(
     key: float ``[..., S, H]``, this device's keys (4-D ``[B, K, S, H]``
       with ``K`` dividing the query heads ``N``: grouped-query attention).
     value: float ``[..., S, Hv]``.
-    mask: not supported (a dense mask or block mask would have to travel
-      round the ring with its keys): pass None, and express the pattern
-      with lengths, ``is_causal``, windows and segment ids.
+    mask: None, or a ``BlockMask`` built for the *global* ``[P*T, P*S]``
+      (``block_mask(mask_fn, P*T, P*S, batch=...)``): each device evaluates
+      ``mask_fn`` on global indices in the blocks it visits (its tables are
+      not used; the other patterns still skip blocks and ring steps). A
+      dense mask would have to travel round the ring with its keys: not
+      supported.
     axis_name: the mesh axis the sequence is split over (``P`` devices).
     bias: not supported, as ``mask``.
     scale: defaults to ``1/sqrt(H)``.
@@ -316,17 +319,29 @@ def ring_attention(
     >>> ring(x, x, x).shape
     (2, 64, 16)
   """
+  rule = None
+  if isinstance(mask, BlockMask):  # a rule of indices travels nowhere
+    rule, mask = mask, None
   for name, x in (("mask", mask), ("bias", bias)):
     if x is not None:
       raise ValueError(
-          f"ring_attention takes no {name} (got "
-          f"{_describe(x)}): a dense or block {name} would have to travel "
-          "round the ring with its keys. Express padding with "
-          "key_value_seq_lengths, causality with is_causal, windows with "
-          "local_window_size and documents with segment ids, or gather the "
-          "sequence and call blockwise_attention.")
+          f"ring_attention takes no dense {name} (got "
+          f"{_describe(x)}): it would have to travel round the ring with "
+          "its keys. Express padding with key_value_seq_lengths, causality "
+          "with is_causal, windows with local_window_size, documents with "
+          "segment ids and other rules as aj.block_mask(mask_fn, T, S) "
+          "over global indices, or gather the sequence and call "
+          "blockwise_attention.")
+  local_rule = None
+  if rule is not None:
+    # Each device evaluates the rule on global indices in the blocks it
+    # visits; the tables (laid out for the global sequence) are not used.
+    t, s = _checks.shape_of(query)[-2], _checks.shape_of(key)[-2]
+    local_rule = BlockMask(rule.mask_fn, t, s, min(t, rule.block_q),
+                           min(s, rule.block_k), None, None, None, None,
+                           None)
   ops, scale, out_dtype = _flash.validate(
-      "ring_attention", query, key, value, None, None, block_q, block_k,
+      "ring_attention", query, key, value, local_rule, None, block_q, block_k,
       scale, flags={"is_causal": is_causal, "return_lse": return_lse},
       key_value_seq_lengths=key_value_seq_lengths,
       query_seq_lengths=query_seq_lengths,
@@ -340,6 +355,14 @@ def ring_attention(
         f"axis_name={axis_name!r} is not bound: call ring_attention inside "
         "jax.shard_map over a mesh with that axis (the sequence dimension "
         f"sharded over it). ({e})") from None
+  if rule is not None:
+    t, s = ops.query.shape[-2], ops.key.shape[-2]
+    if rule.shape != (size * t, size * s):
+      raise ValueError(
+          f"ring_attention's mask is a BlockMask built for [T, S] = "
+          f"{list(rule.shape)}, but the global lengths are {size} devices x "
+          f"({t}, {s}) = [{size * t}, {size * s}]: build it for the global "
+          "sequence.")
   block_q, block_k = _flash.block_sizes(ops, is_causal, block_q, block_k)
   head = functools.partial(
       _single_head, axis_name=axis_name, size=size, scale=scale,

@@ -47,7 +47,7 @@ import attention_jax as aj
 
 CASES = ("window256_T4096", "window256_T16384", "packed8x512_T4096",
          "causal_T2048", "dense_causal_T1024", "score_mods_T2048",
-         "memory_T65536")
+         "prefix_lm_T4096", "memory_T65536")
 
 
 def _define_flags():
@@ -216,11 +216,11 @@ def _sizes(preset: str) -> dict[str, Any]:
     return {"bnh": (1, 2, 16), "window": 32, "t_window": 128,
             "t_long": 256, "long_bn": (1, 1), "docs": 4, "t_packed": 128,
             "t_causal": 128, "dense": (1, 2, 64, 16), "t_mods": 128,
-            "memory": (512, 16, 32)}
+            "t_prefix": 128, "memory": (512, 16, 32)}
   return {"bnh": (4, 8, 64), "window": 256, "t_window": 4096,
           "t_long": 16384, "long_bn": (1, 8), "docs": 8, "t_packed": 4096,
           "t_causal": 2048, "dense": (2, 8, 1024, 32), "t_mods": 2048,
-          "memory": (65536, 64, 256)}
+          "t_prefix": 4096, "memory": (65536, 64, 256)}
 
 
 def build_cases(preset: str, torch) -> dict[str, Case]:
@@ -316,6 +316,26 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
   mods = {"aj_plain": modded(), "aj_soft_cap": modded(score_mod=aj.soft_cap(30.0)),
           "aj_sinks": modded(sinks=jnp.zeros((n,))),
           "aj_alibi": modded(score_mod=aj.alibi(aj.alibi_slopes(n)))}
+  # Prefix-LM with one prefix per example (T/4, T/4 + 1, ...), as traced
+  # data: the block tables are classified on device inside the jitted step,
+  # against the same rule as a dense [B, 1, T, T] mask.
+  t = z["t_prefix"]
+  prefixes = (t // 4 + np.arange(b)).astype(np.int32)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  prefix_mask = np.stack([(j < p) | (j <= i) for p in prefixes])[:, None]
+
+  def traced_prefix(q, k, v, p):
+    bm = aj.block_mask(aj.prefix_lm_mask_fn(p), t, t, batch=(b, 1),
+                       block_q=256, block_k=256)
+    return aj.blockwise_attention(q, k, v, bm)
+
+  cases["prefix_lm_T4096"] = Case(
+      "prefix_lm_T4096", (b, n, t, h), ("fwd+bwd",),
+      {"aj_traced_prefix": lambda mode, x: _jax_entry(
+          traced_prefix, mode, x, (prefixes,)),
+       "aj_dense_mask": lambda mode, x: _jax_entry(
+           dense_mask, mode, x, (prefix_mask,))},
+      ("aj_traced_prefix",))
   cases["score_mods_T2048"] = Case(
       "score_mods_T2048", (b, n, z["t_mods"], h), ("fwd+bwd",),
       {name: lambda mode, x, f=f: _jax_entry(f, mode, x)
@@ -502,6 +522,9 @@ def compute_ratios(rows: list[dict], cases: dict[str, Case]) -> list[dict]:
   for mod in ("soft_cap", "sinks", "alibi"):
     ratio("score_mods_T2048", "fwd+bwd", f"{mod} / plain", f"aj_{mod}",
           "aj_plain", target=1.15)
+  ratio("prefix_lm_T4096", "fwd+bwd",
+        "traced per-example prefix / same rule as a dense mask",
+        "aj_traced_prefix", "aj_dense_mask", target=1 / 1.6)
   for name, case in cases.items():
     compiled = [r for r in rows if r["case"] == name and r["impl"] in case.ours
                 and r["compile_s"] is not None]

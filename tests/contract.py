@@ -97,8 +97,7 @@ IMPLEMENTATIONS = {
         frozenset({"float32", "float64", "lse", "q_lengths", "window",
                    "softcap", "segments", "sinks", "alibi", "t5", "block_mask"}),
         needs_gpu=True),
-    "ring": Implementation(_ring, frozenset({"mask", "bias", "float64",
-                                             "block_mask"})),
+    "ring": Implementation(_ring, frozenset({"mask", "bias", "float64"})),
 }
 
 

@@ -161,16 +161,16 @@ class BlockRangeTest(absltest.TestCase):
     if kind == "random":
       dense = np.array(data.draw(st.lists(st.booleans(), min_size=t * s,
                                           max_size=t * s))).reshape(t, s)
-      mask_fn = lambda q, k: dense[q, k]
+      mask_fn = lambda b, h, q, k: dense[q, k]
     elif kind == "dilated":  # every other key, within a window of 6
-      mask_fn = lambda q, k: (abs(q - k) <= 6) & ((q - k) % 2 == 0)
+      mask_fn = lambda b, h, q, k: (abs(q - k) <= 6) & ((q - k) % 2 == 0)
     else:
       mask_fn = aj.prefix_lm_mask_fn(data.draw(st.integers(1, s)))
     bm = aj.block_mask(mask_fn, t, s, block_q=bq, block_k=bk)
     bq, bk = bm.block_q, bm.block_k
     num_q, num_k = -(-t // bq), -(-s // bk)
     allowed = np.broadcast_to(
-        mask_fn(np.arange(t)[:, None], np.arange(s)[None, :]), (t, s))
+        mask_fn(0, 0, np.arange(t)[:, None], np.arange(s)[None, :]), (t, s))
     want = np.zeros((num_q, num_k), int)
     for i in range(num_q):
       for j in range(num_k):

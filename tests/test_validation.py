@@ -252,10 +252,10 @@ CASES = [
      r"implementation='blockwise' never forms the attention weights"),
     ("ring_mask", lambda: aj.ring_attention(
         Q, K, V, jnp.ones((4, 6), bool), axis_name="seq"), ValueError,
-     r"ring_attention takes no mask \(got shape \(4, 6\)\)"),
+     r"ring_attention takes no dense mask \(got shape \(4, 6\)\)"),
     ("ring_bias", lambda: aj.ring_attention(
         Q, K, V, bias=jnp.ones((4, 6)), axis_name="seq"), ValueError,
-     r"ring_attention takes no bias \(got shape \(4, 6\)\)"),
+     r"ring_attention takes no dense bias \(got shape \(4, 6\)\)"),
     ("ring_outside_shard_map", lambda: aj.ring_attention(
         Q, K, V, axis_name="seq"), ValueError,
      r"axis_name='seq' is not bound: call ring_attention inside "
@@ -309,14 +309,22 @@ CASES = [
     ("chain_not_callable", lambda: aj.chain(aj.alibi(jnp.ones(2)), 3),
      TypeError, r"chain's argument 1 must be a score modifier"),
     ("block_mask_not_bool", lambda: aj.block_mask(
-        lambda q, k: q - k, 4, 6), TypeError,
+        lambda b, h, q, k: q - k, 4, 6), TypeError,
      r"mask_fn must return a bool array, got dtype int64"),
     ("block_mask_not_callable", lambda: aj.block_mask(3, 4, 6), TypeError,
      r"mask_fn must be callable"),
-    ("ring_block_mask", lambda: aj.ring_attention(
-        Q, K, V, aj.block_mask(aj.chunked_mask_fn(2), 4, 6),
-        axis_name="seq"), ValueError,
-     r"ring_attention takes no mask \(got BlockMask\(q_len=4"),
+    ("block_mask_traced_closure", lambda: jax.jit(lambda p: aj.block_mask(
+        lambda b, h, q, k: k < p, 4, 6).kinds)(2), TypeError,
+     r"mask_fn depends on traced values it closes over.*aj\.MaskRule"),
+    ("block_mask_per_example_without_batch", lambda: aj.block_mask(
+        aj.prefix_lm_mask_fn(jnp.array([2, 3])), 4, 6), ValueError,
+     r"one rule per example \(2 examples\).*batch=\(2, 1\)"),
+    ("block_mask_batch_rank", lambda: sdpa(
+        Q, K, V, aj.block_mask(aj.prefix_lm_mask_fn(jnp.array([2, 3])), 4, 6,
+                               batch=(2, 1))), ValueError,
+     r"tables for batch=\(2, 1\), but the operands have 1 leading dims"),
+    ("prefix_lengths_float", lambda: aj.prefix_lm_mask_fn(jnp.ones(2)),
+     TypeError, r"prefix_len must be a positive int or an integer array"),
     ("mha_segments_while_decoding", lambda: _decode_with_segments(),
      ValueError, r"query_segment_ids is not supported while decoding"),
     ("sdpa_traced_is_causal", lambda: jax.jit(

@@ -159,12 +159,44 @@ class RingAttentionTest(parameterized.TestCase):
                                 r".*aj\.ScoreMod"):
       jax.grad(closure_loss)(jnp.float32(0.1))
 
+  def test_traced_per_example_prefix_lm(self):
+    # A prefix-LM rule from traced per-example prefix lengths, built for the
+    # global sequence and passed into shard_map: each device evaluates it
+    # on global indices. Outputs and gradients against the float64 lesson.
+    t = 20  # 5 rows per device on 4 devices
+    q, k, v = (_data.normal(i, (2, 2, t, 8)) for i in (50, 51, 52))
+    cot = _data.normal(53, (2, 2, t, 8))
+    prefix = np.array([3, 11])
+
+    def ring(q, k, v, p):
+      bm = aj.block_mask(aj.prefix_lm_mask_fn(p), t, t, batch=(2, 1),
+                         block_q=4, block_k=4)
+      return jax.shard_map(
+          lambda q, k, v, bm: aj.ring_attention(q, k, v, bm,
+                                                axis_name="seq", block_q=2,
+                                                block_k=2),
+          mesh=_mesh(4), in_specs=(SEQ, SEQ, SEQ, P()),
+          out_specs=SEQ)(q, k, v, bm)
+
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    allowed = np.stack([(j < p) | (j <= i) for p in prefix])[:, None]
+    want, _ = reference.sdpa(q, k, v, allowed)
+    out = jax.jit(ring)(q, k, v, jnp.asarray(prefix))
+    chex.assert_trees_all_close(out, want.astype(np.float32), **FWD_TOL)
+    grads = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(ring(q, k, v, p)
+                                                        * cot), (0, 1, 2)))(
+        q, k, v, jnp.asarray(prefix))
+    dense = jax.grad(lambda q, k, v: jnp.sum(aj.scaled_dot_product_attention(
+        q, k, v, jnp.asarray(allowed), implementation="dense") * cot),
+                     (0, 1, 2))(q, k, v)  # dense is checked against float64
+    chex.assert_trees_all_close(grads, dense, **GRAD_TOL)
+
   def test_unbound_axis_is_a_value_error(self):
     x = jnp.ones((4, 8))
     with self.assertRaisesRegex(ValueError, "axis_name='seq' is not bound"):
       aj.ring_attention(x, x, x, axis_name="seq")
 
-  def test_mask_and_bias_are_refused(self):
+  def test_dense_mask_and_bias_are_refused(self):
     x = jnp.ones((1, 8, 8))  # [B, T, H], T split over "seq"
     spec = P(None, "seq")
     for name, extra in (("mask", dict(mask=jnp.ones((8, 8), bool))),
@@ -174,7 +206,7 @@ class RingAttentionTest(parameterized.TestCase):
                                                    **extra),
           mesh=_mesh(2), in_specs=spec, out_specs=spec)
       with self.assertRaisesRegex(ValueError,
-                                  f"ring_attention takes no {name}"):
+                                  f"ring_attention takes no dense {name}"):
         ring(x)
 
 
