@@ -20,7 +20,7 @@ from attention_jax import _grouping
 
 
 def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
-                   operands: Sequence[Any]) -> Any:
+                   operands: Sequence[Any], sequential: Any = ()) -> Any:
   """Applies ``fn`` to operands with broadcast leading (batch) dimensions.
 
   Args:
@@ -29,6 +29,11 @@ def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
     core_ndims: for each operand, how many trailing dimensions ``fn`` sees.
     operands: arrays (or ``None``) whose leading dims, beyond their core dims,
       broadcast against each other. The caller has validated that they do.
+    sequential: indices of operands whose non-trivial leading dims are
+      mapped with ``lax.map`` (one slice after another) instead of
+      ``vmap``: under ``vmap`` a kernel's data-dependent control flow (block
+      loops and ``cond`` over per-example block tables) would run every
+      branch and the longest loop for every slice.
 
   Returns:
     ``fn``'s outputs with the broadcast batch shape prepended to each leaf.
@@ -40,19 +45,29 @@ def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
     if op is not None:
       op = op.reshape((1,) * (batch_ndim - (op.ndim - c)) + op.shape)
     padded.append(op)
-  return _map_leading(fn, batch_ndim, tuple(padded))
+  return _map_leading(fn, batch_ndim, tuple(padded), frozenset(sequential))
 
 
-def _map_leading(fn, depth: int, ops: tuple[Any, ...]) -> Any:
+def _map_leading(fn, depth: int, ops: tuple[Any, ...], sequential) -> Any:
   if depth == 0:
     return fn(*ops)
   # Operands whose leading size is 1 are shared across this dimension.
   in_axes = tuple(None if op is None or op.shape[0] == 1 else 0 for op in ops)
   ops = tuple(op[0] if op is not None and ax is None else op
               for op, ax in zip(ops, in_axes))
-  inner = lambda *o: _map_leading(fn, depth - 1, o)
+  inner = lambda *o: _map_leading(fn, depth - 1, o, sequential)
   if all(ax is None for ax in in_axes):
     return jax.tree.map(lambda x: x[None], inner(*ops))
+  if any(in_axes[i] == 0 for i in sequential):
+    mapped = [i for i, ax in enumerate(in_axes) if ax == 0]
+
+    def one(slices):
+      full = list(ops)
+      for i, x in zip(mapped, slices):
+        full[i] = x
+      return inner(*full)
+
+    return jax.lax.map(one, [ops[i] for i in mapped])
   return jax.vmap(inner, in_axes=in_axes)(*ops)
 
 
@@ -100,7 +115,10 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
                 None if b is None else (b, h), head_bm)
     return head_fn(q, k, v, head, *rest[len(tables):])
 
-  out, weights, lse = broadcast_vmap(per_head, core, operands)
+  first_table = 12  # the index of the tables among the operands
+  out, weights, lse = broadcast_vmap(
+      per_head, core, operands,
+      sequential=range(first_table, first_table + len(tables)))
   return (_grouping.merge(out, ops.groups, -3),
           _grouping.merge(weights, ops.groups, -3),
           _grouping.merge(lse, ops.groups, -2))

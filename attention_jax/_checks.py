@@ -340,6 +340,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
           f"broadcast), e.g. batch=(B, 1) for [B, N, T, H].")
     if batch:
       leading["mask"] = batch
+    _check_rule_covered(block_mask, q_shape[:-2], s)
   logits = _logits_shape(leading, t, s)
   if mask is not None:
     check_mask_dtype("mask", mask)
@@ -417,6 +418,43 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   return Operands(query, key, value, mask, bias, lengths, q_lengths, q_seg,
                   k_seg, sinks, head_index, groups, batch_shape, window,
                   score_mod, block_mask)
+
+
+def _check_rule_covered(block_mask, leading, s: int) -> None:
+  """Refuses block tables that a rule's use of ``b``/``h`` outruns.
+
+  Tables built for fewer (b, h) than the rule distinguishes would be
+  trusted for every head (full blocks skip the rule, empty ones are never
+  visited): a silent wrong answer. The rule's output shape over the
+  operands' indices (abstract: nothing is computed) says which leading axes
+  it depends on.
+  """
+  if not leading or block_mask.kinds is None:  # (no tables: ring's rule)
+    return
+  lead = (1,) * len(leading)
+  zero = jnp.zeros((), jnp.int32)
+  if len(leading) == 1:
+    b, h = jnp.arange(leading[0], dtype=jnp.int32)[:, None, None], zero
+  else:
+    b = jnp.arange(leading[-2], dtype=jnp.int32).reshape(
+        (1,) * (len(leading) - 2) + (-1, 1, 1, 1))
+    h = jnp.arange(leading[-1], dtype=jnp.int32).reshape(
+        (1,) * (len(leading) - 2) + (1, -1, 1, 1))
+  q_idx = jnp.zeros(lead + (1, 1), jnp.int32)
+  kv_idx = jnp.zeros(lead + (1, s), jnp.int32)
+  out = jax.eval_shape(block_mask.mask_fn, b, h, q_idx, kv_idx).shape
+  out = (1,) * (len(leading) + 2 - len(out)) + tuple(out)
+  tables = block_mask.batch_shape or (1,) * len(leading)
+  for axis, (size, covered) in enumerate(zip(out[:-2], tables)):
+    if size > 1 and covered == 1:
+      raise ValueError(
+          f"mask's rule depends on leading axis {axis} (size {size} of the "
+          f"operands' {tuple(leading)}: "
+          f"{'b' if axis == len(leading) - 2 or len(leading) == 1 else 'h'}"
+          f"), but its BlockMask was built with batch="
+          f"{block_mask.batch_shape}, so its block tables would be trusted "
+          f"for every index: build it with batch={tuple(leading)} (or 1 "
+          "where the rule does not depend on the axis).")
 
 
 def check_score_mod(score_mod) -> None:

@@ -73,8 +73,9 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     b, n = h.index
     logits = jnp.broadcast_to(score_mod(safe, b, n, rows, cols),
                               (t, s)).astype(compute_dtype)
-    finite = (logits > -jnp.inf) if finite is None else (
-        finite & (logits > -jnp.inf))
+    if getattr(score_mod, "blocks", True):  # the built-ins never block
+      finite = (logits > -jnp.inf) if finite is None else (
+          finite & (logits > -jnp.inf))
   if finite is not None:  # where a bias or score_mod blocks
     allowed = both(finite)
   want_lse = want_lse or h.sink is not None

@@ -246,7 +246,8 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
       logits, mod_vjp = jax.vjp(mod, safe, *consts)
     else:
       logits = mod(safe, *consts)
-    ok = both(logits > -jnp.inf)
+    if getattr(st.score_mod, "blocks", True):  # (a replayed closure may)
+      ok = both(logits > -jnp.inf)
   if full:
     return logits, ok, mod_vjp
   if st.s % st.bk:
@@ -551,6 +552,7 @@ class _Direct:
   """
   fn: Callable[..., jax.Array]  # fn(score, b, h, q_idx, kv_idx, params)
   treedef: Any
+  blocks: bool = True  # whether fn may write -inf (ScoreMod.blocks)
 
   def __call__(self, score, b, h, q_idx, kv_idx, *leaves):
     return self.fn(score, b, h, q_idx, kv_idx,
@@ -575,12 +577,13 @@ def hoist_score_mod(st: Static, ex: Extras, like, *,
   mod = st.score_mod
   if mod is None:
     return st, ex
+  blocks = True
   if isinstance(mod, score_mods.ScoreMod):
-    fn, params = mod.fn, mod.params
+    fn, params, blocks = mod.fn, mod.params, mod.blocks
   else:
     fn, params = functools.partial(score_mods.plain_fn, mod), None
   leaves, treedef = jax.tree.flatten(params)
-  direct = _Direct(fn, treedef)
+  direct = _Direct(fn, treedef, blocks)
   zero = jnp.zeros_like(like, jnp.int32, shape=())
   example = lambda shape, dtype: jnp.zeros(shape, dtype) + zero.astype(  # noqa: E731
       dtype)
@@ -623,7 +626,7 @@ def validate(name, query, key, value, mask, bias, block_q, block_k, scale,
   """Checks shared by the flash entry points (blockwise, ring).
 
   ``structured`` are the keyword arguments of ``_checks.attention_operands``
-  (lengths, window, soft cap, segment ids, sinks, score_mod); ``flags``
+  (lengths, window, segment ids, sinks, score_mod); ``flags``
   maps static bool arguments to their values. Returns
   ``(operands, scale, out_dtype)``: the ``_checks.Operands``, the scale
   (``1/sqrt(H)`` by default) and the output dtype.

@@ -118,7 +118,7 @@ def scaled_dot_product_attention(
     mask: optional bool, or integer with 0 = blocked, broadcastable to
       ``[..., T, S]``. True (non-zero) = the query may attend to the key.
       Or a ``BlockMask`` from ``block_mask(mask_fn, T, S)`` (any rule
-      ``mask_fn(q_idx, kv_idx)``, evaluated once; the blockwise path skips
+      ``mask_fn(b, h, q_idx, kv_idx)``, evaluated once; the blockwise path skips
       its empty blocks).
     bias: optional float added to the logits (after scaling), broadcastable to
       ``[..., T, S]``; e.g. ALiBi or relative-position terms. ``-inf`` entries
@@ -157,8 +157,8 @@ def scaled_dot_product_attention(
       integer query/key indices (``[T, 1]`` and ``[1, S]``, or one block's).
       ``-inf`` blocks an entry. Arrays travel inside it: ``aj.ScoreMod(fn,
       params)`` (a pytree; ``aj.alibi(slopes)``, ``aj.t5_relative_bias``)
-      or a plain closure; either way they are differentiated in every
-      implementation.
+      or a plain closure (not in ``ring_attention``, which needs them as a
+      ``ScoreMod``); they are differentiated in every implementation.
     dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.

@@ -522,9 +522,11 @@ def _check_accepts(attention_fn, kwargs: dict[str, Any]) -> None:
   if missing:
     given = ", ".join(f"{k}={_short(kwargs[k])}" for k in missing)
     fn_name = getattr(attention_fn, "__name__", type(attention_fn).__name__)
+    hint = (" (a layer's score_mod, logits_soft_cap and t5_bias all travel "
+            "as score_mod)" if "score_mod" in missing else "")
     raise ValueError(
         f"attention_fn {fn_name} takes no {', '.join(missing)}, which this "
-        f"call passes ({given}): accept it in attention_fn (with "
+        f"call passes ({given}){hint}: accept it in attention_fn (with "
         "scaled_dot_product_attention's meaning), or leave it out of the "
         "layer and the call.")
 

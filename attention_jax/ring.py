@@ -291,8 +291,9 @@ def ring_attention(
       round the ring with their keys.
     sinks: per-head sink logits (replicated), as in ``blockwise_attention``.
     score_mod: as in ``blockwise_attention``, called with *global* query
-      and key indices; the arrays it holds or closes over are replicated
-      (their gradients are summed over the devices).
+      and key indices; a ``ScoreMod``'s arrays are replicated (their
+      gradients are summed over the devices). A plain function closing over
+      traced values is refused: pass them as ``aj.ScoreMod(fn, params)``.
     block_q, block_k: block sizes of the per-device blockwise computation.
     return_lse: also return the global log-sum-exp of each query row.
 
@@ -304,8 +305,9 @@ def ring_attention(
 
   Raises:
     ValueError: ``axis_name`` is not bound (not inside ``shard_map``), a
-      ``mask`` or ``bias`` is given, or operand shapes do not fit (as for
-      ``blockwise_attention``).
+      dense ``mask`` or a ``bias`` is given, a ``BlockMask`` built for other
+      than the global lengths, a ``score_mod`` closing over traced values,
+      or operand shapes do not fit (as for ``blockwise_attention``).
     TypeError: non-float operands, float64, non-integer lengths.
 
   Example:
@@ -329,8 +331,8 @@ def ring_attention(
           f"{_describe(x)}): it would have to travel round the ring with "
           "its keys. Express padding with key_value_seq_lengths, causality "
           "with is_causal, windows with local_window_size, documents with "
-          "segment ids and other rules as aj.block_mask(mask_fn, T, S) "
-          "over global indices, or gather the sequence and call "
+          "segment ids and other rules as aj.block_mask(mask_fn, P*T, P*S) "
+          "over the global sequence, or gather the sequence and call "
           "blockwise_attention.")
   local_rule = None
   if rule is not None:

@@ -13,8 +13,9 @@ alike and differentiates the arrays it uses.
 Arrays travel with the function as one value: ``ScoreMod(fn, params)`` is a
 pytree (``fn`` static, ``params`` leaves), so it passes through ``jax.jit``
 and into modules, and ``chain`` composes several. A plain function closing
-over arrays works too (the flash kernels hoist what it closes over out of
-their custom VJPs). Built-ins: ``alibi(slopes)`` (ALiBi),
+over arrays works too in the dense and blockwise kernels (the flash kernel
+hoists what it closes over out of its custom VJP); ring attention needs a
+``ScoreMod``. Built-ins: ``alibi(slopes)`` (ALiBi),
 ``t5_relative_bias(table)`` (T5's bucketed relative positions) and
 ``soft_cap(cap)`` (Gemma 2's logit soft-capping).
 """
@@ -34,7 +35,7 @@ from attention_jax import _checks
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
-                   meta_fields=["fn"])
+                   meta_fields=["fn", "blocks"])
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScoreMod:
   """A score modifier and the arrays it uses, as one pytree.
@@ -44,6 +45,10 @@ class ScoreMod:
       of the pytree's structure, so keep one function object per rule).
     params: any pytree of arrays ``fn`` reads (e.g. a ``[buckets, N]``
       table, per-head slopes ``[N]``); differentiated like ``bias``.
+    blocks: whether ``fn`` may write ``-inf`` (block an entry): the
+      kernels then check its output. False (the built-ins) saves that pass;
+      a modifier that says False and writes ``-inf`` anyway gets wrong
+      numbers.
 
   Example:
     >>> table = jnp.zeros((3,))  # [N] one learned offset per head
@@ -55,6 +60,7 @@ class ScoreMod:
   """
   fn: Callable[..., jax.Array]
   params: Any = None
+  blocks: bool = True
 
   def __call__(self, score, b, h, q_idx, kv_idx):
     return self.fn(score, b, h, q_idx, kv_idx, self.params)
@@ -80,9 +86,10 @@ def chain(*mods: Callable[..., jax.Array]) -> ScoreMod:
       raise TypeError(f"chain's argument {n} must be a score modifier "
                       f"(callable), got {type(mod).__name__}.")
   # Plain functions become ScoreMods, so that the params are arrays only.
-  return ScoreMod(_chained, tuple(
+  mods = tuple(
       m if isinstance(m, ScoreMod) else ScoreMod(functools.partial(plain_fn, m))
-      for m in mods))
+      for m in mods)
+  return ScoreMod(_chained, mods, blocks=any(m.blocks for m in mods))
 
 
 def plain_fn(mod, score, b, h, q_idx, kv_idx, params):
@@ -144,7 +151,7 @@ def alibi(slopes: jax.Array) -> ScoreMod:
     raise ValueError(f"alibi takes float slopes [N], one per query head, got "
                      f"shape {slopes.shape} {slopes.dtype}: e.g. "
                      "aj.alibi(aj.alibi_slopes(num_heads)).")
-  return ScoreMod(_alibi, slopes)
+  return ScoreMod(_alibi, slopes, blocks=False)
 
 
 def t5_buckets(relative_position: jax.Array, *, num_buckets: int,
@@ -248,7 +255,8 @@ def t5_relative_bias(table: jax.Array, *, max_distance: int = 128,
   if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
     raise ValueError(f"t5_relative_bias takes a float table [num_buckets, N], "
                      f"got shape {table.shape} {table.dtype}.")
-  return ScoreMod(T5Bias(table.shape[0], max_distance, bidirectional), table)
+  return ScoreMod(T5Bias(table.shape[0], max_distance, bidirectional), table,
+                  blocks=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,4 +286,5 @@ def soft_cap(cap: float) -> ScoreMod:
     [0.0, 2.0, -inf]
   """
   _checks.check_soft_cap(cap, "soft_cap's cap", optional=False)
-  return ScoreMod(_SoftCap(float(cap)))
+  # -inf in gives -inf out; finite scores stay finite.
+  return ScoreMod(_SoftCap(float(cap)), blocks=False)

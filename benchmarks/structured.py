@@ -325,8 +325,7 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
   prefix_mask = np.stack([(j < p) | (j <= i) for p in prefixes])[:, None]
 
   def traced_prefix(q, k, v, p):
-    bm = aj.block_mask(aj.prefix_lm_mask_fn(p), t, t, batch=(b, 1),
-                       block_q=256, block_k=256)
+    bm = aj.block_mask(aj.prefix_lm_mask_fn(p), t, t, batch=(b, 1))
     return aj.blockwise_attention(q, k, v, bm)
 
   cases["prefix_lm_T4096"] = Case(

@@ -103,5 +103,40 @@ class TracedPrefixLMTest(absltest.TestCase):
     np.testing.assert_allclose(run(widths), want, atol=1e-5, rtol=1e-5)
 
 
+class RuleCoverageTest(absltest.TestCase):
+
+  def test_tables_built_for_fewer_heads_than_the_rule_reads_are_refused(self):
+    # Tables for (b, h) = (0, 0) only, trusted for every head, would skip
+    # blocks other heads need: refused at the call, naming the fix.
+    q = _data.normal(67, (B, N, T, H))
+    rule = aj.MaskRule(lambda b, h, qi, ki, w: (ki <= qi) & (ki >= qi - w[b, h]),
+                       jnp.array([[1, 3], [6, 2]]))
+    for batch, axis in (((), "b"), ((B, 1), "h")):
+      bm = aj.block_mask(rule, T, T, batch=batch, block_q=BQ, block_k=BK)
+      with self.assertRaisesRegex(ValueError, rf"depends on leading axis .*"
+                                  rf"{axis}\).*batch=\({B}, {N}\)"):
+        aj.blockwise_attention(q, q, q, bm)
+
+  def test_jnp_rules_and_traced_scalar_prefixes_under_jit(self):
+    # A rule written with jnp (traced inside jit though it closes over no
+    # traced value) and one traced prefix length for every example.
+    q = _data.normal(68, (B, N, T, H))
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+
+    @jax.jit
+    def run(p):
+      band = aj.block_mask(lambda b, h, qi, ki: jnp.abs(qi - ki) < 3, T, T,
+                           block_q=BQ, block_k=BK)
+      prefix = aj.block_mask(aj.prefix_lm_mask_fn(p), T, T, block_q=BQ,
+                             block_k=BK)
+      return (aj.blockwise_attention(q, q, q, band),
+              aj.blockwise_attention(q, q, q, prefix))
+
+    band, prefix = run(jnp.int32(7))
+    for got, allowed in ((band, np.abs(i - j) < 3), (prefix, (j < 7) | (j <= i))):
+      want, _ = reference.sdpa(q, q, q, allowed[None, None])
+      np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 if __name__ == "__main__":
   absltest.main()

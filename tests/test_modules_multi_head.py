@@ -149,6 +149,21 @@ class MatchesReferencesTest(parameterized.TestCase):
         r"which this call passes \(score_mod=ScoreMod"):
       capped(x)
 
+  def test_a_plain_score_mod_is_static_under_nnx_jit(self):
+    # A function (not an aj.ScoreMod) is part of the layer's structure, not
+    # its state: nnx.jit and split/merge work, and the numbers are ALiBi's.
+    slopes = aj.alibi_slopes(4)
+    plain = lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki)
+    mha = _module(score_mod=plain)
+    x = _x(seed=15)
+    want = _module(score_mod=aj.alibi(slopes))(x, is_causal=True)
+    got = nnx.jit(lambda m, x: m(x, is_causal=True))(mha, x)
+    chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
+    graph, state = nnx.split(mha)
+    chex.assert_trees_all_close(
+        jax.jit(lambda s, x: nnx.merge(graph, s)(x, is_causal=True))(state, x),
+        want, atol=1e-6, rtol=1e-6)
+
   def test_t5_bias_learns_and_decodes(self):
     # The layer's table is a parameter the loss reaches (the contract checks
     # its gradient against float64); the layer equals the function with

@@ -151,8 +151,8 @@ class MultiHeadAttention(nnx.Module):
       denominator.
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` applied in every
       call, e.g. ``aj.alibi(aj.alibi_slopes(num_heads))``; an
-      ``aj.ScoreMod``'s arrays are constants of the layer (learned ones go
-      in an ``nnx.Param`` and a per-call ``score_mod``).
+      ``aj.ScoreMod``'s arrays are constants of the layer (a learned table is
+      an option of its own, e.g. ``t5_bias``).
     t5_bias: an ``aj.T5Bias(num_buckets, max_distance, bidirectional)``:
       learn T5's relative position bias, a ``t5_table`` ``nnx.Param
       [num_buckets, N]`` (initialised normal, std ``d_model ** -0.5``),
@@ -242,7 +242,9 @@ class MultiHeadAttention(nnx.Module):
     _checks.check_scale(scale)
     self.scale = scale
     _checks.check_score_mod(score_mod)
-    self.score_mod = nnx.data(score_mod)  # an aj.ScoreMod may hold arrays
+    # An aj.ScoreMod may hold arrays (pytree data); a function is static.
+    self.score_mod = (nnx.data(score_mod) if isinstance(
+        score_mod, score_mods.ScoreMod) else score_mod)
     if t5_bias is not None and not isinstance(t5_bias, score_mods.T5Bias):
       raise TypeError(f"t5_bias must be an aj.T5Bias(num_buckets, "
                       f"max_distance, bidirectional), got {t5_bias!r}.")
