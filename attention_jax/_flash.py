@@ -26,7 +26,8 @@ of this module is imported elsewhere):
 * ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
   score_mod)`` builds the ``Static`` and pads q, k, v to whole blocks;
   ``padded_extras(st, tp, sp, head)`` pads a ``_broadcast.Head``;
-  ``hoist_score_mod(st, ex, like)`` makes the modifier's arrays operands.
+  ``hoist_score_mod(st, ex, like, replay_closures=)`` makes the modifier's
+  arrays operands.
 * ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp])``.
 * ``backward(st, residuals, cotangents)``: float32 ``(dq, dk, dv, dbias,
   dargs)`` from ``residuals = (q, k, v, ex, place, out, lse)`` and

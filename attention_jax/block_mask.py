@@ -17,8 +17,9 @@ h)`` when the rule depends on them (``batch=``): with NumPy when it is
 concrete, on device when it is traced. The flash kernels then visit only
 the non-empty blocks (forward and backward), evaluate ``mask_fn`` only
 inside partial blocks, and the dense kernel materialises the same
-predicate. A ``BlockMask`` is a pytree: build it once and reuse it across
-layers and steps.
+predicate; ring attention evaluates it in every block it visits. A
+``BlockMask`` is a pytree: build it once and reuse it across layers and
+steps.
 """
 
 from __future__ import annotations

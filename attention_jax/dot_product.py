@@ -167,7 +167,7 @@ def scaled_dot_product_attention(
       no dropout), ``"cudnn"`` (``jax.nn.dot_product_attention``'s fused GPU
       kernel: GPU, float16/bfloat16, ``[B, N, T, H]`` inputs, H <= 128 and a
       multiple of 8, lengths ``[B, 1]`` and causal windows with ``T == S``;
-      no weights, dropout, lse, soft cap, segment ids, sinks, ``score_mod``
+      no weights, dropout, lse, segment ids, sinks, ``score_mod``
       or block masks) or ``None``: dense when
       weights or dropout are asked for or ``T * S`` is below
       ``BLOCKWISE_MIN_SCORES``; otherwise cuDNN where its constraints hold,

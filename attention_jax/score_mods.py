@@ -132,7 +132,9 @@ def alibi(slopes: jax.Array) -> ScoreMod:
 
   Args:
     slopes: float ``[N]``, one per query head, e.g. ``alibi_slopes(N)``
-      (or learned: they are differentiated).
+      (or learned: they are differentiated). ``h`` indexes the heads of 4-D
+      ``[B, N, T, H]`` operands; with ``[N, T, H]`` the one leading axis is
+      read as the batch (``h`` = 0): add a batch axis.
 
   The penalty grows with distance into the past; a constant shift per row
   (e.g. the ``S - T`` of bottom-right alignment) does not change the
@@ -236,6 +238,8 @@ def t5_relative_bias(table: jax.Array, *, max_distance: int = 128,
   Args:
     table: float ``[num_buckets, N]``, learned (differentiated in every
       implementation). ``MultiHeadAttention(t5_bias=T5Bias(...))`` owns one.
+      Per-head columns need 4-D ``[B, N, T, H]`` operands (as for
+      ``alibi``).
     max_distance: see ``t5_buckets``.
     bidirectional: see ``t5_buckets``.
 
