@@ -67,9 +67,13 @@ class ScoreMod:
 
 
 def _chained(score, b, h, q_idx, kv_idx, mods):
+  blocked = None  # what a blocking modifier wrote -inf into stays blocked
   for mod in mods:
     score = mod(score, b, h, q_idx, kv_idx)
-  return score
+    if mod.blocks:
+      hit = score == -jnp.inf
+      blocked = hit if blocked is None else blocked | hit
+  return score if blocked is None else jnp.where(blocked, -jnp.inf, score)
 
 
 def chain(*mods: Callable[..., jax.Array]) -> ScoreMod:
@@ -269,10 +273,10 @@ class _SoftCap:
 
   def __call__(self, score, b, h, q_idx, kv_idx, params):
     del b, h, q_idx, kv_idx, params
-    capped = self.cap * jnp.tanh(score / self.cap)
-    # A blocked entry (-inf from a bias or an earlier modifier) stays
-    # blocked: the cap alone would make it -cap, a finite logit.
-    return jnp.where(score == -jnp.inf, score, capped)
+    # -inf in gives -cap out; the kernels never pass -inf in (blocked
+    # entries reach a modifier as 0), and chain re-blocks what an earlier
+    # modifier blocked.
+    return self.cap * jnp.tanh(score / self.cap)
 
 
 def soft_cap(cap: float) -> ScoreMod:
@@ -281,14 +285,19 @@ def soft_cap(cap: float) -> ScoreMod:
   Args:
     cap: a positive Python number (static), e.g. 50.0.
 
-  ``-inf`` (blocked) entries stay ``-inf``. After other modifiers it goes
-  last: ``chain(alibi(slopes), soft_cap(30.0))``.
+  Entries blocked by a mask, a bias or an earlier modifier of a ``chain``
+  stay blocked. After other modifiers it goes last: ``chain(alibi(slopes),
+  soft_cap(30.0))``.
 
   Example:
     >>> mod = soft_cap(2.0)
-    >>> mod(jnp.array([0.0, 100.0, -jnp.inf]), 0, 0, 0, 0).tolist()
-    [0.0, 2.0, -inf]
+    >>> mod(jnp.array([0.0, 100.0]), 0, 0, 0, 0).tolist()
+    [0.0, 2.0]
+    >>> block = ScoreMod(lambda s, b, h, q, k, p: jnp.where(q == k, -jnp.inf, s))
+    >>> chain(block, mod)(jnp.array([1.0, 100.0]), 0, 0, jnp.arange(2),
+    ...                   1).round(4).tolist()  # key 1 blocked for query 1
+    [0.9242, -inf]
   """
   _checks.check_soft_cap(cap, "soft_cap's cap", optional=False)
-  # -inf in gives -inf out; finite scores stay finite.
+  # Finite scores stay finite: the kernels need not check for -inf.
   return ScoreMod(_SoftCap(float(cap)), blocks=False)

@@ -126,3 +126,23 @@ class IndexTest(absltest.TestCase):
     want = aj.scaled_dot_product_attention(
         q[:, 0], k[:, 0], v[:, 0], bias=table[:, 0, None, None])
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
+class ChainTest(absltest.TestCase):
+
+  def test_a_soft_cap_after_a_blocking_modifier_keeps_the_block(self):
+    # The cap alone maps -inf to -cap; in a chain, what an earlier modifier
+    # blocked stays blocked: equal to the same block as a mask, capped.
+    q, k, v = (_data.normal(i, (1, 2, 8, 8)) for i in (70, 71, 72))
+    diagonal = aj.ScoreMod(lambda s, b, h, qi, ki, p: jnp.where(
+        qi == ki, -jnp.inf, s))
+    off_diagonal = ~jnp.eye(8, dtype=bool)[None, None]
+    for impl in ("dense", "blockwise"):
+      got = aj.scaled_dot_product_attention(
+          q, k, v, score_mod=aj.chain(diagonal, aj.soft_cap(2.0)),
+          implementation=impl)
+      want = aj.scaled_dot_product_attention(
+          q, k, v, off_diagonal, score_mod=aj.soft_cap(2.0),
+          implementation="dense")
+      np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6,
+                                 err_msg=impl)
