@@ -432,14 +432,7 @@ def _check_rule_covered(block_mask, leading, s: int) -> None:
   if not leading or block_mask.kinds is None:  # (no tables: ring's rule)
     return
   lead = (1,) * len(leading)
-  zero = jnp.zeros((), jnp.int32)
-  if len(leading) == 1:
-    b, h = jnp.arange(leading[0], dtype=jnp.int32)[:, None, None], zero
-  else:
-    b = jnp.arange(leading[-2], dtype=jnp.int32).reshape(
-        (1,) * (len(leading) - 2) + (-1, 1, 1, 1))
-    h = jnp.arange(leading[-1], dtype=jnp.int32).reshape(
-        (1,) * (len(leading) - 2) + (1, -1, 1, 1))
+  b, h = _patterns.rule_indices(tuple(leading), jnp)
   q_idx = jnp.zeros(lead + (1, 1), jnp.int32)
   kv_idx = jnp.zeros(lead + (1, s), jnp.int32)
   out = jax.eval_shape(block_mask.mask_fn, b, h, q_idx, kv_idx).shape

@@ -46,6 +46,24 @@ ScoreMod = Callable[..., jax.Array]
 EMPTY, PARTIAL, FULL = 0, 1, 2  # block kinds
 
 
+def rule_indices(batch: tuple[int, ...], xp=np):
+  """``b`` and ``h`` of rank ``len(batch) + 2``, as the kernels number them.
+
+  The index arrays a mask rule is evaluated over when its block tables are
+  built (``block_mask``) or checked against the operands (``_checks``).
+  """
+  if not batch:
+    return xp.zeros((1, 1), np.int32), xp.zeros((1, 1), np.int32)
+  if len(batch) == 1:
+    return (xp.arange(batch[0], dtype=np.int32)[:, None, None],
+            xp.zeros((1, 1, 1), np.int32))
+  lead = (1,) * (len(batch) - 2)
+  b = xp.arange(batch[-2], dtype=np.int32).reshape(lead + (-1, 1, 1, 1))
+  h = xp.arange(batch[-1], dtype=np.int32).reshape(lead + (1, -1, 1, 1))
+  return b, h
+
+
+
 @jax.tree_util.register_pytree_node_class
 class MaskRule:
   """A mask rule and the arrays it reads, as one pytree.

@@ -72,19 +72,6 @@ def _classify(allowed, kv_len: int, nk: int, bk: int, xp):
       xp.int8)
 
 
-def _batch_indices(batch: tuple[int, ...], xp):
-  """``b`` and ``h`` of rank ``len(batch) + 2``, as the kernels number them."""
-  if not batch:
-    return xp.zeros((1, 1), np.int32), xp.zeros((1, 1), np.int32)
-  if len(batch) == 1:
-    return (xp.arange(batch[0], dtype=np.int32)[:, None, None],
-            xp.zeros((1, 1, 1), np.int32))
-  lead = (1,) * (len(batch) - 2)
-  b = xp.arange(batch[-2], dtype=np.int32).reshape(lead + (-1, 1, 1, 1))
-  h = xp.arange(batch[-1], dtype=np.int32).reshape(lead + (1, -1, 1, 1))
-  return b, h
-
-
 def block_mask(mask_fn: MaskFn, q_len: int, kv_len: int, *,
                batch: tuple[int, ...] = (), block_q: int = 512,
                block_k: int = 256) -> BlockMask:
@@ -185,7 +172,7 @@ def _closes_over_tracers(mask_fn, batch, kv_len: int) -> bool:
   Inside ``jax.jit`` even ``jnp`` operations on constants are traced; only
   closed-over traced values (the consts of the rule's program) are refused.
   """
-  b, h = _batch_indices(batch, np)
+  b, h = _patterns.rule_indices(batch, np)
   lead = (1,) * len(batch)
   program = jax.make_jaxpr(mask_fn)(b, h, np.zeros(lead + (1, 1), np.int32),
                                     np.arange(kv_len).reshape(lead + (1, -1)))
@@ -208,7 +195,7 @@ def _check_result(allowed, batch, rows: int, kv_len: int, xp):
 
 def _kinds_numpy(mask_fn, batch, q_len, kv_len, bq, nq, nk, bk):
   """``batch + [nq, nk]`` kinds with NumPy (raises on a traced rule)."""
-  b, h = _batch_indices(batch, np)
+  b, h = _patterns.rule_indices(batch, np)
   lead = (1,) * len(batch)  # indices of the rule's full rank
   cols = np.arange(kv_len).reshape(lead + (1, -1))
   kinds = np.zeros(tuple(batch) + (nq, nk), np.int8)
@@ -226,7 +213,7 @@ def _kinds_on_device(mask_fn, batch, q_len, kv_len, bq, nq, nk, bk):
   Rows past ``T`` in the last block repeat row ``T - 1`` (``clip``), which
   leaves that block's kinds unchanged.
   """
-  b, h = _batch_indices(batch, jnp)
+  b, h = _patterns.rule_indices(batch, jnp)
   lead = (1,) * len(batch)  # indices of the rule's full rank
   cols = jnp.arange(kv_len).reshape(lead + (1, -1))
 
