@@ -16,6 +16,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import attention_jax  # noqa: E402
+
 # Catch silent rank promotion (e.g. a [T, S] mask quietly meeting [B, T, S]) in
 # every test and doctest: the library must broadcast explicitly.
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -23,5 +25,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 @pytest.fixture(autouse=True)
 def _doctest_namespace(doctest_namespace):
-  doctest_namespace.update(jax=jax, jnp=jnp, np=np, nnx=nnx)
+  doctest_namespace.update(jax=jax, jnp=jnp, np=np, nnx=nnx,
+                           aj=attention_jax)
 

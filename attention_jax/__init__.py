@@ -3,23 +3,24 @@
 Shape glossary used throughout: B batch, T query length, S key/value length,
 N query heads, K key/value heads, H head dim, D model dim.
 
-Nothing here is jitted internally: wrap calls in ``jax.jit`` (with the
-keyword flags such as ``is_causal`` as static arguments) at your boundary.
+``aj.kernels`` is the kernel interface (the registry the automatic choice
+walks, one class per kernel). Nothing here is jitted internally: wrap calls
+in ``jax.jit`` (with the keyword flags such as ``is_causal`` as static
+arguments) at your boundary.
 """
 
+from attention_jax import kernels as kernels  # the kernel interface
 from attention_jax.additive import additive_attention
 from attention_jax.additive import additive_score
 from attention_jax.additive import init_additive_params
 from attention_jax.additive import precompute_additive_keys
-from attention_jax.block_mask import BlockMask
-from attention_jax.block_mask import MaskRule
 from attention_jax.block_mask import block_mask
 from attention_jax.block_mask import chunked_mask_fn
 from attention_jax.block_mask import prefix_lm_mask_fn
 from attention_jax.blockwise import blockwise_attention
 from attention_jax.dot_product import scaled_dot_product_attention
-from attention_jax.interop import dot_product_attention
-from attention_jax.interop import flax_attention_fn
+from attention_jax.flax_fn import flax_attention_fn
+from attention_jax.jax_nn import dot_product_attention
 from attention_jax.kv_cache import cache_overflow
 from attention_jax.kv_cache import ring_slot_positions
 from attention_jax.kv_cache import update_kv_cache
@@ -27,6 +28,9 @@ from attention_jax.kv_cache import update_ring_cache
 from attention_jax.luong import init_luong_params
 from attention_jax.luong import luong_attention
 from attention_jax.luong import precompute_luong_keys
+from attention_jax.mask import BlockMask
+from attention_jax.mask import Mask
+from attention_jax.mask import MaskRule
 from attention_jax.masks import causal_mask
 from attention_jax.masks import combine_masks
 from attention_jax.masks import make_attention_mask
@@ -58,6 +62,7 @@ __all__ = [
     "BahdanauAttention",
     "BlockMask",
     "LuongAttention",
+    "Mask",
     "MaskRule",
     "MultiHeadAttention",
     "ScoreMod",

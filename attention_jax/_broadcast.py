@@ -122,9 +122,3 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   return (_grouping.merge(out, ops.groups, -3),
           _grouping.merge(weights, ops.groups, -3),
           _grouping.merge(lse, ops.groups, -2))
-
-
-def results(out, weights, lse, *, return_weights: bool, return_lse: bool):
-  """The package's return convention: ``out``, then weights, then lse."""
-  extra = (weights,) * bool(return_weights) + (lse,) * bool(return_lse)
-  return (out, *extra) if extra else out

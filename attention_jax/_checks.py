@@ -23,6 +23,7 @@ import numpy as np
 from attention_jax import _grouping
 from attention_jax import _numerics
 from attention_jax import _patterns
+from attention_jax import mask as mask_lib
 
 
 def shape_of(x) -> tuple[int, ...]:
@@ -170,7 +171,9 @@ class Operands(NamedTuple):
   # Static parts of the pattern.
   window: tuple[int, int] | None = None  # (left, right)
   score_mod: Any = None
-  block_mask: _patterns.BlockMask | None = None
+  block_mask: Any = None  # a BlockMask (kinds None: tables to build)
+  causal: bool = False
+  leading: tuple[int, ...] = ()  # the caller's broadcast leading dims
 
 
 def _logits_layout(rank: int) -> str:
@@ -213,8 +216,8 @@ def check_logits_rank(name: str, shape: tuple[int, ...],
   fix = _rank_fix(name, shape, logits)
   fix = f" ({fix})" if fix else ""
   other = (", or build it with aj.make_attention_mask(query_valid, "
-           "key_valid); for key padding alone pass key_value_seq_lengths "
-           "instead of a mask") if name == "mask" else ""
+           "key_valid); for key padding alone pass aj.Mask(kv_lengths=...) "
+           "instead of a dense mask") if name == "mask" else ""
   raise ValueError(
       f"{name} with shape {shape} has rank {len(shape)}, but the logits are "
       f"{layout} = {logits} (rank {len(logits)}): a {name} must have the "
@@ -241,8 +244,8 @@ def _segment_ids(name, ids, size, letter, leading_rank):
   if len(shape) not in (1, leading_rank + 1) or shape[-1] != size:
     raise ValueError(
         f"{name} with shape {shape} must be [{letter}] = [{size}] (shared) "
-        f"or have one axis per leading dim of the operands plus {letter} "
-        f"(e.g. ids[:, None, :] for [B, N, {letter}, H] inputs).")
+        f"or [B, {letter}] (per example; [B, N, {letter}] per head), "
+        f"aligned to the left of the operands' leading dims.")
   return jnp.asarray(ids, jnp.int32)
 
 
@@ -282,18 +285,51 @@ def _check_pair_axes(name, shape, t, s, q_shape, k_shape) -> None:
     raise ValueError(str(e) + hint) from None
 
 
+def _left_aligned(name: str, x, core: int, leading_rank: int, layout: str):
+  """``x`` (``[...lead, *core]``) with size-1 axes appended to its leading
+  axes up to ``leading_rank``: per-example arrays align to the left."""
+  if x is None:
+    return None
+  shape = shape_of(x)
+  lead = len(shape) - core
+  if lead > leading_rank:
+    raise ValueError(
+        f"{name} with shape {shape} has {lead} leading axes, but the "
+        f"operands have {leading_rank} leading dims: it must be {layout}, "
+        f"aligned to the left of the leading dims (e.g. [B] lengths or "
+        f"[B, T] segment ids for [B, N, T, H] operands).")
+  shape = shape[:lead] + (1,) * (leading_rank - lead) + shape[lead:]
+  try:  # concrete values stay NumPy (their range is checked at trace time)
+    return np.asarray(x).reshape(shape)
+  except jax.errors.TracerArrayConversionError:
+    return jnp.reshape(x, shape)
+
+
 def attention_operands(query, key, value, mask=None, bias=None, *,
-                       key_value_seq_lengths=None, query_seq_lengths=None,
-                       local_window_size=None,
-                       query_segment_ids=None, key_segment_ids=None,
-                       sinks=None, score_mod=None) -> Operands:
+                       sinks=None, score_mod=None,
+                       rule_lengths: tuple[int, int] | None = None
+                       ) -> Operands:
   """Checks the operands of an attention function and normalises them.
 
-  The checks are stated in the caller's terms (query heads N against
-  key/value heads K); the operands come back with the head axis split when
-  ``K`` divides ``N`` (``_grouping``), ready for ``broadcast_vmap``.
-  ``mask`` may be a ``BlockMask`` (returned as ``block_mask``).
+  ``mask`` is a ``Mask`` (``mask.as_mask`` turns the other accepted values
+  into one) or None. The checks are stated in the caller's terms (query
+  heads N against key/value heads K); the operands come back with the head
+  axis split when ``K`` divides ``N`` (``_grouping``), ready for
+  ``broadcast_vmap``. A rule becomes ``block_mask``: a ``BlockMask`` with
+  tables as given, or one without tables (``kinds is None``) whose tables
+  the kernel builds at its own block sizes. ``rule_lengths`` are the
+  ``(T, S)`` a rule's indices refer to (ring attention: the global ones;
+  default the operands').
   """
+  m = mask_lib.as_mask(mask)
+  if m is None:
+    m = mask_lib.Mask()
+  mask = m.dense
+  is_causal = m.causal
+  local_window_size = m.window
+  key_value_seq_lengths, query_seq_lengths = m.kv_lengths, m.q_lengths
+  query_segment_ids, key_segment_ids = m.q_segment_ids, m.kv_segment_ids
+  rule = m.rule
   query, key, value = (as_array_operand(name, x, layout) for name, x, layout
                        in (("query", query, "[..., T, H]"),
                            ("key", key, "[..., S, H]"),
@@ -323,14 +359,35 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
 
   leading = {"query": q_shape[:-2], "key": as_query_heads(k_shape)[:-2],
              "value": as_query_heads(v_shape)[:-2]}
+  leading_rank = max(len(q_shape), len(k_shape), len(v_shape)) - 2
+  key_value_seq_lengths, query_seq_lengths = (
+      _left_aligned(f"Mask's {n}", x, 0, leading_rank, "a scalar or [B]")
+      for n, x in (("kv_lengths", key_value_seq_lengths),
+                   ("q_lengths", query_seq_lengths)))
+  if query_segment_ids is not None and np.ndim(query_segment_ids) > 1:
+    query_segment_ids = _left_aligned("Mask's q_segment_ids",
+                                      query_segment_ids, 1, leading_rank,
+                                      "[T] or [B, T]")
+  if key_segment_ids is not None and np.ndim(key_segment_ids) > 1:
+    key_segment_ids = _left_aligned("Mask's kv_segment_ids", key_segment_ids,
+                                    1, leading_rank, "[S] or [B, S]")
   block_mask = None
-  if isinstance(mask, _patterns.BlockMask):
-    block_mask, mask = mask, None
-    if block_mask.shape != (t, s):
+  rule_t, rule_s = rule_lengths or (t, s)
+  if rule is not None and not isinstance(rule, mask_lib.BlockMask):
+    fn = rule.bound(rule_t, rule_s) if isinstance(rule, mask_lib.Union) \
+        else rule
+    rule = mask_lib.BlockMask(fn, rule_t, rule_s, None, None, None, None,
+                              None, None, None)
+  if rule is not None:
+    block_mask = rule
+    if block_mask.shape != (rule_t, rule_s):
+      where = (" (the global sequence: ring attention indexes rules over "
+               "all devices)" if rule_lengths else "")
       raise ValueError(
           f"mask is a BlockMask built for [T, S] = {list(block_mask.shape)}, "
-          f"but the operands have T = {t}, S = {s}: build it with "
-          f"block_mask(mask_fn, {t}, {s}, ...).")
+          f"but its rule indices here run over T = {rule_t}, S = "
+          f"{rule_s}{where}: build it with block_mask(mask_fn, {rule_t}, "
+          f"{rule_s}, ...).")
     batch = block_mask.batch_shape
     if batch and len(batch) != len(q_shape) - 2:
       raise ValueError(
@@ -364,8 +421,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   batch_shape = broadcast_shapes(what, **leading)
   all_lengths = {}
   for name, given, upper in (
-      ("key_value_seq_lengths", key_value_seq_lengths, s),
-      ("query_seq_lengths", query_seq_lengths, t)):
+      ("the mask's kv_lengths", key_value_seq_lengths, s),
+      ("the mask's q_lengths", query_seq_lengths, t)):
     lengths = all_lengths[name] = check_lengths(name, given)
     if lengths is None:
       continue
@@ -380,27 +437,28 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     check_concrete_range(name, given, upper)
     leading[name] = lengths.shape
   if (query_segment_ids is None) != (key_segment_ids is None):
-    raise ValueError(
-        "query_segment_ids and key_segment_ids come together: pass both "
-        "(the same array twice for packed self-attention).")
+    raise ValueError("segment ids come in pairs: pass q_segment_ids with "
+                     "kv_segment_ids (or q_segment_ids alone for packed "
+                     "self-attention).")
   q_seg = k_seg = None
   if query_segment_ids is not None:
-    q_seg = _segment_ids("query_segment_ids", query_segment_ids, t, "T",
-                         len(batch_shape))
-    k_seg = _segment_ids("key_segment_ids", key_segment_ids, s, "S",
-                         len(batch_shape))
-    leading["query_segment_ids"] = q_seg.shape[:-1]
-    leading["key_segment_ids"] = k_seg.shape[:-1]
+    q_seg = _segment_ids("the mask's q_segment_ids", query_segment_ids, t,
+                         "T", len(batch_shape))
+    k_seg = _segment_ids("the mask's kv_segment_ids", key_segment_ids, s,
+                         "S", len(batch_shape))
+    leading["the mask's q_segment_ids"] = q_seg.shape[:-1]
+    leading["the mask's kv_segment_ids"] = k_seg.shape[:-1]
   if sinks is not None:
     check_float_array("sinks", sinks)
     sinks = jnp.asarray(sinks)
     check_broadcastable_to("sinks", sinks.shape, batch_shape,
                            "the leading dims (e.g. [B, N] or [N])")
   batch_shape = broadcast_shapes(what, **leading)
+  caller_leading = batch_shape
   head_index = None
   if score_mod is not None or block_mask is not None:
     head_index = _head_index(batch_shape, groups)
-  window = _patterns.check_window(local_window_size)
+  window = local_window_size  # checked by Mask
   query, key, value = (_grouping.split(jnp.asarray(x), groups, -3)
                        for x in (query, key, value))
   mask, bias = (_grouping.split(x, groups, -3) for x in (mask, bias))
@@ -417,7 +475,24 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                                       groups.num_heads // groups.num_kv_heads)
   return Operands(query, key, value, mask, bias, lengths, q_lengths, q_seg,
                   k_seg, sinks, head_index, groups, batch_shape, window,
-                  score_mod, block_mask)
+                  score_mod, block_mask, bool(is_causal), caller_leading)
+
+
+def rule_batch(mask_fn, leading, s: int) -> tuple[int, ...]:
+  """The leading dims a rule depends on: ``leading`` with 1 where it does
+  not (``()`` when it depends on none); read from the rule's output shape
+  over the operands' indices (abstract: nothing is computed)."""
+  if not leading:
+    return ()
+  lead = (1,) * len(leading)
+  b, h = _patterns.rule_indices(tuple(leading), jnp)
+  q_idx = jnp.zeros(lead + (1, 1), jnp.int32)
+  kv_idx = jnp.zeros(lead + (1, s), jnp.int32)
+  out = jax.eval_shape(mask_fn, b, h, q_idx, kv_idx).shape
+  out = (1,) * (len(leading) + 2 - len(out)) + tuple(out)
+  batch = tuple(size if dep > 1 else 1
+                for size, dep in zip(leading, out[:-2]))
+  return batch if any(n > 1 for n in batch) else ()
 
 
 def _check_rule_covered(block_mask, leading, s: int) -> None:
@@ -425,20 +500,13 @@ def _check_rule_covered(block_mask, leading, s: int) -> None:
 
   Tables built for fewer (b, h) than the rule distinguishes would be
   trusted for every head (full blocks skip the rule, empty ones are never
-  visited): a silent wrong answer. The rule's output shape over the
-  operands' indices (abstract: nothing is computed) says which leading axes
-  it depends on.
+  visited): a silent wrong answer.
   """
-  if not leading or block_mask.kinds is None:  # (no tables: ring's rule)
+  if not leading or block_mask.kinds is None:  # tables built by the kernel
     return
-  lead = (1,) * len(leading)
-  b, h = _patterns.rule_indices(tuple(leading), jnp)
-  q_idx = jnp.zeros(lead + (1, 1), jnp.int32)
-  kv_idx = jnp.zeros(lead + (1, s), jnp.int32)
-  out = jax.eval_shape(block_mask.mask_fn, b, h, q_idx, kv_idx).shape
-  out = (1,) * (len(leading) + 2 - len(out)) + tuple(out)
+  needed = rule_batch(block_mask.mask_fn, leading, s)
   tables = block_mask.batch_shape or (1,) * len(leading)
-  for axis, (size, covered) in enumerate(zip(out[:-2], tables)):
+  for axis, (size, covered) in enumerate(zip(needed, tables)):
     if size > 1 and covered == 1:
       raise ValueError(
           f"mask's rule depends on leading axis {axis} (size {size} of the "

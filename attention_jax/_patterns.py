@@ -11,10 +11,10 @@ window bounds (``None`` = unbounded), query ``r`` may see key ``c`` iff
     r + offset - left <= c <= r + offset + right,
     c < kv_length,  r < q_length.
 
-``is_causal`` is ``right = 0`` (with a wider ``right`` the causal bound wins);
-``local_window_size=(left, right)`` is jax.nn's argument (an int ``w`` means
-``(w, w)``). Packed sequences add segment ids: query ``r`` may see key ``c`` only when
-``q_seg[r] == k_seg[c]``.
+``causal`` is ``right = 0`` (with a wider ``right`` the causal bound wins);
+a window ``(left, right)`` is jax.nn's ``local_window_size`` (an int ``w``
+means ``(w, w)``). Packed sequences add segment ids: query ``r`` may see
+key ``c`` only when ``q_seg[r] == k_seg[c]``.
 
 ``visible`` is the element predicate the dense kernel materialises and the
 flash core evaluates inside partial blocks. At block granularity each
@@ -64,118 +64,15 @@ def rule_indices(batch: tuple[int, ...], xp=np):
 
 
 
-@jax.tree_util.register_pytree_node_class
-class MaskRule:
-  """A mask rule and the arrays it reads, as one pytree.
-
-  ``rule(b, h, q_idx, kv_idx)`` is ``fn(b, h, q_idx, kv_idx, params)``:
-  ``fn`` is static, ``params`` (e.g. per-example prefix lengths ``[B]``,
-  traced ones too) are leaves, so they reach the kernels as operands
-  rather than as a closure, which a custom VJP or a ``shard_map`` cannot
-  carry. ``examples``, when set, is the batch size the rule is written for
-  (``block_mask`` then requires per-example tables).
-  """
-
-  def __init__(self, fn, params=None, examples: int | None = None):
-    if not callable(fn):
-      raise TypeError(f"MaskRule's fn must be callable (b, h, q_idx, kv_idx, "
-                      f"params) -> bool, got {type(fn).__name__}.")
-    self.fn, self.params, self.examples = fn, params, examples
-
-  def __call__(self, b, h, q_idx, kv_idx):
-    return self.fn(b, h, q_idx, kv_idx, self.params)
-
-  def tree_flatten(self):
-    return (self.params,), (self.fn, self.examples)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(aux[0], children[0], aux[1])
-
-
-@jax.tree_util.register_pytree_node_class
-class BlockMask:
-  """A ``mask_fn`` classified by ``[block_q, block_k]`` blocks.
-
-  Attributes:
-    mask_fn: the predicate ``mask_fn(b, h, q_idx, kv_idx) -> bool``.
-    q_len, kv_len: ``T`` and ``S`` it was built for.
-    block_q, block_k: block sizes (clipped to ``T`` and ``S``).
-    kinds: int8 ``[..., nq, nk]``: ``EMPTY``, ``PARTIAL`` or ``FULL`` per
-      block; the leading dims (``batch_shape``, e.g. ``[B, 1]``) broadcast
-      against the operands' leading dims (none: one table for all).
-    kv_indices: int32 ``[..., nq, m]``: each query block's non-empty key
-      blocks in increasing order, padded with ``nk``; ``kv_full`` bool
-      ``[..., nq, m]`` marks the full ones.
-    q_indices, q_full: the same per key block (``[..., nk, m']``, padded
-      with ``nq``), for the backward pass.
-    The tables are None in a rule without tables (``rule_only``: ring
-    attention evaluates the rule in every block it visits).
-  """
-
-  def __init__(self, mask_fn, q_len, kv_len, block_q, block_k, kinds,
-               kv_indices, kv_full, q_indices, q_full):
-    self.mask_fn = mask_fn
-    self.q_len, self.kv_len = q_len, kv_len
-    self.block_q, self.block_k = block_q, block_k
-    self.kinds = kinds
-    self.kv_indices, self.kv_full = kv_indices, kv_full
-    self.q_indices, self.q_full = q_indices, q_full
-
-  @property
-  def tables(self) -> tuple:
-    """``(kinds, kv_indices, kv_full, q_indices, q_full)``."""
-    return (self.kinds, self.kv_indices, self.kv_full, self.q_indices,
-            self.q_full)
-
-  def with_tables(self, tables) -> BlockMask:
-    """The same rule with other (e.g. one head's) tables."""
-    return BlockMask(self.mask_fn, self.q_len, self.kv_len, self.block_q,
-                     self.block_k, *tables)
-
-  def tree_flatten(self):
-    # A MaskRule's arrays are leaves; a plain function is static.
-    rule = isinstance(self.mask_fn, MaskRule)
-    children = self.tables + ((self.mask_fn,) if rule else ())
-    aux = (None if rule else self.mask_fn, self.q_len, self.kv_len,
-           self.block_q, self.block_k)
-    return children, aux
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    fn = children[5] if aux[0] is None else aux[0]
-    return cls(fn, *aux[1:], *children[:5])
-
-  @property
-  def shape(self) -> tuple[int, int]:
-    """``(T, S)``, the lengths the mask was built for."""
-    return (self.q_len, self.kv_len)
-
-  @property
-  def batch_shape(self) -> tuple[int, ...]:
-    """The leading dims of the tables (``()``: one table for every head)."""
-    return () if self.kinds is None else tuple(np.shape(self.kinds)[:-2])
-
-  def __repr__(self):
-    if self.kinds is None or isinstance(self.kinds, jax.core.Tracer):
-      return (f"BlockMask(q_len={self.q_len}, kv_len={self.kv_len}, "
-              f"block_q={self.block_q}, block_k={self.block_k}, "
-              f"batch_shape={self.batch_shape})")
-    kinds = np.asarray(self.kinds)
-    counts = {name: int((kinds == k).sum()) for name, k in
-              (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
-    return (f"BlockMask(q_len={self.q_len}, kv_len={self.kv_len}, "
-            f"block_q={self.block_q}, block_k={self.block_k}, blocks={counts})")
-
-
 class Bounds(NamedTuple):
   """Resolved window: key columns ``[pos - left, pos + right]`` (None = open)."""
   left: int | None
   right: int | None
 
 
-def check_window(local_window_size) -> tuple[int, int] | None:
-  """``local_window_size`` as ``(left, right)`` non-negative ints, or None."""
+def check_window(local_window_size, name: str = "window"
+                 ) -> tuple[int, int] | None:
+  """A window as ``(left, right)`` non-negative ints, or None."""
   if local_window_size is None:
     return None
   sizes = local_window_size
@@ -185,12 +82,12 @@ def check_window(local_window_size) -> tuple[int, int] | None:
       isinstance(x, bool) or not isinstance(x, (int, np.integer))
       for x in sizes)):
     raise TypeError(
-        "local_window_size must be a Python int or a (left, right) pair of "
+        f"{name} must be a Python int or a (left, right) pair of "
         f"ints, got {local_window_size!r}. A causal window of W tokens is "
-        "is_causal=True, local_window_size=(W - 1, 0).")
+        "aj.Mask(causal=True, window=(W - 1, 0)).")
   left, right = (int(x) for x in sizes)
   if left < 0 or right < 0:
-    raise ValueError(f"local_window_size must be non-negative, got "
+    raise ValueError(f"{name} must be non-negative, got "
                      f"{local_window_size!r}.")
   return left, right
 

@@ -4,8 +4,8 @@ Shape glossary: B batch, N query heads, T query length, S key/value length;
 bq/bk query and key block sizes; nq = ceil(T / bq) query blocks, nk =
 ceil(S / bk) key blocks.
 
-A rule the built-in arguments (``is_causal``, ``local_window_size``,
-lengths, segment ids) cannot express — prefix-LM, chunked, dilated, any
+A rule the built-in mask fields (causal, window, lengths, segment ids)
+cannot express — prefix-LM, chunked, dilated, any
 predicate a user writes — is a vectorised ``mask_fn(b, h, q_idx, kv_idx) ->
 bool`` (True = may attend) over the batch and query-head indices and the
 query and key indices ``0 <= q_idx < T``, ``0 <= kv_idx < S``; a
@@ -18,8 +18,9 @@ concrete, on device when it is traced. The flash kernels then visit only
 the non-empty blocks (forward and backward), evaluate ``mask_fn`` only
 inside partial blocks, and the dense kernel materialises the same
 predicate; ring attention evaluates it in every block it visits. A
-``BlockMask`` is a pytree: build it once and reuse it across layers and
-steps.
+``BlockMask`` (defined in ``mask``) is a pytree: build it once and reuse it
+across layers and steps, or pass the rule as ``aj.Mask(rule=...)`` and the
+blockwise kernel builds its tables at its own block sizes.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import numpy as np
 
 from attention_jax import _checks
 from attention_jax import _patterns
+from attention_jax.mask import BlockMask
+from attention_jax.mask import MaskRule
 
 EMPTY, PARTIAL, FULL = _patterns.EMPTY, _patterns.PARTIAL, _patterns.FULL
-BlockMask = _patterns.BlockMask
-MaskRule = _patterns.MaskRule
 MaskFn = _patterns.MaskFn
 
 

@@ -6,103 +6,82 @@ model dim. ``...`` is any number of leading batch dimensions (e.g. ``B, N``)
 that broadcast.
 
 ``scaled_dot_product_attention`` is the one public entry point over every
-implementation: it validates the operands (``_checks``), picks an
-implementation and runs it. The kernels never import this module:
-
-* ``dense`` (``_dense``): the ``[T, S]`` scores of one head at once; weights,
-  dropout and float64 live only here.
-* ``blockwise`` (``blockwise`` over ``_flash``): online softmax by blocks,
-  O(T + S) memory, the FlashAttention-2 backward.
-* ``cudnn`` (``_cudnn``): jax.nn's fused GPU kernel.
-
-``ring_attention`` runs the same ``_flash`` core across devices. Every
-implementation honours one contract (masks True = may attend, bottom-right
-causal, a query with nothing to attend to gets output 0 and lse ``-inf``
-with zero gradients, float32 compute for 16-bit inputs), checked by one
-shared test suite.
+kernel: it resolves ``implementation=`` to the kernels to try
+(``kernels.candidates``), validates the call once
+(``kernels.base.canonicalize``: a ``Problem``), picks the first kernel that
+supports it (``kernels.choose``) and runs it. The kernels never import this
+module. Every kernel honours one contract (masks True = may attend,
+bottom-right causal, a query with nothing to attend to gets output 0 and
+lse ``-inf`` with zero gradients, float32 compute for 16-bit inputs),
+checked by one shared test suite.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import _broadcast
 from attention_jax import _checks
-from attention_jax import _cudnn
-from attention_jax import _dense
-from attention_jax import _numerics
-from attention_jax import blockwise
-from attention_jax._patterns import BlockMask
-from attention_jax._patterns import ScoreMod
-
-IMPLEMENTATIONS = ("dense", "blockwise", "cudnn")
-# Below this many scores per head the dense path is as fast (see the
-# performance page of the docs) and also yields the weights.
-BLOCKWISE_MIN_SCORES = 1024 * 1024
+from attention_jax import kernels
+from attention_jax import mask as mask_lib
+from attention_jax.kernels import base
+from attention_jax.mask import BlockMask
+from attention_jax.mask import Mask
 
 
-def choose_implementation(implementation, query, key, value, mask, bias,
-                          lengths, *, return_weights: bool, dropout_on: bool,
-                          return_lse: bool, structured=None,
-                          is_causal: bool = False) -> str:
-  """The implementation to run, or a ``ValueError`` saying why not.
+def run(query, key, value, mask=None, *, bias=None, scale=None,
+        is_causal: bool = False, score_mod=None, sinks=None,
+        dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
+        return_weights: bool = False, return_lse: bool = False):
+  """``scaled_dot_product_attention`` returning ``(out, weights, lse)``
+  (weights/lse None unless asked for): the path every entry point shares."""
+  _checks.check_static_bool("is_causal", is_causal)
+  mask = mask_lib.as_mask(mask, is_causal=is_causal)
+  candidates, automatic = kernels.candidates(implementation)
+  rule_lengths = _rule_lengths(candidates, query, key)
+  problem = base.canonicalize(
+      query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
+      sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      return_weights=return_weights, return_lse=return_lse,
+      rule_lengths=rule_lengths)
+  kernel = kernels.choose(candidates, problem, automatic)
+  out, weights, lse = kernel(problem)
+  return (out, weights if return_weights else None,
+          lse if return_lse else None)
 
-  ``structured`` maps the pattern arguments in use to their values; the
-  automatic choice only picks an implementation that takes all of them.
-  """
-  structured = structured or {}
-  if implementation is not None and implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be None or one of "
-                     f"{IMPLEMENTATIONS}, got {implementation!r}.")
-  if implementation in ("blockwise", "cudnn"):
-    if dropout_on:
-      raise ValueError(f"implementation={implementation!r} has no dropout; "
-                       "use 'dense' or dropout_rate=0.")
-    if return_weights:
-      raise ValueError(f"implementation={implementation!r} never forms the "
-                       "attention weights; use implementation='dense' (or "
-                       "None) with return_weights=True.")
-  if implementation == "cudnn":
-    problem = _cudnn.problem(query, key, value, mask, bias, lengths,
-                             return_lse, structured, is_causal=is_causal)
-    if problem:
-      raise ValueError(f"implementation='cudnn' is not possible: {problem}.")
-  if implementation is not None:
-    return implementation
-  t, s = _checks.shape_of(query)[-2], _checks.shape_of(key)[-2]
-  if return_weights or dropout_on or t * s < BLOCKWISE_MIN_SCORES:
-    return "dense"
-  if _cudnn.problem(query, key, value, mask, bias, lengths, return_lse,
-                    structured, is_causal=is_causal) is None:
-    return "cudnn"
-  if jnp.result_type(query, key, value) == jnp.float64:
-    return "dense"  # blockwise computes in float32
-  return "blockwise"
+
+def _rule_lengths(candidates, query, key):
+  """The ``(T, S)`` a rule's indices refer to, the same for every
+  candidate (ring attention's are global), or None for the operands'."""
+  q_shape, k_shape = _checks.shape_of(query), _checks.shape_of(key)
+  if len(q_shape) < 2 or len(k_shape) < 2:
+    return None  # the operand checks say what is wrong
+  t, s = q_shape[-2], k_shape[-2]
+  lengths = {kernel.lengths(t, s) for kernel in candidates}
+  if len(lengths) > 1:
+    raise ValueError(
+        f"implementation mixes kernels whose mask rules index different "
+        f"sequences ({sorted(lengths)}): try ring attention on its own.")
+  only = lengths.pop()
+  return None if only == (t, s) else only
 
 
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
-    mask: ArrayLike | BlockMask | None = None,
+    mask: Mask | ArrayLike | BlockMask | None = None,
     *,
     bias: ArrayLike | None = None,
     scale: float | ArrayLike | None = None,
     is_causal: bool = False,
-    key_value_seq_lengths: ArrayLike | None = None,
-    query_seq_lengths: ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    query_segment_ids: ArrayLike | None = None,
-    key_segment_ids: ArrayLike | None = None,
+    score_mod: Any = None,
     sinks: ArrayLike | None = None,
-    score_mod: ScoreMod | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
-    implementation: str | None = None,
+    implementation: Any = None,
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, ...]:
@@ -115,40 +94,18 @@ def scaled_dot_product_attention(
       attention: query head ``n`` uses key/value head ``n // (N / K)``
       (only in 4-D is axis 1 read as heads, as in jax.nn).
     value: float ``[..., S, Hv]``; ``Hv`` may differ from ``H``.
-    mask: optional bool, or integer with 0 = blocked, broadcastable to
-      ``[..., T, S]``. True (non-zero) = the query may attend to the key.
-      Or a ``BlockMask`` from ``block_mask(mask_fn, T, S)`` (any rule
-      ``mask_fn(b, h, q_idx, kv_idx)``, evaluated once; the blockwise path skips
-      its empty blocks).
+    mask: which (query, key) pairs may attend: an ``aj.Mask`` (causal,
+      windows, query/key lengths, segment ids, a dense array and rules, in
+      one value; the blockwise kernels skip the blocks it rules out), or a
+      bool/integer array broadcastable to ``[..., T, S]`` of the logits'
+      full rank (True / non-zero = may attend; ``Mask(dense=...)``), or an
+      ``aj.BlockMask`` (a rule with precomputed block tables).
     bias: optional float added to the logits (after scaling), broadcastable to
-      ``[..., T, S]``; e.g. ALiBi or relative-position terms. ``-inf`` entries
-      block like a False mask.
+      ``[..., T, S]``; ``-inf`` entries block like a False mask.
     scale: multiplier of ``query @ key^T``; defaults to ``1 / sqrt(H)``.
-    is_causal: if True, query ``i`` may attend to key ``j`` only when
-      ``j <= i + (S - T)`` (bottom-right aligned; see ``causal_mask``).
-      Combined with ``mask`` by logical AND.
-    key_value_seq_lengths: optional integer array with one axis per leading
-      dim of the operands (size 1 broadcasts; e.g. ``[B, 1]`` for
-      ``[B, N, T, H]`` inputs) or a scalar, in ``[0, S]`` (checked when
-      concrete; traced values clip): keys at positions ``>=`` the length are
-      padding. Costs no ``[T, S]`` memory in the blockwise path.
-    query_seq_lengths: the same for queries: rows at positions ``>=`` the
-      length get output 0, weights 0 and lse ``-inf``.
-    local_window_size: ``w`` or ``(left, right)`` (jax.nn's argument,
-      static): query ``i``, at key position ``i' = i + S - T``, sees keys
-      ``i' - left <= j <= i' + right``. With ``is_causal=True`` and
-      ``(W - 1, 0)`` it is the causal sliding window of ``W`` tokens.
-    query_segment_ids: integer ``[T]`` (shared) or ``[..., T]`` (one axis
-      per leading dim, e.g. ``ids[:, None, :]`` for ``[B, N, T, H]``):
-      packed documents. A query sees only keys with the same id; combines
-      with causal, windows and lengths. Contiguous segments make the
-      blockwise path skip every cross-document block.
-    key_segment_ids: integer ``[S]`` or ``[..., S]``; required with
-      ``query_segment_ids`` (the same array for packed self-attention).
-    sinks: float broadcastable to the leading dims (``[N]`` or ``[B, N]``
-      for ``[B, N, T, H]``): per-head sink logits; ``exp(sink)`` joins every
-      row's softmax denominator, so weights sum to less than 1 (gpt-oss's
-      learned sinks). Differentiable. The returned lse includes the sink.
+    is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (jax.nn's and
+      torch's habit): query ``i`` may attend to key ``j`` only when ``j <= i
+      + (S - T)`` (bottom-right aligned).
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` returns modified
       float32 scores (after scale and bias; ``aj.soft_cap(c)`` caps): ``b`` and
       ``h`` are the int32 batch and query-head indices (of ``[B, N, T, H]``
@@ -159,27 +116,33 @@ def scaled_dot_product_attention(
       params)`` (a pytree; ``aj.alibi(slopes)``, ``aj.t5_relative_bias``)
       or a plain closure (not in ``ring_attention``, which needs them as a
       ``ScoreMod``); they are differentiated in every implementation.
+    sinks: float broadcastable to the leading dims (``[N]`` or ``[B, N]``
+      for ``[B, N, T, H]``): per-head sink logits; ``exp(sink)`` joins every
+      row's softmax denominator, so weights sum to less than 1 (gpt-oss's
+      learned sinks). Differentiable. The returned lse includes the sink.
     dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
-    implementation: ``"dense"`` (materialises the ``[T, S]`` weights),
-      ``"blockwise"`` (``blockwise_attention``: O(T + S) memory, no weights,
-      no dropout), ``"cudnn"`` (``jax.nn.dot_product_attention``'s fused GPU
-      kernel: GPU, float16/bfloat16, ``[B, N, T, H]`` inputs, H <= 128 and a
-      multiple of 8, lengths ``[B, 1]`` and causal windows with ``T == S``;
-      no weights, dropout, lse, segment ids, sinks, ``score_mod``
-      or block masks) or ``None``: dense when
-      weights or dropout are asked for or ``T * S`` is below
-      ``BLOCKWISE_MIN_SCORES``; otherwise cuDNN where its constraints hold,
-      else blockwise. Every path gives the same numbers within float32
-      rounding (tested).
+    implementation: ``None`` (automatic), a kernel name (``"dense"``,
+      ``"blockwise"``, ``"cudnn"``), an ``aj.kernels`` kernel
+      (``aj.kernels.Flash(block_q=512)``, ``aj.kernels.Ring("seq")``) or a
+      sequence of them to try in order. ``None`` walks
+      ``aj.kernels.REGISTRY``: cuDNN (GPU, float16/bfloat16, ``[B, N, T,
+      H]``, H <= 128 and a multiple of 8, one length per example, causal
+      windows with ``T == S``; no lse, segment ids, sinks, ``score_mod`` or
+      rules), then blockwise (O(T + S) memory; no weights, dropout or
+      float64), then dense (everything; the ``[T, S]`` scores), skipping
+      the first two below ``T * S`` = 1024 * 1024 scores. When nothing
+      fits, the error lists each kernel's reason. Every kernel gives the
+      same numbers within float32 rounding (tested).
     return_weights: also return the attention weights (dense only).
     return_lse: also return the log-sum-exp of each row's allowed logits.
 
   The leading dimensions ``...`` of all operands broadcast like NumPy's.
   Static arguments for ``jax.jit``: ``scale`` (if a Python float),
   ``is_causal``, ``dropout_rate``, ``implementation``, ``return_weights``,
-  ``return_lse``.
+  ``return_lse``; a ``Mask`` and a ``ScoreMod`` are pytrees (their
+  structure static, their arrays traced).
 
   Returns:
     ``output`` ``[..., T, Hv]`` in the promoted dtype of the inputs; with
@@ -192,8 +155,9 @@ def scaled_dot_product_attention(
     ``(output, weights, lse)``.
 
   Raises:
-    TypeError: non-float query/key/value/bias, a mask that is neither bool
-      nor integer, non-integer lengths.
+    TypeError: non-float query/key/value/bias, a mask that is neither a
+      ``Mask``, a ``BlockMask`` nor a bool/integer array, non-integer
+      lengths or segment ids.
     ValueError: ranks below 2, ``H`` or ``S`` mismatches, leading dims or
       masks/biases that do not broadcast, a dropout rate outside ``[0, 1)``
       or a positive rate without ``dropout_rng``, an implementation that
@@ -208,73 +172,10 @@ def scaled_dot_product_attention(
     >>> w.shape
     (2, 4, 6)
   """
-  query, key, value = (_checks.as_array_operand(name, x, layout)
-                       for name, x, layout in (("query", query, "[..., T, H]"),
-                                               ("key", key, "[..., S, H]"),
-                                               ("value", value,
-                                                "[..., S, Hv]")))
-  for name, flag in (("is_causal", is_causal),
-                     ("return_weights", return_weights),
-                     ("return_lse", return_lse)):
-    _checks.check_static_bool(name, flag)
-  ops = _checks.attention_operands(
-      query, key, value, mask, bias,
-      key_value_seq_lengths=key_value_seq_lengths,
-      query_seq_lengths=query_seq_lengths,
-      local_window_size=local_window_size,
-      query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      sinks=sinks, score_mod=score_mod)
-  _checks.check_dropout(dropout_rate, dropout_rng)
-  dropout_on = not (isinstance(dropout_rate, (int, float))
-                    and dropout_rate == 0.0)
-  # The cuDNN kernel takes the caller's operands (jax.nn groups heads
-  # itself), not the grouped ones.
-  raw_mask = None
-  if mask is not None and ops.block_mask is None:
-    raw_mask = _numerics.as_bool_mask(mask)
-  raw_lengths = _checks.check_lengths("key_value_seq_lengths",
-                                      key_value_seq_lengths)
-  structured = {"query_seq_lengths": query_seq_lengths,
-                "local_window_size": ops.window,
-                "query_segment_ids": query_segment_ids,
-                "key_segment_ids": key_segment_ids,
-                "sinks": sinks,
-                "score_mod": score_mod, "block_mask": ops.block_mask}
-  implementation = choose_implementation(
-      implementation, query, key, value, raw_mask, bias, raw_lengths,
-      return_weights=return_weights, dropout_on=dropout_on,
-      return_lse=return_lse, is_causal=is_causal,
-      structured={k: x for k, x in structured.items() if x is not None})
-  if scale is None:
-    scale = 1.0 / math.sqrt(_checks.shape_of(query)[-1])
-  if implementation == "blockwise":
-    return blockwise.blockwise_attention(
-        query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
-        key_value_seq_lengths=key_value_seq_lengths,
-        query_seq_lengths=query_seq_lengths, local_window_size=ops.window,
-        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-        sinks=sinks, score_mod=score_mod, return_lse=return_lse)
-  if implementation == "cudnn":
-    q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths)
-    return _cudnn.attention(
-        jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), raw_mask,
-        None if bias is None else jnp.asarray(bias), raw_lengths, q_lengths,
-        scale=scale, is_causal=is_causal, window=ops.window)
-  keep = None
-  if dropout_rng is not None and dropout_on:
-    t, s = _checks.shape_of(query)[-2], _checks.shape_of(key)[-2]
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate,
-                                ops.batch_shape + (t, s))  # [..., T, S]
-  out_dtype = jnp.result_type(query, key, value)
-
-  def head(q, k, v, h, kp):
-    return _dense.single_head(
-        q, k, v, h, kp, scale=scale, is_causal=is_causal, window=ops.window,
-        score_mod=ops.score_mod,
-        dropout_rate=dropout_rate, out_dtype=out_dtype,
-        compute_dtype=_numerics.compute_dtype(out_dtype),
-        want_lse=return_lse)
-
-  out, weights, lse = _broadcast.lift_heads(head, ops, (keep,), (2,))
-  return _broadcast.results(out, weights, lse, return_weights=return_weights,
-                            return_lse=return_lse)
+  out, weights, lse = run(
+      query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
+      score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, implementation=implementation,
+      return_weights=return_weights, return_lse=return_lse)
+  extra = (weights,) * bool(return_weights) + (lse,) * bool(return_lse)
+  return (out, *extra) if extra else out

@@ -301,8 +301,8 @@ def update_ring_cache(
     index: integer scalar or ``[B]``: tokens written so far per example.
     key: float ``[B, K, T, H]``.
     value: float ``[B, K, T, Hv]``.
-    window: how many earlier positions a query sees (``local_window_size``'s
-      left side).
+    window: how many earlier positions a query sees (the left side of the
+      layer mask's window).
     new_lengths: optional integer ``[B]``: real new tokens per example
       (right-padded), as in ``update_kv_cache``.
 

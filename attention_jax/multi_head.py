@@ -26,7 +26,8 @@ slice of ``W_o`` and summed over heads (``output_projection``), which is the
 lesson's concat followed by one linear layer. A key/value head is shared by
 its G query heads through ``vmap`` (an unmapped operand), not copied.
 ``forward`` is the one projection -> attention -> output path, used with a KV
-cache by ``MultiHeadAttention`` when decoding.
+cache (``decoding``) by ``MultiHeadAttention`` when decoding. The call's
+pattern is one ``aj.Mask``, handed to the attention function as it is.
 """
 
 from __future__ import annotations
@@ -40,16 +41,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-import numpy as np
 
 from attention_jax import _checks
 from attention_jax import _numerics
-from attention_jax import _patterns
+from attention_jax import decoding
 from attention_jax import dot_product
-from attention_jax import kv_cache
-from attention_jax import masks
+from attention_jax import kernels
+from attention_jax import mask as mask_lib
 from attention_jax import rope as rope_lib
 from attention_jax import sharding
+from attention_jax.decoding import KVCache
+from attention_jax.mask import Mask
 
 Params = dict[str, dict[str, jax.Array]]
 # Anything with scaled_dot_product_attention's contract (see attend_heads).
@@ -415,17 +417,17 @@ def attend_heads(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    mask: jax.Array | None = None,
+    mask: Mask | ArrayLike | None = None,
     *,
     bias: jax.Array | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    score_mod: Any = None,
+    sinks: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
-    attention_fn: AttentionFn | None = None,
-    implementation: str | None = None,
+    attention_fn: AttentionFn | Any = None,
     return_weights: bool = False,
-    **pattern: Any,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention of N query heads over K shared key/value heads.
 
@@ -433,33 +435,31 @@ def attend_heads(
     query: ``[B, N, T, H]`` projected queries.
     key: ``[B, K, S, H]`` projected keys; ``K`` divides ``N``.
     value: ``[B, K, S, H]`` projected values.
-    mask: optional bool of rank 4, broadcastable to ``[B, N, T, S]``.
+    mask: an ``aj.Mask`` (lengths ``[B]`` and segment ids ``[B, T]`` align
+      to the left, so they read per example), or a dense bool array of rank
+      4 broadcastable to ``[B, N, T, S]``.
     bias: optional float of rank 4, broadcastable to ``[B, N, T, S]``.
     scale: multiplier of ``q . k``; None leaves it to ``attention_fn``'s
       default (``1 / sqrt(H)`` for the package's functions), so a
       ``functools.partial(fn, scale=...)`` is honoured. Giving both is
       refused: one of them would be silently ignored.
-    is_causal: bottom-right aligned causal masking.
+    is_causal: shorthand for ``mask & aj.Mask(causal=True)``.
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``.
+    sinks: per-head sink logits ``[N]``.
     dropout_rate: dropout on the attention weights.
     dropout_rng: key for dropout.
-    attention_fn: replaces ``scaled_dot_product_attention``, with its
-      contract: called as ``attention_fn(query, key, value, mask=...,
-      bias=..., scale=..., is_causal=...)`` on these ``[B, N, T, H]`` /
-      ``[B, K, S, H]`` operands (``mask``/``bias``/``scale`` only when given;
-      ``dropout_rate``/``dropout_rng`` only when dropout is on;
-      ``return_weights=True`` only when weights are asked for), returning
-      the output (and the weights with ``return_weights``). So
-      ``aj.blockwise_attention`` plugs in as it is.
-    implementation: passed to ``scaled_dot_product_attention`` (``None``
-      picks; ``"dense"``, ``"blockwise"``, ``"cudnn"``) when ``attention_fn``
-      is not given.
+    attention_fn: a replacement for ``scaled_dot_product_attention`` with
+      its contract: called as ``attention_fn(query, key, value, mask=...,
+      bias=..., scale=..., score_mod=..., sinks=...)`` on these
+      ``[B, N, T, H]`` / ``[B, K, S, H]`` operands, each keyword only when
+      given (``mask`` is one ``aj.Mask``; ``dropout_rate``/``dropout_rng``
+      only when dropout is on; ``return_weights=True`` only when weights
+      are asked for), returning the output (and the weights with
+      ``return_weights``); so ``aj.blockwise_attention`` plugs in as it is.
+      Or an ``implementation`` of ``scaled_dot_product_attention`` (a
+      kernel name, a kernel or a list of them). None: that function,
+      automatic.
     return_weights: also return the weights.
-    **pattern: the structured-attention arguments of
-      ``scaled_dot_product_attention`` (``key_value_seq_lengths``,
-      ``query_seq_lengths``, ``local_window_size``, ``query_segment_ids``,
-      ``key_segment_ids``, ``sinks``, ``score_mod``)
-      in its 4-D conventions (e.g. lengths ``[B, 1]``);
-      passed to ``attention_fn`` only when not None.
 
   Returns:
     ``out [B, N, T, H]``, or ``(out, weights [B, N, T, S])`` with
@@ -471,11 +471,14 @@ def attend_heads(
     >>> out.shape, w.shape
     ((2, 4, 3, 8), (2, 4, 3, 5))
   """
-  if attention_fn is None:
+  _checks.check_static_bool("is_causal", is_causal)
+  mask = mask_lib.as_mask(mask, is_causal=is_causal)
+  if attention_fn is None or not callable(attention_fn) or isinstance(
+      attention_fn, kernels.Kernel):
     attention_fn = functools.partial(
         dot_product.scaled_dot_product_attention,
-        implementation=implementation)
-  kwargs = {"is_causal": is_causal}
+        implementation=attention_fn)
+  kwargs = {}
   if scale is not None:
     fixed = _partial_keywords(attention_fn)
     if "scale" in fixed:
@@ -484,21 +487,14 @@ def attend_heads(
           f"scale={fixed['scale']!r} (functools.partial): set the scale in "
           "one place.")
     kwargs["scale"] = scale
-  if mask is not None:
-    kwargs["mask"] = mask
-  if bias is not None:
-    kwargs["bias"] = bias
+  for name, x in (("mask", mask), ("bias", bias), ("score_mod", score_mod),
+                  ("sinks", sinks)):
+    if x is not None:
+      kwargs[name] = x
   if not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0.0):
     kwargs.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   if return_weights:
     kwargs["return_weights"] = True
-  unknown = set(pattern) - set(PATTERN_ARGS)
-  if unknown:
-    raise TypeError(f"attend_heads got unexpected keyword arguments "
-                    f"{sorted(unknown)}; the pattern arguments are "
-                    f"{list(PATTERN_ARGS)}.")
-  kwargs.update({k: x for k, x in pattern.items()
-                 if x is not None})
   _check_accepts(attention_fn, kwargs)
   return attention_fn(query, key, value, **kwargs)
 
@@ -524,6 +520,9 @@ def _check_accepts(attention_fn, kwargs: dict[str, Any]) -> None:
     fn_name = getattr(attention_fn, "__name__", type(attention_fn).__name__)
     hint = (" (a layer's score_mod, logits_soft_cap and t5_bias all travel "
             "as score_mod)" if "score_mod" in missing else "")
+    if "mask" in missing:
+      hint += (" (the mask is one aj.Mask; mask.jax_nn_arguments(T, S) "
+               "gives jax.nn's keywords for it)")
     raise ValueError(
         f"attention_fn {fn_name} takes no {', '.join(missing)}, which this "
         f"call passes ({given}){hint}: accept it in attention_fn (with "
@@ -546,70 +545,7 @@ def _partial_keywords(fn) -> dict[str, Any]:
   return fixed
 
 
-ScoreMod = _patterns.ScoreMod
-
-# The structured-attention arguments multi-head attention passes through.
-PATTERN_ARGS = ("key_value_seq_lengths", "query_seq_lengths",
-                "local_window_size", "query_segment_ids", "key_segment_ids",
-                "sinks", "score_mod")
-
-
-def _heads_layout(pattern: dict[str, Any]) -> dict[str, Any]:
-  """``[B, T, D]``-call pattern arguments in the 4-D ``[B, N, T, H]`` layout.
-
-  Lengths ``[B]`` gain a head axis (``[B, 1]``), segment ids ``[B, T]``
-  become ``[B, 1, T]``; shapes that are not per-example pass unchanged (the
-  attention function checks them).
-  """
-  out = dict(pattern)
-  for name in ("key_value_seq_lengths", "query_seq_lengths"):
-    x = out.get(name)
-    if x is not None and np.ndim(x) == 1:
-      out[name] = jnp.asarray(x)[:, None]  # [B] -> [B, 1]
-  for name in ("query_segment_ids", "key_segment_ids"):
-    x = out.get(name)
-    if x is not None and np.ndim(x) == 2:
-      out[name] = jnp.asarray(x)[:, None, :]  # [B, T] -> [B, 1, T]
-  return out
-
-
-def _decode_pattern(pattern: dict[str, Any], visible, q_pos, key_pos):
-  """Pattern arguments for queries over cached keys; the visibility mask.
-
-  ``visible [B, T, S']`` says which keys each query may see, ``q_pos [B,
-  T]`` and ``key_pos [B|1, S']`` are absolute positions (per example, slots
-  of a linear cache or of a ring buffer). The window becomes part of the
-  mask, and ``score_mod`` sees each example's absolute query and key
-  positions instead of rows and slots, so cached decoding equals the full
-  forward. Segment ids would need a cache of their own.
-  """
-  pattern = dict(pattern)
-  for name in ("query_segment_ids", "key_segment_ids"):
-    if pattern.get(name) is not None:
-      raise ValueError(
-          f"{name} is not supported while decoding with a KV cache (the "
-          "cache holds no segment ids): mask cache slots with `mask` "
-          "instead.")
-  window = _patterns.check_window(pattern.pop("local_window_size", None))
-  if window is not None:
-    qp, kp = q_pos[:, :, None], key_pos[:, None, :]  # [B, T, 1], [B|1, 1, S']
-    visible = visible & (kp >= qp - window[0]) & (kp <= qp + window[1])
-  score_mod = pattern.get("score_mod")
-  if score_mod is not None:
-    q_pos = jnp.asarray(q_pos, jnp.int32)  # [B, T]
-    key_pos = jnp.asarray(key_pos, jnp.int32)  # [B|1, S']
-
-    def absolute(score, b, h, q_idx, kv_idx):
-      # Padded block rows (past T) clip: their outputs are dropped.
-      k_row = key_pos[b] if key_pos.shape[0] > 1 else key_pos[0]
-      return score_mod(score, b, h, jnp.take(q_pos[b], q_idx, mode="clip"),
-                       jnp.take(k_row, kv_idx, mode="clip"))
-
-    pattern["score_mod"] = absolute
-  return pattern, visible
-
-
-def _rope_positions(t: int, s: int, pattern):
+def _rope_positions(t: int, s: int, mask: Mask | None):
   """Positions of this call's queries and keys for rotary embeddings.
 
   Packed documents: restarting per segment (``segment_positions``,
@@ -617,85 +553,13 @@ def _rope_positions(t: int, s: int, pattern):
   (``S - T + i``, the package's convention). (Decoding uses each example's
   cache positions, see ``forward``.)
   """
-  q_ids, k_ids = (pattern.get(n) for n in ("query_segment_ids",
-                                            "key_segment_ids"))
-  if q_ids is not None and k_ids is not None:
-    as_heads = lambda ids: rope_lib.segment_positions(
-        jnp.asarray(ids))[:, None, :] if np.ndim(ids) == 2 else (
-            rope_lib.segment_positions(jnp.asarray(ids)))
-    return as_heads(q_ids), as_heads(k_ids)
+  if mask is not None and mask.q_segment_ids is not None:
+    def as_heads(ids):
+      ids = jnp.asarray(ids)
+      positions = rope_lib.segment_positions(ids)
+      return positions[:, None, :] if ids.ndim == 2 else positions
+    return as_heads(mask.q_segment_ids), as_heads(mask.kv_segment_ids)
   return s - t + jnp.arange(t), jnp.arange(s)
-
-
-class KVCache(NamedTuple):
-  """A key/value cache for ``forward``.
-
-  ``key``/``value`` are ``[B, K, L, H]`` buffers: ``L`` positions of a
-  linear cache, or ``W`` slots of a ring buffer when ``window`` is set (a
-  sliding-window layer: position ``p`` lives in slot ``p % W`` and keys
-  older than ``window`` are forgotten). ``index`` counts the tokens written
-  per example (``[B]``, or a scalar for all). ``overflow`` (bool ``[B]``,
-  sticky) marks examples whose write did not fit a linear cache: it is an
-  error value, checked outside the step (``MultiHeadAttention.check_cache``)
-  so decoding pays no host callback.
-  """
-  key: jax.Array
-  value: jax.Array
-  index: jax.Array
-  overflow: jax.Array | None = None
-  window: int | None = None
-
-
-def _decode_lengths(pattern, b: int, t: int):
-  """In decoding, ``query_seq_lengths [B]`` is each example's new tokens."""
-  lengths = pattern.get("query_seq_lengths")
-  if lengths is None:
-    return None
-  if np.ndim(lengths) != 1 or np.shape(lengths)[0] != b:
-    raise ValueError(
-        f"while decoding, query_seq_lengths is the number of real new "
-        f"tokens per example (right-padded), integer [B] = [{b}]; got shape "
-        f"{np.shape(lengths)}.")
-  _checks.check_concrete_range("query_seq_lengths", lengths, t)
-  return jnp.asarray(lengths, jnp.int32)
-
-
-def _decode(cache: KVCache, k, v, mask, bias, pattern, index, new_lengths,
-            q_pos):
-  """Writes this call's keys/values; what the queries attend over.
-
-  Returns ``(keys, values, mask [B|1, N|1, T, S'], pattern, new cache)``,
-  ``S'`` = ``L`` slots of a linear cache, ``W + T`` for a ring buffer (its
-  old slots, then the new keys).
-  """
-  t = k.shape[2]
-  count = t if new_lengths is None else new_lengths
-  if cache.window is None:
-    ck, cv, visible = kv_cache.update_kv_cache(
-        cache.key, cache.value, index, k, v,
-        new_lengths=new_lengths)  # [B, K, L, H]; visible [B, T, L]
-    keys, values = ck, cv
-    key_pos = jnp.arange(ck.shape[2])[None, :]  # [1, L]
-    overflow = kv_cache.cache_overflow(index, count, ck.shape[2])
-  else:
-    for name, x in (("mask", mask), ("bias", bias),
-                    ("key_value_seq_lengths",
-                     pattern.get("key_value_seq_lengths"))):
-      if x is not None:
-        raise ValueError(
-            f"{name} is not supported with a ring-buffer (sliding-window) "
-            "cache, whose slots hold changing positions: the window and "
-            "the per-example positions already say what each query sees.")
-    keys, values, visible, key_pos, ck, cv = kv_cache.update_ring_cache(
-        cache.key, cache.value, index, k, v, window=cache.window,
-        new_lengths=new_lengths)  # [B, K, W + T, H]; visible [B, T, W + T]
-    overflow = jnp.zeros(index.shape, bool)
-  if cache.overflow is not None:
-    overflow = overflow | cache.overflow
-  pattern, visible = _decode_pattern(pattern, visible, q_pos, key_pos)
-  mask = masks.combine_masks(mask, visible[:, None])  # [B, 1, T, S']
-  new_cache = KVCache(ck, cv, index + count, overflow, cache.window)
-  return keys, values, mask, pattern, new_cache
 
 
 def _check_inputs(query, key, value, cache: KVCache | None,
@@ -737,23 +601,23 @@ def forward(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
-    mask: ArrayLike | None = None,
+    mask: Mask | ArrayLike | None = None,
     *,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
     bias: ArrayLike | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    score_mod: Any = None,
+    sinks: ArrayLike | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
-    attention_fn: AttentionFn | None = None,
-    implementation: str | None = None,
+    attention_fn: AttentionFn | Any = None,
     return_weights: bool = False,
-    head_axis: str | None = None,
-    precision: Precision = None,
-    cache: KVCache | None = None,
     rope: float | None = None,
-    **pattern: Any,
+    precision: Precision = None,
+    head_axis: str | None = None,
+    cache: KVCache | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """The one projection -> attention -> output path, with or without a cache.
 
@@ -762,11 +626,9 @@ def forward(
   qk-norm) come from ``params`` (``param_dims``); ``num_heads`` /
   ``num_kv_heads``, when given, must agree with them. With ``cache``, this
   call's keys and values are written at ``cache.index``
-  (``update_kv_cache``) and the queries attend causally to every filled
-  slot; ``mask``/``bias`` are then over the ``L`` cache slots
-  (``[B, N, T, L]``, rank 4). ``pattern`` holds the structured-attention
-  arguments (``PATTERN_ARGS``) in the ``[B, T, D]`` layout (lengths ``[B]``,
-  segment ids ``[B, T]``). Order per head: projection, qk-norm, rotary
+  (``decoding.write``) and the queries attend causally to every filled
+  slot; a dense mask and the bias are then over the ``L`` cache slots
+  (``[B, N, T, L]``, rank 4). Order per head: projection, qk-norm, rotary
   positions (``rope``, the base; ``_rope_positions`` says which positions),
   cache write, attention, ``W_o``.
 
@@ -783,6 +645,7 @@ def forward(
   """
   dims = param_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
   _check_inputs(query, key, value, cache, params, dims)
+  _checks.check_static_bool("is_causal", is_causal)
   q_shape, k_shape = _checks.shape_of(query), _checks.shape_of(key)
   sharding.check_heads_divide(dims.num_heads, dims.num_kv_heads, head_axis)
   b, t = q_shape[:2]
@@ -791,11 +654,15 @@ def forward(
   else:
     full = (b, dims.num_heads, t, cache.key.shape[2])
     layout = "[B, N, T, L] (decoding: L cache slots)"
-  mask, bias = _check_mask_and_bias(mask, bias, full, layout)
+  m = mask_lib.as_mask(mask, is_causal=is_causal and cache is None)
+  dense, bias = _check_mask_and_bias(None if m is None else m.dense, bias,
+                                     full, layout)
+  if dense is not None:
+    m = mask_lib.Mask(**{**_fields(m), "dense": dense})
   query, key, value = map(jnp.asarray, (query, key, value))
-  if mask is not None and cache is None:
+  if dense is not None and cache is None:
     # Padded inputs may hold NaN: zero them before W_k/W_v.
-    seen = jnp.any(mask, axis=(1, 2))  # [B|1, S|1]
+    seen = jnp.any(dense, axis=(1, 2))  # [B|1, S|1]
     key, value = _numerics.zero_unseen(seen, key, value)
   q = project_heads(query, params["W_q"], precision=precision)  # [B, N, T, H]
   k = project_heads(key, params["W_k"], precision=precision)  # [B, K, S, H]
@@ -806,28 +673,34 @@ def forward(
     k = rms_norm(k, params["k_norm"]["scale"])
   if cache is not None:  # every example at its own position
     index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
-    new_lengths = _decode_lengths(pattern, b, t)
+    lengths = decoding.new_lengths(m, b, t)
     q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] absolute
   if rope is not None:
     if cache is not None:  # keys are rotated before they enter the cache
       q_rot = k_rot = q_pos[:, None, :]  # [B, 1, T]
     else:
-      q_rot, k_rot = _rope_positions(t, k.shape[2], pattern)
+      q_rot, k_rot = _rope_positions(t, k.shape[2], m)
     q = rope_lib.apply_rope(q, q_rot, base=rope)
     k = rope_lib.apply_rope(k, k_rot, base=rope)
   if cache is not None:
-    k, v, mask, pattern, cache = _decode(cache, k, v, mask, bias, pattern,
-                                         index, new_lengths, q_pos)
-    is_causal = False
+    k, v, m, score_mod, cache = decoding.write(
+        cache, k, v, m, bias, score_mod, index, lengths, q_pos,
+        dims.num_heads)
   result = attend_heads(
-      q, k, v, mask, bias=bias, scale=scale, is_causal=is_causal,
+      q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      attention_fn=attention_fn, implementation=implementation,
-      return_weights=return_weights, **_heads_layout(pattern))
+      attention_fn=attention_fn, return_weights=return_weights)
   out, weights = result if return_weights else (result, None)
   output = output_projection(out, params["W_o"],
                              precision=precision)  # [B, T, Dout]
   return output, weights, cache
+
+
+def _fields(m: Mask) -> dict[str, Any]:
+  """A mask's constructor arguments (to rebuild it with one changed)."""
+  return dict(causal=m.causal, window=m.window, q_lengths=m.q_lengths,
+              kv_lengths=m.kv_lengths, q_segment_ids=m.q_segment_ids,
+              kv_segment_ids=m.kv_segment_ids, dense=m.dense, rule=m.rule)
 
 
 def multi_head_attention(
@@ -835,28 +708,19 @@ def multi_head_attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
-    mask: ArrayLike | None = None,
+    mask: Mask | ArrayLike | None = None,
     *,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
     bias: ArrayLike | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    score_mod: Any = None,
+    sinks: ArrayLike | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
-    attention_fn: AttentionFn | None = None,
-    implementation: str | None = None,
+    attention_fn: AttentionFn | Any = None,
     return_weights: bool = False,
-    head_axis: str | None = None,
-    precision: Precision = None,
-    key_value_seq_lengths: ArrayLike | None = None,
-    query_seq_lengths: ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    query_segment_ids: ArrayLike | None = None,
-    key_segment_ids: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
-    score_mod: Any = None,
     rope: float | None = None,
+    precision: Precision = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
@@ -870,47 +734,35 @@ def multi_head_attention(
     query: float ``[B, T, D]``.
     key: float ``[B, S, Dkv]``.
     value: float ``[B, S, Dkv]``.
-    mask: optional bool/integer of rank 4, broadcastable to ``[B, N, T, S]``
-      (True = may attend), e.g. from ``make_attention_mask``; a ``[B, S]``
-      key-padding mask is passed as ``mask[:, None, None, :]``.
-    num_heads: optional ``N``; if given, must match ``params``.
-    num_kv_heads: optional ``K``; if given, must match ``params``.
+    mask: an ``aj.Mask`` (e.g. ``aj.Mask(kv_lengths=lengths [B])``,
+      ``aj.Mask(q_segment_ids=ids [B, T])`` for packed documents,
+      ``aj.Mask(causal=True, window=(W - 1, 0))``, a rule), or a dense
+      bool/integer array of rank 4 broadcastable to ``[B, N, T, S]`` (True
+      = may attend), e.g. from ``make_attention_mask``; a ``[B, S]``
+      key-padding mask is ``mask[:, None, None, :]``.
     bias: optional float of rank 4 broadcastable to ``[B, N, T, S]``, added
       to the logits.
     scale: multiplier of ``q . k`` (static); None means ``1 / sqrt(H)``
       (or ``attention_fn``'s own default). Gemma 2 uses
       ``query_pre_attn_scalar ** -0.5``.
-    is_causal: bottom-right aligned causal masking (static).
+    is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (static).
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, e.g.
+      ``aj.alibi(slopes)``; see ``scaled_dot_product_attention``.
+    sinks: optional float ``[N]``: per-head sink logits.
     dropout_rate: dropout on attention weights, in ``[0, 1)`` (static).
     dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
-    attention_fn: optional replacement for ``scaled_dot_product_attention``
-      with its contract (see ``attend_heads``), e.g.
-      ``aj.blockwise_attention``.
-    implementation: ``None`` | ``"dense"`` | ``"blockwise"`` | ``"cudnn"``;
-      see ``scaled_dot_product_attention``.
+    attention_fn: a replacement for ``scaled_dot_product_attention`` with
+      its contract (see ``attend_heads``), e.g. ``aj.blockwise_attention``;
+      or its ``implementation`` (``"dense"``, ``"blockwise"``, ``"cudnn"``,
+      a kernel, a list); None: automatic.
     return_weights: also return the attention weights (static).
-    head_axis: mesh axis the heads are split over (head parallelism, see
-      ``attention_jax.sharding``); under ``jax.set_mesh`` with that axis the
-      projected heads are pinned to it, elsewhere it is ignored. ``N`` and
-      ``K`` must divide its size.
-    precision: ``jax.lax.Precision`` (or None) of the projection einsums
-      (``W_q``, ``W_k``, ``W_v``, ``W_o``); the attention itself runs at
-      ``scaled_dot_product_attention``'s precision, which takes none.
-    key_value_seq_lengths: optional integer ``[B]``: keys at positions
-      ``>=`` the length are padding (no ``[T, S]`` mask needed).
-    query_seq_lengths: optional integer ``[B]``: rows past it get output 0.
-    local_window_size: ``w`` or ``(left, right)``, as in
-      ``scaled_dot_product_attention`` (static).
-    query_segment_ids: optional integer ``[B, T]`` (packed documents).
-    key_segment_ids: optional integer ``[B, S]``, with the query ids.
-    sinks: optional float ``[N]``: per-head sink logits.
-    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, e.g.
-      ``aj.alibi(slopes)``; see ``scaled_dot_product_attention``. Decoding
-      passes each example's absolute positions as ``q_idx``/``kv_idx``.
     rope: base of rotary position embeddings (e.g. ``10000.0``) applied to
       the projected queries and keys (``apply_rope``; positions restart per
       document with segment ids, queries bottom-right aligned otherwise);
       None for none. With qk-norm, the norm comes first.
+    precision: ``jax.lax.Precision`` (or None) of the projection einsums
+      (``W_q``, ``W_k``, ``W_v``, ``W_o``); the attention itself runs at
+      ``scaled_dot_product_attention``'s precision, which takes none.
 
   Returns:
     ``output [B, T, Dout]``, or ``(output, weights float32 [B, N, T, S])``
@@ -928,19 +780,13 @@ def multi_head_attention(
     ...                            kv_features=6, out_features=4,
     ...                            normalize_qk=True)
     >>> multi_head_attention(q, x, jnp.ones((2, 7, 6)), jnp.ones((2, 7, 6)),
-    ...                      jnp.ones((2, 1, 1, 7), bool)).shape
+    ...                      aj.Mask(kv_lengths=jnp.array([7, 3]))).shape
     (2, 5, 4)
   """
   output, weights, _ = forward(
-      params, query, key, value, mask, num_heads=num_heads,
-      num_kv_heads=num_kv_heads, bias=bias, scale=scale, is_causal=is_causal,
+      params, query, key, value, mask, bias=bias, scale=scale,
+      is_causal=is_causal, score_mod=score_mod, sinks=sinks,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      attention_fn=attention_fn, implementation=implementation,
-      return_weights=return_weights, head_axis=head_axis,
-      precision=precision, key_value_seq_lengths=key_value_seq_lengths,
-      query_seq_lengths=query_seq_lengths,
-      local_window_size=local_window_size,
-      query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      sinks=sinks, score_mod=score_mod,
-      rope=rope)
+      attention_fn=attention_fn, return_weights=return_weights, rope=rope,
+      precision=precision)
   return (output, weights) if return_weights else output

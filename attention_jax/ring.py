@@ -1,252 +1,38 @@
-"""Ring attention: the sequence split across the devices of a mesh axis.
+"""``ring_attention``: the sequence split across the devices of a mesh axis.
 
 Shape glossary: T this device's query length, S this device's key/value
 length, H head dim, Hv value head dim, P devices on the ring axis; ``...``
-leading dims that broadcast (e.g. ``B, N``; size-1 dims for shared KV heads).
+leading dims that broadcast.
 
-Call inside ``jax.shard_map`` with the sequence dimension split over
-``axis_name``: device ``i`` holds query rows ``[i*T, (i+1)*T)`` and key/value
-rows ``[i*S, (i+1)*S)`` of the global sequence (Liu et al. 2023, "Ring
-Attention with Blockwise Transformers"). Each device keeps its queries and
-passes its key/value block to the next device ``P - 1`` times
-(``lax.ppermute``), folding each block into the result with the online
-softmax of the flash core ``_flash`` (per block: ``out_j``, ``lse_j``; merged by
-log-sum-exp). Within a block the work is blockwise too, so no device ever
-holds more than ``[block_q, block_k]`` scores per head.
-
-The backward pass is a ``jax.custom_vjp`` that goes round the ring again:
-key/value blocks travel with their gradient accumulators, each device adds
-its queries' share (``_flash.backward`` with the global ``lse``), and one
-last shift brings every accumulator home. Saved per device: its own q, k, v,
-output and ``lse`` — O(T + S), independent of P.
-
-Causal masking is bottom-right aligned on the *global* lengths; a key block
-wholly in a query block's future is skipped (no FLOPs), though the device
-still waits for its neighbours (no load balancing: device 0 has the least
-causal work).
+``scaled_dot_product_attention`` with ``implementation=kernels.Ring(axis_name,
+block_q, block_k)``, called inside ``jax.shard_map``; the algorithm is
+``kernels/ring.py``.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import _flash
-from attention_jax import _numerics
-from attention_jax._patterns import BlockMask
-from attention_jax._patterns import ScoreMod
-
-
-class _Ring(NamedTuple):
-  block: _flash.Static  # local (per-device) lengths and block sizes
-  axis_name: str
-  size: int  # P
-  steps: tuple[int, ...]  # the ring steps some device has work in
-
-
-def _shift(x, rg: _Ring, by: int = 1):
-  """Sends ``x`` ``by`` steps round the ring: device ``i`` -> ``i + by``."""
-  if x is None or by % rg.size == 0:
-    return x
-  perm = [(i, (i + by) % rg.size) for i in range(rg.size)]
-  return jax.lax.ppermute(x, rg.axis_name, perm)
-
-
-def needed_steps(st: _flash.Static, size: int) -> tuple[int, ...]:
-  """The ring steps at which some device may see a key of the held block.
-
-  At step ``k`` device ``i`` holds the keys of device ``(i - k) mod P``;
-  its rows see local columns ``[offset - left, offset + T - 1 + right]``
-  (the union of their windows). A step no device needs is never made:
-  neither its compute nor its ``ppermute`` (the next needed step's shift
-  jumps over it). Static: only bounds and shapes decide.
-  """
-  left, right = st.bounds
-  if left is None and right is None:
-    return tuple(range(size))
-  steps = []
-  for k in range(size):
-    for i in range(size):
-      src = (i - k) % size
-      offset = i * st.t - src * st.s + size * (st.s - st.t)
-      first = float("-inf") if left is None else offset - left
-      last = float("inf") if right is None else offset + st.t - 1 + right
-      if first <= st.s - 1 and last >= 0:
-        steps.append(k)
-        break
-  return tuple(steps) or (0,)
-
-
-def _held_block(rg: _Ring, ex: _flash.Extras, k_seg, step):
-  """The held key block's ``Extras`` (length, segment ids) and ``Place``."""
-  st = rg.block
-  index = jax.lax.axis_index(rg.axis_name)
-  src = (index - step) % rg.size  # whose keys arrived after `step` shifts
-  local = None
-  if ex.length is not None:
-    local = jnp.clip(ex.length - src * st.s, 0, st.s)
-  # global row index*T + r may see global column src*S + c when
-  # src*S + c <= index*T + r + P*(S - T)  (bottom-right alignment).
-  offset = index * st.t - src * st.s + rg.size * (st.s - st.t)
-  return (ex._replace(length=local, k_seg=k_seg),
-          _flash.Place(offset, index * st.t, src * st.s))
-
-
-def _merge(out, lse, out_j, lse_j):
-  """Combines two normalised partial results by their log-sum-exps."""
-  top = jnp.maximum(lse, lse_j)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  a, b = jnp.exp(lse - top), jnp.exp(lse_j - top)  # 0 for an empty part
-  total = a + b
-  seen = total > 0
-  total = jnp.where(seen, total, 1.0)
-  out = (out * a[:, None] + out_j * b[:, None]) / total[:, None]
-  return out, jnp.where(seen, top + jnp.log(total), -jnp.inf)
-
-
-def _local(rg: _Ring, ex: _flash.Extras) -> _flash.Extras:
-  """This device's rows of the query lengths."""
-  if ex.q_length is None:
-    return ex
-  index = jax.lax.axis_index(rg.axis_name)
-  return ex._replace(
-      q_length=jnp.clip(ex.q_length - index * rg.block.t, 0, rg.block.t))
-
-
-def _ring_forward(rg: _Ring, q, k, v, ex):
-  """Float32 ``(out [Tp, Hv], lse [Tp])`` over the whole ring."""
-  ex = _local(rg, ex)
-
-  def attend(step, k, v, k_seg):
-    ex_j, place = _held_block(rg, ex, k_seg, step)
-    return _flash.forward(rg.block, q, k, v, ex_j, place)
-
-  if rg.steps == tuple(range(rg.size)):  # every step: one shift each
-    def step_fn(step, carry):
-      out, lse, k, v, k_seg = carry
-      k, v, k_seg = (_shift(x, rg) for x in (k, v, k_seg))
-      out, lse = _merge(out, lse, *attend(step, k, v, k_seg))
-      return out, lse, k, v, k_seg
-
-    out, lse = attend(0, k, v, ex.k_seg)
-    out, lse, *_ = jax.lax.fori_loop(1, rg.size, step_fn,
-                                     (out, lse, k, v, ex.k_seg))
-    return out, lse
-  # A window: only the steps that hold visible keys, unrolled.
-  k_seg, held = ex.k_seg, 0
-  out = lse = None
-  for step in rg.steps:
-    k, v, k_seg = (_shift(x, rg, step - held) for x in (k, v, k_seg))
-    held = step
-    part = attend(step, k, v, k_seg)
-    out, lse = part if out is None else _merge(out, lse, *part)
-  return out, lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(rg: _Ring, q, k, v, ex):
-  out, lse = _ring_forward(rg, q, k, v, ex)
-  return out.astype(v.dtype), lse
-
-
-def _ring_fwd(rg, q, k, v, ex):
-  out, lse = _ring_forward(rg, q, k, v, ex)
-  return (out.astype(v.dtype), lse), (q, k, v, ex, out, lse)
-
-
-def _ring_bwd(rg, residuals, cotangents):
-  q, k, v, ex0, out, lse = residuals
-  f32 = jnp.float32
-  ex = _local(rg, ex0)
-
-  def grads(step, k, v, k_seg):
-    ex_j, place = _held_block(rg, ex, k_seg, step)
-    dq, dk, dv, _, dargs = _flash.backward(
-        rg.block, (q, k, v, ex_j, place, out, lse), cotangents)
-    return dq, dk, dv, dargs
-
-  if rg.steps == tuple(range(rg.size)):
-    def step_fn(step, carry):
-      dq, dargs, k, v, k_seg, dk, dv = carry
-      k, v, k_seg, dk, dv = (_shift(x, rg) for x in (k, v, k_seg, dk, dv))
-      dq_j, dk_j, dv_j, dargs_j = grads(step, k, v, k_seg)
-      dargs = tuple(a + b for a, b in zip(dargs, dargs_j))
-      return dq + dq_j, dargs, k, v, k_seg, dk + dk_j, dv + dv_j
-
-    dq, dk, dv, dargs = grads(0, k, v, ex.k_seg)
-    dq, dargs, _, _, _, dk, dv = jax.lax.fori_loop(
-        1, rg.size, step_fn,
-        (dq, dargs, k, v, ex.k_seg, dk.astype(f32), dv.astype(f32)))
-    held = rg.size - 1
-  else:  # the window's steps only, unrolled, as in the forward pass
-    k_seg, held = ex.k_seg, 0
-    dq = dk = dv = dargs = None
-    for step in rg.steps:
-      k, v, k_seg, dk, dv = (_shift(x, rg, step - held)
-                             for x in (k, v, k_seg, dk, dv))
-      held = step
-      dq_j, dk_j, dv_j, dargs_j = grads(step, k, v, k_seg)
-      if dq is None:
-        dq, dk, dv, dargs = dq_j, dk_j, dv_j, dargs_j
-      else:
-        dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
-        dargs = tuple(a + b for a, b in zip(dargs, dargs_j))
-  # each block's gradient goes home
-  dk, dv = _shift(dk, rg, rg.size - held), _shift(dv, rg, rg.size - held)
-  if dargs:
-    # What score_mod closes over is replicated: every device's share adds
-    # up. The barrier orders the all-reduce after the last shift
-    # (independent collectives may otherwise run in different orders on
-    # different devices and deadlock).
-    dk, dv, dargs = jax.lax.optimization_barrier((dk, dv, dargs))
-    dargs = tuple(jax.lax.psum(d, rg.axis_name).astype(c.dtype)
-                  for d, c in zip(dargs, ex0.mod_consts))
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          _flash.Extras(mod_consts=dargs))
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
-  st, q, k, v = _flash.padded(q, k, v, **blocks)
-  ex = _flash.padded_extras(st, q.shape[0], k.shape[0], h)
-  st, ex = _flash.hoist_score_mod(st, ex, q, replay_closures=False)
-  out, lse = _ring(_Ring(st, axis_name, size, needed_steps(st, size)), q,
-                   k, v, ex)
-  out, lse = out[:st.t], lse[:st.t]
-  if h.sink is not None:
-    q_length = None
-    if h.q_length is not None:  # this device's rows of the global length
-      index = jax.lax.axis_index(axis_name)
-      q_length = jnp.clip(h.q_length - index * st.t, 0, st.t)
-    out, _, lse = _numerics.with_sink(out, lse, h.sink, q_length)
-  return out.astype(out_dtype), None, lse
+from attention_jax import dot_product
+from attention_jax.kernels import ring
+from attention_jax.mask import BlockMask
+from attention_jax.mask import Mask
 
 
 def ring_attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
-    mask: BlockMask | None = None,
+    mask: Mask | BlockMask | None = None,
     *,
     axis_name: str,
-    bias: ArrayLike | None = None,
     scale: float | None = None,
     is_causal: bool = False,
-    key_value_seq_lengths: ArrayLike | None = None,
-    query_seq_lengths: ArrayLike | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    query_segment_ids: ArrayLike | None = None,
-    key_segment_ids: ArrayLike | None = None,
+    score_mod: Any = None,
     sinks: ArrayLike | None = None,
-    score_mod: ScoreMod | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
@@ -263,37 +49,26 @@ def ring_attention(
     key: float ``[..., S, H]``, this device's keys (4-D ``[B, K, S, H]``
       with ``K`` dividing the query heads ``N``: grouped-query attention).
     value: float ``[..., S, Hv]``.
-    mask: None, or a ``BlockMask`` built for the *global* ``[P*T, P*S]``
-      (``block_mask(mask_fn, P*T, P*S, batch=...)``): each device evaluates
-      ``mask_fn`` on global indices in the blocks it visits (its tables are
-      not used; the other patterns still skip blocks and ring steps). A
-      dense mask would have to travel round the ring with its keys: not
-      supported.
+    mask: None or an ``aj.Mask`` on the *global* sequence (``P*T``
+      queries, ``P*S`` keys): ``causal`` and ``window`` are bottom-right
+      aligned on the global lengths, and ring steps whose key block they
+      rule out are not made at all (neither their compute nor their
+      ``ppermute``: a causal window within one neighbour's block costs one
+      shift instead of ``P - 1``); ``kv_lengths``/``q_lengths`` are global
+      lengths (replicated); segment ids are this device's ``[T]``/``[B,
+      T]`` and ``[S]``/``[B, S]`` (sharded like the queries and keys; key
+      ids travel round the ring with their keys); a rule (or a
+      ``BlockMask`` built for ``[P*T, P*S]``) is evaluated on global
+      indices in every block a device visits. A dense mask would have to
+      travel round the ring with its keys: refused.
     axis_name: the mesh axis the sequence is split over (``P`` devices).
-    bias: not supported, as ``mask``.
     scale: defaults to ``1/sqrt(H)``.
-    is_causal: bottom-right aligned causal mask on the global lengths
-      ``P*T`` and ``P*S``; key blocks wholly in the future are skipped.
-    key_value_seq_lengths: optional integer array with one axis per leading
-      dim (size 1 broadcasts): the valid length of the *global* key sequence
-      (keys at global positions ``>= key_value_seq_lengths`` are padding).
-      Replicated, not sharded.
-    query_seq_lengths: the same for the *global* query sequence: rows at
-      global positions ``>=`` the length get output 0.
-    local_window_size: ``w`` or ``(left, right)`` on the global positions,
-      as in ``blockwise_attention``. Ring steps whose key block no window
-      reaches are not made at all (neither their compute nor their
-      ``ppermute``): a causal window within one neighbour's block costs one
-      shift instead of ``P - 1``.
-    query_segment_ids: this device's integer ids ``[T]`` or ``[..., T]``
-      (sharded like the queries): packed documents.
-    key_segment_ids: this device's ``[S]`` or ``[..., S]``; they travel
-      round the ring with their keys.
-    sinks: per-head sink logits (replicated), as in ``blockwise_attention``.
+    is_causal: shorthand for ``mask & aj.Mask(causal=True)``.
     score_mod: as in ``blockwise_attention``, called with *global* query
       and key indices; a ``ScoreMod``'s arrays are replicated (their
       gradients are summed over the devices). A plain function closing over
       traced values is refused: pass them as ``aj.ScoreMod(fn, params)``.
+    sinks: per-head sink logits (replicated), as in ``blockwise_attention``.
     block_q, block_k: block sizes of the per-device blockwise computation.
     return_lse: also return the global log-sum-exp of each query row.
 
@@ -304,11 +79,11 @@ def ring_attention(
     pass goes round the ring blockwise.
 
   Raises:
-    ValueError: ``axis_name`` is not bound (not inside ``shard_map``), a
-      dense ``mask`` or a ``bias`` is given, a ``BlockMask`` built for other
+    ValueError: float64 operands, ``axis_name`` is not bound (not inside
+      ``shard_map``), a dense mask or bias, a ``BlockMask`` built for other
       than the global lengths, a ``score_mod`` closing over traced values,
       or operand shapes do not fit (as for ``blockwise_attention``).
-    TypeError: non-float operands, float64, non-integer lengths.
+    TypeError: non-float operands, non-integer lengths.
 
   Example:
     >>> from jax.sharding import PartitionSpec as P
@@ -321,62 +96,8 @@ def ring_attention(
     >>> ring(x, x, x).shape
     (2, 64, 16)
   """
-  rule = None
-  if isinstance(mask, BlockMask):  # a rule of indices travels nowhere
-    rule, mask = mask, None
-  for name, x in (("mask", mask), ("bias", bias)):
-    if x is not None:
-      raise ValueError(
-          f"ring_attention takes no dense {name} (got "
-          f"{_describe(x)}): it would have to travel round the ring with "
-          "its keys. Express padding with key_value_seq_lengths, causality "
-          "with is_causal, windows with local_window_size, documents with "
-          "segment ids and other rules as aj.block_mask(mask_fn, P*T, P*S) "
-          "over the global sequence, or gather the sequence and call "
-          "blockwise_attention.")
-  local_rule = None
-  if rule is not None:
-    # Each device evaluates the rule on global indices in the blocks it
-    # visits; the tables (laid out for the global sequence) are not used.
-    t, s = _checks.shape_of(query)[-2], _checks.shape_of(key)[-2]
-    local_rule = BlockMask(rule.mask_fn, t, s, min(t, rule.block_q),
-                           min(s, rule.block_k), None, None, None, None,
-                           None)
-  ops, scale, out_dtype = _flash.validate(
-      "ring_attention", query, key, value, local_rule, None, block_q, block_k,
-      scale, flags={"is_causal": is_causal, "return_lse": return_lse},
-      key_value_seq_lengths=key_value_seq_lengths,
-      query_seq_lengths=query_seq_lengths,
-      local_window_size=local_window_size,
-      query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-      sinks=sinks, score_mod=score_mod)
-  try:
-    size = jax.lax.axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(
-        f"axis_name={axis_name!r} is not bound: call ring_attention inside "
-        "jax.shard_map over a mesh with that axis (the sequence dimension "
-        f"sharded over it). ({e})") from None
-  if rule is not None:
-    t, s = ops.query.shape[-2], ops.key.shape[-2]
-    if rule.shape != (size * t, size * s):
-      raise ValueError(
-          f"ring_attention's mask is a BlockMask built for [T, S] = "
-          f"{list(rule.shape)}, but the global lengths are {size} devices x "
-          f"({t}, {s}) = [{size * t}, {size * s}]: build it for the global "
-          "sequence.")
-  block_q, block_k = _flash.block_sizes(ops, is_causal, block_q, block_k)
-  head = functools.partial(
-      _single_head, axis_name=axis_name, size=size, scale=scale,
-      is_causal=is_causal, window=ops.window,
-      score_mod=ops.score_mod, block_q=block_q, block_k=block_k,
-      out_dtype=out_dtype)
-  out, _, lse = _broadcast.lift_heads(head, ops)
-  return _broadcast.results(out, None, lse, return_weights=False,
-                            return_lse=return_lse)
-
-
-def _describe(x) -> str:
-  if isinstance(x, BlockMask):
-    return repr(x)
-  return f"shape {_checks.shape_of(x)}"
+  out, _, lse = dot_product.run(
+      query, key, value, mask, scale=scale, is_causal=is_causal,
+      score_mod=score_mod, sinks=sinks, return_lse=return_lse,
+      implementation=ring.Ring(axis_name, block_q, block_k))
+  return (out, lse) if return_lse else out

@@ -10,7 +10,7 @@ autoregressively until the context is full, in two ways:
   token, each reading the keys/values cached so far.
 * ``recompute``: no cache; each step writes its token into a fixed
   ``[B, C, D]`` buffer and runs the full causal forward over it with
-  ``key_value_seq_lengths = query_seq_lengths = t + 1`` (a traced scalar per
+  ``mask=aj.Mask(q_lengths=t + 1, kv_lengths=t + 1)`` (a traced length per
   step), keeping row ``t``. The shapes never change, so it compiles once;
   the lengths let the blockwise kernel skip the blocks past ``t`` (the dense
   kernel computes all ``C x C`` scores and masks them), while the
@@ -92,7 +92,7 @@ def _define_flags():
       lower_bound=1)
   _IMPLEMENTATION = flags.DEFINE_enum(
       "implementation", None, ["dense", "blockwise", "cudnn"],
-      "MultiHeadAttention's implementation= (default: automatic).")
+      "MultiHeadAttention's attention_fn= (default: automatic).")
   _CHECK_STEPS = flags.DEFINE_integer(
       "check_steps", 4,
       "Decode steps compared between the modes (this run also compiles).",
@@ -109,7 +109,7 @@ class Stack(nnx.Module):
                implementation: str | None, rngs: nnx.Rngs):
     self.layers = nnx.List([
         aj.MultiHeadAttention(d_model, num_heads, rngs=rngs,
-                              implementation=implementation)
+                              attention_fn=implementation)
         for _ in range(layers)])
 
   def init_cache(self, batch_size: int, max_length: int) -> None:
@@ -171,8 +171,8 @@ class Programs:
       def last_row(params, buffer, t):  # the causal forward over rows <= t
         m = nnx.merge(graphdef, params)
         n = jnp.full((batch,), t + 1, jnp.int32)  # [B]
-        y = m(buffer, is_causal=True, key_value_seq_lengths=n,
-              query_seq_lengths=n)  # [B, C, D]
+        y = m(buffer, mask=aj.Mask(q_lengths=n, kv_lengths=n),
+              is_causal=True)  # [B, C, D]
         return jax.lax.dynamic_slice_in_dim(y, t, 1, axis=1)  # [B, 1, D]
 
       def prefill(params, buffer, prompt):

@@ -1,13 +1,16 @@
 """Implementations vs a reference, then timed: ``python -m benchmarks.gpu_check``.
 
-Meant to be run whenever a GPU is at hand (it also runs on CPU, where the
-cuDNN rows are skipped with the reason). On the default backend it checks
-``aj.scaled_dot_product_attention`` with ``implementation="dense"``,
-``"blockwise"``, ``"cudnn"`` (GPU only) and ``aj.ring_attention`` (the
-sequence split over every device; skipped with one device), and
-``aj.multi_head_attention`` with each ``implementation=``, against a dense
-reference written here (an explicit boolean mask, a plain masked softmax,
-repeated key/value heads) computed in float64 on CPU and in float32 at
+Meant to be run whenever a GPU is at hand (it also runs on CPU, where a
+kernel that needs a GPU is skipped with its own reason). On the default
+backend it checks ``aj.scaled_dot_product_attention`` with
+``implementation=None`` ("auto") and with every kernel of
+``aj.kernels.REGISTRY`` by its name, and ``aj.ring_attention`` ("ring": the
+sequence split over every device inside ``jax.shard_map``; skipped with one
+device), and ``aj.multi_head_attention`` with ``attention_fn=`` None and
+each registered kernel's name, against the test suite's reference
+``tests.reference.masked_attention`` (an explicit boolean ``allowed [B, N,
+T, S]`` written out here from each case, a plain masked softmax, repeated
+key/value heads) computed in float64 on CPU and in float32 at
 ``"highest"`` matmul precision elsewhere. Compared: outputs, the
 log-sum-exp where the implementation returns it, and the gradients of a
 random projection of both (``q``, ``k``, ``v``; for multi-head attention the
@@ -16,13 +19,18 @@ input and every parameter).
 The case grid: plain, causal, causal cross-attention (``T < S``, bottom-right
 aligned), grouped-query (``K = N / 4``, causal), key padding lengths (one
 example of length 0, whose rows see nothing), a causal sliding window,
-packed documents (segment ids), each with float32 and bfloat16 inputs.
-Checks run under ``jax.default_matmul_precision("highest")`` so that float32
-tolerances are float32 rounding, not TF32's (the GPU default for float32
-matmuls, about 1e-3 relative); bfloat16 inputs keep their own precision.
-An implementation that refuses a case it is known not to take (cuDNN:
-float32, segment ids) is skipped with the library's message; any other
-refusal or exception is a FAIL.
+packed documents (segment ids), each with float32 and bfloat16 inputs; the
+patterns go in as ``aj.Mask`` fields (lengths ``[B]``, segment ids ``[B,
+T]``, the window), causality as ``is_causal``. Checks run under
+``jax.default_matmul_precision("highest")`` so that float32 tolerances are
+float32 rounding, not TF32's (the GPU default for float32 matmuls, about
+1e-3 relative); bfloat16 inputs keep their own precision. Before a kernel
+runs, its ``supports(problem)`` is asked: a kernel that cannot run on this
+backend at all (cuDNN off a GPU) is skipped with its reason; one that
+refuses a case it is known not to take (cuDNN: float32, segment ids) is
+skipped with its message; one that takes the case only without the
+log-sum-exp (cuDNN) runs without it; any other refusal or exception is a
+FAIL.
 
 Then forward and forward+backward of each implementation are timed at the
 default matmul precision, medians of ``--repeats`` after a compiling call:
@@ -46,7 +54,6 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any
 
 from absl import app
 from absl import flags
@@ -56,6 +63,9 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import attention_jax as aj
+from attention_jax import mask as mask_lib
+from attention_jax.kernels import base as kernel_base
+from tests import reference
 
 # Normalised max error allowed per input dtype: max |got - want| over
 # max(1, max |want|) for outputs and lse; for gradients over max(1, the
@@ -71,18 +81,30 @@ import attention_jax as aj
 TOLERANCES = {"float32": {"fwd": 1e-4, "grad": 5e-4},
               "bfloat16": {"fwd": 3e-2, "grad": 1e-1}}
 # "auto" is implementation=None: the choice users get by default (on a GPU
-# with 16-bit inputs and T * S >= 1024 * 1024, cuDNN).
-SDPA_IMPLS = ("auto", "dense", "blockwise", "cudnn", "ring")
-MHA_IMPLS = ("auto", "dense", "blockwise", "cudnn")
+# with 16-bit inputs and T * S >= 1024 * 1024, cuDNN). "ring" is
+# aj.ring_attention over every device. The kernels in between are
+# aj.kernels.REGISTRY's, by name (see ``implementations``).
+AUTO, RING = "auto", "ring"
 CASES = ("plain", "causal", "causal_cross", "gqa_causal", "lengths",
          "window", "segments")
-# Cases of the multi-head level: where [B]/[B, T] arguments become the 4-D
-# layout (lengths, segment ids) and K < N heads are projected.
+# Cases of the multi-head level: K < N heads projected, per-example lengths
+# and segment ids, a window, through the layer's mask handling.
 MHA_CASES = ("gqa_causal", "lengths", "window", "segments")
 DTYPES = ("float32", "bfloat16")
-# What an implementation is known to refuse: (feature -> why).
+# What a kernel (by name) is known to refuse: (feature -> why).
 KNOWN_REFUSALS = {"cudnn": {"float32": "cuDNN takes float16/bfloat16 only",
                             "segments": "cuDNN takes no segment ids"}}
+
+
+def kernel_names() -> tuple[str, ...]:
+  """The registered kernels' names, in the automatic choice's order."""
+  return tuple(kernel.name for kernel in aj.kernels.REGISTRY)
+
+
+def implementations(level: str = "sdpa") -> tuple[str, ...]:
+  """What is checked at ``level``: "auto", every registered kernel, and (for
+  ``scaled_dot_product_attention``, ``level="sdpa"``) "ring"."""
+  return (AUTO, *kernel_names()) + ((RING,) if level == "sdpa" else ())
 
 
 def _define_flags():
@@ -97,7 +119,8 @@ def _define_flags():
                              f"Only these cases (default all): {CASES}.")
   _TIMING = flags.DEFINE_bool("timing", True, "Time fwd and fwd+bwd.")
   _IMPLS = flags.DEFINE_list(
-      "impls", [], f"Only these implementations (default all): {SDPA_IMPLS}.")
+      "impls", [], "Only these implementations (default all): "
+      f"{implementations()}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +140,9 @@ def sizes(quick: bool) -> Sizes:
 
 
 # --------------------------------------------------------------------------
-# The reference: written out, independent of the library's kernels.
+# The reference: tests.reference.masked_attention, the contract suite's, on
+# an ``allowed`` written out here from the case (not from the library's
+# mask).
 
 
 def _ref_dtype():
@@ -134,59 +159,31 @@ def _reference_mode():
     yield
 
 
-def reference_attention(query, key, value, *, scale=None, is_causal=False,
-                        key_value_seq_lengths=None, local_window_size=None,
-                        query_segment_ids=None, key_segment_ids=None,
-                        return_lse=False):
-  """Masked softmax attention over ``[B, N, T, H]`` / ``[B, K, S, H]``.
+def _reference_fn(case: Case):
+  """The case's attention as ``reference.masked_attention``.
 
-  Computes in the reference dtype (float64 on CPU, float32 elsewhere) at
-  the highest matmul precision; bottom-right causal and windows; lengths
-  ``[B, 1]``; segment ids ``[B, 1, T]`` / ``[B, 1, S]``. A row that may see
-  nothing gives output 0 and lse ``-inf``. Returns ``out`` (and ``lse``) in
-  the reference dtype.
+  Called like the library's functions (``mask``/``is_causal`` are accepted
+  and ignored: ``case.allowed()`` stands for them), also as
+  ``multi_head_attention``'s ``attention_fn``. Computes in the inputs'
+  dtype (the reference dtype, upcast by the caller), at the matmul
+  precision in effect.
   """
-  dtype, hi = _ref_dtype(), jax.lax.Precision.HIGHEST
-  q, k, v = (jnp.asarray(x, dtype) for x in (query, key, value))
-  b, n, t, h = q.shape
-  s = k.shape[2]
-  group = n // k.shape[1]
-  k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-  scale = 1.0 / np.sqrt(h) if scale is None else scale
-  logits = jnp.einsum("BNTH,BNSH->BNTS", q, k, precision=hi) * scale
-  i = np.arange(t)[:, None] + (s - t)  # each query's key position
-  j = np.arange(s)[None, :]
-  allowed = np.ones((t, s), bool)
-  if is_causal:
-    allowed &= j <= i
-  if local_window_size is not None:
-    left, right = local_window_size
-    allowed &= (j >= i - left) & (j <= i + right)
-  allowed = jnp.asarray(allowed)[None, None]  # [1, 1, T, S]
-  if key_value_seq_lengths is not None:
-    lengths = jnp.reshape(key_value_seq_lengths, (-1, 1, 1, 1))
-    allowed = allowed & (j[None, None] < lengths)
-  if query_segment_ids is not None:
-    allowed = allowed & (query_segment_ids[..., :, None]
-                         == key_segment_ids[..., None, :])
-  top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
-  top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
-  e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
-  total = e.sum(-1, keepdims=True)
-  seen = total > 0
-  weights = e / jnp.where(seen, total, 1.0)
-  out = jnp.einsum("BNTS,BNSH->BNTH", weights, v, precision=hi)
-  if not return_lse:
-    return out
-  lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-  return out, lse[..., 0]
+  allowed = case.allowed()  # [B, N, T, S]
+
+  def attention(query, key, value, mask=None, is_causal=False,
+                return_lse=False):
+    del mask, is_causal  # written out in `allowed`
+    out, lse = reference.masked_attention(query, key, value, None, allowed)
+    return (out, lse) if return_lse else out
+
+  return attention
 
 
 # --------------------------------------------------------------------------
 # Cases.
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Case:
   name: str
   b: int
@@ -195,41 +192,77 @@ class Case:
   t: int
   s: int
   h: int
-  kwargs: dict[str, Any]  # pattern arguments, 4-D layout
-  features: frozenset[str]
+  causal: bool = False  # bottom-right: key j <= i + S - T
+  window: tuple[int, int] | None = None  # (left, right), bottom-right
+  kv_lengths: np.ndarray | None = None  # int32 [B]
+  segment_ids: np.ndarray | None = None  # int32 [B, T] (T == S)
+  features: frozenset[str] = frozenset()
+
+  def mask_parts(self):
+    """``(static, arrays)``: the case's ``aj.Mask`` fields besides causality
+    (which goes in as ``is_causal``). The arrays go through ``jit`` as
+    arguments, so that XLA does not constant-fold work on them at compile
+    time."""
+    static = {} if self.window is None else {"window": self.window}
+    arrays = {}
+    if self.kv_lengths is not None:
+      arrays["kv_lengths"] = jnp.asarray(self.kv_lengths)
+    if self.segment_ids is not None:
+      arrays["q_segment_ids"] = jnp.asarray(self.segment_ids)
+    return static, arrays
+
+  def allowed(self) -> np.ndarray:
+    """Bool ``[B, N, T, S]``: where query ``i`` may see key ``j``."""
+    i = np.arange(self.t)[:, None] + (self.s - self.t)  # the key position
+    j = np.arange(self.s)[None, :]
+    allowed = np.ones((self.b, self.n, self.t, self.s), bool)
+    if self.causal:
+      allowed &= j <= i
+    if self.window is not None:
+      left, right = self.window
+      allowed &= (j >= i - left) & (j <= i + right)
+    if self.kv_lengths is not None:
+      allowed &= j < self.kv_lengths[:, None, None, None]
+    if self.segment_ids is not None:
+      ids = self.segment_ids
+      allowed &= (ids[:, :, None] == ids[:, None, :])[:, None]
+    return allowed
+
+
+def _mask(static, arrays) -> aj.Mask | None:
+  return aj.Mask(**static, **arrays) if static or arrays else None
 
 
 def build_case(name: str, z: Sizes) -> Case:
   b, n, t, h = z.check
-  k, s, kwargs, features = n, t, {}, set()
+  k, s, fields, features = n, t, {}, set()
   if name == "causal":
-    kwargs["is_causal"] = True
+    fields["causal"] = True
   elif name == "causal_cross":
     t = t // 2
-    kwargs["is_causal"] = True
+    fields["causal"] = True
   elif name == "gqa_causal":
     k = max(1, n // 4)
-    kwargs["is_causal"] = True
+    fields["causal"] = True
   elif name == "lengths":
     lengths = [s, s - s // 4 - 3, 1, 0][:b] if b >= 4 else [s - s // 4 - 3,
                                                             0][:b]
-    kwargs["key_value_seq_lengths"] = np.array(lengths, np.int32)[:, None]
+    fields["kv_lengths"] = np.array(lengths, np.int32)  # [B]
   elif name == "window":
-    kwargs["is_causal"] = True
-    kwargs["local_window_size"] = (z.window - 1, 0)
+    fields["causal"] = True
+    fields["window"] = (z.window - 1, 0)
   elif name == "segments":
-    kwargs["is_causal"] = True
+    fields["causal"] = True
     ids = []
     for e in range(b):  # contiguous documents, other cut points per example
       cuts = np.sort(np.random.default_rng(e).choice(
           np.arange(1, t), z.docs - 1, replace=False))
       ids.append(np.searchsorted(cuts, np.arange(t), side="right"))
-    ids = np.array(ids, np.int32)[:, None]  # [B, 1, T]
-    kwargs["query_segment_ids"] = kwargs["key_segment_ids"] = ids
+    fields["segment_ids"] = np.array(ids, np.int32)  # [B, T]
     features.add("segments")
   elif name != "plain":
     raise ValueError(f"unknown case {name!r}; known: {CASES}")
-  return Case(name, b, n, k, t, s, h, kwargs, frozenset(features))
+  return Case(name, b, n, k, t, s, h, features=frozenset(features), **fields)
 
 
 def _normal(seed, shape, dtype):
@@ -267,51 +300,122 @@ def _loss(out, lse, cot, cot_lse):
   return total
 
 
-def _ring(query, key, value, **kwargs):
+# The Mask's array fields and how each is split over the ring: lengths are
+# global (replicated), segment ids this device's shard of the sequence.
+_RING_FIELDS = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
+
+
+def _ring(query, key, value, mask=None, is_causal=False, return_lse=False):
   """ring_attention with T and S split over every device."""
   devices = jax.devices()
   mesh = jax.make_mesh((len(devices),), ("seq",), devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,))
   seq = P(None, None, "seq")
-  return_lse = kwargs.pop("return_lse", False)
-  lengths = kwargs.pop("key_value_seq_lengths", None)
-  q_seg = kwargs.pop("query_segment_ids", None)
-  k_seg = kwargs.pop("key_segment_ids", None)
+  mask = mask_lib.as_mask(mask)
+  static, arrays = {}, {}
+  if mask is not None:
+    for field in ("dense", "rule"):
+      if getattr(mask, field) is not None:
+        raise ValueError(f"the ring check passes no {field} mask")
+    static = {"causal": mask.causal, "window": mask.window}
+    arrays = {f: getattr(mask, f) for f in _RING_FIELDS
+              if getattr(mask, f) is not None}
+  specs = {f: P() if f.endswith("lengths")
+           else P(*[None] * (jnp.ndim(x) - 1), "seq")
+           for f, x in arrays.items()}
 
-  def local(q, k, v, lengths, q_seg, k_seg):
-    return aj.ring_attention(q, k, v, axis_name="seq",
-                             key_value_seq_lengths=lengths,
-                             query_segment_ids=q_seg, key_segment_ids=k_seg,
-                             return_lse=return_lse, **kwargs)
+  def local(q, k, v, arrays):
+    m = None if mask is None else aj.Mask(**static, **arrays)
+    return aj.ring_attention(q, k, v, m, axis_name="seq",
+                             is_causal=is_causal, return_lse=return_lse)
 
-  seg_spec = P() if q_seg is None else seq
   return jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(seq, seq, seq, P(), seg_spec, seg_spec),
-      out_specs=(seq, seq) if return_lse else seq)(
-          query, key, value, lengths, q_seg, k_seg)
+      local, mesh=mesh, in_specs=(seq, seq, seq, specs),
+      out_specs=(seq, seq) if return_lse else seq)(query, key, value, arrays)
 
 
 def _sdpa_fn(impl: str):
-  if impl == "ring":
+  if impl == RING:
     return _ring
   return functools.partial(aj.scaled_dot_product_attention,
-                           implementation=None if impl == "auto" else impl)
+                           implementation=None if impl == AUTO else impl)
+
+
+@functools.cache
+def _probe() -> kernel_base.Problem:
+  """The plainest problem (bfloat16, no mask): a kernel that refuses it
+  cannot run on this backend at all."""
+  x = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
+  return kernel_base.canonicalize(x, x, x, None)
 
 
 def _unavailable(impl: str) -> str | None:
-  """Why ``impl`` cannot run on this machine at all, or None."""
-  if impl == "cudnn" and jax.default_backend() != "gpu":
-    return f"needs a GPU; the backend is {jax.default_backend()!r}"
-  if impl == "ring" and len(jax.devices()) < 2:
-    return f"needs more than one device; {len(jax.devices())} here"
-  return None
+  """Why ``impl`` cannot run on this machine at all, or None.
+
+  A registered kernel is asked (``supports``) about the plainest problem;
+  on a GPU every kernel must take it (its refusals are then judged case by
+  case).
+  """
+  if impl == RING:
+    if len(jax.devices()) < 2:
+      return f"needs more than one device; {len(jax.devices())} here"
+    return None
+  if impl == AUTO or jax.default_backend() == "gpu":
+    return None
+  reason = aj.kernels.by_name(impl).supports(_probe())
+  return None if reason is None else f"unavailable: {reason}"
+
+
+def _refusal(impl: str, case: Case, dtype: str,
+             return_lse: bool) -> str | None:
+  """The registered kernel's own reason not to take the case, or None."""
+  q = jnp.zeros((case.b, case.n, case.t, case.h), dtype)
+  kv = jnp.zeros((case.b, case.k, case.s, case.h), dtype)
+  mask = mask_lib.as_mask(_mask(*case.mask_parts()), is_causal=case.causal)
+  problem = kernel_base.canonicalize(q, kv, kv, mask, return_lse=return_lse)
+  return aj.kernels.by_name(impl).supports(problem)
 
 
 def _known_refusal(impl, features) -> str | None:
   known = KNOWN_REFUSALS.get(impl, {})
   reasons = [known[f] for f in sorted(features) if f in known]
   return "; ".join(reasons) or None
+
+
+def _plan(row, impl: str, case: Case, dtype: str, lse: bool) -> bool | None:
+  """Whether to run ``impl`` with the lse (``lse`` says whether it is
+  wanted); None when ``row`` is settled without running (SKIP or FAIL).
+
+  "auto" and "ring" run as asked. A registered kernel is asked first
+  (``supports``): a kernel unavailable here is a SKIP; one that takes the
+  case only without the lse runs without it; a refusal the kernel is known
+  for (``KNOWN_REFUSALS``) is a SKIP with its message, any other a FAIL.
+  """
+  why = _unavailable(impl)
+  if why:
+    row["status"], row["reason"] = "SKIP", why
+    return None
+  if impl in (AUTO, RING):
+    return lse
+  try:
+    reason = _refusal(impl, case, dtype, lse)
+    if reason is not None and lse:
+      without = _refusal(impl, case, dtype, False)
+      if without is None:
+        return False  # it returns no lse: its output and gradients are checked
+      reason = without
+  except Exception as err:  # noqa: BLE001 - reported as a FAIL row
+    row["status"], row["reason"] = "FAIL", f"{type(err).__name__}: {err}"
+    traceback.print_exc()
+    return None
+  if reason is None:
+    return lse
+  known = _known_refusal(impl, case.features | {dtype})
+  if known is None:
+    row["status"], row["reason"] = "FAIL", f"refused: {reason}"
+  else:
+    row["status"], row["reason"] = "SKIP", f"refused ({known}): {reason}"
+  return None
 
 
 def _row(level, case, dtype, impl, **extra):
@@ -331,7 +435,7 @@ def _compare(row, got, want, names, dtype):
     row["lse_err"] = _err(lse, ref_lse)
   scale = max(_max_abs(r) for r in ref_grads)  # the call's largest gradient
   errs = {name: _err(g, r, scale)
-          for name, g, r in zip(names, grads, ref_grads)}
+          for name, g, r in zip(names, grads, ref_grads, strict=True)}
   row["grad_worst"] = max(errs, key=errs.get)
   row["grad_err"] = errs[row["grad_worst"]]
   ok = (row["out_err"] <= tol["fwd"] and (row["lse_err"] is None
@@ -366,11 +470,11 @@ def check_sdpa(case: Case, dtype: str, impls) -> list[dict]:
   v = _normal(2, (case.b, case.k, case.s, case.h), dtype)
   cot = _normal(3, (case.b, case.n, case.t, case.h), jnp.float32)
   cot_lse = _normal(4, (case.b, case.n, case.t), jnp.float32)
-  static, arrays = _split_kwargs(case.kwargs)
+  static, arrays = case.mask_parts()
 
   def value_and_grads(fn, with_lse, q=q, k=k, v=v):
     def loss(q, k, v, arrays, cot, cot_lse):
-      kw = {**static, **arrays}
+      kw = {"mask": _mask(static, arrays), "is_causal": case.causal}
       res = fn(q, k, v, return_lse=True, **kw) if with_lse else (
           fn(q, k, v, **kw), None)
       return _loss(*res, cot, cot_lse if with_lse else None), res
@@ -387,19 +491,17 @@ def check_sdpa(case: Case, dtype: str, impls) -> list[dict]:
         # then not rounded back to the inputs' dtype.
         ref_qkv = [jnp.asarray(x, _ref_dtype()) for x in (q, k, v)]
         wants[with_lse] = jax.tree.map(np.asarray, value_and_grads(
-            reference_attention, with_lse, *ref_qkv))
+            _reference_fn(case), with_lse, *ref_qkv))
     return wants[with_lse]
 
   rows = []
   for impl in impls:
     row = _row("sdpa", case, dtype, impl)
     rows.append(row)
-    why = _unavailable(impl)
-    if why:
-      row["status"], row["reason"] = "SKIP", why
+    # "auto" is asked for no lse: asking for one would steer it off cuDNN.
+    with_lse = _plan(row, impl, case, dtype, lse=impl != AUTO)
+    if with_lse is None:
       continue
-    # cuDNN returns no lse; asking "auto" for one would steer it off cuDNN.
-    with_lse = impl not in ("cudnn", "auto")
     features = case.features | {dtype}
     got = _run_guarded(row, impl, features, lambda impl=impl, lse=with_lse: (
         _with_precision(value_and_grads, _sdpa_fn(impl), lse)))
@@ -413,26 +515,6 @@ def _with_precision(fn, *args):
     return jax.tree.map(np.asarray, fn(*args))
 
 
-def _split_kwargs(kwargs):
-  """``(static, arrays)``: arrays go through ``jit`` as arguments, so that
-  XLA does not constant-fold work on them at compile time."""
-  arrays = {n: jnp.asarray(x) for n, x in kwargs.items()
-            if isinstance(x, np.ndarray)}
-  return {n: x for n, x in kwargs.items() if n not in arrays}, arrays
-
-
-def _mha_kwargs(case: Case):
-  """The case's pattern arguments in multi_head_attention's [B]/[B, T]."""
-  out = {}
-  for name, x in case.kwargs.items():
-    if name == "key_value_seq_lengths":
-      x = x[:, 0]  # [B]
-    elif name.endswith("segment_ids"):
-      x = x[:, 0]  # [B, T]
-    out[name] = x
-  return out
-
-
 def check_mha(case: Case, dtype: str, impls) -> list[dict]:
   """One case and dtype through ``aj.multi_head_attention``'s dispatch."""
   d = case.n * case.h
@@ -441,13 +523,13 @@ def check_mha(case: Case, dtype: str, impls) -> list[dict]:
   params = jax.tree.map(lambda p: np.asarray(p, np.float32), params)
   x = np.asarray(_normal(5, (case.b, case.t, d), jnp.float32))
   cot = _normal(6, (case.b, case.t, d), jnp.float32)
-  static, arrays = _split_kwargs(_mha_kwargs(case))
+  static, arrays = case.mask_parts()  # lengths [B], segment ids [B, T]
 
-  def value_and_grads(params, x, **call):
+  def value_and_grads(params, x, attention_fn):
     def loss(params, x, arrays, cot):
-      out = aj.multi_head_attention(params, x, x, x, num_heads=case.n,
-                                    num_kv_heads=case.k, **static, **arrays,
-                                    **call)
+      out = aj.multi_head_attention(params, x, x, x, _mask(static, arrays),
+                                    is_causal=case.causal,
+                                    attention_fn=attention_fn)
       return jnp.sum(out.astype(jnp.float32) * cot), out
     (_, out), grads = jax.jit(jax.value_and_grad(
         loss, (0, 1), has_aux=True))(params, x, arrays, cot)
@@ -458,7 +540,7 @@ def check_mha(case: Case, dtype: str, impls) -> list[dict]:
   rounded = cast((params, x), dtype)
   with _reference_mode(), jax.default_matmul_precision("highest"):
     ref_in = cast(rounded, _ref_dtype())
-    want = value_and_grads(*ref_in, attention_fn=reference_attention)
+    want = value_and_grads(*ref_in, attention_fn=_reference_fn(case))
     want = jax.tree.map(np.asarray, want)
   ref_out, _, (ref_gp, ref_gx) = want
   names = ["dx"] + [jax.tree_util.keystr(p) for p, _ in
@@ -468,17 +550,13 @@ def check_mha(case: Case, dtype: str, impls) -> list[dict]:
   for impl in impls:
     row = _row("mha", case, dtype, impl)
     rows.append(row)
-    why = _unavailable(impl)
-    if why:
-      row["status"], row["reason"] = "SKIP", why
+    if _plan(row, impl, case, dtype, lse=False) is None:
       continue
+    # attention_fn takes an implementation: None (automatic) or a name.
+    attention_fn = None if impl == AUTO else impl
     got = _run_guarded(row, impl, case.features | {dtype},
-                       lambda impl=impl: _with_precision(
-                           functools.partial(
-                               value_and_grads,
-                               implementation=None if impl == "auto"
-                               else impl),
-                           *rounded))
+                       lambda fn=attention_fn: _with_precision(
+                           value_and_grads, *rounded, fn))
     if got is not None:
       out, _, (gp, gx) = got
       _compare(row, (out, None, [gx, *jax.tree.leaves(gp)]), flat_want,
@@ -490,10 +568,12 @@ def check_mha(case: Case, dtype: str, impls) -> list[dict]:
 # Timing.
 
 
-def time_impls(z: Sizes, repeats: int, impls=SDPA_IMPLS,
+def time_impls(z: Sizes, repeats: int, impls=None,
                dtypes=DTYPES) -> list[dict]:
   """fwd and fwd+bwd of each implementation, causal, in each dtype."""
+  impls = implementations() if impls is None else impls
   b, n, t, h = z.time
+  case = Case("timing", b, n, n, t, t, h, causal=True)
   rows = []
   for dtype in dtypes:
     q, k, v = (_normal(i, (b, n, t, h), dtype) for i in range(3))
@@ -502,9 +582,9 @@ def time_impls(z: Sizes, repeats: int, impls=SDPA_IMPLS,
         row = {"shape": f"B{b} N{n} T{t} H{h}", "dtype": dtype, "impl": impl,
                "mode": mode, "ms": None, "compile_s": None, "reason": None}
         rows.append(row)
-        why = _unavailable(impl)
-        if why:
-          row["reason"] = why
+        check = {}
+        if _plan(check, impl, case, dtype, lse=False) is None:
+          row["reason"] = check["reason"]
           continue
         fn = functools.partial(_sdpa_fn(impl), is_causal=True)
         if mode == "fwd":
@@ -582,12 +662,13 @@ def run_check(quick: bool = False, cases=(), repeats: int = 5,
   unknown = set(cases) - set(CASES)
   if unknown:
     raise ValueError(f"unknown cases {sorted(unknown)}; known: {CASES}")
-  unknown = set(impls) - set(SDPA_IMPLS)
+  known = implementations("sdpa")  # "auto", the registry's names, "ring"
+  unknown = set(impls) - set(known)
   if unknown:
     raise ValueError(f"unknown implementations {sorted(unknown)}; known: "
-                     f"{SDPA_IMPLS}")
-  sdpa_impls = [i for i in SDPA_IMPLS if not impls or i in impls]
-  mha_impls = [i for i in MHA_IMPLS if not impls or i in impls]
+                     f"{known}")
+  sdpa_impls = [i for i in known if not impls or i in impls]
+  mha_impls = [i for i in implementations("mha") if not impls or i in impls]
   print(f"{machine()}; checks at B,N,T,H = {z.check}", flush=True)
   checks = []
   for name in names:

@@ -231,11 +231,11 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
   cases = {}
 
   def windowed(q, k, v):
-    return aj.blockwise_attention(q, k, v, is_causal=True,
-                                  local_window_size=(w - 1, 0))
+    return aj.blockwise_attention(
+        q, k, v, aj.Mask(causal=True, window=(w - 1, 0)))
 
   def dense_mask(q, k, v, m):
-    return aj.blockwise_attention(q, k, v, m)
+    return aj.blockwise_attention(q, k, v, aj.Mask(dense=m))
 
   def jax_nn(**kw):
     return lambda q, k, v, *m: _swap(jax.nn.dot_product_attention(
@@ -268,8 +268,8 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
   seg = np.repeat(np.arange(docs, dtype=np.int32), t // docs)[None, None]
 
   def segments(q, k, v, s):
-    return aj.blockwise_attention(q, k, v, is_causal=True,
-                                  query_segment_ids=s, key_segment_ids=s)
+    return aj.blockwise_attention(
+        q, k, v, aj.Mask(causal=True, q_segment_ids=s, kv_segment_ids=s))
 
   impls = {"aj_segments": lambda mode, x: _jax_entry(segments, mode, x,
                                                      (seg,))}
@@ -399,10 +399,10 @@ def memory_point(spec: str) -> dict:
   """
   impl, t, h, window = spec.split(",")
   t, h, window = int(t), int(h), int(window)
-  kw = {"is_causal": True}
+  mask = aj.Mask(causal=True)
   if impl == "aj_window":
-    kw["local_window_size"] = (window - 1, 0)
-  fn = lambda q, k, v: aj.blockwise_attention(q, k, v, **kw)
+    mask = aj.Mask(causal=True, window=(window - 1, 0))
+  fn = lambda q, k, v: aj.blockwise_attention(q, k, v, mask)
   call, args, block = _jax_entry(fn, "fwd+bwd", _inputs(1, 1, t, h))
   compiled = call.lower(*args).compile()
   reset = _reset_peak_rss()

@@ -55,9 +55,10 @@ class Block(nnx.Module):
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.attention = aj.MultiHeadAttention(
         d, config.num_heads, rngs=rngs, normalize_qk=config.normalize_qk,
-        rope=config.rope_base, implementation=implementation,
+        rope=config.rope_base, attention_fn=implementation,
         # A causal window: each token sees itself and `window` before it.
-        local_window_size=None if window is None else (window, 0),
+        mask=None if window is None else aj.Mask(causal=True,
+                                                 window=(window, 0)),
         head_axis=model_axis)
     self.norm2 = nnx.LayerNorm(d, rngs=rngs)
     self.ffn = transformer.FeedForward(d, config.ffn_dim, rngs=rngs,
@@ -68,11 +69,15 @@ class Block(nnx.Module):
     """``x [B, T, D]`` -> ``(x, weights [B, N, T, S] or None)``."""
     h = self.norm1(x)
     if decode:
-      out = self.attention(h, decode=True, query_seq_lengths=lengths)
+      out = self.attention(
+          h, decode=True,
+          mask=None if lengths is None else aj.Mask(q_lengths=lengths))
       weights = None
     else:
-      out = self.attention(h, is_causal=True, query_segment_ids=segment_ids,
-                           key_segment_ids=segment_ids,
+      # kv_segment_ids default to the queries' (packed self-attention).
+      mask = (None if segment_ids is None
+              else aj.Mask(q_segment_ids=segment_ids))
+      out = self.attention(h, mask=mask, is_causal=True,
                            return_weights=return_weights)
       out, weights = out if return_weights else (out, None)
     x = x + out
@@ -88,7 +93,8 @@ class DecoderLM(nnx.Module):
     window: a causal sliding window of this many previous tokens in every
       layer, or None.
     rngs: parameter initialisation.
-    implementation: ``aj.MultiHeadAttention``'s (None: automatic).
+    implementation: ``aj.MultiHeadAttention``'s ``attention_fn`` (an
+      implementation such as ``"blockwise"``; None: automatic).
     model_axis: mesh axis to split heads and FFN units over, or None.
   """
 

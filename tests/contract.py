@@ -1,19 +1,22 @@
-"""The one contract every attention implementation honours, as a test suite.
+"""The one contract every attention kernel honours, as a test suite.
 
-Each implementation is one line of ``IMPLEMENTATIONS``: a function with
-``scaled_dot_product_attention``'s arguments (``query, key, value, mask,
-*, bias, is_causal, key_value_seq_lengths, return_lse``) over
-``[B, N, T, H]`` operands, and the features it does not take. Every case
-below runs against every implementation: where the implementation takes
-all the case's features it must match an independent float64 reference
-(outputs, lse, gradients of q, k, v and bias, gradients through lse too);
-where it does not, it must refuse with a ``ValueError``/``TypeError``, never
-return a number.
+Every kernel of ``aj.kernels.REGISTRY`` (and ``aj.kernels.Ring``, on
+simulated devices) is a column: each case below is built as one ``aj.Mask``
+(causal, window, lengths, segment ids, a dense mask, a rule) with a bias,
+sinks and score modifiers, and run through ``scaled_dot_product_attention``
+with ``implementation=`` that kernel, over ``[B, N, T, H]`` operands. Where
+the kernel takes all the case's features it must match the independent
+float64 reference ``tests/reference.masked_attention`` (outputs, lse,
+gradients of q, k, v, bias and the differentiable extras, gradients through
+lse too); where it does not, it must refuse with a ``ValueError`` /
+``TypeError``, never return a number.
 
-``tests/test_contract.py`` runs the in-process implementations;
-``tests/multidevice/test_contract_ring.py`` runs ``ring`` on 8 simulated
-devices. Adding an implementation = adding one line to ``IMPLEMENTATIONS``
-(and naming it in one of those two files).
+``tests/test_contract.py`` runs the registry's kernels in process;
+``tests/multidevice/test_contract_ring.py`` runs ``ring`` on
+``RING_DEVICES`` of the 8 simulated devices. A kernel added to the registry
+is a new column by itself; it must say here what it refuses (``REFUSES``;
+the suite fails until it does) and, if it has block sizes, how to run it on
+these tiny shapes (``CONFIGURED``).
 
 Shape glossary: B batch, N query heads, K key/value heads, T query length,
 S key/value length, H head dim.
@@ -22,8 +25,6 @@ S key/value length, H head dim.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
 
 from absl.testing import parameterized
 import chex
@@ -34,6 +35,7 @@ import numpy as np
 
 import attention_jax as aj
 from tests import _data
+from tests import reference as reference_lib
 
 # 4 devices: every case still crosses device blocks several times (T = 40
 # is 10 rows a device, windows and segments reach over neighbours); 8
@@ -41,64 +43,71 @@ from tests import _data
 # and 8 devices against the references.
 RING_DEVICES = 4
 
+# Kernels with block sizes run odd ones, so that causal offsets, lengths and
+# rules straddle block edges.
+CONFIGURED = {
+    "blockwise": aj.kernels.Flash(block_q=5, block_k=7),
+    "ring": aj.kernels.Ring("seq", block_q=4, block_k=3),
+}
 
-def _ring(query, key, value, mask=None, *, bias=None,
-          key_value_seq_lengths=None, query_seq_lengths=None,
-          query_segment_ids=None, key_segment_ids=None, sinks=None,
-          score_mod=None, return_lse=False, **static):
-  """ring_attention with T and S split over RING_DEVICES devices."""
+# The case features each kernel refuses (its ``supports`` must say so).
+REFUSES = {
+    "dense": frozenset(),
+    "blockwise": frozenset({"float64"}),
+    "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
+                        "softcap", "segments", "sinks", "alibi", "t5",
+                        "rule"}),
+    "ring": frozenset({"mask", "bias", "float64"}),
+}
+NEEDS_GPU = frozenset({"cudnn"})
+
+
+def kernel_names() -> list[str]:
+  """The registry's kernels, by name."""
+  return [kernel.name for kernel in aj.kernels.REGISTRY]
+
+
+def _kernel(name: str):
+  if name in CONFIGURED:
+    return CONFIGURED[name]
+  return aj.kernels.by_name(name)
+
+
+def _ring(query, key, value, mask_parts, **kw):
+  """The Ring kernel with T and S split over RING_DEVICES devices.
+
+  The mask's arrays enter ``shard_map`` as operands (segment ids sharded
+  like the sequence, lengths replicated); its structure and rule stay
+  closed over (concrete).
+  """
   mesh = jax.make_mesh((RING_DEVICES,), ("seq",),
                        devices=jax.devices()[:RING_DEVICES],
                        axis_types=(jax.sharding.AxisType.Auto,))
   seq = P(None, None, "seq")
-  out_specs = (seq, P(None, None, "seq")) if return_lse else seq
+  return_lse = kw.pop("return_lse", False)
+  out_specs = (seq, seq) if return_lse else seq
+  arrays = {n: x for n, x in mask_parts.items()
+            if n in ("q_lengths", "kv_lengths", "q_segment_ids",
+                     "kv_segment_ids", "dense") and x is not None}
+  fixed = {n: x for n, x in mask_parts.items() if n not in arrays}
+  specs = {n: P(None, "seq") if n.endswith("segment_ids") else P()
+           for n in arrays}
 
-  def local(q, k, v, lengths, q_lengths, q_seg, k_seg, sinks, score_mod,
-            mask, bias):
-    return aj.ring_attention(q, k, v, mask, axis_name="seq", bias=bias,
-                             key_value_seq_lengths=lengths,
-                             query_seq_lengths=q_lengths,
-                             query_segment_ids=q_seg, key_segment_ids=k_seg,
-                             sinks=sinks, score_mod=score_mod,
-                             return_lse=return_lse, block_q=4, block_k=3,
-                             **static)
+  def local(q, k, v, arrays, kw):
+    return aj.scaled_dot_product_attention(
+        q, k, v, _mask({**fixed, **arrays}),
+        implementation=CONFIGURED["ring"], return_lse=return_lse, **kw)
 
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(seq, seq, seq, P(), P(), seq, seq, P(), P(),
-                                 P(), P()),
-                       out_specs=out_specs)(
-                           query, key, value, key_value_seq_lengths,
-                           query_seq_lengths, query_segment_ids,
-                           key_segment_ids, sinks, score_mod, mask, bias)
+                       in_specs=(seq, seq, seq, specs, {n: P() for n in kw}),
+                       out_specs=out_specs)(query, key, value, arrays, kw)
 
 
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-  fn: Any
-  unsupported: frozenset[str] = frozenset()
-  needs_gpu: bool = False
-
-
-# name: (function, features it refuses). Block sizes are odd so that causal
-# offsets and lengths straddle block edges.
-IMPLEMENTATIONS = {
-    "dense": Implementation(functools.partial(
-        aj.scaled_dot_product_attention, implementation="dense")),
-    "blockwise": Implementation(
-        functools.partial(aj.blockwise_attention, block_q=5, block_k=7),
-        frozenset({"float64"})),
-    "dispatch_blockwise": Implementation(
-        functools.partial(aj.scaled_dot_product_attention,
-                          implementation="blockwise"),
-        frozenset({"float64"})),
-    "cudnn": Implementation(
-        functools.partial(aj.scaled_dot_product_attention,
-                          implementation="cudnn"),
-        frozenset({"float32", "float64", "lse", "q_lengths", "window",
-                   "softcap", "segments", "sinks", "alibi", "t5", "block_mask"}),
-        needs_gpu=True),
-    "ring": Implementation(_ring, frozenset({"mask", "bias", "float64"})),
-}
+def _mask(parts):
+  """An ``aj.Mask`` from its parts (None when there are none)."""
+  if not any(x is not None and x is not False for x in parts.values()):
+    return None
+  return aj.Mask(**parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +131,18 @@ class Case:
   sinks: bool = False  # per-head sink logits [N], differentiated
   alibi: bool = False  # score_mod aj.alibi(slopes [N]), differentiated
   t5: bool = False  # score_mod aj.t5_relative_bias(table [10, N]), learned
-  block_mask: str | None = None  # "prefix_lm" or "chunked" (a BlockMask)
+  # A rule: "prefix_lm" or "chunked" as a BlockMask (tables for the
+  # blockwise column's blocks); "prefix_lm_rule" without tables (the kernel
+  # builds them); "per_example_prefix" (a MaskRule over [B] prefix lengths);
+  # "union_prefix_lm" (Mask(causal) | Mask(rule: the prefix)).
+  rule: str | None = None
   nan_padding: bool = False  # NaN in keys/values past the lengths
   dtype: str = "float32"
 
   def features(self) -> set[str]:
     used = {self.dtype}
     for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap",
-                 "segments", "sinks", "alibi", "t5", "block_mask"):
+                 "segments", "sinks", "alibi", "t5", "rule"):
       if getattr(self, name):
         used.add(name)
     return used
@@ -173,22 +186,39 @@ CASES = {
                                        q_lengths=(40, 23), lse=True),
     "alibi_causal_gqa": Case(causal=True, alibi=True, lse=True),
     "t5_bias_bidirectional_gqa": Case(t=40, s=40, t5=True, lse=True),
-    "block_mask_prefix_lm": Case(t=40, s=40, block_mask="prefix_lm",
-                                 lse=True),
+    "block_mask_prefix_lm": Case(t=40, s=40, rule="prefix_lm", lse=True),
     "block_mask_chunked_causal_sinks": Case(t=40, s=40, causal=True,
-                                            block_mask="chunked", sinks=True,
+                                            rule="chunked", sinks=True,
                                             kv_heads=1),
+    "rule_tables_by_kernel_lengths": Case(t=40, s=40, rule="prefix_lm_rule",
+                                          lengths=(40, 31), lse=True),
+    "rule_per_example_prefix_window": Case(
+        t=40, s=40, rule="per_example_prefix", window=(13, 0), lse=True),
+    "union_prefix_lm_segments": Case(t=40, s=40, rule="union_prefix_lm",
+                                     segments="sorted", lse=True),
     "everything_combined": Case(
         t=40, s=40, causal=True, window=(11, 0), segments="sorted",
         lengths=(40, 35), q_lengths=(38, 40), softcap=3.0, sinks=True,
         alibi=True, kv_heads=1, lse=True),
 }
 
-PREFIX, CHUNK = 9, 8  # the block-mask cases' prefix length and chunk size
-BLOCK_MASK_FNS = {  # the library's helpers; _allowed writes them out again
-    "prefix_lm": lambda: aj.prefix_lm_mask_fn(PREFIX),
-    "chunked": lambda: aj.chunked_mask_fn(CHUNK),
-}
+PREFIX, CHUNK = 9, 8  # the rule cases' prefix length and chunk size
+PREFIXES = (6, 23)  # per example, for "per_example_prefix"
+
+
+def _rule(case: Case):
+  """The case's rule as the library spells it; ``_allowed`` writes it out."""
+  if case.rule == "prefix_lm":
+    return aj.block_mask(aj.prefix_lm_mask_fn(PREFIX), case.t, case.s,
+                         block_q=5, block_k=7)
+  if case.rule == "chunked":
+    return aj.block_mask(aj.chunked_mask_fn(CHUNK), case.t, case.s,
+                         block_q=5, block_k=7)
+  if case.rule == "prefix_lm_rule":
+    return aj.prefix_lm_mask_fn(PREFIX)
+  if case.rule == "per_example_prefix":
+    return aj.prefix_lm_mask_fn(jnp.array(PREFIXES, jnp.int32))
+  return None
 
 
 B, N, H = 2, 4, 8
@@ -211,10 +241,10 @@ def _operands(case: Case):
   k = _data.normal(1, (B, case.kv_heads, case.s, H))
   v = _data.normal(2, (B, case.kv_heads, case.s, H))
   lengths = q_lengths = None
-  if case.lengths is not None:
-    lengths = jnp.array(case.lengths, jnp.int32)[:, None]  # [B, 1]
+  if case.lengths is not None:  # [B]: per example (left-aligned)
+    lengths = jnp.array(case.lengths, jnp.int32)
   if case.q_lengths is not None:
-    q_lengths = jnp.array(case.q_lengths, jnp.int32)[:, None]  # [B, 1]
+    q_lengths = jnp.array(case.q_lengths, jnp.int32)
   mask = bias = None
   if case.mask:
     mask = np.array(_data.bernoulli(3, 0.6, (B, 1, case.t, case.s)))
@@ -233,7 +263,7 @@ def _operands(case: Case):
 
 
 def _segment_ids(case: Case):
-  """Query and key ids ``[B, 1, T]``, ``[B, 1, S]`` (numpy), or Nones."""
+  """Query and key ids ``[B, T]``, ``[B, S]`` (numpy), or Nones."""
   if case.segments is None:
     return None, None
   if case.segments == "sorted":
@@ -252,7 +282,7 @@ def _segment_ids(case: Case):
     q = np.asarray(_data.bernoulli(9, 0.5, (B, case.t)), np.int32)
     k = np.asarray(_data.bernoulli(10, 0.5, (B, case.s)), np.int32)
     q = q + 2 * np.asarray(_data.bernoulli(11, 0.3, (B, case.t)), np.int32)
-  return q[:, None].astype(np.int32), k[:, None].astype(np.int32)
+  return q.astype(np.int32), k.astype(np.int32)
 
 
 def _differentiable_extras(case: Case):
@@ -272,20 +302,23 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
   allowed = np.ones((B, N, case.t, case.s), bool)
   q_seg, k_seg = _segment_ids(case)
   if q_seg is not None:
-    allowed &= q_seg[:, :, :, None] == k_seg[:, :, None, :]
+    allowed &= (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
   i, j = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
-  if case.block_mask == "prefix_lm":  # the prefix, then causal
-    allowed &= (j < PREFIX) | (j <= i)
-  if case.block_mask == "chunked":
+  if case.rule in ("prefix_lm", "prefix_lm_rule", "union_prefix_lm"):
+    allowed &= (j < PREFIX) | (j <= i)  # the prefix, then causal
+  if case.rule == "per_example_prefix":
+    prefix = np.array(PREFIXES)[:, None, None, None]  # [B, 1, 1, 1]
+    allowed &= (j < prefix) | (j <= i)
+  if case.rule == "chunked":
     allowed &= (i // CHUNK) == (j // CHUNK)
   if mask is not None:
     allowed &= np.asarray(mask)
   if lengths is not None:
-    allowed &= (np.arange(case.s) < np.asarray(lengths)[:, :1])[:, None,
-                                                                None, :]
+    allowed &= (np.arange(case.s) < np.asarray(lengths)[:, None])[:, None,
+                                                                  None, :]
   if q_lengths is not None:
-    allowed &= (np.arange(case.t) < np.asarray(q_lengths)[:, :1])[:, None,
-                                                                  :, None]
+    allowed &= (np.arange(case.t) < np.asarray(q_lengths)[:, None])[:, None,
+                                                                    :, None]
   position = np.arange(case.t)[:, None] + (case.s - case.t)  # bottom-right
   j = np.arange(case.s)[None, :]
   if case.causal:  # key j visible to query i iff j <= i + (S - T)
@@ -303,60 +336,6 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
 T5_BUCKETS, T5_MAX_DISTANCE = 10, 20
 
 
-def _t5_bucket(relative_position):
-  """mesh-tensorflow's _relative_position_bucket, bidirectional, in NumPy."""
-  half = T5_BUCKETS // 2
-  bucket = (relative_position > 0) * half
-  n = np.abs(relative_position)
-  max_exact = half // 2
-  with np.errstate(divide="ignore"):
-    large = max_exact + (np.log(n / max_exact) / np.log(
-        T5_MAX_DISTANCE / max_exact) * (half - max_exact))
-  large = np.minimum(np.where(n < max_exact, 0, large).astype(np.int64),
-                     half - 1)
-  return bucket + np.where(n < max_exact, n, large)
-
-
-def reference(q, k, v, bias, allowed, softcap=None, sinks=None, slopes=None,
-              t5_table=None, rows=None):
-  """Float64 attention with explicit head repetition; ``(out, lse)``.
-
-  Written independently of the library: repeated K/V heads, ALiBi as a
-  distance penalty, a plain masked softmax whose denominator also holds
-  ``exp(sink)``; ``lse = -inf`` and output 0 for rows that may see nothing
-  (with a sink: output 0 and ``lse = sink``, except ``-inf`` for rows past
-  the query length, ``rows`` False).
-  """
-  group = q.shape[1] // k.shape[1]
-  k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-  logits = jnp.einsum("BNTH,BNSH->BNTS", q, k) / np.sqrt(q.shape[-1])
-  if bias is not None:
-    logits = logits + jnp.where(allowed, bias, 0.0)
-  if slopes is not None:  # [N] times the distance i - j
-    distance = np.arange(q.shape[2])[:, None] - np.arange(k.shape[2])[None]
-    logits = logits - slopes[None, :, None, None] * distance[None, None]
-  if t5_table is not None:  # table[bucket(j - i), n] added per head
-    rel = np.arange(k.shape[2])[None, :] - np.arange(q.shape[2])[:, None]
-    logits = logits + jnp.moveaxis(t5_table[_t5_bucket(rel)], -1, 0)[None]
-  if softcap is not None:
-    logits = softcap * jnp.tanh(logits / softcap)
-  top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
-  if sinks is not None:
-    top = jnp.maximum(top, sinks[None, :, None, None])
-  top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
-  e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
-  total = e.sum(-1, keepdims=True)
-  if sinks is not None:
-    total = total + jnp.exp(sinks[None, :, None, None] - top)
-  seen = total > 0
-  out = (e / jnp.where(seen, total, 1.0)) @ v
-  lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-  lse = lse[..., 0]
-  if rows is not None:
-    lse = jnp.where(rows, lse, -jnp.inf)
-  return out, lse
-
-
 def _loss(out, lse, cot, cot_lse):
   total = jnp.sum(out.astype(jnp.float64 if out.dtype == jnp.float64
                              else jnp.float32) * cot)
@@ -365,54 +344,41 @@ def _loss(out, lse, cot, cot_lse):
   return total
 
 
-# The dispatcher forwards these cases' arguments to blockwise_attention
-# unchanged (no pattern argument to route or block size rule to pick), and
-# the blockwise column runs every one of them: its column keeps the cases
-# whose arguments it has to route.
-_DISPATCH_SKIPS = frozenset({
-    "plain_t_ne_s", "causal_t_lt_s", "causal_t_gt_s_empty_rows", "mha",
-    "float16", "mask_empty_rows", "bias_neg_inf", "zero_length_nan_padding",
-    "bfloat16_causal_lengths", "mqa_causal_lengths"})
-
-
 def suite(names):
-  """A ``chex.TestCase`` running every case on each named implementation."""
+  """A ``chex.TestCase`` running every case on each named kernel."""
   params = [(f"{name}__{case_name}", name, case_name)
-            for name in names for case_name in CASES
-            if not (name == "dispatch_blockwise"
-                    and case_name in _DISPATCH_SKIPS)]
+            for name in names for case_name in CASES]
 
   class ContractTest(chex.TestCase):
 
+    def test_every_kernel_states_what_it_refuses(self):
+      for name in names:
+        self.assertIn(name, REFUSES, f"kernel {name!r}: add what it refuses "
+                      "to REFUSES in tests/contract.py")
+
     @parameterized.named_parameters(*params)
     def test_contract(self, name, case_name):
-      impl, case = IMPLEMENTATIONS[name], CASES[case_name]
-      if impl.needs_gpu and jax.default_backend() != "gpu":
+      case = CASES[case_name]
+      if name in NEEDS_GPU and jax.default_backend() != "gpu":
         self.skipTest("needs a GPU")
       if case.dtype == "float64":
         with jax.enable_x64(True):
-          self._check(impl, case)
+          self._check(name, case)
       else:
-        self._check(impl, case)
+        self._check(name, case)
 
-    def _check(self, impl, case):
+    def _check(self, name, case):
       q, k, v, mask, bias, lengths, q_lengths = _operands(case)
-      extra = {}
-      if q_lengths is not None:
-        extra["query_seq_lengths"] = q_lengths
-      if case.window is not None:
-        extra["local_window_size"] = case.window
       q_seg, k_seg = _segment_ids(case)
-      if q_seg is not None:
-        extra["query_segment_ids"] = jnp.asarray(q_seg)
-        extra["key_segment_ids"] = jnp.asarray(k_seg)
-      mask_in = mask
-      if case.block_mask is not None:  # built for the odd blockwise blocks
-        mask_in = aj.block_mask(BLOCK_MASK_FNS[case.block_mask](), case.t,
-                                case.s, block_q=5, block_k=7)
-      fn = functools.partial(impl.fn, is_causal=case.causal,
-                             key_value_seq_lengths=lengths,
-                             return_lse=case.lse, **extra)
+      parts = dict(causal=case.causal, window=case.window,
+                   kv_lengths=lengths, q_lengths=q_lengths, dense=mask,
+                   q_segment_ids=None if q_seg is None else jnp.asarray(q_seg),
+                   kv_segment_ids=None if k_seg is None else jnp.asarray(
+                       k_seg), rule=_rule(case))
+      if case.rule == "union_prefix_lm":  # causal | the prefix, as a union
+        union = aj.Mask(causal=True) | aj.Mask(
+            rule=lambda b, h, q_idx, kv_idx: kv_idx < PREFIX)
+        parts["rule"] = union.rule
       diff = _differentiable_extras(case)
 
       def ours(q, k, v, bias, diff):
@@ -429,10 +395,15 @@ def suite(names):
           mods.append(aj.soft_cap(case.softcap))
         if mods:
           kw["score_mod"] = mods[0] if len(mods) == 1 else aj.chain(*mods)
-        result = fn(q, k, v, mask_in, **kw)
+        kw["return_lse"] = case.lse
+        if name == "ring":
+          result = _ring(q, k, v, parts, **kw)
+        else:
+          result = aj.scaled_dot_product_attention(
+              q, k, v, _mask(parts), implementation=_kernel(name), **kw)
         return result if case.lse else (result, None)
 
-      if case.features() & impl.unsupported:
+      if case.features() & REFUSES.get(name, frozenset()):
         with self.assertRaises((ValueError, TypeError)):
           jax.jit(ours)(q, k, v, bias, diff)
         return
@@ -440,7 +411,7 @@ def suite(names):
       allowed = _allowed(case, mask, lengths, q_lengths, bias)
       rows = None
       if q_lengths is not None:  # [B, 1, T]: rows that are queries
-        rows = (np.arange(case.t) < np.asarray(q_lengths))[:, None]
+        rows = (np.arange(case.t) < np.asarray(q_lengths)[:, None])[:, None]
       q_in, k_in, v_in = q, k, v
       if case.nan_padding:  # keys and values no query may see hold NaN
         seen = allowed.any(axis=(1, 2))[:, None, :, None]  # [B, 1, S, 1]
@@ -464,8 +435,9 @@ def suite(names):
       diff64 = {name: f64(x) for name, x in diff.items()}
 
       def reference_loss_and_outputs(q, k, v, bias, diff):
-        out, lse = reference(q, k, v, bias, allowed, case.softcap, rows=rows,
-                             **diff)
+        out, lse = reference_lib.masked_attention(
+            q, k, v, bias, allowed, case.softcap, rows=rows,
+            t5_max_distance=T5_MAX_DISTANCE, **diff)
         return _loss(out, None if cot_lse is None else lse, f64(cot),
                      f64(cot_lse)), (out, lse)
 

@@ -4,11 +4,77 @@ Nothing here imports attention_jax: these are the yardsticks. Shapes follow
 the package glossary (B, T, S, N, K, H, D). Fully masked query rows follow
 the package's documented policy (weights 0, output 0), which the lesson's
 ``-1e9`` fill would instead turn into a uniform average.
+
+``masked_attention`` is the one reference every kernel is held to (the
+contract suite, ``benchmarks/gpu_check.py``): written with ``jax.numpy`` so
+that its gradients come from autodiff of the plain formula.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+def t5_bucket(relative_position, num_buckets: int, max_distance: int):
+  """mesh-tensorflow's _relative_position_bucket, bidirectional, in NumPy."""
+  half = num_buckets // 2
+  bucket = (relative_position > 0) * half
+  n = np.abs(relative_position)
+  max_exact = half // 2
+  with np.errstate(divide="ignore"):
+    large = max_exact + (np.log(n / max_exact) / np.log(
+        max_distance / max_exact) * (half - max_exact))
+  large = np.minimum(np.where(n < max_exact, 0, large).astype(np.int64),
+                     half - 1)
+  return bucket + np.where(n < max_exact, n, large)
+
+
+def masked_attention(q, k, v, bias, allowed, softcap=None, sinks=None,
+                     slopes=None, t5_table=None, t5_max_distance=None,
+                     rows=None, scale=None):
+  """Attention over ``[B, N|K, T|S, H]`` with explicit head repetition;
+  ``(out, lse)`` in the inputs' (float64) dtype.
+
+  ``allowed [B, N, T, S]`` says where query t may see key s (written out by
+  the caller from its case). Independent of the library: repeated K/V
+  heads, ALiBi as a distance penalty, T5's bucketed table, a plain masked
+  softmax whose denominator also holds ``exp(sink)``; ``lse = -inf`` and
+  output 0 for rows that may see nothing (with a sink: output 0 and ``lse =
+  sink``, except ``-inf`` for rows past the query length, ``rows`` False).
+  """
+  group = q.shape[1] // k.shape[1]
+  k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+  if scale is None:
+    scale = 1.0 / np.sqrt(q.shape[-1])
+  logits = jnp.einsum("BNTH,BNSH->BNTS", q, k) * scale
+  if bias is not None:
+    logits = logits + jnp.where(allowed, bias, 0.0)
+  if slopes is not None:  # [N] times the distance i - j
+    distance = np.arange(q.shape[2])[:, None] - np.arange(k.shape[2])[None]
+    logits = logits - slopes[None, :, None, None] * distance[None, None]
+  if t5_table is not None:  # table[bucket(j - i), n] added per head
+    rel = np.arange(k.shape[2])[None, :] - np.arange(q.shape[2])[:, None]
+    buckets = t5_bucket(rel, t5_table.shape[0], t5_max_distance)
+    logits = logits + jnp.moveaxis(t5_table[buckets], -1, 0)[None]
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
+  top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)
+  if sinks is not None:
+    top = jnp.maximum(top, sinks[None, :, None, None])
+  top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+  e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
+  total = e.sum(-1, keepdims=True)
+  if sinks is not None:
+    total = total + jnp.exp(sinks[None, :, None, None] - top)
+  seen = total > 0
+  out = (e / jnp.where(seen, total, 1.0)) @ v
+  lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  lse = lse[..., 0]
+  if rows is not None:
+    lse = jnp.where(rows, lse, -jnp.inf)
+  return out, lse
 
 
 def softmax(scores: np.ndarray, mask: np.ndarray | None) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 No timing is asserted: only that every case produces its rows, ratios and
 targets, and that the generated docs section lands between the markers.
-Arguments still being added to the library show up as "not available" rows.
+Every row of this library must run; only peers that are not installed (or
+need a GPU) may show up as "not available" rows.
 """
 
 import json
@@ -51,7 +52,7 @@ class StructuredBenchmarkSmokeTest(absltest.TestCase):
                    ("dense_causal_T1024", "aj_dense_noncausal"),
                    ("score_mods_T2048", "aj_soft_cap")}
     for r in rows:
-      if (r["case"], r["impl"]) in works_today:
+      if (r["case"], r["impl"]) in works_today or r["impl"].startswith("aj_"):
         self.assertIsNone(r["skipped"], r)
 
     whats = {(r["case"], r["what"]) for r in ratios}

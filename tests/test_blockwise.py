@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import dot_product
+from attention_jax import kernels
+from attention_jax.kernels import base
 from tests import _data
 from tests import reference
 
@@ -57,7 +58,8 @@ class BlockwiseTest(chex.TestCase):
       ref_mask = mask
     fn = self.variant(functools.partial(
         aj.blockwise_attention, is_causal=causal, **BLOCKS))
-    out = fn(q, k, v, mask=mask, key_value_seq_lengths=lengths)
+    pattern = aj.Mask(dense=mask, kv_lengths=lengths)
+    out = fn(q, k, v, mask=pattern)
     ref, _ = reference.sdpa(q, k, v, ref_mask, is_causal=causal)
     chex.assert_shape(out, (2, 3, t, 6))
     chex.assert_trees_all_close(out, ref.astype(np.float32), **FWD_TOL)
@@ -66,8 +68,7 @@ class BlockwiseTest(chex.TestCase):
     dense_mask = None if ref_mask is None else jnp.asarray(ref_mask)
 
     def ours(q, k, v):
-      return jnp.sum(fn(q, k, v, mask=mask, key_value_seq_lengths=lengths)
-                     * cot)
+      return jnp.sum(fn(q, k, v, mask=pattern) * cot)
 
     def dense(q, k, v):  # float64 dense attention (tested against NumPy)
       return jnp.sum(aj.scaled_dot_product_attention(
@@ -111,7 +112,7 @@ class BlockwiseTest(chex.TestCase):
     k = k.at[0, 11:].set(jnp.nan)
     v = v.at[0, 11:].set(jnp.inf)
     fn = lambda q, k, v: aj.blockwise_attention(
-        q, k, v, key_value_seq_lengths=lengths, **BLOCKS)
+        q, k, v, aj.Mask(kv_lengths=lengths), **BLOCKS)
     out = fn(q, k, v)
     ref, _ = reference.sdpa(q[:, :, :], k[:, :11], v[:, :11])
     chex.assert_trees_all_close(out, ref.astype(np.float32), **FWD_TOL)
@@ -146,17 +147,24 @@ class BlockwiseTest(chex.TestCase):
   def test_invalid_inputs(self):
     q, k, v = _qkv(4, 4)
     with self.assertRaisesRegex(TypeError,
-                                r"key_value_seq_lengths must be an integer"):
-      aj.blockwise_attention(q, k, v, key_value_seq_lengths=jnp.ones((2, 1)))
+                                r"Mask's kv_lengths must be an integer"):
+      aj.blockwise_attention(q, k, v, aj.Mask(kv_lengths=jnp.ones((2, 1))))
     with self.assertRaisesRegex(
-        ValueError, r"leading.*key_value_seq_lengths \(4, 1\)"):
+        ValueError, r"leading.*the mask's kv_lengths \(4, 1\)"):
       aj.blockwise_attention(
-          q, k, v, key_value_seq_lengths=jnp.ones((4, 1), jnp.int32))
+          q, k, v, aj.Mask(kv_lengths=jnp.ones((4, 1), jnp.int32)))
+    # [B] lengths now align to the left of the leading dims (per example):
+    # 4 examples against a batch of 2 is a batch mismatch; more axes than
+    # the leading dims are refused.
     with self.assertRaisesRegex(
-        ValueError, r"key_value_seq_lengths with shape \(4,\) must have one "
-        r"axis per leading dim"):
+        ValueError, r"leading.*do not broadcast.*the mask's kv_lengths"):
       aj.blockwise_attention(
-          q, k, v, key_value_seq_lengths=jnp.ones((4,), jnp.int32))
+          q, k, v, aj.Mask(kv_lengths=jnp.ones((4,), jnp.int32)))
+    with self.assertRaisesRegex(
+        ValueError, r"Mask's kv_lengths with shape \(2, 3, 1\) has 3 leading "
+        r"axes, but the operands have 2 leading dims"):
+      aj.blockwise_attention(
+          q, k, v, aj.Mask(kv_lengths=jnp.ones((2, 3, 1), jnp.int32)))
     with self.assertRaisesRegex(ValueError, r"block_q must be positive"):
       aj.blockwise_attention(q, k, v, block_q=0)
 
@@ -171,28 +179,32 @@ class DispatchTest(chex.TestCase):
       ("explicit", 8, False, 0.0, "blockwise", "blockwise"),
   )
   def test_choice(self, t, return_weights, rate, asked, expected):
-    q = jax.ShapeDtypeStruct((1, 2, t, 8), jnp.float32)
-    got = dot_product.choose_implementation(
-        asked, q, q, q, None, None, None, return_weights=return_weights,
-        dropout_on=rate > 0, return_lse=False)
-    self.assertEqual(got, expected)  # on CPU: never cudnn
+    q = jnp.zeros((1, 2, t, 8), jnp.float32)
+    problem = base.canonicalize(
+        q, q, q, None, return_weights=return_weights, dropout_rate=rate,
+        dropout_rng=jax.random.key(0) if rate > 0 else None,
+        return_lse=False)
+    candidates, automatic = kernels.candidates(asked)
+    got = kernels.choose(candidates, problem, automatic)
+    self.assertEqual(got.name, expected)  # on CPU: never cudnn
 
   def test_errors(self):
     q, k, v = _qkv(4, 4)
     with self.assertRaisesRegex(ValueError, r"implementation='cudnn' is not "
                                 r"possible: it needs a GPU"):
       aj.scaled_dot_product_attention(q, k, v, implementation="cudnn")
-    with self.assertRaisesRegex(ValueError, r"'blockwise' has no dropout"):
+    with self.assertRaisesRegex(ValueError, r"implementation='blockwise' is "
+                                r"not possible: it has no dropout"):
       aj.scaled_dot_product_attention(q, k, v, implementation="blockwise",
                                       dropout_rate=0.1,
                                       dropout_rng=jax.random.key(0))
-    with self.assertRaisesRegex(ValueError, r"implementation must be None or "
-                                r"one of"):
+    with self.assertRaisesRegex(ValueError, r"implementation must be None, a "
+                                r"kernel, a sequence of them, or one of"):
       aj.scaled_dot_product_attention(q, k, v, implementation="flash")
     for implementation in ("blockwise", "cudnn"):
       with self.assertRaisesRegex(
-          ValueError, rf"implementation='{implementation}' never forms the "
-          r"attention weights"):
+          ValueError, rf"implementation='{implementation}' is not possible: "
+          r"it never forms the attention weights"):
         aj.scaled_dot_product_attention(q, k, v, implementation=implementation,
                                         return_weights=True)
 
@@ -211,9 +223,8 @@ class DispatchTest(chex.TestCase):
     chex.assert_trees_all_close(block, dense, **FWD_TOL)
     params = _data.params(aj.init_multi_head_params, 1, 16, 4, num_kv_heads=2)
     x = _data.normal(7, (2, 24, 16))
-    outs = [aj.multi_head_attention(params, x, x, x, num_heads=4,
-                                    num_kv_heads=2, is_causal=True,
-                                    implementation=impl)
+    outs = [aj.multi_head_attention(params, x, x, x, is_causal=True,
+                                    attention_fn=impl)
             for impl in ("dense", "blockwise")]
     chex.assert_trees_all_close(outs[0], outs[1], **FWD_TOL)
 

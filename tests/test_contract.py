@@ -1,4 +1,4 @@
-"""The implementation contract (tests/contract.py) for the in-process paths.
+"""The kernel contract (tests/contract.py) for every kernel of the registry.
 
 ``ring`` runs the same cases on simulated devices in
 ``tests/multidevice/test_contract_ring.py``.
@@ -8,8 +8,7 @@ from absl.testing import absltest
 
 from tests import contract
 
-ContractTest = contract.suite(["dense", "blockwise", "dispatch_blockwise",
-                               "cudnn"])
+ContractTest = contract.suite(contract.kernel_names())
 
 if __name__ == "__main__":
   absltest.main()

@@ -1,10 +1,12 @@
-"""The cuDNN wiring (``_cudnn``): our semantics through jax.nn's arguments.
+"""The cuDNN wiring (``kernels/cudnn.py``): our semantics through jax.nn's
+arguments.
 
 No GPU here: ``attention`` runs jax.nn's reference path
 (``implementation="xla"``), which takes the same arguments as its cuDNN path,
-and ``problem`` is reached past its GPU check by mocking the backend.
+and ``problem_of`` is reached past its GPU check by mocking the backend.
 """
 
+import functools
 from unittest import mock
 
 from absl.testing import absltest
@@ -15,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import _cudnn
-from attention_jax import dot_product
+from attention_jax.kernels import base
+from attention_jax.kernels import cudnn
 from tests import _data
 
 # Both sides compute in float32 (jax.nn's logits and softmax, the dense
@@ -34,17 +36,17 @@ def _qkv(t, s, dtype=jnp.float32, seed=0):
 
 def _wired(q, k, v, mask=None, bias=None, *, is_causal=False, window=None,
            kv_lengths=None, q_lengths=None):
-  return _cudnn.attention(q, k, v, mask, bias, kv_lengths, q_lengths,
-                          scale=H ** -0.5, is_causal=is_causal, window=window,
-                          implementation="xla")
+  return cudnn.attention(q, k, v, mask, bias, kv_lengths, q_lengths,
+                         scale=H ** -0.5, is_causal=is_causal, window=window,
+                         implementation="xla")
 
 
 def _dense(q, k, v, mask=None, bias=None, *, is_causal=False, window=None,
            kv_lengths=None, q_lengths=None):
   return aj.scaled_dot_product_attention(
-      q, k, v, mask, bias=bias, implementation="dense", is_causal=is_causal,
-      local_window_size=window, key_value_seq_lengths=kv_lengths,
-      query_seq_lengths=q_lengths)
+      q, k, v, aj.Mask(dense=mask, window=window, kv_lengths=kv_lengths,
+                       q_lengths=q_lengths),
+      bias=bias, implementation="dense", is_causal=is_causal)
 
 
 class AttentionTest(parameterized.TestCase):
@@ -111,13 +113,13 @@ class AttentionTest(parameterized.TestCase):
 
   def test_jit_and_old_call_shape(self):
     q, k, v = _qkv(4, 4)
-    fn = jax.jit(lambda q, k, v, n: _cudnn.attention(
+    fn = jax.jit(lambda q, k, v, n: cudnn.attention(
         q, k, v, None, None, n, scale=0.5, is_causal=True,
         implementation="xla"))
     n = jnp.array([[4], [2]])
     np.testing.assert_allclose(
         fn(q, k, v, n), aj.scaled_dot_product_attention(
-            q, k, v, scale=0.5, is_causal=True, key_value_seq_lengths=n,
+            q, k, v, aj.Mask(kv_lengths=n), scale=0.5, is_causal=True,
             implementation="dense"), **F32_TOL)
 
 
@@ -131,8 +133,8 @@ class ProblemTest(parameterized.TestCase):
 
   def _problem(self, t=8, s=8, structured=(), lengths=None, **kw):
     q, k, v = _qkv(t, s, jnp.bfloat16)
-    return _cudnn.problem(q, k, v, None, None, lengths, False, structured,
-                          **kw)
+    return cudnn.problem_of(q, k, v, None, None, lengths, False, structured,
+                            **kw)
 
   def test_nothing_structured(self):
     self.assertIsNone(self._problem())
@@ -146,20 +148,55 @@ class ProblemTest(parameterized.TestCase):
   )
   def test_query_lengths_accepted(self, q_lengths):
     self.assertIsNone(self._problem(
-        structured={"query_seq_lengths": q_lengths}))
+        structured={"q_lengths": q_lengths}))
     self.assertIsNone(self._problem(
         t=4, s=8, lengths=jnp.array(3),
-        structured={"query_seq_lengths": q_lengths}))
+        structured={"q_lengths": q_lengths}))
 
-  @parameterized.named_parameters(
-      ("flat", np.array([3, 8])),
-      ("per_head", np.ones((2, 4), np.int32)),
-  )
-  def test_query_lengths_refused(self, q_lengths):
-    self.assertRegex(self._problem(structured={"query_seq_lengths": q_lengths}),
-                     r"^it takes one query length.*query_seq_lengths")
+  def test_query_lengths_refused(self):
+    # problem_of sees the lengths left-aligned to the [B, N] leading dims:
+    # one per head ([B, N]) is what cuDNN cannot take.
+    q_lengths = np.ones((2, 4), np.int32)
+    self.assertRegex(self._problem(structured={"q_lengths": q_lengths}),
+                     r"^it takes one length per example.*mask's q_lengths")
     self.assertRegex(self._problem(lengths=jnp.asarray(q_lengths)),
-                     r"key_value_seq_lengths must be \[B, 1\]")
+                     r"mask's kv_lengths must be \[B\]")
+
+  def _supports(self, mask):
+    q, k, v = _qkv(8, 8, jnp.bfloat16)
+    return cudnn.Cudnn().supports(base.canonicalize(q, k, v, mask))
+
+  def test_flat_lengths_are_one_per_example(self):
+    # [B] lengths (which had to be [B, 1] before) align to the left: one
+    # per example, what cuDNN takes; [B, N] (one per head) it refuses.
+    flat = np.array([3, 8])
+    self.assertIsNone(self._supports(aj.Mask(q_lengths=flat,
+                                             kv_lengths=flat)))
+    self.assertIsNone(self._supports(aj.Mask(q_lengths=flat[:, None],
+                                             kv_lengths=flat[:, None])))
+    per_head = np.full((B, N), 5)
+    self.assertRegex(self._supports(aj.Mask(q_lengths=per_head)),
+                     r"mask's q_lengths")
+    self.assertRegex(self._supports(aj.Mask(kv_lengths=per_head)),
+                     r"mask's kv_lengths")
+
+  def test_flat_lengths_run_as_per_example(self):
+    # Through the kernel (jax.nn's xla path in place of cuDNN), [B] lengths
+    # give exactly what [B, 1] lengths give, and differ from none.
+    q, k, v = _qkv(8, 8, jnp.bfloat16, seed=7)
+    xla = functools.partial(cudnn.attention, implementation="xla")
+    run = lambda mask: aj.scaled_dot_product_attention(
+        q, k, v, mask, implementation="cudnn")
+    with mock.patch.object(cudnn, "attention", xla):
+      flat = run(aj.Mask(kv_lengths=jnp.array([3, 8]),
+                         q_lengths=jnp.array([8, 5])))
+      column = run(aj.Mask(kv_lengths=jnp.array([[3], [8]]),
+                           q_lengths=jnp.array([[8], [5]])))
+      plain = run(None)
+    np.testing.assert_array_equal(flat, column)
+    np.testing.assert_array_equal(flat[1, :, 5:], 0.0)
+    self.assertFalse(np.allclose(flat[0], plain[0]))
+    np.testing.assert_array_equal(flat[1, :, :5], plain[1, :, :5])
 
   @parameterized.named_parameters(
       ("causal_window", 8, 8, (3, 0), False),
@@ -167,7 +204,7 @@ class ProblemTest(parameterized.TestCase):
       ("two_sided_clipped_by_causal", 8, 8, (3, 2), True),
   )
   def test_window_accepted(self, t, s, window, is_causal):
-    self.assertIsNone(self._problem(t, s, {"local_window_size": window},
+    self.assertIsNone(self._problem(t, s, {"window": window},
                                     is_causal=is_causal))
 
   @parameterized.named_parameters(
@@ -177,31 +214,29 @@ class ProblemTest(parameterized.TestCase):
       ("more_queries", 8, 4, (3, 0), r"T=8 != S=4"),
   )
   def test_window_refused(self, t, s, window, why):
-    self.assertRegex(self._problem(t, s, {"local_window_size": window}),
-                     r"^local_window_size.*" + why)
+    self.assertRegex(self._problem(t, s, {"window": window}),
+                     r"^(a )?window.*" + why)
 
-  @parameterized.parameters("query_segment_ids",
-                            "key_segment_ids", "sinks", "score_mod",
-                            "block_mask", "something_new")
+  @parameterized.parameters("segment_ids", "sinks", "score_mod", "rule",
+                            "something_new")
   def test_unsupported_named(self, name):
     self.assertRegex(self._problem(structured={name: object()}),
                      "^" + name)
 
   def test_first_refused_argument_named(self):
-    structured = {"query_seq_lengths": np.array([[3], [8]]),
-                  "local_window_size": (2, 0), "score_mod": aj.soft_cap(30.0),
+    structured = {"q_lengths": np.array([[3], [8]]),
+                  "window": (2, 0), "score_mod": aj.soft_cap(30.0),
                   "sinks": jnp.zeros((N,))}
     self.assertRegex(self._problem(structured=structured), "^score_mod")
 
   def test_names_only_refused(self):  # the dispatcher's older call shape
-    self.assertRegex(self._problem(structured=["local_window_size"]),
-                     "^local_window_size")
+    self.assertRegex(self._problem(structured=["window"]), "^window")
     self.assertIsNone(self._problem(structured=[]))
 
   def test_earlier_checks_still_first(self):
     q, k, v = _qkv(8, 8)  # float32
-    self.assertRegex(_cudnn.problem(q, k, v, None, None, None, False,
-                                    {"score_mod": aj.soft_cap(1.0)}),
+    self.assertRegex(cudnn.problem_of(q, k, v, None, None, None, False,
+                                      {"score_mod": aj.soft_cap(1.0)}),
                      "float16/bfloat16")
 
 
@@ -209,7 +244,7 @@ class NoGpuTest(absltest.TestCase):
 
   def test_cpu_refused(self):
     q, k, v = _qkv(8, 8, jnp.bfloat16)
-    self.assertRegex(_cudnn.problem(q, k, v, None, None, None, False, {}),
+    self.assertRegex(cudnn.problem_of(q, k, v, None, None, None, False, {}),
                      "needs a GPU")
 
 
@@ -229,16 +264,16 @@ class MultiHeadDispatchTest(absltest.TestCase):
       return jnp.zeros(query.shape, query.dtype)
 
     with mock.patch.object(jax, "default_backend", return_value="gpu"), \
-        mock.patch.object(_cudnn, "attention", fake):
+        mock.patch.object(cudnn, "attention", fake):
       aj.attend_heads(q, kv, kv, is_causal=True)
       self.assertEqual(seen, dict(query=(1, 8, 1024, 64),
                                   key=(1, 2, 1024, 64), causal=True))
       # A pattern cuDNN cannot take sends the automatic choice elsewhere.
-      choice = dot_product.choose_implementation(
-          None, q, kv, kv, None, None, None, return_weights=False,
-          dropout_on=False, return_lse=False, is_causal=True,
-          structured={"sinks": jnp.zeros(8)})
-      self.assertEqual(choice, "blockwise")
+      problem = base.canonicalize(q, kv, kv, aj.Mask(causal=True),
+                                  sinks=jnp.zeros(8))
+      kernels, automatic = aj.kernels.candidates(None)
+      choice = aj.kernels.choose(kernels, problem, automatic)
+      self.assertEqual(choice.name, "blockwise")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """scaled_dot_product_attention against independent references."""
 
 import functools
-import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -92,10 +91,10 @@ class ReferenceTest(chex.TestCase):
 
   @parameterized.product(
       implementation=("dense", "blockwise"),
-      pattern=(dict(is_causal=True, local_window_size=(3, 0)),
-               dict(local_window_size=(2, 4)),
+      pattern=(dict(is_causal=True, window=(3, 0)),
+               dict(window=(2, 4)),
                dict(is_causal=True, kv=(9, 5), q=(9, 6)),
-               dict(local_window_size=(1, 1), kv=(9, 7), q=(8, 8))))
+               dict(window=(1, 1), kv=(9, 7), q=(8, 8))))
   def test_patterns_agree_with_jax_nn(self, implementation, pattern):
     # The subset jax.nn shares: T == S (its windows align top-left, ours
     # bottom-right, the same when T == S), and every query row below its
@@ -103,18 +102,22 @@ class ReferenceTest(chex.TestCase):
     # rows past query_seq_lengths as we do). Layout swapped to [B, T, N, H].
     pattern = dict(pattern)
     kv, q_len = pattern.pop("kv", None), pattern.pop("q", None)
+    is_causal = pattern.pop("is_causal", False)
+    window = pattern.pop("window", None)
     q, k, v = _qkv(t=9, s=9, h=8, hv=8, lead=(2, 4))
+    theirs_kw = dict(is_causal=is_causal, local_window_size=window)
     lengths = {}
     if kv is not None:
-      lengths = dict(key_value_seq_lengths=jnp.array(kv),
-                     query_seq_lengths=jnp.array(q_len))
+      # [B]: one length per example (left-aligned to [B, N]), as in jax.nn.
+      lengths = dict(kv_lengths=jnp.array(kv), q_lengths=jnp.array(q_len))
+      theirs_kw.update(key_value_seq_lengths=lengths["kv_lengths"],
+                       query_seq_lengths=lengths["q_lengths"])
     ours = aj.scaled_dot_product_attention(
-        q, k, v, implementation=implementation, **pattern,
-        **{name: x[:, None] for name, x in lengths.items()})
+        q, k, v, aj.Mask(window=window, **lengths), is_causal=is_causal,
+        implementation=implementation)
     swap = lambda x: jnp.swapaxes(x, 1, 2)
     theirs = swap(jax.nn.dot_product_attention(
-        swap(q), swap(k), swap(v), implementation="xla", **pattern,
-        **lengths))
+        swap(q), swap(k), swap(v), implementation="xla", **theirs_kw))
     chex.assert_trees_all_close(ours, theirs, **F32_TOL)
 
   def test_nested_lists_are_arrays(self):
@@ -244,14 +247,25 @@ class GroupedQueryTest(chex.TestCase):
 
 class KeyValueSeqLengthsTest(chex.TestCase):
 
-  def test_lengths_without_head_axis_are_an_error(self):
+  def test_lengths_without_head_axis_are_per_example(self):
+    # [B] lengths against [B, N, T, H] with B == N used to be refused as
+    # ambiguous; they now align to the left: one length per example, never
+    # per head (and the same as the old [B, 1] spelling).
     q, k, v = _qkv(lead=(2, 2))  # [B, N, T, H] with B == N
-    lengths = jnp.array([3, 6])  # [B]: would be read as per-head lengths
+    lengths = jnp.array([3, 6])  # [B]
+    per_example = aj.padding_mask(lengths, 6)[:, None, None, :]  # [B,1,1,S]
+    per_head = aj.padding_mask(lengths, 6)[None, :, None, :]  # [1,N,1,S]
+    ref_out, _ = reference.sdpa(q, k, v, per_example)
+    head_out, _ = reference.sdpa(q, k, v, per_head)
+    self.assertGreater(float(np.abs(ref_out - head_out).max()), 1e-2)
     for implementation in ("dense", "blockwise"):
-      with self.assertRaisesRegex(ValueError, re.escape("[:, None]")):
-        aj.scaled_dot_product_attention(
-            q, k, v, key_value_seq_lengths=lengths,
-            implementation=implementation)
+      out = aj.scaled_dot_product_attention(
+          q, k, v, aj.Mask(kv_lengths=lengths), implementation=implementation)
+      chex.assert_trees_all_close(out, ref_out.astype(np.float32), **F32_TOL)
+      old = aj.scaled_dot_product_attention(
+          q, k, v, aj.Mask(kv_lengths=lengths[:, None]),
+          implementation=implementation)
+      chex.assert_trees_all_close(out, old, atol=0, rtol=0)
 
   def test_lengths_per_example_equal_a_padding_mask(self):
     q, k, v = _qkv(lead=(2, 3))  # [B, N, T, H]
@@ -259,7 +273,7 @@ class KeyValueSeqLengthsTest(chex.TestCase):
     padding = aj.padding_mask(lengths, 6)[:, None, None, :]  # [B, 1, 1, S]
     ref_out, ref_w = reference.sdpa(q, k, v, padding)
     out, weights = aj.scaled_dot_product_attention(
-        q, k, v, key_value_seq_lengths=lengths[:, None], return_weights=True)
+        q, k, v, aj.Mask(kv_lengths=lengths), return_weights=True)
     chex.assert_trees_all_close(out, ref_out.astype(np.float32), **F32_TOL)
     chex.assert_trees_all_close(weights, ref_w.astype(np.float32), **F32_TOL)
 

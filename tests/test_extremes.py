@@ -114,7 +114,7 @@ class PoisonedPaddingTest(parameterized.TestCase):
 
     def fn(q, k, v):
       return jnp.sum(aj.blockwise_attention(
-          q, k, v, key_value_seq_lengths=lengths, block_k=4) ** 2)
+          q, k, v, aj.Mask(kv_lengths=lengths), block_k=4) ** 2)
 
     self._check(fn, (q, k, v), (q, _poison(k, self.LENGTHS, np.nan),
                                 _poison(v, self.LENGTHS, np.nan)))
@@ -126,7 +126,7 @@ class PoisonedPaddingTest(parameterized.TestCase):
 
     def fn(params, x, kv):
       out = aj.multi_head_attention(params, x, kv, kv,
-                                    mask[:, None, None, :], num_heads=4)
+                                    mask[:, None, None, :])
       return jnp.sum(out ** 2)
 
     self._check(fn, (params, x, k),

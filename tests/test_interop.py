@@ -1,4 +1,4 @@
-"""interop against jax.nn and flax.
+"""The jax.nn and flax drop-ins (jax_nn, flax_fn) against jax.nn and flax.
 
 ``dot_product_attention`` against ``jax.nn.dot_product_attention``: every
 comparison is with jax.nn's ``implementation='xla'`` in jax.nn's own
@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import interop
+from attention_jax import flax_fn
+from attention_jax import jax_nn
 from tests import _data
 
 # Both sides compute in float32 with sums over <= 8 terms of magnitude
@@ -49,7 +50,7 @@ def _ours_and_theirs(q, k, v, implementation=None, grad=False, **kwargs):
   the file fast; it also runs every case with traced lengths/masks/biases.
   """
   static = {n: kwargs.pop(n) for n in _STATIC if n in kwargs}
-  ours_fn = functools.partial(interop.dot_product_attention,
+  ours_fn = functools.partial(jax_nn.dot_product_attention,
                               implementation=implementation, **static)
   theirs_fn = functools.partial(jax.nn.dot_product_attention,
                                 implementation="xla", **static)
@@ -224,18 +225,18 @@ class ValidationTest(parameterized.TestCase):
     q = jnp.ones((4, 8))
     with self.assertRaisesRegex(ValueError, r"(?s)\[B, T, N, H\].*"
                                 r"jnp\.swapaxes\(x, 1, 2\).*\[B, N, T, H\]"):
-      interop.dot_product_attention(q, q, q)
+      jax_nn.dot_product_attention(q, q, q)
 
   def test_heads_that_do_not_group_name_the_layout(self):
     q, k, v = _qkv(n=4, k=3)
     with self.assertRaisesRegex(ValueError, r"(?s)multiple.*\[B, T, N, H\]"
                                 r".*jnp\.swapaxes"):
-      interop.dot_product_attention(q, k, v)
+      jax_nn.dot_product_attention(q, k, v)
 
   def test_mismatched_batch_names_the_layout(self):
     q, k, v = _qkv()
     with self.assertRaisesRegex(ValueError, r"(?s)\[B, T, N, H\].*swapaxes"):
-      interop.dot_product_attention(q[:1], k, v)
+      jax_nn.dot_product_attention(q[:1], k, v)
 
   @parameterized.named_parameters(
       ("lengths_not_b", dict(key_value_seq_lengths=jnp.ones((2, 1), int)),
@@ -257,14 +258,14 @@ class ValidationTest(parameterized.TestCase):
   def test_bad_arguments(self, kwargs, error, regex):
     q, k, v = _qkv()
     with self.assertRaisesRegex(error, regex):
-      interop.dot_product_attention(q, k, v, **kwargs)
+      jax_nn.dot_product_attention(q, k, v, **kwargs)
 
   def test_cudnn_refused_off_gpu(self):
     if jax.default_backend() == "gpu":
       self.skipTest("cuDNN is available here")
     q, k, v = _qkv()
     with self.assertRaisesRegex(ValueError, "cudnn"):
-      interop.dot_product_attention(q, k, v, implementation="cudnn")
+      jax_nn.dot_product_attention(q, k, v, implementation="cudnn")
 
 
 # The layers' projections are the same ops on the same parameters, so only
@@ -280,7 +281,7 @@ def _flax_layers(**kwargs):
                 decode=False) | kwargs
   return tuple(nnx.MultiHeadAttention(**kwargs, attention_fn=fn,
                                       rngs=nnx.Rngs(0))
-               for fn in (interop.flax_attention_fn,
+               for fn in (flax_fn.flax_attention_fn,
                           nnx.dot_product_attention))
 
 
@@ -369,7 +370,7 @@ class FlaxAttentionFnTest(parameterized.TestCase):
     q, k, v = _qkv(t=4, s=6, n=4, k=2)
 
     def products(precision):
-      loss = lambda q, k, v: jnp.sum(interop.flax_attention_fn(
+      loss = lambda q, k, v: jnp.sum(flax_fn.flax_attention_fn(
           q, k, v, precision=precision))
       jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
       return [e.params["precision"] for e in jaxpr.eqns
@@ -399,17 +400,17 @@ class FlaxAttentionFnTest(parameterized.TestCase):
   def test_refuses(self, kwargs, error, regex):
     q, k, v = _qkv()
     with self.assertRaisesRegex(error, regex):
-      interop.flax_attention_fn(q, k, v, **kwargs)
+      flax_fn.flax_attention_fn(q, k, v, **kwargs)
 
   def test_refuses_mismatched_batch_dims(self):
     q, k, v = _qkv()
     with self.assertRaisesRegex(ValueError, "same batch dims"):
-      interop.flax_attention_fn(q[None], k[None].repeat(2, 0), v[None])
+      flax_fn.flax_attention_fn(q[None], k[None].repeat(2, 0), v[None])
 
   def test_deterministic_needs_no_dropout_rng(self):
     q, k, v = _qkv()
     out = jax.eval_shape(functools.partial(
-        interop.flax_attention_fn, dropout_rate=0.5, deterministic=True),
+        flax_fn.flax_attention_fn, dropout_rate=0.5, deterministic=True),
                          q, k, v)
     self.assertEqual(out.shape, q.shape)
 

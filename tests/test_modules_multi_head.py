@@ -58,8 +58,7 @@ class MatchesReferencesTest(parameterized.TestCase):
                        return_weights=True)
     params = mha.params_dict()
     fn_out, fn_weights = aj.multi_head_attention(
-        params, x, y, value, mask, num_heads=4, num_kv_heads=kv_heads,
-        is_causal=causal, return_weights=True)
+        params, x, y, value, mask, is_causal=causal, return_weights=True)
     chex.assert_trees_all_close((out, weights), (fn_out, fn_weights),
                                 atol=0, rtol=0)
     ref_out, ref_weights = reference.multi_head_attention(
@@ -104,7 +103,7 @@ class MatchesReferencesTest(parameterized.TestCase):
                                            attention_fn=partial),
         "blockwise": aj.multi_head_attention(
             params, x, x, v, scale=scale, is_causal=True,
-            implementation="blockwise"),
+            attention_fn="blockwise"),
     }
     for name, out in got.items():
       chex.assert_trees_all_close(out, want, **TOL, custom_message=name)
@@ -125,20 +124,22 @@ class MatchesReferencesTest(parameterized.TestCase):
         _module(scale=bad)
 
   def test_a_custom_attention_fn_gets_only_what_it_takes(self):
-    # The docs' jax.nn adapter takes a window: a windowed layer runs through
+    # The docs' jax.nn adapter takes the mask (one aj.Mask, turned into
+    # jax.nn's keywords, a window among them): a windowed layer runs through
     # it and equals ours. What it cannot take (a soft cap) is refused by
     # name before it is called, not with Python's "unexpected keyword".
     # (A soft cap is a score modifier.)
-    def jax_nn_attention(q, k, v, *, mask=None, bias=None, scale=None,
-                         is_causal=False, local_window_size=None):
+    def jax_nn_attention(q, k, v, *, mask=None, bias=None, scale=None):
       swap = lambda x: jnp.swapaxes(x, 1, 2)
+      extra = ({} if mask is None else
+               mask.jax_nn_arguments(q.shape[2], k.shape[2]))
       return swap(jax.nn.dot_product_attention(
-          swap(q), swap(k), swap(v), bias=bias, mask=mask, scale=scale,
-          is_causal=is_causal, local_window_size=local_window_size))
+          swap(q), swap(k), swap(v), bias=bias, scale=scale, **extra))
 
     x = _x(seed=13)
-    ours = _module(num_kv_heads=2, local_window_size=(2, 0))
-    theirs = _module(num_kv_heads=2, local_window_size=(2, 0),
+    window = aj.Mask(causal=True, window=(2, 0))
+    ours = _module(num_kv_heads=2, mask=window)
+    theirs = _module(num_kv_heads=2, mask=window,
                      attention_fn=jax_nn_attention)
     chex.assert_trees_all_close(theirs(x, is_causal=True),
                                 ours(x, is_causal=True), atol=1e-6,
@@ -205,8 +206,8 @@ class MatchesReferencesTest(parameterized.TestCase):
   def test_attention_fn_is_used(self):
     calls = []
 
-    def spy(*args, **kwargs):
-      calls.append(kwargs["is_causal"])
+    def spy(*args, **kwargs):  # is_causal arrives folded into the mask
+      calls.append(kwargs["mask"].causal)
       return aj.scaled_dot_product_attention(*args, **kwargs)
 
     mha = _module(attention_fn=spy)
@@ -245,27 +246,30 @@ class KVCacheTest(parameterized.TestCase):
 
   # A window with ALiBi alone is covered by the ring-buffer test below.
   @parameterized.named_parameters(
-      ("sinks_softcap", dict(attention_sinks=True, logits_soft_cap=2.0), {}),
-      ("query_lengths", {}, dict(query_seq_lengths=jnp.array([8, 6]))),
-      ("everything", dict(local_window_size=(3, 0), attention_sinks=True,
-                          logits_soft_cap=1.5,
-                          score_mod=aj.alibi(aj.alibi_slopes(4))), {}))
-  def test_decoding_equals_full_forward_under_patterns(self, layer, call):
+      ("sinks_softcap", dict(attention_sinks=True, logits_soft_cap=2.0),
+       None),
+      ("query_lengths", {}, jnp.array([8, 6])),
+      ("everything", dict(mask=aj.Mask(causal=True, window=(3, 0)),
+                          attention_sinks=True, logits_soft_cap=1.5,
+                          score_mod=aj.alibi(aj.alibi_slopes(4))), None))
+  def test_decoding_equals_full_forward_under_patterns(self, layer,
+                                                       q_lengths):
     # Window, sinks, soft cap, ALiBi (absolute positions) and query lengths
     # hold over cache slots exactly as in the full causal forward.
     mha = _module(num_kv_heads=2, **layer)
     if mha.sinks is not None:  # non-zero sinks, so they matter
       mha.sinks[...] = jnp.array([0.5, -1.0, 2.0, 0.0])
     x = _x(seed=3, t=8)
-    full = mha(x, is_causal=True, **call)
+    mask = None if q_lengths is None else aj.Mask(q_lengths=q_lengths)
+    full = mha(x, mask=mask, is_causal=True)
     mha.init_cache(batch_size=2, max_length=11)
     pieces = []
     for start, stop in ((0, 5), (5, 6), (6, 8)):
-      step_call = dict(call)
-      if "query_seq_lengths" in call:  # this call's rows of the lengths
-        step_call["query_seq_lengths"] = jnp.clip(
-            call["query_seq_lengths"] - start, 0, stop - start)
-      pieces.append(mha(x[:, start:stop], decode=True, **step_call))
+      step_mask = None
+      if q_lengths is not None:  # this call's rows of the lengths
+        step_mask = aj.Mask(
+            q_lengths=jnp.clip(q_lengths - start, 0, stop - start))
+      pieces.append(mha(x[:, start:stop], mask=step_mask, decode=True))
     chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
                                 rtol=2e-6)
 
@@ -321,28 +325,29 @@ class KVCacheTest(parameterized.TestCase):
   def test_rope_positions_restart_per_packed_document(self):
     # (Rotary decoding is checked by the qk-norm/rope prefill case and the
     # ragged test; windows while decoding by the ring-buffer test.)
-    mha = _module(num_kv_heads=2, rope=10000.0, local_window_size=(3, 0))
+    mha = _module(num_kv_heads=2, rope=10000.0,
+                  mask=aj.Mask(causal=True, window=(3, 0)))
     x = _x(seed=6, t=8)
     # Packed: the second document's positions restart at 0.
     ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]] * 2)
-    packed = mha(x, is_causal=True, query_segment_ids=ids,
-                 key_segment_ids=ids)
+    packed = mha(x, mask=aj.Mask(q_segment_ids=ids, kv_segment_ids=ids),
+                 is_causal=True)
     chex.assert_trees_all_close(packed[:, 3:], mha(x[:, 3:], is_causal=True),
                                 atol=2e-6, rtol=2e-6)
 
   def test_packed_documents_equal_separate_sequences(self):
     # Two documents packed in one row attend as if run separately.
-    mha = _module(local_window_size=None)
+    mha = _module(mask=None)
     x = _x(seed=4, b=1, t=9)
     ids = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
-    packed = mha(x, is_causal=True, query_segment_ids=ids,
-                 key_segment_ids=ids)
+    segments = aj.Mask(q_segment_ids=ids, kv_segment_ids=ids)
+    packed = mha(x, mask=segments, is_causal=True)
     alone = jnp.concatenate([mha(x[:, :4], is_causal=True),
                              mha(x[:, 4:], is_causal=True)], 1)
     chex.assert_trees_all_close(packed, alone, atol=2e-6, rtol=2e-6)
     with self.assertRaisesRegex(ValueError, "not supported while decoding"):
       mha.init_cache(1, 9)
-      mha(x, decode=True, query_segment_ids=ids, key_segment_ids=ids)
+      mha(x, mask=segments, decode=True)
 
   def test_cache_respects_a_padding_mask_over_slots(self):
     mha = _module()
@@ -405,7 +410,8 @@ class KVCacheTest(parameterized.TestCase):
         [jnp.pad(s[:, :n], ((0, 0), (0, 5 - n), (0, 0)))
          for s, n in zip(seqs, lengths.tolist())], 0)
     mha.init_cache(2, 9)
-    step = nnx.jit(lambda m, x, n: m(x, decode=True, query_seq_lengths=n))
+    step = nnx.jit(
+        lambda m, x, n: m(x, mask=aj.Mask(q_lengths=n), decode=True))
     first = step(mha, prompt, jnp.asarray(lengths))
     np.testing.assert_array_equal(mha.cache_index[...], lengths)
     outs = [first]
@@ -425,7 +431,7 @@ class KVCacheTest(parameterized.TestCase):
   def test_ring_buffer_equals_full_attention_with_the_window(self, chunk):
     # A sliding-window layer decodes with W = window + 1 slots whatever the
     # length: 15 tokens through 4 slots, with ALiBi on absolute positions.
-    mha = _module(local_window_size=(3, 0),
+    mha = _module(mask=aj.Mask(causal=True, window=(3, 0)),
                   score_mod=aj.alibi(aj.alibi_slopes(4)))
     x = _x(seed=7, t=15)
     full = mha(x, is_causal=True)
@@ -586,7 +592,7 @@ class FlaxIntegrationTest(absltest.TestCase):
     params = variables["params"]["ToLinen_0"]
     expected = aj.multi_head_attention(
         {name: dict(params[name]) for name in ("W_q", "W_k", "W_v", "W_o")},
-        x, x, x, num_heads=4, num_kv_heads=2)
+        x, x, x)
     chex.assert_trees_all_close(out, x + expected, atol=1e-6, rtol=1e-6)
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from attention_jax import multi_head
 from tests import _data
 from tests import reference
 
@@ -48,9 +49,9 @@ class MultiHeadTest(chex.TestCase):
       mask = aj.make_attention_mask(
           aj.padding_mask(jnp.array([t, t - 1]), t),
           aj.padding_mask(jnp.array([s, 2]), s))
+    # The head counts are read from the params.
     fn = self.variant(functools.partial(
-        aj.multi_head_attention, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, is_causal=is_causal, return_weights=True))
+        aj.multi_head_attention, is_causal=is_causal, return_weights=True))
     out, weights = fn(params, x, key, value, mask)
     ref_out, ref_w = reference.multi_head_attention(
         params, x, key, value, mask, num_heads=num_heads,
@@ -69,16 +70,14 @@ class MultiHeadTest(chex.TestCase):
     for name in ("W_k", "W_v"):
       mha[name] = {"kernel": jnp.repeat(gqa[name]["kernel"], 2, axis=1),
                    "bias": jnp.repeat(gqa[name]["bias"], 2, axis=0)}
-    got = aj.multi_head_attention(gqa, x, y, y, num_heads=4, num_kv_heads=2,
-                                  return_weights=True)
-    want = aj.multi_head_attention(mha, x, y, y, num_heads=4,
-                                   return_weights=True)
+    got = aj.multi_head_attention(gqa, x, y, y, return_weights=True)
+    want = aj.multi_head_attention(mha, x, y, y, return_weights=True)
     chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
 
   def test_per_head_loop_equals_vmapped_heads(self):
     x, y = _inputs()
     params = _data.params(aj.init_multi_head_params, 3, 16, 4)
-    _, weights = aj.multi_head_attention(params, x, y, y, num_heads=4,
+    _, weights = aj.multi_head_attention(params, x, y, y,
                                          return_weights=True)
     def head(x, name, n):  # x @ kernel[:, n] + bias[n]: [B, T, H]
       layer = params[name]
@@ -151,26 +150,27 @@ class MultiHeadTest(chex.TestCase):
   def test_head_counts_must_agree_with_the_params(self):
     # Params for 8 heads of 2 dims with num_heads=4 used to run silently
     # (16 = 4 * 4 = 8 * 2 columns either way); the heads now live in the
-    # params' shapes and a disagreeing count is an error.
+    # params' shapes and a disagreeing count is an error. (The public
+    # function reads them from the params only; multi_head.forward, under
+    # the module, still takes the counts and checks them.)
     params = _data.params(aj.init_multi_head_params, 0, 16, 8,
                           num_kv_heads=4)
     x = jnp.ones((1, 3, 16))
     with self.assertRaisesRegex(
         ValueError, r"num_heads=4 but params\['W_q'\]\['kernel'\] has shape "
         r"\(16, 8, 2\): 8 heads"):
-      aj.multi_head_attention(params, x, x, x, num_heads=4)
+      multi_head.forward(params, x, x, x, num_heads=4)
     with self.assertRaisesRegex(
         ValueError, r"num_kv_heads=2 but params\['W_k'\]\['kernel'\] has "
         r"shape \(16, 4, 2\): 4 key/value heads"):
-      aj.multi_head_attention(params, x, x, x, num_heads=8, num_kv_heads=2)
+      multi_head.forward(params, x, x, x, num_heads=8, num_kv_heads=2)
 
   def test_dropout_is_reproducible_and_keeps_weights(self):
     x, _ = _inputs()
     params = _data.params(aj.init_multi_head_params, 4, 16, 4)
-    clean = aj.multi_head_attention(params, x, x, x, num_heads=4,
-                                    return_weights=True)
+    clean = aj.multi_head_attention(params, x, x, x, return_weights=True)
     run = lambda rng: aj.multi_head_attention(
-        params, x, x, x, num_heads=4, dropout_rate=0.3, dropout_rng=rng,
+        params, x, x, x, dropout_rate=0.3, dropout_rng=rng,
         return_weights=True)
     a, b = run(jax.random.key(5)), run(jax.random.key(5))
     chex.assert_trees_all_close(a, b, atol=0, rtol=0)
@@ -181,8 +181,7 @@ class MultiHeadTest(chex.TestCase):
     x, _ = _inputs(b=1, t=5)
     params = _data.params(aj.init_multi_head_params, 6, 16, 4,
                                        num_kv_heads=2)
-    fn = lambda x: aj.multi_head_attention(params, x, x, x, num_heads=4,
-                                           num_kv_heads=2, is_causal=True)
+    fn = lambda x: aj.multi_head_attention(params, x, x, x, is_causal=True)
     jac = jax.jit(jax.jacrev(fn))(x)  # [1, T, D, 1, T, D]
     for t in range(5):
       np.testing.assert_array_equal(jac[0, t, :, 0, t + 1:], 0.0)
@@ -194,8 +193,7 @@ class MultiHeadTest(chex.TestCase):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def fn(params, x):
-      return aj.multi_head_attention(params, x, x, x, num_heads=4,
-                                     is_causal=True)
+      return aj.multi_head_attention(params, x, x, x, is_causal=True)
 
     for seed in range(3):
       fn(params, _inputs(seed=seed)[0])

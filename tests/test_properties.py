@@ -214,8 +214,8 @@ def head_cases(draw):
 
 
 _MHA = jax.jit(aj.multi_head_attention,
-               static_argnames=("num_heads", "num_kv_heads", "is_causal",
-                                "implementation", "return_weights"))
+               static_argnames=("is_causal", "attention_fn",
+                                "return_weights"))
 
 
 class ModulePropertiesTest(absltest.TestCase):
@@ -237,9 +237,8 @@ class ModulePropertiesTest(absltest.TestCase):
       mask = jnp.asarray(np.arange(s)[None, None, None, :] <
                          (np.arange(b) % s + 1)[:, None, None, None])
     dense = implementation == "dense"
-    result = _MHA(params, x, mem, val, mask, num_heads=n, num_kv_heads=k,
-                  is_causal=causal, implementation=implementation,
-                  return_weights=dense)
+    result = _MHA(params, x, mem, val, mask, is_causal=causal,
+                  attention_fn=implementation, return_weights=dense)
     out, w = result if dense else (result, None)
     ref, ref_w = reference.multi_head_attention(
         params, x, mem, val, None if mask is None else np.asarray(mask),

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from attention_jax import multi_head
 from tests import _data
+from tests import reference
 
 f32 = jnp.float32
 Q, K, V = jnp.ones((2, 4, 8)), jnp.ones((2, 6, 8)), jnp.ones((2, 6, 5))
@@ -19,6 +21,7 @@ GEN = _data.params(aj.init_luong_params, 0, 6, 4, score="general")
 DQ, KEYS = jnp.ones((2, 6)), jnp.ones((2, 5, 4))
 sdpa = aj.scaled_dot_product_attention
 mha = aj.multi_head_attention
+Mask = aj.Mask
 
 CASES = [
     # (name, call, exception, message regex)
@@ -40,7 +43,7 @@ CASES = [
         jnp.ones((2, 6), bool)), ValueError,
      r"mask with shape \(2, 6\) has rank 2, but the logits are \[B, N, T, "
      r"S\] = \(2, 3, 2, 6\).*mask\[:, None, None, :\].*"
-     r"key_value_seq_lengths"),
+     r"aj\.Mask\(kv_lengths=\.\.\.\)"),
     ("sdpa_mask_rank_shared", lambda: sdpa(Q, K, V, jnp.ones((4, 6), bool)),
      ValueError, r"mask with shape \(4, 6\) has rank 2.*mask\[None\]"),
     ("sdpa_bias_rank", lambda: sdpa(Q, K, V, bias=jnp.ones((4, 6))),
@@ -56,7 +59,8 @@ CASES = [
     ("sdpa_mask_batch", lambda: sdpa(Q, K, V, jnp.ones((3, 4, 6), bool)),
      ValueError, r"mask \(3,\)"),
     ("sdpa_float_mask", lambda: sdpa(Q, K, V, jnp.ones((4, 6))), TypeError,
-     r"mask must be a bool or integer array.*float32"),
+     r"Mask's dense must be a bool \(or integer, 0 = blocked\) array, got "
+     r"dtype float32 with shape \(4, 6\)"),
     ("sdpa_int_query", lambda: sdpa(jnp.ones((4, 8), jnp.int32), K[0], V[0]),
      TypeError, r"query must be a real floating-point array.*int32"),
     ("sdpa_complex_key", lambda: sdpa(Q, K.astype(jnp.complex64), V),
@@ -73,23 +77,24 @@ CASES = [
      ValueError, r"dropout_rate must be in \[0, 1\), got -0.1"),
     ("sdpa_dropout_no_rng", lambda: sdpa(Q, K, V, dropout_rate=0.2),
      ValueError, r"dropout_rate=0.2 needs a dropout_rng"),
-    ("sdpa_window_negative", lambda: sdpa(Q, K, V, local_window_size=(-1, 2)),
-     ValueError, r"local_window_size must be non-negative, got \(-1, 2\)"),
-    ("sdpa_window_float", lambda: sdpa(Q, K, V, local_window_size=2.5),
-     TypeError, r"local_window_size must be a Python int or a \(left, right\)"),
+    ("sdpa_window_negative", lambda: sdpa(Q, K, V, Mask(window=(-1, 2))),
+     ValueError, r"window must be non-negative, got \(-1, 2\)"),
+    ("sdpa_window_float", lambda: sdpa(Q, K, V, Mask(window=2.5)),
+     TypeError, r"window must be a Python int or a \(left, right\) pair of "
+     r"ints, got 2.5.*aj\.Mask\(causal=True, window=\(W - 1, 0\)\)"),
     ("blockwise_window_triple", lambda: aj.blockwise_attention(
-        Q, K, V, local_window_size=(1, 2, 3)), TypeError,
-     r"local_window_size must be a Python int"),
+        Q, K, V, Mask(window=(1, 2, 3))), TypeError,
+     r"window must be a Python int.*got \(1, 2, 3\)"),
     ("soft_cap_zero", lambda: aj.soft_cap(0.0),
      ValueError, r"soft_cap's cap must be positive and finite, got 0.0"),
     ("soft_cap_array", lambda: aj.soft_cap(jnp.ones(2)), TypeError,
      r"soft_cap's cap must be a positive Python number"),
     ("sdpa_float_query_lengths", lambda: sdpa(
-        Q, K, V, query_seq_lengths=jnp.ones(2)), TypeError,
-     r"query_seq_lengths must be an integer array.*float32"),
+        Q, K, V, Mask(q_lengths=jnp.ones(2))), TypeError,
+     r"Mask's q_lengths must be an integer array.*float32"),
     ("sdpa_query_lengths_shape", lambda: sdpa(
-        Q, K, V, query_seq_lengths=jnp.ones(3, jnp.int32)), ValueError,
-     r"do not broadcast.*query_seq_lengths \(3,\)"),
+        Q, K, V, Mask(q_lengths=jnp.ones(3, jnp.int32))), ValueError,
+     r"do not broadcast.*query \(2,\).*the mask's q_lengths \(3,\)"),
     ("causal_zero", lambda: aj.causal_mask(0), ValueError,
      r"q_len must be positive, got 0"),
     ("causal_float", lambda: aj.causal_mask(2.5), TypeError,
@@ -117,22 +122,25 @@ CASES = [
      r"num_heads=4 must be divisible by num_kv_heads=3"),
     ("init_zero_heads", lambda: aj.init_multi_head_params(
         jax.random.key(0), 16, 0), ValueError, r"num_heads must be positive"),
-    ("mha_query_rank", lambda: mha(MHA, X[0], X, X, num_heads=4), ValueError,
+    ("mha_query_rank", lambda: mha(MHA, X[0], X, X), ValueError,
      r"query must have rank 3 \(\[B, T, D\]\), got shape \(3, 16\)"),
     ("mha_model_dim", lambda: mha(MHA, X, jnp.ones((2, 3, 8)),
-                                  jnp.ones((2, 3, 8)), num_heads=4),
+                                  jnp.ones((2, 3, 8))),
      ValueError, r"key and value have 8 features \(shape \(2, 3, 8\)\), but "
      r"params\['W_k'\]\['kernel'\] has shape \(16, 4, 4\): \[Dkv, K, H\] with "
      r"Dkv=16"),
     ("mha_query_dim", lambda: mha(MHA, jnp.ones((2, 3, 8)), X, X), ValueError,
      r"query has 8 features \(shape \(2, 3, 8\)\), but params\['W_q'\]"),
-    ("mha_kv_heads_vs_params", lambda: mha(MHA, X, X, X, num_heads=4,
-                                           num_kv_heads=2),
+    # multi_head_attention reads the head counts from params; forward still
+    # takes them, and they must agree.
+    ("mha_kv_heads_vs_params", lambda: multi_head.forward(
+        MHA, X, X, X, num_heads=4, num_kv_heads=2),
      ValueError, r"num_kv_heads=2 but params\['W_k'\]\['kernel'\] has shape "
-     r"\(16, 4, 4\): 4 key/value heads"),
-    ("mha_heads_vs_params", lambda: mha(MHA, X, X, X, num_heads=5),
+     r"\(16, 4, 4\): 4 key/value heads.*leave num_kv_heads out"),
+    ("mha_heads_vs_params", lambda: multi_head.forward(
+        MHA, X, X, X, num_heads=5),
      ValueError, r"num_heads=5 but params\['W_q'\]\['kernel'\] has shape "
-     r"\(16, 4, 4\): 4 heads"),
+     r"\(16, 4, 4\): 4 heads.*leave num_heads out"),
     ("mha_flat_params", lambda: mha(
         {**MHA, "W_q": {"kernel": jnp.ones((16, 16))}}, X, X, X), ValueError,
      r"params\['W_q'\]\['kernel'\] has shape \(16, 16\), expected \[D, N, H\]"
@@ -161,12 +169,12 @@ CASES = [
     ("init_head_dim", lambda: aj.init_multi_head_params(
         jax.random.key(0), 16, 4, head_dim=0), ValueError,
      r"head_dim must be positive, got 0"),
-    ("mha_mask_shape", lambda: mha(MHA, X, X, X, jnp.ones((2, 3, 3, 3), bool),
-                                   num_heads=4), ValueError,
+    ("mha_mask_shape", lambda: mha(MHA, X, X, X, jnp.ones((2, 3, 3, 3), bool)),
+     ValueError,
      r"mask with shape \(2, 3, 3, 3\) is not broadcastable to \[B, N, T, S\] "
      r"= \(2, 4, 3, 3\)"),
     ("mha_kv_batch", lambda: mha(MHA, X, jnp.ones((1, 3, 16)),
-                                 jnp.ones((1, 3, 16)), num_heads=4),
+                                 jnp.ones((1, 3, 16))),
      ValueError, r"same batch size B"),
     ("additive_query_rank", lambda: aj.additive_attention(
         ADD, jnp.ones((2, 1, 1, 6)), KEYS), ValueError,
@@ -217,17 +225,20 @@ CASES = [
         GEN, DQ, KEYS, score="general", mask=jnp.ones((2, 5))),
      TypeError, r"mask must be a bool or integer array"),
     ("blockwise_float_lengths", lambda: aj.blockwise_attention(
-        Q, K, V, key_value_seq_lengths=jnp.ones((2,))), TypeError,
-     r"key_value_seq_lengths must be an integer array, got dtype float32 with "
+        Q, K, V, Mask(kv_lengths=jnp.ones((2,)))), TypeError,
+     r"Mask's kv_lengths must be an integer array, got dtype float32 with "
      r"shape \(2,\)"),
     ("blockwise_lengths_batch", lambda: aj.blockwise_attention(
-        Q, K, V, key_value_seq_lengths=jnp.ones((3,), jnp.int32)), ValueError,
-     r"do not broadcast: .*key_value_seq_lengths \(3,\)"),
-    ("sdpa_lengths_without_head_axis", lambda: sdpa(
+        Q, K, V, Mask(kv_lengths=jnp.ones((3,), jnp.int32))), ValueError,
+     r"do not broadcast: .*the mask's kv_lengths \(3,\)"),
+    # [B] lengths against [B, N, T, H] now mean per example (aligned to the
+    # left; NowAcceptedTest); more axes than the leading dims are refused.
+    ("sdpa_lengths_more_axes_than_leading_dims", lambda: sdpa(
         jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 6, 8)), jnp.ones((2, 3, 6, 5)),
-        key_value_seq_lengths=jnp.array([6, 2])), ValueError,
-     r"key_value_seq_lengths with shape \(2,\) must have one axis per "
-     r"leading dim of the operands \(2, 3\).*lengths\[:, None\]"),
+        Mask(kv_lengths=jnp.ones((2, 3, 1), jnp.int32))), ValueError,
+     r"Mask's kv_lengths with shape \(2, 3, 1\) has 3 leading axes, but the "
+     r"operands have 2 leading dims: it must be a scalar or \[B\], aligned "
+     r"to the left"),
     ("blockwise_block_size", lambda: aj.blockwise_attention(
         Q, K, V, block_q=0), ValueError, r"block_q must be positive, got 0"),
     ("blockwise_complex", lambda: aj.blockwise_attention(
@@ -242,54 +253,68 @@ CASES = [
      r"mask with shape \(4, 6\) has rank 2"),
     ("sdpa_unknown_implementation", lambda: sdpa(Q, K, V,
                                                  implementation="flash"),
-     ValueError, r"implementation must be None or one of .*'flash'"),
+     ValueError, r"implementation must be None, a kernel, a sequence of them, "
+     r"or one of \['cudnn', 'blockwise', 'dense'\], got 'flash'"),
     ("sdpa_blockwise_dropout", lambda: sdpa(
         Q, K, V, implementation="blockwise", dropout_rate=0.1,
         dropout_rng=jax.random.key(0)), ValueError,
-     r"implementation='blockwise' has no dropout"),
+     r"implementation='blockwise' is not possible: it has no dropout"),
     ("sdpa_blockwise_weights", lambda: sdpa(
         Q, K, V, implementation="blockwise", return_weights=True), ValueError,
-     r"implementation='blockwise' never forms the attention weights"),
-    ("ring_mask", lambda: aj.ring_attention(
-        Q, K, V, jnp.ones((4, 6), bool), axis_name="seq"), ValueError,
-     r"ring_attention takes no dense mask \(got shape \(4, 6\)\)"),
-    ("ring_bias", lambda: aj.ring_attention(
-        Q, K, V, bias=jnp.ones((4, 6)), axis_name="seq"), ValueError,
-     r"ring_attention takes no dense bias \(got shape \(4, 6\)\)"),
+     r"implementation='blockwise' is not possible: it never forms the "
+     r"attention weights"),
+    # The ring kernel refuses a dense mask or bias inside shard_map (outside
+    # it the unbound axis is reported first); ring_attention has no bias.
+    ("ring_mask", lambda: _in_ring(lambda q, k, v: aj.ring_attention(
+        q, k, v, jnp.ones((1, 4, 6), bool), axis_name="seq")), ValueError,
+     r"implementation='ring' is not possible: it takes no dense mask "
+     r"\(shape \(1, 4, 6\)\).*Mask\(kv_lengths=\.\.\.\)"),
+    ("ring_bias", lambda: _in_ring(lambda q, k, v: sdpa(
+        q, k, v, bias=jnp.ones((1, 4, 6)),
+        implementation=aj.kernels.Ring("seq"))), ValueError,
+     r"implementation='ring' is not possible: it takes no bias "
+     r"\(shape \(1, 4, 6\)\)"),
     ("ring_outside_shard_map", lambda: aj.ring_attention(
         Q, K, V, axis_name="seq"), ValueError,
      r"axis_name='seq' is not bound: call ring_attention inside "
      r"jax.shard_map"),
     ("sdpa_float_segment_ids", lambda: sdpa(
-        Q, K, V, query_segment_ids=jnp.ones((2, 4)),
-        key_segment_ids=jnp.ones((2, 6), jnp.int32)), TypeError,
-     r"query_segment_ids must be an integer array \[..., T\], got dtype "
-     r"float32 with shape \(2, 4\)"),
+        Q, K, V, Mask(q_segment_ids=jnp.ones((2, 4)),
+                      kv_segment_ids=jnp.ones((2, 6), jnp.int32))), TypeError,
+     r"Mask's q_segment_ids must be an integer array, got dtype float32 with "
+     r"shape \(2, 4\)"),
     ("sdpa_segment_ids_length", lambda: sdpa(
-        Q, K, V, query_segment_ids=jnp.ones((2, 4), jnp.int32),
-        key_segment_ids=jnp.ones((2, 5), jnp.int32)), ValueError,
-     r"key_segment_ids with shape \(2, 5\) must be \[S\] = \[6\]"),
-    ("sdpa_segment_ids_without_head_axis", lambda: sdpa(
+        Q, K, V, Mask(q_segment_ids=jnp.ones((2, 4), jnp.int32),
+                      kv_segment_ids=jnp.ones((2, 5), jnp.int32))), ValueError,
+     r"the mask's kv_segment_ids with shape \(2, 5\) must be \[S\] = \[6\] "
+     r"\(shared\) or \[B, S\] \(per example"),
+    # [B, T] ids against [B, N, T, H] now mean per example (aligned to the
+    # left; NowAcceptedTest); more axes than the leading dims are refused.
+    ("sdpa_segment_ids_more_axes_than_leading_dims", lambda: sdpa(
         jnp.ones((2, 2, 4, 8)), jnp.ones((2, 2, 4, 8)), jnp.ones((2, 2, 4, 8)),
-        query_segment_ids=jnp.ones((2, 4), jnp.int32),
-        key_segment_ids=jnp.ones((2, 4), jnp.int32)), ValueError,
-     r"query_segment_ids with shape \(2, 4\) must be \[T\] = \[4\] \(shared\) "
-     r"or have one axis per leading dim.*ids\[:, None, :\]"),
+        Mask(q_segment_ids=jnp.ones((2, 2, 1, 4), jnp.int32),
+             kv_segment_ids=jnp.ones((2, 2, 1, 4), jnp.int32))), ValueError,
+     r"Mask's q_segment_ids with shape \(2, 2, 1, 4\) has 3 leading axes, "
+     r"but the operands have 2 leading dims: it must be \[T\] or \[B, T\], "
+     r"aligned to the left"),
+    # q_segment_ids alone now means packed self-attention (NowAcceptedTest);
+    # key ids alone still say what is missing.
     ("sdpa_segment_ids_alone", lambda: sdpa(
-        Q, K, V, query_segment_ids=jnp.ones((2, 4), jnp.int32)), ValueError,
-     r"query_segment_ids and key_segment_ids come together"),
+        Q, K, V, Mask(kv_segment_ids=jnp.ones((2, 6), jnp.int32))),
+     ValueError, r"Mask's kv_segment_ids need q_segment_ids .*pass both"),
     # Concrete lengths are range-checked (NumPy stays concrete under jit);
     # traced ones cannot be and clip.
     ("sdpa_lengths_out_of_range", lambda: sdpa(
-        Q, K, V, key_value_seq_lengths=np.array([6, 7])), ValueError,
-     r"key_value_seq_lengths must lie in \[0, 6\], got values from 6 to 7"),
+        Q, K, V, Mask(kv_lengths=np.array([6, 7]))), ValueError,
+     r"the mask's kv_lengths must lie in \[0, 6\], got values from 6 to 7"),
     ("blockwise_negative_query_length", lambda: aj.blockwise_attention(
-        Q, K, V, query_seq_lengths=np.array([-1, 2])), ValueError,
-     r"query_seq_lengths must lie in \[0, 4\]"),
+        Q, K, V, Mask(q_lengths=np.array([-1, 2]))), ValueError,
+     r"the mask's q_lengths must lie in \[0, 4\]"),
     ("sdpa_block_mask_lengths", lambda: sdpa(
         Q, K, V, aj.block_mask(aj.chunked_mask_fn(2), 4, 5)), ValueError,
-     r"mask is a BlockMask built for \[T, S\] = \[4, 5\], but the operands "
-     r"have T = 4, S = 6"),
+     r"mask is a BlockMask built for \[T, S\] = \[4, 5\], but its rule "
+     r"indices here run over T = 4, S = 6: build it with "
+     r"block_mask\(mask_fn, 4, 6"),
     ("blockwise_block_mask_block_size", lambda: aj.blockwise_attention(
         Q, K, V, aj.block_mask(aj.chunked_mask_fn(2), 4, 6, block_q=2),
         block_q=4), ValueError,
@@ -326,7 +351,8 @@ CASES = [
     ("prefix_lengths_float", lambda: aj.prefix_lm_mask_fn(jnp.ones(2)),
      TypeError, r"prefix_len must be a positive int or an integer array"),
     ("mha_segments_while_decoding", lambda: _decode_with_segments(),
-     ValueError, r"query_segment_ids is not supported while decoding"),
+     ValueError, r"segment ids are not supported while decoding with a KV "
+     r"cache.*dense mask instead"),
     ("sdpa_traced_is_causal", lambda: jax.jit(
         lambda c: sdpa(Q, K, V, is_causal=c))(True), TypeError,
      r"is_causal must be a Python bool, got a traced value: pass it as a "
@@ -345,11 +371,20 @@ CASES = [
      TypeError, r"lengths must be an integer array, got dtype float32"),
 ]
 
+
 def _decode_with_segments():
   layer = aj.MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
   layer.init_cache(2, 4)
   ids = jnp.zeros((2, 3), jnp.int32)
-  return layer(X, decode=True, query_segment_ids=ids, key_segment_ids=ids)
+  return layer(X, decode=True, mask=Mask(q_segment_ids=ids, kv_segment_ids=ids))
+
+
+def _in_ring(fn):
+  """``fn(Q, K, V)`` inside ``shard_map`` over a one-device "seq" axis."""
+  mesh = jax.make_mesh((1,), ("seq",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec(None, "seq")
+  return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(Q, K, V)
 
 
 # Constructors and stateful calls: checked eagerly (modules are built
@@ -387,8 +422,8 @@ MODULE_CASES = [
         16, 4, rngs=nnx.Rngs(0))(jnp.ones((2, 3, 16)), decode=True),
      ValueError, r"decode=True needs a cache: call init_cache"),
     ("mha_window", lambda: aj.MultiHeadAttention(
-        16, 4, local_window_size=-2, rngs=nnx.Rngs(0)), ValueError,
-     r"local_window_size must be non-negative"),
+        16, 4, mask=Mask(window=-2), rngs=nnx.Rngs(0)), ValueError,
+     r"window must be non-negative, got -2"),
     ("mha_soft_cap", lambda: aj.MultiHeadAttention(
         16, 4, logits_soft_cap=-1.0, rngs=nnx.Rngs(0)), ValueError,
      r"logits_soft_cap must be positive"),
@@ -418,6 +453,60 @@ class InvalidInputTest(parameterized.TestCase):
     # The checks read static shapes and dtypes only, so jit raises the same.
     with self.assertRaisesRegex(exception, pattern):
       jax.jit(call)()
+
+
+class NowAcceptedTest(parameterized.TestCase):
+  """Inputs that used to be refused and now have one meaning.
+
+  Per-example mask arrays align to the left of the leading dims, so ``[B]``
+  lengths and ``[B, T]`` segment ids against ``[B, N, T, H]`` operands are
+  per example even when ``B == N`` (they were refused as ambiguous), and
+  ``q_segment_ids`` alone is packed self-attention (it needed key ids).
+  """
+
+  B, N, T = 2, 2, 5  # B == N: the reading that used to be ambiguous
+
+  def _qkv(self):
+    shape = (self.B, self.N, self.T, 8)
+    return tuple(_data.normal(seed, shape) for seed in (20, 21, 22))
+
+  def _check(self, mask, reference_mask, implementation):
+    q, k, v = self._qkv()
+    out = sdpa(q, k, v, mask, implementation=implementation)
+    ref, _ = reference.sdpa(q, k, v, reference_mask)
+    np.testing.assert_allclose(out, ref.astype(np.float32), atol=1e-5,
+                               rtol=1e-5)
+    return out
+
+  @parameterized.parameters("dense", "blockwise")
+  def test_lengths_per_example(self, implementation):
+    lengths = np.array([5, 2])  # [B]
+    padding = (np.arange(self.T) < lengths[:, None])[:, None, None, :]
+    out = self._check(Mask(kv_lengths=lengths), padding, implementation)
+    old = sdpa(*self._qkv(), Mask(kv_lengths=lengths[:, None]),
+               implementation=implementation)  # [B, 1] still works
+    np.testing.assert_array_equal(out, old)
+
+  @parameterized.parameters("dense", "blockwise")
+  def test_segment_ids_per_example(self, implementation):
+    q_ids = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])  # [B, T]
+    k_ids = np.array([[0, 0, 0, 1, 1], [0, 0, 1, 1, 2]])  # [B, S]
+    same = (q_ids[:, None, :, None] == k_ids[:, None, None, :])
+    out = self._check(Mask(q_segment_ids=q_ids, kv_segment_ids=k_ids), same,
+                      implementation)
+    old = sdpa(*self._qkv(), Mask(q_segment_ids=q_ids[:, None, :],
+                                  kv_segment_ids=k_ids[:, None, :]),
+               implementation=implementation)  # [B, 1, T] still works
+    np.testing.assert_array_equal(out, old)
+
+  @parameterized.parameters("dense", "blockwise")
+  def test_query_segment_ids_alone_are_self_attention(self, implementation):
+    ids = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])  # [B, T], T == S
+    same = (ids[:, None, :, None] == ids[:, None, None, :])
+    out = self._check(Mask(q_segment_ids=ids), same, implementation)
+    both = sdpa(*self._qkv(), Mask(q_segment_ids=ids, kv_segment_ids=ids),
+                implementation=implementation)
+    np.testing.assert_array_equal(out, both)
 
 
 class NoAssertTest(absltest.TestCase):

@@ -27,10 +27,12 @@ from jax.typing import ArrayLike
 import numpy as np
 
 from attention_jax import _checks
-from attention_jax import _patterns
+from attention_jax import decoding
+from attention_jax import mask as mask_lib
 from attention_jax import multi_head
 from attention_jax import score_mods
 from attention_jax import sharding
+from attention_jax.mask import Mask
 from attention_jax.modules import _rngs
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
@@ -127,10 +129,10 @@ class MultiHeadAttention(nnx.Module):
       ``LinearGeneral`` calls it, then reshaped per head.
     bias_init: initialiser for the biases (zeros).
     attention_fn: replacement for ``aj.scaled_dot_product_attention`` with the
-      same signature and return value.
-    implementation: ``None`` (automatic: dense when weights are returned or
-      the problem is small, else cuDNN on GPU or blockwise), ``"dense"``,
-      ``"blockwise"`` or ``"cudnn"``; see ``aj.scaled_dot_product_attention``.
+      same contract (see ``aj.attend_heads``), or its ``implementation``:
+      ``None`` (automatic: dense when weights are returned or the problem is
+      small, else cuDNN on GPU or blockwise), ``"dense"``, ``"blockwise"``,
+      ``"cudnn"``, an ``aj.kernels`` kernel or a list of them.
     head_axis: mesh axis for head (tensor) parallelism, e.g. ``"model"``:
       ``W_q/W_k/W_v`` kernels ``[D, N, H]`` are annotated
       ``(None, head_axis, None)`` (whole heads per device), ``W_o``
@@ -138,9 +140,10 @@ class MultiHeadAttention(nnx.Module):
       communication and ``W_o`` ends in one all-reduce. Build the module under
       ``jax.set_mesh(mesh)`` (flax then shards the parameters as it creates
       them); ``N`` and ``K`` must divide the axis size.
-    local_window_size: ``w`` or ``(left, right)``: every call attends within
-      this window (a sliding-window layer); see
-      ``aj.scaled_dot_product_attention``. Decoding honours it.
+    mask: an ``aj.Mask`` every call is intersected with, e.g.
+      ``aj.Mask(causal=True, window=(W - 1, 0))`` for a sliding-window
+      layer (decoding honours it, and ``init_cache`` can then keep a ring
+      buffer of ``W`` slots).
     logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``, after
       the other score modifiers (``aj.soft_cap``).
     scale: multiplier of ``q . k``, a positive number; None means
@@ -197,10 +200,9 @@ class MultiHeadAttention(nnx.Module):
       param_dtype: jnp.dtype = jnp.float32,
       kernel_init: nnx.Initializer = _LECUN_NORMAL,
       bias_init: nnx.Initializer = _ZEROS,
-      attention_fn: multi_head.AttentionFn | None = None,
-      implementation: str | None = None,
+      attention_fn: multi_head.AttentionFn | Any = None,
       head_axis: str | None = None,
-      local_window_size: int | tuple[int, int] | None = None,
+      mask: Mask | None = None,
       logits_soft_cap: float | None = None,
       scale: float | None = None,
       attention_sinks: bool = False,
@@ -234,9 +236,13 @@ class MultiHeadAttention(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.attention_fn = attention_fn
-    self.implementation = implementation
     self.head_axis = head_axis
-    self.local_window_size = _patterns.check_window(local_window_size)
+    if mask is not None and not isinstance(mask, Mask):
+      raise TypeError(f"mask must be an aj.Mask (the layer's pattern, e.g. "
+                      f"aj.Mask(causal=True, window=(W - 1, 0))), got "
+                      f"{type(mask).__name__}; per-call masks go to the "
+                      "call.")
+    self.mask = nnx.data(mask)
     _checks.check_soft_cap(logits_soft_cap)
     self.logits_soft_cap = logits_soft_cap
     _checks.check_scale(scale)
@@ -366,26 +372,26 @@ class MultiHeadAttention(nnx.Module):
     """Creates an empty KV cache: linear, or a ring buffer for a window.
 
     Every example of the batch has its own position (``cache_index [B]``):
-    a ragged prefill (``query_seq_lengths=`` the prompt lengths, prompts
-    right-padded) leaves each example where its prompt ended, and each
+    a ragged prefill (``mask=aj.Mask(q_lengths=`` the prompt lengths``)``,
+    prompts right-padded) leaves each example where its prompt ended, and each
     then decodes from there.
 
     Args:
       batch_size: ``B``.
       max_length: ``L``, the most tokens (prompt + generated) a linear
-        cache holds. Leave it out for a layer with a causal
-        ``local_window_size`` to get a ring buffer instead.
+        cache holds. Leave it out for a layer whose mask has a causal window
+        to get a ring buffer instead.
       window: ``W`` slots of a ring buffer (sliding-window cache): memory
         independent of the generated length, equal to full attention with
-        the module's window. Needs ``local_window_size=(w, 0)`` (or ``w``
-        with causal decoding) with ``w < W``; defaults to ``w + 1`` when
-        neither ``max_length`` nor ``window`` is given.
+        the module's window. Needs a layer mask with ``window=(w, 0)`` (or
+        ``w`` with causal decoding) with ``w < W``; defaults to ``w + 1``
+        when neither ``max_length`` nor ``window`` is given.
       dtype: cache dtype; defaults to the module's ``dtype`` or
         ``param_dtype``.
     """
     _checks.check_positive_int("batch_size", batch_size)
-    left = None if self.local_window_size is None else (
-        self.local_window_size[0])
+    layer_window = None if self.mask is None else self.mask.window
+    left = None if layer_window is None else layer_window[0]
     if max_length is not None and window is not None:
       raise ValueError(
           f"init_cache takes max_length (a linear cache) or window (a ring "
@@ -394,7 +400,8 @@ class MultiHeadAttention(nnx.Module):
       if left is None:
         raise ValueError(
             "init_cache needs max_length, the most tokens the cache will "
-            "hold (a ring buffer, without one, needs local_window_size).")
+            "hold (a ring buffer, without one, needs a layer mask with a "
+            "window: mask=aj.Mask(causal=True, window=(w, 0))).")
       window = left + 1
     if window is not None:
       _checks.check_positive_int("window", window)
@@ -402,9 +409,10 @@ class MultiHeadAttention(nnx.Module):
         raise ValueError(
             f"a ring buffer of window={window} slots forgets keys older than "
             f"{window - 1} positions, so the module must attend within that: "
-            f"local_window_size is {self.local_window_size}. Build the module "
-            f"with local_window_size={window - 1} (or smaller), or use "
-            "init_cache(batch_size, max_length) for a linear cache.")
+            f"its mask's window is {layer_window}. Build the module with "
+            f"mask=aj.Mask(causal=True, window=({window - 1}, 0)) (or "
+            "smaller), or use init_cache(batch_size, max_length) for a "
+            "linear cache.")
       length = window
     else:
       _checks.check_positive_int("max_length", max_length)
@@ -441,14 +449,14 @@ class MultiHeadAttention(nnx.Module):
           f"{index}, but max_length is {self.cached_key.shape[2]}; the "
           "tokens past it were not cached and those examples' outputs are "
           "not meaningful. Call init_cache with a larger max_length (or use "
-          "a ring buffer with local_window_size).")
+          "a ring buffer: a layer mask with a causal window).")
 
   def __call__(
       self,
       query: ArrayLike,
       key: ArrayLike | None = None,
       value: ArrayLike | None = None,
-      mask: ArrayLike | None = None,
+      mask: Mask | ArrayLike | None = None,
       *,
       bias: ArrayLike | None = None,
       is_causal: bool = False,
@@ -456,10 +464,6 @@ class MultiHeadAttention(nnx.Module):
       rngs: nnx.Rngs | jax.Array | None = None,
       return_weights: bool = False,
       decode: bool = False,
-      key_value_seq_lengths: ArrayLike | None = None,
-      query_seq_lengths: ArrayLike | None = None,
-      query_segment_ids: ArrayLike | None = None,
-      key_segment_ids: ArrayLike | None = None,
   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attends ``query`` to ``key``/``value``.
 
@@ -468,13 +472,20 @@ class MultiHeadAttention(nnx.Module):
       key: ``[B, S, Dkv]``; defaults to ``query`` (self-attention).
       value: ``[B, S, Dkv]``; defaults to ``key`` (cross-attention passes
         the encoder output once).
-      mask: bool/integer of rank 4, broadcastable to ``[B, N, T, S]`` (True
-        = may attend; a ``[B, S]`` key-padding mask is
-        ``mask[:, None, None, :]``); with ``decode=True``, to
-        ``[B, N, T, L]`` over cache slots.
-      bias: float of rank 4, broadcastable like ``mask``, added to the
+      mask: an ``aj.Mask`` (e.g. ``aj.Mask(kv_lengths=[B])`` for padded
+        keys, ``aj.Mask(q_segment_ids=[B, T])`` for packed documents, not
+        while decoding), or a dense bool/integer array of rank 4,
+        broadcastable to ``[B, N, T, S]`` (True = may attend; a ``[B, S]``
+        key-padding mask is ``mask[:, None, None, :]``); with
+        ``decode=True``, dense masks are over cache slots ``[B, N, T, L]``
+        and the mask's ``q_lengths [B]`` is each example's number of real
+        new tokens (a ragged prefill of right-padded prompts: only those
+        are cached, and each example's position advances by its own
+        length). Intersected with the layer's ``mask``.
+      bias: float of rank 4, broadcastable like a dense mask, added to the
         logits.
-      is_causal: bottom-right aligned causal masking (implied by ``decode``).
+      is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (implied by
+        ``decode``).
       deterministic: overrides the constructor's; True disables dropout.
       rngs: overrides the module's dropout stream for this call.
       return_weights: also return the attention weights.
@@ -484,16 +495,6 @@ class MultiHeadAttention(nnx.Module):
         Each example writes at its own position (``cache_index [B]``).
         Overflow of a linear cache is recorded, not raised, inside the step:
         ``check_cache()`` raises it.
-      key_value_seq_lengths: integer ``[B]``: keys (cache slots when
-        decoding with a linear cache) at positions ``>=`` the length are
-        padding.
-      query_seq_lengths: integer ``[B]``: rows past it get output 0. While
-        decoding it is each example's number of real new tokens (a ragged
-        prefill of right-padded prompts): only those are cached, and each
-        example's position advances by its own length.
-      query_segment_ids: integer ``[B, T]``: packed documents (not while
-        decoding).
-      key_segment_ids: integer ``[B, S]``, with the query ids.
 
     Returns:
       ``output [B, T, Dout]``, or ``(output, weights [B, N, T, S])`` (``S = L``
@@ -523,23 +524,23 @@ class MultiHeadAttention(nnx.Module):
       if self.cache_index is None:
         raise ValueError("decode=True needs a cache: call "
                          "init_cache(batch_size, max_length) first.")
-      cache = multi_head.KVCache(self.cached_key[...],
+      cache = decoding.KVCache(self.cached_key[...],
                                  self.cached_value[...],
                                  self.cache_index[...],
                                  self.cache_overflow[...], self.cache_window)
+    _checks.check_static_bool("is_causal", is_causal)
+    call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)
+    if self.mask is not None:
+      call_mask = self.mask if call_mask is None else self.mask & call_mask
     out, weights, cache = multi_head.forward(
-        self.params_dict(), query, key, value, mask, num_heads=self.num_heads,
-        num_kv_heads=self.num_kv_heads, bias=bias, scale=self.scale,
-        is_causal=is_causal, dropout_rate=rate, dropout_rng=dropout_rng,
-        attention_fn=self.attention_fn, implementation=self.implementation,
-        return_weights=return_weights, head_axis=self.head_axis,
-        precision=self.precision, cache=cache,
-        key_value_seq_lengths=key_value_seq_lengths,
-        query_seq_lengths=query_seq_lengths,
-        local_window_size=self.local_window_size,
-        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+        self.params_dict(), query, key, value, call_mask, bias=bias,
+        scale=self.scale, score_mod=self._score_mod(),
         sinks=None if self.sinks is None else self.sinks[...],
-        score_mod=self._score_mod(), rope=self.rope)
+        dropout_rate=rate, dropout_rng=dropout_rng,
+        attention_fn=self.attention_fn, return_weights=return_weights,
+        rope=self.rope, precision=self.precision, head_axis=self.head_axis,
+        cache=cache, num_heads=self.num_heads,
+        num_kv_heads=self.num_kv_heads)
     if decode:
       self.cached_key[...] = cache.key
       self.cached_value[...] = cache.value

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import attention_jax as aj
+from attention_jax import multi_head
 from tests import _data
 
 # Sharding changes only which device sums what: float32 rounding.
@@ -47,7 +48,7 @@ class HeadParallelTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("self_causal", dict(), dict(is_causal=True), False),
       ("cross_gqa", dict(num_kv_heads=4), dict(), True),
-      ("blockwise", dict(implementation="blockwise"), dict(), True),
+      ("blockwise", dict(attention_fn="blockwise"), dict(), True),
   )
   def test_equals_unsharded(self, init, call, cross):
     plain, sharded = self._pair(**init)
@@ -107,9 +108,10 @@ class HeadParallelTest(parameterized.TestCase):
   def test_pure_function_ignores_axis_without_mesh(self):
     params = aj.init_multi_head_params(jax.random.key(0), 32, 8)
     x = jnp.asarray(self.x)
-    a = aj.multi_head_attention(params, x, x, x, num_heads=8)
-    b = aj.multi_head_attention(params, x, x, x, num_heads=8,
-                                head_axis="model")
+    # head_axis is the module's (and forward's) only; the pure function's
+    # path is forward without it.
+    a = aj.multi_head_attention(params, x, x, x)
+    b, _, _ = multi_head.forward(params, x, x, x, head_axis="model")
     chex.assert_trees_all_equal(a, b)
 
 

@@ -28,9 +28,8 @@ def _mesh(devices):
 
 def _ring_fn(devices, **kwargs):
   def local(q, k, v, lengths):
-    return aj.ring_attention(q, k, v, axis_name="seq",
-                             key_value_seq_lengths=lengths, block_q=4,
-                             block_k=2, **kwargs)
+    return aj.ring_attention(q, k, v, aj.Mask(kv_lengths=lengths),
+                             axis_name="seq", block_q=4, block_k=2, **kwargs)
   return jax.shard_map(local, mesh=_mesh(devices),
                        in_specs=(SEQ, SEQ, SEQ, P()), out_specs=SEQ)
 
@@ -43,11 +42,11 @@ class RingAttentionTest(parameterized.TestCase):
     q = _data.normal(0, (2, 2, t, 8))
     k = _data.normal(1, (2, 1, t, 8))  # one KV head shared by 2 (GQA)
     v = _data.normal(2, (2, 1, t, 6))
-    lengths = jnp.array([[t], [t - 7]])  # uneven valid lengths
+    lengths = jnp.array([t, t - 7])  # uneven valid lengths, [B]
     cot = _data.normal(3, (2, 2, t, 6))
     ring = jax.jit(_ring_fn(devices, is_causal=causal))
     out = ring(q, k, v, lengths)
-    mask = np.arange(t)[None, :] < np.asarray(lengths)[:, :1]  # [B, S]
+    mask = np.arange(t)[None, :] < np.asarray(lengths)[:, None]  # [B, S]
     ref, _ = reference.sdpa(q, k, v, mask[:, None, None], is_causal=causal)
     chex.assert_trees_all_close(out, ref.astype(np.float32), **FWD_TOL)
 
@@ -57,7 +56,7 @@ class RingAttentionTest(parameterized.TestCase):
     got = jax.jit(jax.grad(functools.partial(
         loss, lambda q, k, v: ring(q, k, v, lengths)), (0, 1, 2)))(q, k, v)
     block = lambda q, k, v: aj.blockwise_attention(
-        q, k, v, key_value_seq_lengths=lengths, is_causal=causal)
+        q, k, v, aj.Mask(kv_lengths=lengths), is_causal=causal)
     want = jax.jit(jax.grad(functools.partial(loss, block), (0, 1, 2)))(
         q, k, v)
     chex.assert_tree_all_finite(got)
@@ -102,9 +101,8 @@ class RingAttentionTest(parameterized.TestCase):
     k = _data.normal(10, (1, 2, t, 8))
     v = _data.normal(11, (1, 2, t, 8))
     fn = jax.jit(jax.shard_map(
-        lambda q, k, v: aj.ring_attention(q, k, v, axis_name="seq",
-                                          is_causal=causal,
-                                          local_window_size=window,
+        lambda q, k, v: aj.ring_attention(q, k, v, aj.Mask(window=window),
+                                          axis_name="seq", is_causal=causal,
                                           block_q=4, block_k=4),
         mesh=_mesh(8), in_specs=SEQ, out_specs=SEQ))
     hlo = fn.lower(q, k, v).compile().as_text()
@@ -113,8 +111,8 @@ class RingAttentionTest(parameterized.TestCase):
     # One ppermute each for K and V per step made (a two-sided window
     # makes one step forward and one that wraps round to the right).
     self.assertLen(permutes, 2 * shifts)
-    want = aj.blockwise_attention(q, k, v, is_causal=causal,
-                                  local_window_size=window)
+    want = aj.blockwise_attention(q, k, v, aj.Mask(window=window),
+                                  is_causal=causal)
     chex.assert_trees_all_close(fn(q, k, v), want, **FWD_TOL)
 
   def test_score_mod_with_a_learned_slope(self):
@@ -197,17 +195,29 @@ class RingAttentionTest(parameterized.TestCase):
       aj.ring_attention(x, x, x, axis_name="seq")
 
   def test_dense_mask_and_bias_are_refused(self):
+    # ring_attention has no bias parameter any more; the ring kernel given
+    # a dense mask (through ring_attention) or a bias (through the
+    # dispatcher, implementation=Ring) refuses it by name.
     x = jnp.ones((1, 8, 8))  # [B, T, H], T split over "seq"
     spec = P(None, "seq")
-    for name, extra in (("mask", dict(mask=jnp.ones((8, 8), bool))),
-                        ("bias", dict(bias=jnp.ones((8, 8))))):
-      ring = jax.shard_map(
-          lambda q, extra=extra: aj.ring_attention(q, q, q, axis_name="seq",
-                                                   **extra),
-          mesh=_mesh(2), in_specs=spec, out_specs=spec)
-      with self.assertRaisesRegex(ValueError,
-                                  f"ring_attention takes no dense {name}"):
+    dense = jnp.ones((1, 4, 4), bool)  # this device's [B, T, S]
+    calls = (
+        ("dense mask", lambda q: aj.ring_attention(q, q, q, dense,
+                                                   axis_name="seq")),
+        ("dense mask", lambda q: aj.ring_attention(
+            q, q, q, aj.Mask(dense=dense, causal=True), axis_name="seq")),
+        ("bias", lambda q: aj.scaled_dot_product_attention(
+            q, q, q, bias=jnp.ones((1, 4, 4)),
+            implementation=aj.kernels.Ring("seq"))),
+    )
+    for name, fn in calls:
+      ring = jax.shard_map(fn, mesh=_mesh(2), in_specs=spec, out_specs=spec)
+      with self.assertRaisesRegex(
+          ValueError, f"implementation='ring' is not possible: it takes no "
+          f"{name}"):
         ring(x)
+    with self.assertRaises(TypeError):  # the keyword is gone
+      aj.ring_attention(x, x, x, axis_name="seq", bias=jnp.ones((1, 8, 8)))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ recomputes each block's probabilities from that log-sum-exp
 (``D = rowsum(dO * O) - dlse``, ``dS = P * (dP - D)``), walking the key
 blocks and, for each, only the query blocks that can see it.
 
-Internal interface (what ``blockwise.py`` and ``ring.py`` use; nothing else
-of this module is imported elsewhere):
+Internal interface (what ``kernels/flash.py`` and ``kernels/ring.py`` use;
+nothing else of this module is imported elsewhere):
 
 * ``Static``: one head's static configuration (scale, causal/window bounds,
   score modifier, true lengths, block sizes); hashable, the
@@ -37,9 +37,8 @@ of this module is imported elsewhere):
   end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too),
   returning ``(out [T, Hv], None, lse [T])``, the ``_broadcast.lift_heads``
   contract.
-* ``validate(name, query, key, value, mask, bias, block_q, block_k, scale,
-  flags, **structured)``: the checks every flash entry point shares;
-  returns ``(operands, scale, out_dtype)``. ``block_sizes`` picks blocks.
+* ``block_sizes(ops, block_q, block_k)`` picks blocks. (Validation happened
+  once, before any kernel: ``kernels.base.canonicalize``.)
 
 Operands: ``mask`` bool and ``bias`` float are ``[T|1, S|1]`` (size-1 axes
 broadcast), ``length``/``q_length`` int32 scalars (valid keys / queries) or
@@ -62,13 +61,11 @@ from __future__ import annotations
 from collections.abc import Callable
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _checks
 from attention_jax import _numerics
 from attention_jax import _patterns
 from attention_jax import score_mods
@@ -622,34 +619,7 @@ def single_head(q, k, v, h, *, out_dtype, **blocks):
   return out.astype(out_dtype), None, lse
 
 
-def validate(name, query, key, value, mask, bias, block_q, block_k, scale,
-             flags=None, **structured):
-  """Checks shared by the flash entry points (blockwise, ring).
-
-  ``structured`` are the keyword arguments of ``_checks.attention_operands``
-  (lengths, window, segment ids, sinks, score_mod); ``flags``
-  maps static bool arguments to their values. Returns
-  ``(operands, scale, out_dtype)``: the ``_checks.Operands``, the scale
-  (``1/sqrt(H)`` by default) and the output dtype.
-  """
-  ops = _checks.attention_operands(query, key, value, mask, bias,
-                                   **structured)
-  for flag_name, flag in (flags or {}).items():
-    _checks.check_static_bool(flag_name, flag)
-  for size_name, size in (("block_q", block_q), ("block_k", block_k)):
-    if size is not None:
-      _checks.check_positive_int(size_name, size)
-  # The validated operands (arrays, lists converted) give H and the dtype.
-  h = ops.query.shape[-1]
-  scale = 1.0 / math.sqrt(h) if scale is None else scale
-  out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
-  if jnp.promote_types(out_dtype, jnp.float32) != jnp.float32:
-    raise TypeError(f"{name} computes in float32; got float64 inputs (use "
-                    "scaled_dot_product_attention for float64).")
-  return ops, scale, out_dtype
-
-
-def block_sizes(ops, is_causal: bool, block_q, block_k) -> tuple[int, int]:
+def block_sizes(ops, block_q, block_k) -> tuple[int, int]:
   """The block sizes of a call: the caller's, the block mask's, or the rule.
 
   The rule, measured on a 2-core CPU (B=4, N=8, H=64, fp32, fwd+bwd; see
@@ -658,8 +628,10 @@ def block_sizes(ops, is_causal: bool, block_q, block_k) -> tuple[int, int]:
   1.2-1.6 s with a 512 side), so that skipping and full blocks bite at
   their edges; plain causal takes 256 x 512 (T = 2048: fwd 0.21 s, fwd+bwd
   0.78 s; 256 x 256 gives 0.41 s and 0.95 s); everything else 1024 x 256
-  (fewer, larger matmuls). A block mask fixes its own sizes (a rule
-  without tables, in ring attention, counts as a fine pattern).
+  (fewer, larger matmuls). A block mask fixes its own sizes; a rule
+  without tables (its tables are built at these sizes) takes
+  ``block_mask``'s 512 x 256 (a per-example prefix-LM at T = 4096: 2.4 s;
+  256 x 256: 3.4 s), or 256 x 256 with a window or segment ids.
   """
   bm = ops.block_mask
   if bm is not None and bm.kinds is not None:
@@ -671,9 +643,11 @@ def block_sizes(ops, is_causal: bool, block_q, block_k) -> tuple[int, int]:
             f"build it with block_mask(..., {size_name}={given}) or leave "
             f"{size_name} unset.")
     return bm.block_q, bm.block_k
-  if ops.window is not None or ops.q_seg is not None or bm is not None:
+  if ops.window is not None or ops.q_seg is not None:
     rule = (256, 256)
-  elif is_causal:
+  elif bm is not None:
+    rule = (512, 256)
+  elif ops.causal:
     rule = (256, 512)
   else:
     rule = (1024, 256)

@@ -3,10 +3,11 @@
 Shape glossary: B batch, T query length, S key/value length, N query heads,
 K key/value heads, H head dim.
 
-Our layout is ``[B, N, T, H]``, jax.nn's ``[B, T, N, H]``; jax.nn does
-grouped-query attention itself (``K`` dividing ``N``). Not run on a GPU in
-this project's CI: the dispatcher only picks it where ``problem`` finds
-nothing in the way.
+``Cudnn`` is the kernel (``kernels.base``): it refuses (``supports``)
+whatever would not give our numbers. Our layout is ``[B, N, T, H]``,
+jax.nn's ``[B, T, N, H]``; jax.nn does grouped-query attention itself
+(``K`` dividing ``N``). Not run on a GPU in this project's CI: the
+dispatcher only picks it where ``supports`` finds nothing in the way.
 
 Where jax.nn's semantics differ from ours (read from jax 0.10's
 ``jax/_src/nn/functions.py`` and ``jax/_src/cudnn/fused_attention_stablehlo.py``):
@@ -28,7 +29,7 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
   cuDNN's band has no right bound. So with ``T == S`` a window whose right
   bound resolves to 0 (``is_causal``, or ``right == 0``) goes as
   ``is_causal=True, local_window_size=(left, 0)``; every other band goes as
-  an explicit mask, and ``problem`` refuses those windows (two-sided, or
+  an explicit mask, and ``supports`` refuses those windows (two-sided, or
   ``T != S``) so that the automatic choice never builds a ``[T, S]`` mask
   for them.
 """
@@ -36,21 +37,66 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from attention_jax import _checks
+from attention_jax import _grouping
 from attention_jax import _patterns
+from attention_jax.kernels import base
+from attention_jax.kernels import flash
 
-# Structured arguments jax.nn.dot_product_attention has no counterpart for.
+# Parts of a problem jax.nn.dot_product_attention has no counterpart for.
 _NOT_IN_JAX_NN = {
-    "query_segment_ids": "jax.nn.dot_product_attention takes no segment ids",
-    "key_segment_ids": "jax.nn.dot_product_attention takes no segment ids",
+    "segment_ids": "jax.nn.dot_product_attention takes no segment ids",
     "sinks": "jax.nn's cuDNN kernel has no attention sinks",
     "score_mod": "jax.nn's cuDNN kernel takes no score modifier",
-    "block_mask": "jax.nn's cuDNN kernel takes no block mask",
+    "rule": "jax.nn's cuDNN kernel takes no mask rule",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Cudnn(base.Kernel):
+  """jax.nn's fused GPU kernel, where it gives the contract's numbers."""
+  name = "cudnn"
+
+  def supports(self, problem: base.Problem) -> str | None:
+    reason = base.no_weights_or_dropout(problem)
+    if reason:
+      return reason
+    ops = problem.ops
+    q, k, v, mask, bias, lengths, q_lengths = _caller(ops)
+    structured = {"q_lengths": q_lengths, "window": ops.window,
+                  "segment_ids": ops.q_seg, "sinks": ops.sinks,
+                  "score_mod": ops.score_mod, "rule": ops.block_mask}
+    return problem_of(q, k, v, mask, bias, lengths, problem.return_lse,
+                      {n: x for n, x in structured.items() if x is not None},
+                      is_causal=ops.causal)
+
+  def declines(self, problem: base.Problem) -> str | None:
+    if problem.scores < flash.MIN_SCORES:
+      return (f"T * S = {problem.scores} is below {flash.MIN_SCORES}, where "
+              "the dense kernel is as fast")
+    return None
+
+  def __call__(self, problem: base.Problem):
+    q, k, v, mask, bias, lengths, q_lengths = _caller(problem.ops)
+    out = attention(q, k, v, mask, bias, lengths, q_lengths,
+                    scale=problem.scale, is_causal=problem.ops.causal,
+                    window=problem.ops.window)
+    return out, None, None
+
+
+def _caller(ops: _checks.Operands):
+  """The operands with heads merged again (jax.nn groups heads itself)."""
+  g = ops.groups
+  return (_grouping.merge(ops.query, g, -3), _grouping.merge(ops.key, g, -3),
+          _grouping.merge(ops.value, g, -3), _grouping.merge(ops.mask, g, -3),
+          _grouping.merge(ops.bias, g, -3), _grouping.merge(ops.lengths, g,
+                                                            -1),
+          _grouping.merge(ops.q_lengths, g, -1))
 
 
 def _per_example_problem(name, lengths, batch) -> str | None:
@@ -59,8 +105,8 @@ def _per_example_problem(name, lengths, batch) -> str | None:
   if shape == () or (len(shape) == 2 and shape[1] == 1
                      and shape[0] in (1, batch)):
     return None
-  return (f"it takes one {name.split('_seq')[0].replace('_', '/')} length "
-          f"per example: {name} must be [B, 1] or a scalar, got {shape}")
+  return (f"it takes one length per example: the mask's {name} must be "
+          f"[B] (or [B, 1]) or a scalar, got {shape}")
 
 
 def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
@@ -71,17 +117,17 @@ def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
   for name, value in structured.items():
     if value is None:
       continue
-    if name == "query_seq_lengths":
+    if name == "q_lengths":
       problem = _per_example_problem(name, value, batch)
       if problem:
         return problem
-    elif name == "local_window_size":
+    elif name == "window":
       _, right = value
       if right > 0 and not is_causal:
-        return (f"local_window_size={value!r}: cuDNN has only a left window "
+        return (f"window={value!r}: cuDNN has only a left window "
                 "(jax.nn raises for right > 0 without a plain causal mask)")
       if t != s:
-        return (f"local_window_size with T={t} != S={s}: cuDNN's window is "
+        return (f"a window with T={t} != S={s}: cuDNN's window is "
                 "top-left aligned, ours bottom-right")
     elif name in _NOT_IN_JAX_NN:
       return f"{name}: {_NOT_IN_JAX_NN[name]}"
@@ -90,12 +136,12 @@ def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
   return None
 
 
-def problem(query, key, value, mask, bias, lengths, return_lse,
+def problem_of(query, key, value, mask, bias, lengths, return_lse,
             structured=(), *, is_causal=False) -> str | None:
   """Why the cuDNN kernel cannot take these inputs, or None if it can.
 
   ``structured`` maps the pattern arguments in use to their values
-  (``local_window_size`` as a checked ``(left, right)``); a list of names
+  (``window`` as a checked ``(left, right)``); a list of names
   is refused whole. ``is_causal`` only widens what is accepted: a causal
   window ``(left, right > 0)`` is ``(left, 0)``. None is returned only where
   ``attention`` gives our numbers, so the automatic choice never changes
@@ -117,7 +163,7 @@ def problem(query, key, value, mask, bias, lengths, return_lse,
       return f"{name} must be 4-D [B|1, N|1, T|1, S|1], got {x.shape}"
   batch, t, s = shapes[0][0], shapes[0][2], shapes[1][2]
   if lengths is not None:
-    problem_ = _per_example_problem("key_value_seq_lengths", lengths, batch)
+    problem_ = _per_example_problem("kv_lengths", lengths, batch)
     if problem_:
       return problem_
   if return_lse:

@@ -3,7 +3,8 @@
 Shape glossary: T query length, S key/value length, H head dim, Hv value
 head dim.
 
-Written for one head and lifted over leading dims by
+``Dense`` is the kernel (``kernels.base``); ``single_head`` its maths,
+written for one head and lifted over leading dims by
 ``_broadcast.lift_heads``. Logits, softmax and the weighted sum run in the
 compute dtype (float32, float64 for float64 inputs); one path whether or not
 the weights are returned or dropout is on, so the numbers never change with
@@ -12,11 +13,44 @@ those options. The only kernel with dropout, weights and float64.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
+from attention_jax import _broadcast
 from attention_jax import _numerics
 from attention_jax import _patterns
 from attention_jax import softmax
+from attention_jax.kernels import base
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense(base.Kernel):
+  """Materialises one head's ``[T, S]`` scores: every feature, O(T * S)."""
+  name = "dense"
+
+  def supports(self, problem: base.Problem) -> str | None:
+    del problem
+    return None
+
+  def __call__(self, problem: base.Problem):
+    ops, p = problem.ops, problem
+    keep = None
+    if p.dropout_rng is not None and p.dropout_on:
+      t, s = ops.query.shape[-2], ops.key.shape[-2]
+      keep = jax.random.bernoulli(p.dropout_rng, 1.0 - p.dropout_rate,
+                                  ops.batch_shape + (t, s))  # [..., T, S]
+
+    def head(q, k, v, h, kp):
+      return single_head(
+          q, k, v, h, kp, scale=p.scale, is_causal=ops.causal,
+          window=ops.window, score_mod=ops.score_mod,
+          dropout_rate=p.dropout_rate, out_dtype=p.out_dtype,
+          compute_dtype=_numerics.compute_dtype(p.out_dtype),
+          want_lse=p.return_lse)
+
+    return _broadcast.lift_heads(head, ops, (keep,), (2,))
 
 
 def single_head(query, key, value, h, keep, *, scale, is_causal, window,

@@ -1,0 +1,146 @@
+"""Cached decoding for multi-head attention: the cache, its writes, its masks.
+
+Shape glossary: B batch, N query heads, K key/value heads, T this call's
+tokens, L linear cache slots, W ring-buffer slots, S' the keys a query
+attends over (``L``, or ``W + T`` for a ring buffer), H head dim.
+
+``KVCache`` is what ``multi_head.forward`` threads through a decoding step;
+``write`` appends this call's keys and values (``kv_cache``'s pure
+updates) and returns what the queries attend over, with the call's
+``Mask`` restated over cache slots: the causal band and window become a
+per-example visibility mask over absolute positions, a rule is evaluated
+at those positions, and a score modifier sees them as ``q_idx``/``kv_idx``,
+so cached decoding equals the full forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax import _checks
+from attention_jax import kv_cache
+from attention_jax import mask as mask_lib
+
+
+class KVCache(NamedTuple):
+  """A key/value cache for ``multi_head.forward``.
+
+  ``key``/``value`` are ``[B, K, L, H]`` buffers: ``L`` positions of a
+  linear cache, or ``W`` slots of a ring buffer when ``window`` is set (a
+  sliding-window layer: position ``p`` lives in slot ``p % W`` and keys
+  older than ``window`` are forgotten). ``index`` counts the tokens written
+  per example (``[B]``, or a scalar for all). ``overflow`` (bool ``[B]``,
+  sticky) marks examples whose write did not fit a linear cache: it is an
+  error value, checked outside the step (``MultiHeadAttention.check_cache``)
+  so decoding pays no host callback.
+  """
+  key: jax.Array
+  value: jax.Array
+  index: jax.Array
+  overflow: jax.Array | None = None
+  window: int | None = None
+
+
+def new_lengths(mask: mask_lib.Mask | None, b: int, t: int):
+  """In decoding, the mask's ``q_lengths [B]`` is each example's new tokens."""
+  lengths = None if mask is None else mask.q_lengths
+  if lengths is None:
+    return None
+  if np.ndim(lengths) != 1 or np.shape(lengths)[0] != b:
+    raise ValueError(
+        f"while decoding, the mask's q_lengths is the number of real new "
+        f"tokens per example (right-padded), integer [B] = [{b}]; got shape "
+        f"{np.shape(lengths)}.")
+  _checks.check_concrete_range("the mask's q_lengths", lengths, t)
+  return jnp.asarray(lengths, jnp.int32)
+
+
+def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
+                key_pos, num_heads: int):
+  """The call's mask and score modifier restated over cache slots.
+
+  ``visible [B, T, S']`` says which slots each query may see, ``q_pos [B,
+  T]`` and ``key_pos [B|1, S']`` are absolute positions. Returns ``(mask
+  over [B, N|1, T, S'], score_mod over absolute positions)``.
+  """
+  mask = mask_lib.Mask() if mask is None else mask
+  if mask.q_segment_ids is not None:
+    raise ValueError(
+        "segment ids are not supported while decoding with a KV cache (the "
+        "cache holds no segment ids): mask cache slots with a dense mask "
+        "instead.")
+  qp, kp = q_pos[:, :, None], key_pos[:, None, :]  # [B, T, 1], [B|1, 1, S']
+  if mask.window is not None:
+    left, right = mask.window
+    visible = visible & (kp >= qp - left) & (kp <= qp + right)
+  visible = visible[:, None]  # [B, 1, T, S']
+  if mask.rule is not None:  # a rule at absolute positions, per (b, h)
+    b = jnp.arange(q_pos.shape[0])[:, None, None, None]  # [B, 1, 1, 1]
+    h = jnp.arange(num_heads)[None, :, None, None]  # [1, N, 1, 1]
+    rule = mask.rule
+    if isinstance(rule, mask_lib.Union):
+      raise ValueError("a union of masks is not supported while decoding; "
+                       "write it as one rule (aj.MaskRule).")
+    fn = getattr(rule, "mask_fn", rule)
+    visible = visible & jnp.asarray(fn(b, h, qp[:, None], kp[:, None]))
+  dense = visible if mask.dense is None else (
+      visible & (jnp.asarray(mask.dense) != 0))
+  out = mask_lib.Mask(q_lengths=mask.q_lengths, kv_lengths=mask.kv_lengths,
+                      dense=dense)
+  if score_mod is not None:
+    q_abs = jnp.asarray(q_pos, jnp.int32)  # [B, T]
+    k_abs = jnp.asarray(key_pos, jnp.int32)  # [B|1, S']
+    inner = score_mod
+
+    def absolute(score, b, h, q_idx, kv_idx):
+      # Padded block rows (past T) clip: their outputs are dropped.
+      k_row = k_abs[b] if k_abs.shape[0] > 1 else k_abs[0]
+      return inner(score, b, h, jnp.take(q_abs[b], q_idx, mode="clip"),
+                   jnp.take(k_row, kv_idx, mode="clip"))
+
+    score_mod = absolute
+  return out, score_mod
+
+
+def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
+          score_mod: Any, index, lengths, q_pos, num_heads: int):
+  """Writes this call's keys/values; what the queries attend over.
+
+  ``lengths`` are the real new tokens per example (``new_lengths``) or
+  None. Returns ``(keys, values, mask, score_mod, new cache)`` with keys
+  and values ``[B, K, S', H]``: ``L`` slots of a linear cache, ``W + T``
+  for a ring buffer (its old slots, then the new keys).
+  """
+  t = k.shape[2]
+  count = t if lengths is None else lengths
+  if cache.window is None:
+    ck, cv, visible = kv_cache.update_kv_cache(
+        cache.key, cache.value, index, k, v,
+        new_lengths=lengths)  # [B, K, L, H]; visible [B, T, L]
+    keys, values = ck, cv
+    key_pos = jnp.arange(ck.shape[2])[None, :]  # [1, L]
+    overflow = kv_cache.cache_overflow(index, count, ck.shape[2])
+  else:
+    for name, x in (("a dense mask", None if mask is None else mask.dense),
+                    ("bias", bias),
+                    ("the mask's kv_lengths",
+                     None if mask is None else mask.kv_lengths)):
+      if x is not None:
+        raise ValueError(
+            f"{name} is not supported with a ring-buffer (sliding-window) "
+            "cache, whose slots hold changing positions: the window and "
+            "the per-example positions already say what each query sees.")
+    keys, values, visible, key_pos, ck, cv = kv_cache.update_ring_cache(
+        cache.key, cache.value, index, k, v, window=cache.window,
+        new_lengths=lengths)  # [B, K, W + T, H]; visible [B, T, W + T]
+    overflow = jnp.zeros(index.shape, bool)
+  if cache.overflow is not None:
+    overflow = overflow | cache.overflow
+  mask, score_mod = _over_slots(mask, score_mod, visible, q_pos, key_pos,
+                                num_heads)
+  new_cache = KVCache(ck, cv, index + count, overflow, cache.window)
+  return keys, values, mask, score_mod, new_cache

@@ -1,0 +1,119 @@
+"""The kernel interface: one validated problem, and kernels that say what they take.
+
+Shape glossary: B batch, N query heads, K key/value heads, T query length,
+S key/value length, H head dim, Hv value head dim; ``...`` leading dims.
+
+``canonicalize`` checks a call once, in the caller's terms, and builds a
+``Problem``: the operands with heads grouped (``_checks.Operands``: the
+mask's fields, the bias, sinks, score modifier and the (b, h) indices they
+see), the scale, dropout and what to return. A kernel is a ``Kernel``:
+
+* ``name``: what ``implementation=`` calls it;
+* ``supports(problem) -> None | reason``: whether it gives the contract's
+  numbers for this problem (a reason is a phrase for an error message);
+* ``declines(problem) -> None | reason``: only for the automatic choice, a
+  problem it can run but should not (too small to pay off);
+* ``lengths(t, s)``: the ``(T, S)`` a mask rule's indices refer to (ring
+  attention: the global sequence);
+* ``__call__(problem) -> (out [..., N, T, Hv], weights or None, lse or
+  None)``, heads merged again. Kernels never re-validate.
+
+The registry (``kernels/__init__.py``) lists them in the automatic choice's
+order; the dispatcher (``dot_product``) walks it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from attention_jax import _checks
+from attention_jax import mask as mask_lib
+
+
+class Problem(NamedTuple):
+  """One attention call, validated."""
+  ops: _checks.Operands  # operands, heads grouped, the mask's fields
+  scale: Any  # float, or a scalar array
+  out_dtype: Any
+  dropout_rate: Any = 0.0
+  dropout_rng: jax.Array | None = None
+  return_weights: bool = False
+  return_lse: bool = False
+
+  @property
+  def dropout_on(self) -> bool:
+    return not (isinstance(self.dropout_rate, (int, float))
+                and self.dropout_rate == 0.0)
+
+  @property
+  def scores(self) -> int:
+    """``T * S``, the scores of one head."""
+    return self.ops.query.shape[-2] * self.ops.key.shape[-2]
+
+
+class Kernel:
+  """What every implementation provides (see the module docstring)."""
+  name: ClassVar[str] = "kernel"
+
+  def lengths(self, t: int, s: int) -> tuple[int, int]:
+    return t, s
+
+  def supports(self, problem: Problem) -> str | None:
+    raise NotImplementedError
+
+  def declines(self, problem: Problem) -> str | None:
+    del problem
+    return None
+
+  def __call__(self, problem: Problem):
+    raise NotImplementedError
+
+
+def canonicalize(query, key, value, mask, *, bias=None, scale=None,
+                 score_mod=None, sinks=None, dropout_rate=0.0,
+                 dropout_rng=None, return_weights: bool = False,
+                 return_lse: bool = False,
+                 rule_lengths: tuple[int, int] | None = None) -> Problem:
+  """Every check of an attention call, once; the ``Problem`` kernels run.
+
+  ``mask`` is a ``Mask`` or None (``mask.as_mask`` converts the other
+  accepted values); ``scale`` None means ``1 / sqrt(H)``.
+  """
+  for name, flag in (("return_weights", return_weights),
+                     ("return_lse", return_lse)):
+    _checks.check_static_bool(name, flag)
+  ops = _checks.attention_operands(query, key, value, mask_lib.as_mask(mask),
+                                   bias, sinks=sinks, score_mod=score_mod,
+                                   rule_lengths=rule_lengths)
+  _checks.check_dropout(dropout_rate, dropout_rng)
+  if scale is None:
+    scale = 1.0 / math.sqrt(ops.query.shape[-1])
+  out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
+  return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
+                 bool(return_weights), bool(return_lse))
+
+
+def check_block_size(name: str, size) -> None:
+  if size is not None:
+    _checks.check_positive_int(name, size)
+
+
+def float32_only(problem: Problem) -> str | None:
+  """The reason a float32-compute kernel refuses float64 inputs, or None."""
+  if jnp.promote_types(problem.out_dtype, jnp.float32) != jnp.float32:
+    return ("it computes in float32; float64 inputs need the dense kernel "
+            "(implementation='dense')")
+  return None
+
+
+def no_weights_or_dropout(problem: Problem) -> str | None:
+  if problem.dropout_on:
+    return "it has no dropout (use 'dense' or dropout_rate=0)"
+  if problem.return_weights:
+    return ("it never forms the attention weights (use implementation="
+            "'dense' or None with return_weights=True)")
+  return None

@@ -1,0 +1,84 @@
+"""The blockwise (flash) kernel: online softmax over key blocks, O(T + S) memory.
+
+Shape glossary: T query length, S key/value length, N query heads, K
+key/value heads, H head dim, Hv value head dim; ``...`` leading dims.
+
+Runs the single-head core of ``flash_core`` over the leading dims. Never
+more than one ``[block_q, block_k]`` block of scores per head exists at a
+time; every mask field skips the blocks it rules out (forward and backward)
+and full blocks run without a mask pass; a rule without block tables gets
+them here, at this kernel's block sizes (NumPy when concrete, on device
+when traced). The backward pass is a custom VJP that recomputes the blocks
+(FlashAttention-2). No weights, no dropout, float32 compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+
+from attention_jax import _broadcast
+from attention_jax import _checks
+from attention_jax import _grouping
+from attention_jax import block_mask as block_mask_lib
+from attention_jax.kernels import base
+from attention_jax.kernels import flash_core
+
+# Below this many scores per head the dense kernel is as fast (see the
+# performance page of the docs) and also yields the weights.
+MIN_SCORES = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Flash(base.Kernel):
+  """Blockwise attention; ``block_q``/``block_k`` None pick by pattern
+  (``flash_core.block_sizes``)."""
+  block_q: int | None = None
+  block_k: int | None = None
+  name = "blockwise"
+
+  def __post_init__(self):
+    base.check_block_size("block_q", self.block_q)
+    base.check_block_size("block_k", self.block_k)
+
+  def supports(self, problem: base.Problem) -> str | None:
+    return (base.no_weights_or_dropout(problem)
+            or base.float32_only(problem))
+
+  def declines(self, problem: base.Problem) -> str | None:
+    if problem.scores < MIN_SCORES:
+      return (f"T * S = {problem.scores} is below {MIN_SCORES}, where the "
+              "dense kernel is as fast")
+    return None
+
+  def __call__(self, problem: base.Problem):
+    ops = problem.ops
+    block_q, block_k = flash_core.block_sizes(ops, self.block_q,
+                                              self.block_k)
+    ops = with_rule_tables(ops, block_q, block_k)
+    head = functools.partial(flash_core.single_head, scale=problem.scale,
+                             is_causal=ops.causal, window=ops.window,
+                             score_mod=ops.score_mod, block_q=block_q,
+                             block_k=block_k, out_dtype=problem.out_dtype)
+    return _broadcast.lift_heads(head, ops)
+
+
+def with_rule_tables(ops: _checks.Operands, block_q: int, block_k: int):
+  """``ops`` with a table-less rule's block tables built at these sizes.
+
+  Per (b, h) where the rule depends on them (``_checks.rule_batch``),
+  split like the heads.
+  """
+  bm = ops.block_mask
+  if bm is None or bm.kinds is not None:
+    return ops
+  t, s = bm.shape
+  batch = _checks.rule_batch(bm.mask_fn, ops.leading, s)
+  built = block_mask_lib.block_mask(bm.mask_fn, t, s, batch=batch,
+                                    block_q=block_q, block_k=block_k)
+  if batch:
+    built = built.with_tables(
+        _grouping.split(jnp.asarray(x), ops.groups, -3) for x in built.tables)
+  return ops._replace(block_mask=built)

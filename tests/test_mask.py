@@ -1,0 +1,213 @@
+"""``aj.Mask``: one value for every pattern, combinable, built inside jit.
+
+Each test compares what the kernels compute with a mask against a float64
+NumPy reference whose allowed pairs are written out from the mask's
+definition (bottom-right alignment, left-aligned per-example arrays).
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_jax as aj
+from attention_jax.kernels import base
+from attention_jax.kernels import flash
+from tests import _data
+from tests import reference
+
+B, N, T, S, H = 2, 2, 12, 16, 8
+# float32 kernels against a float64 reference over <= 16 keys.
+TOL = 2e-5
+
+
+def _qkv(t=T, s=S):
+  return (_data.normal(70, (B, N, t, H)), _data.normal(71, (B, N, s, H)),
+          _data.normal(72, (B, N, s, H)))
+
+
+def _grid(t=T, s=S):
+  return np.arange(t)[:, None], np.arange(s)[None, :]
+
+
+def _reference(q, k, v, allowed):
+  full = np.broadcast_to(allowed, (B, N) + allowed.shape[-2:])
+  return reference.sdpa(q, k, v, full)[0]
+
+
+class MaskTest(parameterized.TestCase):
+
+  def test_is_a_pytree_and_builds_inside_jit_from_traced_values(self):
+    q, k, v = _qkv()
+    lengths = np.array([16, 9])
+
+    @jax.jit
+    def run(q, k, v, lengths):
+      mask = aj.Mask(causal=True, kv_lengths=lengths)  # [B], traced
+      leaves, tree = jax.tree.flatten(mask)
+      again = jax.tree.unflatten(tree, leaves)
+      return aj.scaled_dot_product_attention(q, k, v, again)
+
+    i, j = _grid()
+    allowed = ((j <= i + S - T)[None] & (j < lengths[:, None, None]))[:, None]
+    np.testing.assert_allclose(run(q, k, v, jnp.asarray(lengths)),
+                               _reference(q, k, v, allowed), atol=TOL)
+
+  def test_a_mask_is_a_jit_argument_whose_structure_is_static(self):
+    q, k, v = _qkv()
+    calls = []
+
+    @jax.jit
+    def run(q, mask):
+      calls.append(1)
+      return aj.scaled_dot_product_attention(q, k, v, mask)
+
+    run(q, aj.Mask(kv_lengths=jnp.array([3, 5])))
+    run(q, aj.Mask(kv_lengths=jnp.array([7, 2])))  # same structure
+    self.assertLen(calls, 1)
+    run(q, aj.Mask(kv_lengths=jnp.array([7, 2]), causal=True))
+    self.assertLen(calls, 2)
+
+  @parameterized.named_parameters(
+      ("dense", "dense"), ("blockwise", flash.Flash(block_q=4, block_k=4)))
+  def test_and_intersects_every_field(self, implementation):
+    q, k, v = _qkv()
+    dense = _data.bernoulli(73, 0.8, (B, 1, T, S))
+    a = aj.Mask(causal=True, window=(6, 3), kv_lengths=jnp.array([15, 11]))
+    b = aj.Mask(window=(4, 9), kv_lengths=jnp.array([[13], [16]]),
+                q_lengths=jnp.array([12, 8]), dense=dense)
+    got = aj.scaled_dot_product_attention(q, k, v, a & b,
+                                          implementation=implementation)
+    i, j = _grid()
+    pos = i + S - T
+    band = (j <= pos) & (j >= pos - 4) & (j <= pos + 3)
+    kv = np.minimum([15, 11], [13, 16])[:, None, None]
+    rows = (i < np.array([12, 8])[:, None, None])
+    allowed = (band[None] & (j < kv) & rows)[:, None] & np.asarray(dense)
+    want = _reference(q, k, v, allowed)
+    want = np.where(allowed.any(-1, keepdims=True), want, 0.0)
+    np.testing.assert_allclose(got, want, atol=TOL)
+    self.assertEqual((a & b).window, (4, 3))
+
+  @parameterized.named_parameters(
+      ("dense", "dense"), ("blockwise", flash.Flash(block_q=4, block_k=4)))
+  def test_or_is_the_union_and_blocks_are_skipped(self, implementation):
+    q, k, v = _qkv(T, T)
+    prefix = jnp.array([3, 7])  # per example
+    rule = aj.MaskRule(lambda b, h, q_idx, kv_idx, p: kv_idx < p[b], prefix)
+    mask = aj.Mask(causal=True) | aj.Mask(rule=rule)
+    got = jax.jit(functools.partial(aj.scaled_dot_product_attention,
+                                    implementation=implementation))(
+                                        q, k, v, mask)
+    i, j = _grid(T, T)
+    allowed = ((j <= i)[None] | (j < np.asarray(prefix)[:, None, None]))
+    want = _reference(q, k, v, allowed[:, None])
+    np.testing.assert_allclose(got, want, atol=TOL)
+    # The union's blocks were classified per example: the last query
+    # block's first key block is full, the first query block's last empty.
+    problem = base.canonicalize(q, k, v, mask)
+    ops = flash.with_rule_tables(problem.ops, 4, 4)
+    kinds = np.asarray(ops.block_mask.kinds)  # [B, N, nq, nk]
+    self.assertEqual(kinds.shape, (B, N, 3, 3))
+    self.assertEqual(kinds[0, 1].tolist(), [[1, 0, 0], [2, 1, 0], [2, 2, 1]])
+    self.assertEqual(kinds[1, 1].tolist(), [[2, 1, 0], [2, 1, 0], [2, 2, 1]])
+
+  def test_per_example_arrays_align_to_the_left(self):
+    q, k, v = _qkv()
+    lengths = jnp.array([4, 16])
+    left = aj.scaled_dot_product_attention(q, k, v,
+                                           aj.Mask(kv_lengths=lengths))
+    explicit = aj.scaled_dot_product_attention(
+        q, k, v, aj.Mask(kv_lengths=lengths[:, None]))
+    chex.assert_trees_all_close(left, explicit, atol=0.0)
+    # [B, T] segment ids are per example, the same as [B, 1, T].
+    ids = jnp.array([[0] * 6 + [1] * 6, [0] * 3 + [1] * 9])
+    kv_ids = jnp.array([[0] * 8 + [1] * 8, [0] * 5 + [1] * 11])
+    got = aj.scaled_dot_product_attention(
+        q, k, v, aj.Mask(q_segment_ids=ids, kv_segment_ids=kv_ids))
+    allowed = (np.asarray(ids)[:, :, None]
+               == np.asarray(kv_ids)[:, None, :])[:, None]
+    np.testing.assert_allclose(got, _reference(q, k, v, allowed), atol=TOL)
+
+  def test_refusals_name_the_field_and_the_fix(self):
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(ValueError, r"kv_lengths.*leading axes"):
+      aj.scaled_dot_product_attention(
+          q, k, v, aj.Mask(kv_lengths=jnp.ones((B, N, 1), jnp.int32)))
+    with self.assertRaisesRegex(TypeError, "q_lengths must be an integer"):
+      aj.Mask(q_lengths=jnp.ones((B,)))
+    with self.assertRaisesRegex(ValueError, "one pair"):
+      aj.Mask(q_segment_ids=jnp.zeros((T,), jnp.int32)) & aj.Mask(
+          q_segment_ids=jnp.zeros((T,), jnp.int32))
+    with self.assertRaisesRegex(TypeError, "causal must be a Python bool"):
+      aj.Mask(causal=jnp.array(True))
+    with self.assertRaisesRegex(TypeError, r"aj.Mask\(rule=mask_fn\)"):
+      aj.scaled_dot_product_attention(q, k, v, lambda b, h, i, j: i >= j)
+
+  def test_jax_nn_arguments_reproduce_jax_nn(self):
+    q, k, v = _qkv(T, T)
+    # (6, 0): every row keeps a key (jax.nn averages rows that see none).
+    mask = aj.Mask(causal=True, window=(6, 0), kv_lengths=jnp.array([12, 7]))
+    swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    theirs = swap(jax.nn.dot_product_attention(
+        swap(q), swap(k), swap(v), **mask.jax_nn_arguments(T, T)))
+    ours = aj.scaled_dot_product_attention(q, k, v, mask)
+    np.testing.assert_allclose(ours, theirs, atol=TOL)
+    # T != S: the bottom-right band becomes an explicit mask.
+    q2 = q[:, :, :5]
+    kw = aj.Mask(causal=True).jax_nn_arguments(5, T)
+    self.assertNotIn("is_causal", kw)
+    theirs = swap(jax.nn.dot_product_attention(swap(q2), swap(k), swap(v),
+                                               **kw))
+    ours = aj.scaled_dot_product_attention(q2, k, v, is_causal=True)
+    np.testing.assert_allclose(ours, theirs, atol=TOL)
+    with self.assertRaisesRegex(ValueError, "no counterpart for segment"):
+      aj.Mask(q_segment_ids=jnp.zeros((T,), jnp.int32)).jax_nn_arguments(T, T)
+
+
+class KernelInterfaceTest(absltest.TestCase):
+
+  def test_nothing_fits_lists_each_kernels_reason(self):
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(
+        ValueError, r"no implementation takes this call \(cudnn: .*; "
+        r"blockwise: it never forms the attention weights"):
+      aj.scaled_dot_product_attention(q, k, v, implementation=(
+          "cudnn", "blockwise"), return_weights=True)
+    with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'blockwise', "
+                                "'dense'\\]"):
+      aj.scaled_dot_product_attention(q, k, v, implementation="flash")
+
+  def test_a_list_runs_the_first_kernel_that_fits(self):
+    q, k, v = _qkv()
+    out, w = aj.scaled_dot_product_attention(
+        q, k, v, implementation=("blockwise", "dense"), return_weights=True)
+    want, want_w = aj.scaled_dot_product_attention(
+        q, k, v, implementation="dense", return_weights=True)
+    chex.assert_trees_all_close((out, w), (want, want_w), atol=0.0)
+
+  def test_a_new_kernel_is_one_class(self):
+    seen = []
+
+    class Recording(aj.kernels.Dense):
+      name = "recording"
+
+      def __call__(self, problem):
+        seen.append(problem.scale)
+        return super().__call__(problem)
+
+    q, k, v = _qkv()
+    out = aj.scaled_dot_product_attention(q, k, v, scale=0.25,
+                                          implementation=Recording())
+    self.assertEqual(seen, [0.25])
+    want = aj.scaled_dot_product_attention(q, k, v, scale=0.25,
+                                           implementation="dense")
+    chex.assert_trees_all_close(out, want, atol=0.0)
+
+
+if __name__ == "__main__":
+  absltest.main()
