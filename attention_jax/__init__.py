@@ -39,8 +39,8 @@ from attention_jax.modules.decoder_attention import BahdanauAttention
 from attention_jax.modules.decoder_attention import LuongAttention
 from attention_jax.modules.multi_head import MultiHeadAttention
 from attention_jax.multi_head import attend_heads
-from attention_jax.multi_head import init_multi_head_params
 from attention_jax.multi_head import multi_head_attention
+from attention_jax.multi_head_params import init_multi_head_params
 from attention_jax.ring import ring_attention
 from attention_jax.rope import apply_rope
 from attention_jax.rope import segment_positions

@@ -6,23 +6,16 @@ K key/value heads (grouped-query attention; ``K == N`` is ordinary MHA,
 dim (``D // N`` unless chosen), D model (query) dim, Dkv key/value input
 features, Dout output features.
 
-Parameters follow the lesson's names, ``{"W_q", "W_k", "W_v", "W_o"}``, laid
-out per head as flax's ``LinearGeneral`` (and ``nnx.MultiHeadAttention``)
-lays them out:
-
-- ``W_q``: ``{"kernel": [D, N, H], "bias": [N, H]}``
-- ``W_k``, ``W_v``: ``{"kernel": [Dkv, K, H], "bias": [K, H]}``
-- ``W_o``: ``{"kernel": [N, H, Dout], "bias": [Dout]}``
-- optional ``q_norm``, ``k_norm``: ``{"scale": [H]}`` (qk-norm)
-
-The head structure lives in the parameters, so everything (N, K, H, D, Dkv,
-Dout, qk-norm) is read from their shapes (``param_dims``).
+The parameters (``{"W_q", "W_k", "W_v", "W_o"}`` per head, as flax lays
+them out) and their checks live in ``multi_head_params``; everything (N, K,
+H, D, Dkv, Dout, qk-norm) is read from their shapes (``param_dims``).
 
 How the heads are computed (kept literal so readers can follow it): one pure
 projection (``project``) is ``jax.vmap``-ed over the heads axis of a kernel
-(``project_heads``), the single-head attention of ``dot_product.py`` is
-vmapped over the head axes, and the per-head outputs are weighted by their
-slice of ``W_o`` and summed over heads (``output_projection``), which is the
+(``project_heads``), the attention function runs
+(``scaled_dot_product_attention``: a kernel's single-head attention vmapped
+over the head axes), and the per-head outputs are weighted by their slice
+of ``W_o`` and summed over heads (``output_projection``), which is the
 lesson's concat followed by one linear layer. A key/value head is shared by
 its G query heads through ``vmap`` (an unmapped operand), not copied.
 ``forward`` is the one projection -> attention -> output path, used with a KV
@@ -35,8 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 import functools
 import inspect
-import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,252 +40,20 @@ from attention_jax import decoding
 from attention_jax import dot_product
 from attention_jax import kernels
 from attention_jax import mask as mask_lib
+from attention_jax import multi_head_params
 from attention_jax import rope as rope_lib
 from attention_jax import sharding
 from attention_jax.decoding import KVCache
 from attention_jax.mask import Mask
+from attention_jax.multi_head_params import init_multi_head_params  # noqa: F401 (doctests)
+from attention_jax.multi_head_params import param_dims
 
-Params = dict[str, dict[str, jax.Array]]
 # Anything with scaled_dot_product_attention's contract (see attend_heads).
 AttentionFn = Callable[..., Any]
 # jnp.einsum's precision: None, a jax.lax.Precision, or a pair of them.
 Precision = Any
-
-# The per-head layout of each parameter, for messages.
-LAYOUT = {
-    "W_q": "kernel [D, N, H], bias [N, H]",
-    "W_k": "kernel [Dkv, K, H], bias [K, H]",
-    "W_v": "kernel [Dkv, K, H], bias [K, H]",
-    "W_o": "kernel [N, H, Dout], bias [Dout]",
-    "q_norm": "scale [H]",
-    "k_norm": "scale [H]",
-}
+Params = multi_head_params.Params
 QK_NORM_EPSILON = 1e-6  # flax nnx.RMSNorm's default
-
-
-class HeadDims(NamedTuple):
-  """The sizes a multi-head parameter dict implies."""
-  num_heads: int  # N
-  num_kv_heads: int  # K
-  head_dim: int  # H
-  d_model: int  # D, query features
-  kv_features: int  # Dkv, key/value features
-  out_features: int  # Dout
-  normalize_qk: bool  # q_norm/k_norm present
-
-
-def check_dims(d_model: int, num_heads: int, *,
-               num_kv_heads: int | None = None, head_dim: int | None = None,
-               kv_features: int | None = None,
-               out_features: int | None = None) -> HeadDims:
-  """Validates the sizes of a layer to build; fills the defaults.
-
-  ``num_kv_heads`` defaults to ``num_heads``, ``head_dim`` to
-  ``d_model // num_heads`` (then ``num_heads`` must divide ``d_model``),
-  ``kv_features`` and ``out_features`` to ``d_model``.
-
-  Example:
-    >>> check_dims(16, 4, num_kv_heads=2).head_dim
-    4
-  """
-  _checks.check_positive_int("d_model", d_model)
-  _checks.check_positive_int("num_heads", num_heads)
-  if head_dim is None:
-    if d_model % num_heads:
-      raise ValueError(
-          f"d_model={d_model} must be divisible by num_heads={num_heads}: "
-          f"head_dim defaults to d_model // num_heads; pass head_dim= to "
-          f"choose it.")
-    head_dim = d_model // num_heads
-  _checks.check_positive_int("head_dim", head_dim)
-  num_kv_heads = _checks.check_head_counts(num_heads * head_dim, num_heads,
-                                           num_kv_heads)
-  kv_features = d_model if kv_features is None else kv_features
-  out_features = d_model if out_features is None else out_features
-  _checks.check_positive_int("kv_features", kv_features)
-  _checks.check_positive_int("out_features", out_features)
-  return HeadDims(num_heads, num_kv_heads, head_dim, d_model, kv_features,
-                  out_features, False)
-
-
-def init_multi_head_params(
-    rng: jax.Array,
-    d_model: int,
-    num_heads: int,
-    *,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    kv_features: int | None = None,
-    out_features: int | None = None,
-    use_bias: bool = True,
-    normalize_qk: bool = False,
-    dtype: jnp.dtype = jnp.float32,
-) -> Params:
-  """Initialises ``W_q``, ``W_k``, ``W_v``, ``W_o`` for ``multi_head_attention``.
-
-  Kernels are LeCun-normal, drawn as flax's ``LinearGeneral`` draws them: on
-  the flat 2-D shape (``[D, N*H]``, ``[N*H, Dout]``, so fan-in is ``D`` and
-  ``N*H``), then reshaped per head. Biases are zero, qk-norm scales one.
-
-  Args:
-    rng: ``jax.random.key``.
-    d_model: ``D``, query features.
-    num_heads: ``N``.
-    num_kv_heads: ``K``; must divide ``num_heads``. ``None`` means ``N``.
-    head_dim: ``H``; ``None`` means ``D // N`` (then ``N`` must divide ``D``).
-    kv_features: ``Dkv``, key/value input features; ``None`` means ``D``.
-    out_features: ``Dout``, output features; ``None`` means ``D``.
-    use_bias: whether each projection has a bias.
-    normalize_qk: add ``q_norm`` and ``k_norm`` (RMSNorm scales of the
-      projected queries and keys, per head).
-    dtype: parameter dtype.
-
-  Returns:
-    ``{"W_q": {"kernel": [D, N, H], "bias": [N, H]}, "W_k": {"kernel":
-    [Dkv, K, H], "bias": [K, H]}, "W_v": (as W_k), "W_o": {"kernel":
-    [N, H, Dout], "bias": [Dout]}}`` (no ``"bias"`` entries when
-    ``use_bias=False``), plus ``"q_norm"``/``"k_norm"``: ``{"scale": [H]}``
-    with ``normalize_qk``.
-
-  Example:
-    >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)
-    >>> p["W_q"]["kernel"].shape, p["W_k"]["kernel"].shape
-    ((8, 4, 2), (8, 2, 2))
-    >>> p["W_o"]["kernel"].shape
-    (4, 2, 8)
-  """
-  n, k, h, d, dkv, dout, _ = check_dims(
-      d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-      kv_features=kv_features, out_features=out_features)
-  init = jax.nn.initializers.lecun_normal()
-  shapes = {  # name: (kernel shape, bias shape)
-      "W_q": ((d, n, h), (n, h)),
-      "W_k": ((dkv, k, h), (k, h)),
-      "W_v": ((dkv, k, h), (k, h)),
-      "W_o": ((n, h, dout), (dout,)),
-  }
-  params = {}
-  for rng_i, (name, (shape, bias_shape)) in zip(jax.random.split(rng, 4),
-                                                 shapes.items()):
-    fan_in = shape[0] if name != "W_o" else n * h
-    flat = (fan_in, math.prod(shape) // fan_in)  # LinearGeneral's 2-D draw
-    params[name] = {"kernel": init(rng_i, flat, dtype).reshape(shape)}
-    if use_bias:
-      params[name]["bias"] = jnp.zeros(bias_shape, dtype)
-  if normalize_qk:
-    for name in ("q_norm", "k_norm"):
-      params[name] = {"scale": jnp.ones((h,), dtype)}
-  return params
-
-
-def _layer(params, name: str) -> Mapping[str, Any]:
-  layer = params.get(name)
-  allowed = {"scale"} if name.endswith("norm") else {"kernel", "bias"}
-  need = "scale" if name.endswith("norm") else "kernel"
-  if not isinstance(layer, Mapping) or need not in layer:
-    got = (f"keys {sorted(layer)}" if isinstance(layer, Mapping)
-           else type(layer).__name__)
-    raise ValueError(f"params['{name}'] must be a dict with {LAYOUT[name]}; "
-                     f"got {got}.")
-  extra = set(layer) - allowed
-  if extra:
-    raise ValueError(f"params['{name}'] has unexpected entries "
-                     f"{sorted(extra)}; its layout is {LAYOUT[name]}.")
-  return layer
-
-
-def _shape(params, name: str, entry: str) -> tuple[int, ...]:
-  return _checks.shape_of(params[name][entry])
-
-
-def _wrong(params, name: str, entry: str, expected: str, why: str = ""):
-  got = _shape(params, name, entry)
-  flat = ""
-  if entry == "kernel" and len(got) == 2:
-    flat = (" Flat [in, out] kernels reshape per head: W_q/W_k/W_v "
-            "kernel.reshape(D, heads, H) and bias.reshape(heads, H), W_o "
-            "kernel.reshape(N, H, Dout).")
-  return ValueError(f"params['{name}']['{entry}'] has shape {got}, expected "
-                    f"{expected}{why} ({name}: {LAYOUT[name]}).{flat}")
-
-
-def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
-               num_kv_heads: int | None = None) -> HeadDims:
-  """Validates a multi-head parameter dict and reads its sizes.
-
-  Args:
-    params: ``{"W_q", "W_k", "W_v", "W_o"}`` (and optionally ``"q_norm"``,
-      ``"k_norm"``) in the layout of ``init_multi_head_params``.
-    num_heads: when given, must equal the ``N`` of ``W_q``.
-    num_kv_heads: when given, must equal the ``K`` of ``W_k``/``W_v``.
-
-  Returns:
-    ``HeadDims(N, K, H, D, Dkv, Dout, normalize_qk)``.
-
-  Raises:
-    ValueError: naming the parameter, its shape and the expected layout.
-
-  Example:
-    >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)
-    >>> param_dims(p)[:3]  # N, K, H
-    (4, 2, 2)
-  """
-  if not isinstance(params, Mapping):
-    raise TypeError(f"params must be a dict of W_q, W_k, W_v, W_o (see "
-                    f"init_multi_head_params), got {type(params).__name__}.")
-  unknown = set(params) - set(LAYOUT)
-  if unknown:
-    raise ValueError(f"params has unexpected entries {sorted(unknown)}; "
-                     f"multi-head params are {list(LAYOUT)}.")
-  for name in ("W_q", "W_k", "W_v", "W_o"):
-    if name not in params:
-      raise ValueError(f"params must have {name} ({LAYOUT[name]}), got keys "
-                       f"{sorted(params)}.")
-    _layer(params, name)
-  q = _shape(params, "W_q", "kernel")
-  if len(q) != 3:
-    raise _wrong(params, "W_q", "kernel", "[D, N, H]")
-  d, n, h = q
-  k_kernel = _shape(params, "W_k", "kernel")
-  if len(k_kernel) != 3 or k_kernel[2] != h:
-    raise _wrong(params, "W_k", "kernel", f"[Dkv, K, H] with H={h} (W_q's "
-                 f"head dim)")
-  dkv, k = k_kernel[:2]
-  if n % k:
-    raise _wrong(params, "W_k", "kernel", "[Dkv, K, H]",
-                 f": its K={k} heads must divide W_q's N={n} heads")
-  if _shape(params, "W_v", "kernel") != k_kernel:
-    raise _wrong(params, "W_v", "kernel", f"{k_kernel}, as W_k's")
-  o = _shape(params, "W_o", "kernel")
-  if len(o) != 3 or o[:2] != (n, h):
-    raise _wrong(params, "W_o", "kernel", f"[N, H, Dout] with N={n}, H={h} "
-                 f"(W_q's heads and head dim)")
-  dout = o[2]
-  biases = {"W_q": (n, h), "W_k": (k, h), "W_v": (k, h), "W_o": (dout,)}
-  for name, shape in biases.items():
-    if "bias" in params[name] and _shape(params, name, "bias") != shape:
-      raise _wrong(params, name, "bias", str(shape))
-  norms = [name for name in ("q_norm", "k_norm") if name in params]
-  if len(norms) == 1:
-    raise ValueError(f"params has {norms[0]} but not "
-                     f"{({'q_norm', 'k_norm'} - set(norms)).pop()}: qk-norm "
-                     "needs both (each {'scale': [H]}).")
-  for name in norms:
-    _layer(params, name)
-    if _shape(params, name, "scale") != (h,):
-      raise _wrong(params, name, "scale", f"({h},) = [H]")
-  for arg, value, got, what, layer in (
-      ("num_heads", num_heads, n, "heads", "W_q"),
-      ("num_kv_heads", num_kv_heads, k, "key/value heads", "W_k")):
-    if value is not None:
-      _checks.check_positive_int(arg, value)
-      if value != got:
-        raise ValueError(
-            f"{arg}={value} but params['{layer}']['kernel'] has shape "
-            f"{_shape(params, layer, 'kernel')}: {got} {what}. The head "
-            f"counts are read from the params; pass params built for {arg}="
-            f"{value} or leave {arg} out.")
-  return HeadDims(n, k, h, d, dkv, dout, bool(norms))
 
 
 def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, *,
@@ -473,6 +233,17 @@ def attend_heads(
   """
   _checks.check_static_bool("is_causal", is_causal)
   mask = mask_lib.as_mask(mask, is_causal=is_causal)
+  if isinstance(attention_fn, type):
+    raise TypeError(
+        f"attention_fn is the class {attention_fn.__name__}; pass a function "
+        f"with scaled_dot_product_attention's contract or an implementation "
+        f"(a kernel name, or an instance such as {attention_fn.__name__}()).")
+  if isinstance(attention_fn, (list, tuple)) and not all(
+      isinstance(x, (str, kernels.Kernel)) for x in attention_fn):
+    raise TypeError(
+        f"attention_fn as a list is implementations to try in order (kernel "
+        f"names or aj.kernels instances), got {attention_fn!r}; a function "
+        "with scaled_dot_product_attention's contract is passed alone.")
   if attention_fn is None or not callable(attention_fn) or isinstance(
       attention_fn, kernels.Kernel):
     attention_fn = functools.partial(
@@ -563,7 +334,7 @@ def _rope_positions(t: int, s: int, mask: Mask | None):
 
 
 def _check_inputs(query, key, value, cache: KVCache | None,
-                  params: Mapping[str, Any], dims: HeadDims) -> None:
+                  params: Mapping[str, Any], dims: multi_head_params.HeadDims) -> None:
   for name, x in (("query", query), ("key", key), ("value", value)):
     _checks.check_float_array(name, x)
   _checks.check_rank("query", query, (3,), "[B, T, D]")
@@ -577,13 +348,15 @@ def _check_inputs(query, key, value, cache: KVCache | None,
   if q_shape[-1] != dims.d_model:
     raise ValueError(
         f"query has {q_shape[-1]} features (shape {q_shape}), but "
-        f"params['W_q']['kernel'] has shape {_shape(params, 'W_q', 'kernel')}"
-        f": [D, N, H] with D={dims.d_model}.")
+        f"params['W_q']['kernel'] has shape "
+        f"{multi_head_params.param_shape(params, 'W_q', 'kernel')}: [D, N, H] "
+        f"with D={dims.d_model}.")
   if k_shape[-1] != dims.kv_features:
     raise ValueError(
         f"key and value have {k_shape[-1]} features (shape {k_shape}), but "
-        f"params['W_k']['kernel'] has shape {_shape(params, 'W_k', 'kernel')}"
-        f": [Dkv, K, H] with Dkv={dims.kv_features}. Keys of another width "
+        f"params['W_k']['kernel'] has shape "
+        f"{multi_head_params.param_shape(params, 'W_k', 'kernel')}: [Dkv, K, H] "
+        f"with Dkv={dims.kv_features}. Keys of another width "
         f"need params built with kv_features={k_shape[-1]}.")
   if q_shape[0] != k_shape[0]:
     raise ValueError(f"query {q_shape} and key {k_shape} must have the same "

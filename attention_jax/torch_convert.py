@@ -25,6 +25,7 @@ import numpy as np
 
 from attention_jax import _checks
 from attention_jax import multi_head
+from attention_jax import multi_head_params
 
 _KNOWN = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight",
           "v_proj_weight", "out_proj.weight", "out_proj.bias", "bias_k",
@@ -215,7 +216,7 @@ def to_torch_multihead_attention(
       sd = aj.to_torch_multihead_attention(params)
       torch.nn.MultiheadAttention(E, N, batch_first=True).load_state_dict(sd)
   """
-  n, k, h, d, dkv, dout, qk_norm = multi_head.param_dims(params)
+  n, k, h, d, dkv, dout, qk_norm = multi_head_params.param_dims(params)
   cannot = []
   if k != n:
     cannot.append(f"grouped-query heads (K={k} key/value heads for N={n})")

@@ -30,6 +30,7 @@ from attention_jax import _checks
 from attention_jax import decoding
 from attention_jax import mask as mask_lib
 from attention_jax import multi_head
+from attention_jax import multi_head_params
 from attention_jax import score_mods
 from attention_jax import sharding
 from attention_jax.mask import Mask
@@ -210,7 +211,7 @@ class MultiHeadAttention(nnx.Module):
       t5_bias: score_mods.T5Bias | None = None,
       rope: float | None = None,
   ):
-    dims = multi_head.check_dims(
+    dims = multi_head_params.check_dims(
         d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         kv_features=kv_features, out_features=out_features)
     num_kv_heads = dims.num_kv_heads
@@ -337,7 +338,7 @@ class MultiHeadAttention(nnx.Module):
       >>> bool(jnp.array_equal(a(x), b(x)))
       True
     """
-    multi_head.param_dims(params)  # a valid layout, with its own messages
+    multi_head_params.param_dims(params)  # a valid layout, with its own messages
     mine = self._layers()
     if set(params) != set(mine):
       raise ValueError(
@@ -356,7 +357,7 @@ class MultiHeadAttention(nnx.Module):
         if got != tuple(want):
           raise ValueError(
               f"params['{name}']['{entry}'] has shape {got}, but this "
-              f"module's is {tuple(want)} ({multi_head.LAYOUT[name]}; "
+              f"module's is {tuple(want)} ({multi_head_params.LAYOUT[name]}; "
               f"d_model={self.d_model}, num_heads={self.num_heads}, "
               f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
               f"kv_features={self.kv_features}, "
