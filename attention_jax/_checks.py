@@ -373,6 +373,21 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                                     1, leading_rank, "[S] or [B, S]")
   block_mask = None
   rule_t, rule_s = rule_lengths or (t, s)
+  if isinstance(rule, mask_lib.Union):
+    # Each member is held to what it would be held to alone (its arrays are
+    # read elementwise, where a misfit would clamp instead of raising).
+    for member in rule.members():
+      attention_operands(query, key, value, member, rule_lengths=rule_lengths)
+  examples = getattr(mask_lib.rule_function(rule), "examples", None)
+  if examples is not None:
+    lead = q_shape[:-2]
+    batch = lead[-2] if len(lead) > 1 else (lead[0] if lead else None)
+    if batch != examples:
+      raise ValueError(
+          f"the mask's rule holds one rule per example ({examples} examples, "
+          f"e.g. per-example prefix lengths [{examples}]), but the operands "
+          f"{q_shape} have batch {batch}: give the rule one entry per "
+          "example of this batch.")
   if rule is not None and not isinstance(rule, mask_lib.BlockMask):
     fn = rule.bound(rule_t, rule_s) if isinstance(rule, mask_lib.Union) \
         else rule
@@ -421,8 +436,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   batch_shape = broadcast_shapes(what, **leading)
   all_lengths = {}
   for name, given, upper in (
-      ("the mask's kv_lengths", key_value_seq_lengths, s),
-      ("the mask's q_lengths", query_seq_lengths, t)):
+      ("the mask's kv_lengths", key_value_seq_lengths, rule_s),
+      ("the mask's q_lengths", query_seq_lengths, rule_t)):
     lengths = all_lengths[name] = check_lengths(name, given)
     if lengths is None:
       continue
@@ -430,10 +445,9 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     # leading dims would otherwise be read as per-head lengths when B == N.
     if lengths.ndim not in (0, len(batch_shape)):
       raise ValueError(
-          f"{name} with shape {lengths.shape} must have one axis per "
-          f"leading dim of the operands {batch_shape} (size 1 to "
-          f"broadcast), e.g. lengths[:, None] for [B, N, T, H] inputs, or "
-          f"be a scalar.")
+          f"{name} with shape {lengths.shape} does not fit the leading dims "
+          f"{batch_shape}: lengths are a scalar, [B] per example (aligned "
+          f"to the left of the leading dims) or [B, N] per head.")
     check_concrete_range(name, given, upper)
     leading[name] = lengths.shape
   if (query_segment_ids is None) != (key_segment_ids is None):

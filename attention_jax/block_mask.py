@@ -25,6 +25,8 @@ blockwise kernel builds its tables at its own block sizes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -272,12 +274,7 @@ def prefix_lm_mask_fn(prefix_len) -> MaskFn:
   """
   if np.ndim(prefix_len) == 0 and not isinstance(prefix_len, jax.Array):
     _checks.check_positive_int("prefix_len", prefix_len)
-
-    def mask_fn(b, h, q_idx, kv_idx):
-      del b, h
-      return (kv_idx < prefix_len) | (kv_idx <= q_idx)
-
-    return mask_fn
+    return _PrefixLM(int(prefix_len))
   if np.ndim(prefix_len) == 0 and jnp.issubdtype(jnp.result_type(prefix_len),
                                                  jnp.integer):
     return MaskRule(_prefix_shared, prefix_len)  # one (traced) length
@@ -312,9 +309,25 @@ def chunked_mask_fn(chunk: int) -> MaskFn:
     [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
   """
   _checks.check_positive_int("chunk", chunk)
+  return _Chunked(int(chunk))
 
-  def mask_fn(b, h, q_idx, kv_idx):
+
+# The built-in rules with Python-int settings are values (hashable by their
+# settings), so a Mask holding one is the same static structure on every
+# call: jit traces once, not once per freshly built closure.
+@dataclasses.dataclass(frozen=True)
+class _PrefixLM:
+  length: int
+
+  def __call__(self, b, h, q_idx, kv_idx):
     del b, h
-    return (q_idx // chunk) == (kv_idx // chunk)
+    return (kv_idx < self.length) | (kv_idx <= q_idx)
 
-  return mask_fn
+
+@dataclasses.dataclass(frozen=True)
+class _Chunked:
+  chunk: int
+
+  def __call__(self, b, h, q_idx, kv_idx):
+    del b, h
+    return (q_idx // self.chunk) == (kv_idx // self.chunk)

@@ -83,9 +83,11 @@ def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
     h = jnp.arange(num_heads)[None, :, None, None]  # [1, N, 1, 1]
     rule = mask.rule
     if isinstance(rule, mask_lib.Union):
-      raise ValueError("a union of masks is not supported while decoding; "
-                       "write it as one rule (aj.MaskRule).")
-    fn = getattr(rule, "mask_fn", rule)
+      raise ValueError("a union (|) of masks is not supported while "
+                       "decoding (cache slots hold other positions than "
+                       "its members' arrays): write it as one rule, "
+                       "aj.MaskRule(fn, params).")
+    fn = mask_lib.rule_function(rule)
     visible = visible & jnp.asarray(fn(b, h, qp[:, None], kp[:, None]))
   dense = visible if mask.dense is None else (
       visible & (jnp.asarray(mask.dense) != 0))

@@ -240,6 +240,9 @@ class Mask:
           f"{type(rule).__name__}.")
     self.rule = rule
 
+  # NumPy arrays defer to Mask's & and | (instead of an object array).
+  __array_ufunc__ = None
+
   # -- pytree ----------------------------------------------------------
   def tree_flatten(self):
     rule_is_data = _is_pytree_rule(self.rule)
@@ -304,14 +307,16 @@ class Mask:
       parts.append(f"rule={self.rule!r}")
     return f"Mask({', '.join(parts)})"
 
-  def jax_nn_arguments(self, t: int, s: int) -> dict[str, Any]:
+  def jax_nn_arguments(self, t: int, s: int,
+                       batch: int | None = None) -> dict[str, Any]:
     """This mask as ``jax.nn.dot_product_attention``'s keywords, for
     ``[B, N, T, S]`` logits (``mask`` then in jax.nn's ``[B, N, T, S]``).
 
     jax.nn aligns causality and windows top-left; they agree with ours when
-    ``T == S`` and otherwise become an explicit band. Lengths must be one
-    per example (``[B]``). Segment ids and rules have no jax.nn
-    counterpart: a ``ValueError`` says so.
+    ``T == S`` and otherwise become an explicit band. Lengths become one
+    per example (``[B]``; a scalar needs ``batch``). Segment ids and rules
+    have no jax.nn counterpart: a ``ValueError`` says so. (A row that may
+    see no key is the mean of the values in jax.nn, 0 here.)
 
     Example:
       >>> Mask(causal=True, window=(3, 0)).jax_nn_arguments(5, 5)
@@ -345,15 +350,23 @@ class Mask:
           raise ValueError(
               f"jax.nn takes one length per example ([B]); this mask's "
               f"{name} has shape {np.shape(x)}.")
-        out[name] = jnp.reshape(jnp.asarray(x, jnp.int32), (-1,))
+        x = jnp.reshape(jnp.asarray(x, jnp.int32), (-1,))
+        if np.ndim(x) == 1 and x.shape[0] == 1 and batch != 1:
+          if batch is None:
+            raise ValueError(
+                f"jax.nn takes one length per example ([B]); this mask's "
+                f"{name} is one for all: pass batch=B to broadcast it.")
+          x = jnp.broadcast_to(x, (batch,))
+        out[name] = x
     return out
 
   def evaluate(self, b, h, q_idx, kv_idx, t: int, s: int) -> jax.Array:
     """The element predicate: may query ``q_idx`` see key ``kv_idx``?
 
-    ``b``/``h`` index the leading dims as for a rule (batch, then query
-    head); ``t``/``s`` are the lengths (for the bottom-right alignment).
-    Used for unions; kernels evaluate intersections field by field.
+    ``b``/``h`` are int32 scalars (batch, then query head; broadcast index
+    arrays when the mask holds no arrays, as a rule gets them); ``t``/``s``
+    are the lengths (for the bottom-right alignment). Used for unions;
+    kernels evaluate intersections field by field.
     """
     q_idx, kv_idx = jnp.asarray(q_idx), jnp.asarray(kv_idx)
     ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)),
@@ -379,19 +392,29 @@ class Mask:
     if self.rule is not None:
       rule = self.rule
       if isinstance(rule, Union):
-        ok = ok & rule.bound(t, s)(b, h, q_idx, kv_idx)
-      else:
-        ok = ok & _rule_fn(rule)(b, h, q_idx, kv_idx)
+        rule = rule.bound(t, s)
+      ok = ok & _rule_fn(rule)(b, h, q_idx, kv_idx)
     return ok
 
 
 def _is_pytree_rule(rule) -> bool:
-  return isinstance(rule, (MaskRule, BlockMask, Union))
+  return isinstance(rule, (MaskRule, BlockMask, Union, Both))
 
 
 def _rule_fn(rule):
   """The predicate of a rule value (a BlockMask's is its ``mask_fn``)."""
   return getattr(rule, "mask_fn", rule)
+
+
+def rule_function(rule):
+  """The callable of a rule value (None for none or a union)."""
+  if rule is None or isinstance(rule, Union):
+    return None
+  return _rule_fn(rule)
+
+
+def _has_arrays(m: Mask) -> bool:
+  return any(getattr(m, f) is not None for f in _FIELDS)
 
 
 def _per_index(x, b, h, core: int):
@@ -448,27 +471,62 @@ def _and_dense(a, b):
 def _and_rules(a, b):
   if a is None or b is None:
     return a if b is None else b
-  return Union(Mask(rule=a), Mask(rule=b), conjunction=True)
+  return Both(a, b)
+
+
+@jax.tree_util.register_pytree_node_class
+class Both:
+  """``a & b`` of two rules: one vectorised rule (tables built afresh)."""
+
+  def __init__(self, a, b):
+    self.a, self.b = a, b
+    sizes = {getattr(r, "examples", None) for r in (a, b)} - {None}
+    self.examples = sizes.pop() if len(sizes) == 1 else None
+    if len(sizes) > 1:
+      raise ValueError(f"the two rules are written for different batch sizes "
+                       f"({sorted(sizes)} examples).")
+
+  def __call__(self, b, h, q_idx, kv_idx):
+    return (_rule_fn(self.a)(b, h, q_idx, kv_idx)
+            & _rule_fn(self.b)(b, h, q_idx, kv_idx))
+
+  def tree_flatten(self):
+    rules = (self.a, self.b)
+    children = tuple(r if _is_pytree_rule(r) else None for r in rules)
+    aux = tuple(None if _is_pytree_rule(r) else r for r in rules)
+    return children, aux
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*(c if f is None else f for c, f in zip(children, aux)))
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Union:
-  """``a | b`` (or, with ``conjunction``, ``a & b`` of two rules) of masks,
-  evaluated elementwise; ``bound(t, s)`` is its rule at given lengths."""
+  """``a | b`` of two masks, evaluated elementwise; ``bound(t, s)`` is its
+  rule at given lengths (the alignment of causality and windows)."""
   a: Mask
   b: Mask
-  conjunction: bool = False
 
   def tree_flatten(self):
-    return (self.a, self.b), self.conjunction
+    return (self.a, self.b), None
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(*children, conjunction=aux)
+    del aux
+    return cls(*children)
+
+  def members(self):
+    """Every mask inside this union, nested unions opened (a mask holding a
+    union comes first, then the union's members)."""
+    for m in (self.a, self.b):
+      yield m
+      if isinstance(m.rule, Union):
+        yield from m.rule.members()
 
   def bound(self, t: int, s: int) -> MaskRule:
-    return MaskRule(_Bound(t, s, self.conjunction), (self.a, self.b))
+    return MaskRule(Bound(t, s), (self.a, self.b))
 
   def __call__(self, *args):
     raise TypeError("a mask union needs the lengths to be evaluated; the "
@@ -476,31 +534,37 @@ class Union:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Bound:
+class Bound:
   """A union's predicate at lengths ``(t, s)``; hashable by value."""
   t: int
   s: int
-  conjunction: bool
 
   def __call__(self, b, h, q_idx, kv_idx, masks):
-    def one(b, h, q_idx, kv_idx):
-      a, c = (m.evaluate(b, h, q_idx, kv_idx, self.t, self.s) for m in masks)
-      return (a & c) if self.conjunction else (a | c)
+    a, c = (_member(m, b, h, q_idx, kv_idx, self.t, self.s) for m in masks)
+    return a | c
 
-    b, h = jnp.asarray(b), jnp.asarray(h)
-    if b.ndim == 0 and h.ndim == 0:  # inside a kernel: one (b, h)
-      return one(b, h, q_idx, kv_idx)
-    # Building block tables: index arrays [..., 1, 1] over the batch axes;
-    # each (b, h) is evaluated on its own (the masks index by scalars).
-    shape = jnp.broadcast_shapes(b.shape, h.shape)
-    q = jnp.reshape(jnp.asarray(q_idx), jnp.shape(q_idx)[-2:])  # [bq, 1]
-    kv = jnp.reshape(jnp.asarray(kv_idx), jnp.shape(kv_idx)[-2:])  # [1, S]
-    rows, cols = q.shape[0], kv.shape[1]
-    out = jax.vmap(lambda b, h: jnp.broadcast_to(one(b, h, q, kv),
-                                                 (rows, cols)))(
-        jnp.broadcast_to(b, shape).reshape(-1),
-        jnp.broadcast_to(h, shape).reshape(-1))
-    return out.reshape(shape[:-2] + (rows, cols))
+
+def _member(m: Mask, b, h, q_idx, kv_idx, t: int, s: int):
+  """One member of a union at index arrays that broadcast.
+
+  A member without arrays is its band (and rule, called vectorised, as
+  rules are written), so it depends on ``b``/``h`` only as its rule does and
+  its block tables stay shared; one with arrays is evaluated per ``(b,
+  h)`` (its arrays are indexed by scalars).
+  """
+  b, h = jnp.asarray(b), jnp.asarray(h)
+  if (b.ndim == 0 and h.ndim == 0) or not _has_arrays(m):
+    return m.evaluate(b, h, q_idx, kv_idx, t, s)
+  # Index arrays [..., 1, 1] over the batch axes (building block tables).
+  shape = jnp.broadcast_shapes(b.shape, h.shape)
+  q = jnp.reshape(jnp.asarray(q_idx), jnp.shape(q_idx)[-2:])  # [bq, 1]
+  kv = jnp.reshape(jnp.asarray(kv_idx), jnp.shape(kv_idx)[-2:])  # [1, S]
+  rows, cols = q.shape[0], kv.shape[1]
+  out = jax.vmap(lambda b, h: jnp.broadcast_to(
+      m.evaluate(b, h, q, kv, t, s), (rows, cols)))(
+          jnp.broadcast_to(b, shape).reshape(-1),
+          jnp.broadcast_to(h, shape).reshape(-1))
+  return out.reshape(shape[:-2] + (rows, cols))
 
 
 def as_mask(mask: Any, *, is_causal: bool = False) -> Mask | None:

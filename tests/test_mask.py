@@ -10,6 +10,7 @@ import functools
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,10 +112,10 @@ class MaskTest(parameterized.TestCase):
     # block's first key block is full, the first query block's last empty.
     problem = base.canonicalize(q, k, v, mask)
     ops = flash.with_rule_tables(problem.ops, 4, 4)
-    kinds = np.asarray(ops.block_mask.kinds)  # [B, N, nq, nk]
-    self.assertEqual(kinds.shape, (B, N, 3, 3))
-    self.assertEqual(kinds[0, 1].tolist(), [[1, 0, 0], [2, 1, 0], [2, 2, 1]])
-    self.assertEqual(kinds[1, 1].tolist(), [[2, 1, 0], [2, 1, 0], [2, 2, 1]])
+    kinds = np.asarray(ops.block_mask.kinds)  # [B, 1, nq, nk]: per example
+    self.assertEqual(kinds.shape, (B, 1, 3, 3))
+    self.assertEqual(kinds[0, 0].tolist(), [[1, 0, 0], [2, 1, 0], [2, 2, 1]])
+    self.assertEqual(kinds[1, 0].tolist(), [[2, 1, 0], [2, 1, 0], [2, 2, 1]])
 
   def test_per_example_arrays_align_to_the_left(self):
     q, k, v = _qkv()
@@ -167,6 +168,81 @@ class MaskTest(parameterized.TestCase):
     np.testing.assert_allclose(ours, theirs, atol=TOL)
     with self.assertRaisesRegex(ValueError, "no counterpart for segment"):
       aj.Mask(q_segment_ids=jnp.zeros((T,), jnp.int32)).jax_nn_arguments(T, T)
+
+
+class UnionAndRuleTest(absltest.TestCase):
+  """What a union's members and the built-in rules are held to."""
+
+  def test_union_members_are_validated_like_masks(self):
+    q, k, v = _qkv()  # T = 12 queries over S = 16 keys
+    ids = jnp.zeros((T,), jnp.int32)
+    bad = {
+        "segment ids of the wrong length (query ids defaulted for keys)":
+            aj.Mask(q_segment_ids=ids),
+        "a dense member of too low a rank": aj.Mask(dense=jnp.ones((B, S),
+                                                                   bool)),
+        "lengths for another batch": aj.Mask(kv_lengths=jnp.arange(5)),
+    }
+    for what, member in bad.items():
+      with self.subTest(what), self.assertRaises(ValueError):
+        aj.scaled_dot_product_attention(q, k, v,
+                                        member | aj.Mask(causal=True))
+
+  def test_a_union_shares_tables_unless_a_member_reads_arrays(self):
+    q, k, v = _qkv(T, T)
+    shared = aj.Mask(causal=True) | aj.Mask(rule=aj.chunked_mask_fn(4))
+    per_example = aj.Mask(causal=True) | aj.Mask(
+        rule=aj.prefix_lm_mask_fn(jnp.array([3, 7])))
+    for mask, batch in ((shared, ()), (per_example, (B, 1))):
+      ops = flash.with_rule_tables(base.canonicalize(q, k, v, mask).ops, 4, 4)
+      self.assertEqual(ops.block_mask.batch_shape, batch)
+
+  def test_rule_and_rule_is_one_rule_and_decodes(self):
+    layer = aj.MultiHeadAttention(16, 2, rngs=nnx.Rngs(0), mask=aj.Mask(
+        causal=True, rule=aj.chunked_mask_fn(4)))
+    x = _data.normal(74, (B, 7, 16))
+    prefix = aj.Mask(rule=aj.prefix_lm_mask_fn(2))
+    full = layer(x, mask=prefix)
+    layer.init_cache(B, 8)
+    steps = [layer(x[:, :3], mask=prefix, decode=True)]
+    steps += [layer(x[:, i:i + 1], mask=prefix, decode=True)
+              for i in range(3, 7)]
+    # Causal & chunked & (prefix | causal) = causal & chunked: decoding
+    # (rules at absolute positions) equals the full forward.
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=TOL)
+
+  def test_per_example_rules_are_checked_against_the_batch(self):
+    q, k, v = _qkv(T, T)
+    rule = aj.Mask(rule=aj.prefix_lm_mask_fn(jnp.array([3, 6, 9])))
+    with self.assertRaisesRegex(ValueError, "3 examples.*batch 2"):
+      aj.scaled_dot_product_attention(q, k, v, rule)
+    one = aj.Mask(rule=aj.prefix_lm_mask_fn(jnp.array([5])))
+    got = aj.scaled_dot_product_attention(
+        q[:1], k[:1], v[:1], one, implementation=flash.Flash(4, 4))
+    i, j = _grid(T, T)
+    want = reference.sdpa(q[:1], k[:1], v[:1],
+                          np.broadcast_to((j < 5) | (j <= i), (1, N, T, T)))[0]
+    np.testing.assert_allclose(got, want, atol=TOL)
+
+  def test_built_in_rules_trace_once(self):
+    q, k, v = _qkv(T, T)
+    traces = []
+
+    @jax.jit
+    def run(q, mask):
+      traces.append(1)
+      return aj.scaled_dot_product_attention(q, k, v, mask)
+
+    for _ in range(3):
+      run(q, aj.Mask(rule=aj.chunked_mask_fn(4)))
+      run(q, aj.Mask(rule=aj.prefix_lm_mask_fn(3)))
+    self.assertLen(traces, 2)
+
+  def test_numpy_arrays_combine_with_masks(self):
+    dense = np.ones((1, 1, T, S), bool)
+    combined = dense & aj.Mask(causal=True)
+    self.assertIsInstance(combined, aj.Mask)
+    self.assertTrue(combined.causal)
 
 
 class KernelInterfaceTest(absltest.TestCase):

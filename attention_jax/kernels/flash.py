@@ -76,6 +76,8 @@ def with_rule_tables(ops: _checks.Operands, block_q: int, block_k: int):
     return ops
   t, s = bm.shape
   batch = _checks.rule_batch(bm.mask_fn, ops.leading, s)
+  if not batch and getattr(bm.mask_fn, "examples", None) is not None:
+    batch = (1,) * len(ops.leading)  # a per-example rule at batch 1
   built = block_mask_lib.block_mask(bm.mask_fn, t, s, batch=batch,
                                     block_q=block_q, block_k=block_k)
   if batch:

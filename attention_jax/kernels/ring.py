@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from attention_jax import _broadcast
 from attention_jax import _numerics
+from attention_jax import mask as mask_lib
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 from attention_jax.mask import BlockMask
@@ -270,6 +271,15 @@ class Ring(base.Kernel):
                 "documents as Mask fields and other rules as "
                 "Mask(rule=...) over the global indices, or gather the "
                 "sequence and use the blockwise kernel")
+    rule = None if ops.block_mask is None else ops.block_mask.mask_fn
+    masks = getattr(rule, "params", None)
+    if isinstance(getattr(rule, "fn", None), mask_lib.Bound):  # a union
+      for m in mask_lib.Union(*masks).members():
+        if m.dense is not None or m.q_segment_ids is not None:
+          return ("it takes no dense mask or segment ids inside a union of "
+                  "masks (a union is evaluated on global indices, where "
+                  "this device's ids and a local dense mask do not apply); "
+                  "put segment ids in the mask itself, not in a union")
     return (base.no_weights_or_dropout(problem)
             or base.float32_only(problem))
 

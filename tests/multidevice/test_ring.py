@@ -219,6 +219,26 @@ class RingAttentionTest(parameterized.TestCase):
     with self.assertRaises(TypeError):  # the keyword is gone
       aj.ring_attention(x, x, x, axis_name="seq", bias=jnp.ones((1, 8, 8)))
 
+  def test_global_lengths_and_unions_with_local_arrays(self):
+    # Lengths are global: 6 keys of 2 devices x 4 are accepted and equal
+    # blockwise on the gathered sequence; a union holding this device's
+    # segment ids (evaluated on global indices) is refused, not misread.
+    x = _data.normal(90, (1, 8, 8))  # [B, T, H], T split over "seq"
+    spec = P(None, "seq")
+    mask = aj.Mask(causal=True, kv_lengths=6)
+    ring = jax.shard_map(lambda q: aj.ring_attention(q, q, q, mask,
+                                                     axis_name="seq"),
+                         mesh=_mesh(2), in_specs=spec, out_specs=spec)
+    np.testing.assert_allclose(ring(x), aj.blockwise_attention(x, x, x, mask),
+                               atol=1e-5)  # float32, 8 keys
+    ids = jnp.array([[0, 0, 1, 1]])  # this device's [B, T]
+    union = jax.shard_map(
+        lambda q: aj.ring_attention(
+            q, q, q, aj.Mask(q_segment_ids=ids) | aj.Mask(window=0),
+            axis_name="seq"), mesh=_mesh(2), in_specs=spec, out_specs=spec)
+    with self.assertRaisesRegex(ValueError, "segment ids inside a union"):
+      union(x)
+
 
 if __name__ == "__main__":
   absltest.main()
