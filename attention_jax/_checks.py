@@ -129,13 +129,20 @@ def check_dropout_rate(dropout_rate) -> None:
 
 
 def check_dropout(dropout_rate, dropout_rng) -> None:
-  """Rate in [0, 1); a positive rate needs a key (no silent no-op)."""
+  """Rate in [0, 1); a positive rate needs a key (no silent no-op).
+
+  A rate given as an array (traced, so it may be positive) needs a key too:
+  without one it would be ignored.
+  """
   check_dropout_rate(dropout_rate)
-  if (isinstance(dropout_rate, (int, float, np.number)) and dropout_rate > 0.0
-      and dropout_rng is None):
+  python_number = isinstance(dropout_rate, (int, float, np.number))
+  if dropout_rng is None and (not python_number or dropout_rate > 0.0):
+    what = (f"dropout_rate={dropout_rate}" if python_number else
+            f"a dropout_rate given as an array (shape "
+            f"{shape_of(dropout_rate)})")
     raise ValueError(
-        f"dropout_rate={dropout_rate} needs a dropout_rng (a "
-        "jax.random.key); pass dropout_rate=0.0 for deterministic use.")
+        f"{what} needs a dropout_rng (a jax.random.key); pass the Python "
+        "float dropout_rate=0.0 for deterministic use.")
 
 
 def check_lengths(name: str, lengths) -> jax.Array | None:

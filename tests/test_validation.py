@@ -77,6 +77,10 @@ CASES = [
      ValueError, r"dropout_rate must be in \[0, 1\), got -0.1"),
     ("sdpa_dropout_no_rng", lambda: sdpa(Q, K, V, dropout_rate=0.2),
      ValueError, r"dropout_rate=0.2 needs a dropout_rng"),
+    # An array rate (it may be traced and positive) was silently ignored.
+    ("sdpa_array_dropout_no_rng", lambda: sdpa(
+        Q, K, V, dropout_rate=jnp.float32(0.2)), ValueError,
+     r"a dropout_rate given as an array \(shape \(\)\) needs a dropout_rng"),
     ("sdpa_window_negative", lambda: sdpa(Q, K, V, Mask(window=(-1, 2))),
      ValueError, r"window must be non-negative, got \(-1, 2\)"),
     ("sdpa_window_float", lambda: sdpa(Q, K, V, Mask(window=2.5)),
