@@ -149,13 +149,7 @@ def check_lengths(name: str, lengths) -> jax.Array | None:
   """Integer per-example lengths as int32 (``None`` stays None)."""
   if lengths is None:
     return None
-  if isinstance(lengths, (list, tuple)):
-    lengths = np.asarray(lengths)
-  dtype = jnp.result_type(lengths)
-  if not jnp.issubdtype(dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array, got dtype {dtype} "
-                    f"with shape {shape_of(lengths)}.")
-  return jnp.asarray(lengths, jnp.int32)
+  return jnp.asarray(_numerics.integer_array(name, lengths), jnp.int32)
 
 
 class Operands(NamedTuple):
@@ -241,12 +235,7 @@ _JAX_NN_LAYOUT = (
 
 def _segment_ids(name, ids, size, letter, leading_rank):
   """Integer ids ``[size]`` or ``[..., size]`` with one axis per leading dim."""
-  if isinstance(ids, (list, tuple)):
-    ids = np.asarray(ids)
-  dtype = jnp.result_type(ids)
-  if not jnp.issubdtype(dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array [..., {letter}], got "
-                    f"dtype {dtype} with shape {shape_of(ids)}.")
+  ids = _numerics.integer_array(name, ids, f" [..., {letter}]")
   shape = shape_of(ids)
   if len(shape) not in (1, leading_rank + 1) or shape[-1] != size:
     raise ValueError(

@@ -13,6 +13,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def integer_array(name: str, x, layout: str = ""):
+  """``x`` (a list read as an array) if its dtype is integer, else a
+  ``TypeError`` naming ``name``, the dtype and the shape."""
+  if isinstance(x, (list, tuple)):
+    x = np.asarray(x)
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array{layout}, got dtype "
+                    f"{dtype} with shape {np.shape(x)}.")
+  return x
 
 
 def compute_dtype(*xs) -> jnp.dtype:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_jax import _numerics
 from attention_jax import _patterns
 
 MaskFn = Callable[..., jax.Array]  # mask_fn(b, h, q_idx, kv_idx) -> bool
@@ -44,13 +45,7 @@ _FIELDS = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
 
 
 def _integer_array(name: str, x):
-  if isinstance(x, (list, tuple)):
-    x = np.asarray(x)
-  dtype = jnp.result_type(x)
-  if not jnp.issubdtype(dtype, jnp.integer):
-    raise TypeError(f"Mask's {name} must be an integer array, got dtype "
-                    f"{dtype} with shape {np.shape(x)}.")
-  return x
+  return _numerics.integer_array(f"Mask's {name}", x)
 
 
 @jax.tree_util.register_pytree_node_class

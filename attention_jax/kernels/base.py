@@ -97,6 +97,19 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
                  bool(return_weights), bool(return_lse))
 
 
+# Below this many scores per head the dense kernel is as fast (see the
+# performance page of the docs) and also yields the weights.
+MIN_SCORES = 1024 * 1024
+
+
+def too_small(problem: Problem) -> str | None:
+  """Why the automatic choice leaves a small problem to the dense kernel."""
+  if problem.scores < MIN_SCORES:
+    return (f"T * S = {problem.scores} is below {MIN_SCORES}, where the "
+            "dense kernel is as fast")
+  return None
+
+
 def check_block_size(name: str, size) -> None:
   if size is not None:
     _checks.check_positive_int(name, size)

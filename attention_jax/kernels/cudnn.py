@@ -46,7 +46,6 @@ from attention_jax import _checks
 from attention_jax import _grouping
 from attention_jax import _patterns
 from attention_jax.kernels import base
-from attention_jax.kernels import flash
 
 # Parts of a problem jax.nn.dot_product_attention has no counterpart for.
 _NOT_IN_JAX_NN = {
@@ -76,10 +75,7 @@ class Cudnn(base.Kernel):
                       is_causal=ops.causal)
 
   def declines(self, problem: base.Problem) -> str | None:
-    if problem.scores < flash.MIN_SCORES:
-      return (f"T * S = {problem.scores} is below {flash.MIN_SCORES}, where "
-              "the dense kernel is as fast")
-    return None
+    return base.too_small(problem)
 
   def __call__(self, problem: base.Problem):
     q, k, v, mask, bias, lengths, q_lengths = _caller(problem.ops)

@@ -26,10 +26,6 @@ from attention_jax import block_mask as block_mask_lib
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 
-# Below this many scores per head the dense kernel is as fast (see the
-# performance page of the docs) and also yields the weights.
-MIN_SCORES = 1024 * 1024
-
 
 @dataclasses.dataclass(frozen=True)
 class Flash(base.Kernel):
@@ -48,10 +44,7 @@ class Flash(base.Kernel):
             or base.float32_only(problem))
 
   def declines(self, problem: base.Problem) -> str | None:
-    if problem.scores < MIN_SCORES:
-      return (f"T * S = {problem.scores} is below {MIN_SCORES}, where the "
-              "dense kernel is as fast")
-    return None
+    return base.too_small(problem)
 
   def __call__(self, problem: base.Problem):
     ops = problem.ops
