@@ -48,6 +48,8 @@ RING_DEVICES = 4
 CONFIGURED = {
     "blockwise": aj.kernels.Flash(block_q=5, block_k=7),
     "ring": aj.kernels.Ring("seq", block_q=4, block_k=3),
+    # Accelerator kernels run in Pallas's interpreter here.
+    "pallas_gpu": aj.kernels.PallasGpu(block_q=5, block_k=7, interpret=True),
 }
 
 # The case features each kernel refuses (its ``supports`` must say so).
@@ -58,8 +60,28 @@ REFUSES = {
                         "softcap", "segments", "sinks", "alibi", "t5",
                         "rule"}),
     "ring": frozenset({"mask", "bias", "float64"}),
+    "pallas_gpu": frozenset({"float64"}),
 }
 NEEDS_GPU = frozenset({"cudnn"})
+
+
+# Interpret mode is slow (a case costs seconds): these kernels run the
+# cases that exercise each feature once, and one refusal.
+SUBSETS = {
+    "pallas_gpu": (
+        "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
+        "mqa_causal_lengths", "mask_empty_rows", "bias_neg_inf",
+        "bfloat16_causal_lengths", "float64", "two_sided_window_lengths",
+        "query_lengths_causal", "softcap_window_query_lengths",
+        "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
+        "t5_bias_bidirectional_gqa", "block_mask_prefix_lm",
+        "rule_per_example_prefix_window", "everything_combined"),
+}
+
+
+def case_names(kernel: str) -> tuple[str, ...]:
+  """The cases a kernel's column runs."""
+  return SUBSETS.get(kernel, tuple(CASES))
 
 
 def kernel_names() -> list[str]:
@@ -347,7 +369,7 @@ def _loss(out, lse, cot, cot_lse):
 def suite(names):
   """A ``chex.TestCase`` running every case on each named kernel."""
   params = [(f"{name}__{case_name}", name, case_name)
-            for name in names for case_name in CASES]
+            for name in names for case_name in case_names(name)]
 
   class ContractTest(chex.TestCase):
 

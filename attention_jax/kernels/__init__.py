@@ -19,16 +19,18 @@ from attention_jax.kernels.base import Problem
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
+from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
 
 REGISTRY: tuple[Kernel, ...] = (
-    Cudnn(),
+    Cudnn(),  # GPU only
+    PallasGpu(),  # GPU only
     Flash(),
     Dense(),
 )
 
-__all__ = ["REGISTRY", "Cudnn", "Dense", "Flash", "Kernel", "Problem", "Ring",
-           "by_name", "candidates", "choose"]
+__all__ = ["REGISTRY", "Cudnn", "Dense", "Flash", "Kernel", "PallasGpu",
+           "Problem", "Ring", "by_name", "candidates", "choose"]
 
 
 def by_name(name: str) -> Kernel:

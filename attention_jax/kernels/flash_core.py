@@ -14,8 +14,9 @@ recomputes each block's probabilities from that log-sum-exp
 (``D = rowsum(dO * O) - dlse``, ``dS = P * (dP - D)``), walking the key
 blocks and, for each, only the query blocks that can see it.
 
-Internal interface (what ``kernels/flash.py`` and ``kernels/ring.py`` use;
-nothing else of this module is imported elsewhere):
+Internal interface (what ``kernels/flash.py``, ``kernels/ring.py`` and
+``kernels/pallas_gpu.py`` use; nothing else of this module is imported
+elsewhere):
 
 * ``Static``: one head's static configuration (scale, causal/window bounds,
   score modifier, true lengths, block sizes); hashable, the
@@ -37,6 +38,9 @@ nothing else of this module is imported elsewhere):
   end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too),
   returning ``(out [T, Hv], None, lse [T])``, the ``_broadcast.lift_heads``
   contract.
+* ``patterned``, ``segment_summary``, ``key_ranges``, ``query_ranges``:
+  which blocks a block visits (the Pallas GPU kernel computes them outside
+  its kernels with these).
 * ``block_sizes(ops, block_q, block_k)`` picks blocks. (Validation happened
   once, before any kernel: ``kernels.base.canonicalize``.)
 
@@ -182,7 +186,7 @@ def _zero_like_all(*operands):
   return zero
 
 
-def _patterned(st: Static, ex: Extras) -> bool:
+def patterned(st: Static, ex: Extras) -> bool:
   """Whether any entry can be blocked by a pattern or mask (static)."""
   return (st.bounds != (None, None) or st.s % st.bk != 0
           or any(x is not None for x in (ex.mask, ex.length, ex.q_length,
@@ -280,7 +284,7 @@ def _nested(lo, hi, full_lo, full_hi):
   return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
 
 
-def _segment_summary(st: Static, ex: Extras):
+def segment_summary(st: Static, ex: Extras):
   """Per-block min/max segment ids ``(q_min, q_max, k_min, k_max)`` or None."""
   if ex.q_seg is None:
     return None
@@ -298,7 +302,7 @@ def _intersect(pattern, segments):
   return _nested(lo, hi, full_lo, full_hi)
 
 
-def _key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
+def key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
   """Key blocks query block ``i`` visits, and the full ones among them."""
   args = (st.bounds, i * st.bq, st.bq, st.bk, num_k, place.offset, ex.length,
           ex.q_length)
@@ -311,7 +315,7 @@ def _key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
                      *_patterns.full_key_block_range(*args, st.s)), segments)
 
 
-def _query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
+def query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
   """Query blocks that visit key block ``j``, and those that see all of it."""
   args = (st.bounds, j * st.bk, st.bq, st.bk, num_q, place.offset, ex.length,
           ex.q_length)
@@ -332,7 +336,7 @@ def _walk(st: Static, ex: Extras, ranges, listed, count: int, body, carry):
   ``(indices, full flags)`` or None. Empty blocks are never visited; full
   ones run the body without mask passes (``full=True``, static).
   """
-  if not _patterned(st, ex):
+  if not patterned(st, ex):
     return jax.lax.fori_loop(0, count, lambda j, c: body(j, True, c), carry)
   lo, hi, full_lo, full_hi = ranges
   masked = lambda j, c: body(j, False, c)
@@ -371,7 +375,7 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
   defer = (ex.bias is None and st.score_mod is None
            and st.scale > 0)
   later = st.scale if defer else 1.0
-  seg = _segment_summary(st, ex)
+  seg = segment_summary(st, ex)
   zero = _zero_like_all(q, k, v, ex, place)
 
   def query_block(i):
@@ -402,7 +406,7 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
     listed = None
     if ex.block_mask is not None and ex.block_mask.kinds is not None:
       listed = (ex.block_mask.kv_indices[i], ex.block_mask.kv_full[i])
-    ranges = _key_ranges(st, ex, place, seg, i, num_k)
+    ranges = key_ranges(st, ex, place, seg, i, num_k)
     row_max, total, acc = _walk(st, ex, ranges, listed, num_k, key_block,
                                 init)
     seen = total > 0
@@ -457,7 +461,7 @@ def backward(st, residuals, cotangents):
   delta = jnp.sum(d_out * out.astype(f32), -1) - d_lse  # [Tp]
   row_ok = jnp.isfinite(lse)
   lse_safe = jnp.where(row_ok, lse, 0.0)
-  seg = _segment_summary(st, ex)
+  seg = segment_summary(st, ex)
   zero = _zero_like_all(q, k, v, ex, place, d_out, lse)
 
   def key_block(carry, j):
@@ -497,7 +501,7 @@ def backward(st, residuals, cotangents):
     listed = None
     if ex.block_mask is not None and ex.block_mask.kinds is not None:
       listed = (ex.block_mask.q_indices[j], ex.block_mask.q_full[j])
-    ranges = _query_ranges(st, ex, place, seg, j, num_q)
+    ranges = query_ranges(st, ex, place, seg, j, num_q)
     dkj, dvj, dq, dbias, dargs = _walk(st, ex, ranges, listed, num_q,
                                        query_block, init)
     return (dq, dbias, dargs), (dkj, dvj)

@@ -1,0 +1,772 @@
+"""The Pallas GPU kernel: flash attention as fused Triton kernels.
+
+Shape glossary: T query length, S key/value length, H head dim, Hv value
+head dim; bq/bk query and key block sizes; Tp/Sp lengths padded to whole
+blocks; nq/nk the numbers of query and key blocks.
+
+The same block walk as the CPU flash core (``flash_core``), written with
+``pl.pallas_call`` so that each pass is one kernel instead of a loop of
+small XLA ops: one program per query block walks the key blocks it may see
+(forward; the dq pass), one program per key block walks the query blocks
+that see it (the dk/dv pass of the FlashAttention-2 backward). Which blocks
+a block visits (causal and window bounds, lengths, segment ids, a block
+mask's tables) and which of them are full is worked out before the kernels,
+in plain JAX, with the flash core's own functions: a kernel reads one row
+``(lo, hi, full_lo, full_hi, first, last)`` of that table and loops. Inside
+a block the logits get everything the flash core applies: bias, score
+modifier (with its gradient, also into the arrays it reads), causal and
+window bounds, lengths, segment ids, a dense mask, a mask rule; sinks join
+the softmax after the kernel, from its lse.
+
+Written for one head (``[T, H]`` against ``[S, H]``) and lifted over heads
+by ``_broadcast.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
+to its grid. Arrays a score modifier or a mask rule reads are passed to the
+kernels as operands (a kernel may not close over arrays): the function is
+traced once at block shapes (``jax.make_jaxpr``) and replayed inside.
+
+On a GPU it lowers through Triton (``num_warps``/``num_stages`` and block
+sizes by head dim, ``_launch``); ``PallasGpu(interpret=True)`` runs the
+same kernels anywhere, slowly, which is how the contract suite checks it on
+CPU. A score modifier or mask rule that indexes arrays by value (ALiBi's
+slopes[h], T5's table lookup) has no Triton lowering (``dynamic_slice`` and
+``gather`` of a loaded value), so on a GPU ``supports`` refuses those and
+the automatic choice moves on to the flash core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from attention_jax import _broadcast
+from attention_jax import _numerics
+from attention_jax import _patterns
+from attention_jax.kernels import base
+from attention_jax.kernels import flash
+from attention_jax.kernels import flash_core
+
+_F32 = jnp.float32
+# Primitives of a score modifier or rule the Triton lowering lacks (reading
+# an array at a traced index of a loaded value).
+_NOT_LOWERED = frozenset({"gather", "dynamic_slice", "scatter", "scatter-add",
+                          "dynamic_update_slice"})
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasGpu(base.Kernel):
+  """Fused flash attention for GPUs (Pallas, Triton lowering).
+
+  ``block_q``/``block_k`` None pick by head dim (``_launch``); a block mask
+  fixes its own. ``interpret=True`` runs the kernels on any backend in
+  Pallas's interpreter (a correctness check, not a fast path).
+  """
+  block_q: int | None = None
+  block_k: int | None = None
+  num_warps: int | None = None
+  num_stages: int = 2
+  interpret: bool = False
+  name = "pallas_gpu"
+
+  def __post_init__(self):
+    base.check_block_size("block_q", self.block_q)
+    base.check_block_size("block_k", self.block_k)
+    base.check_block_size("num_warps", self.num_warps)
+    base.check_block_size("num_stages", self.num_stages)
+
+  def supports(self, problem: base.Problem) -> str | None:
+    reason = base.no_weights_or_dropout(problem) or base.float32_only(problem)
+    if reason or self.interpret:
+      return reason
+    if jax.default_backend() != "gpu":
+      return (f"it needs a GPU, the backend is {jax.default_backend()!r} "
+              "(PallasGpu(interpret=True) runs it anywhere, slowly)")
+    ops = problem.ops
+    bq, bk = self._blocks(ops)
+    for name, size in (("block_q", bq), ("block_k", bk)):
+      if size < 16 or size & (size - 1):
+        return (f"{name}={size}: Triton's blocks are powers of two >= 16 "
+                "(a block mask fixes its own sizes: build it with such)")
+    return _unlowered(ops, bq, bk)
+
+  def declines(self, problem: base.Problem) -> str | None:
+    return base.too_small(problem)
+
+  def _blocks(self, ops) -> tuple[int, int]:
+    bm = ops.block_mask
+    if bm is not None and bm.kinds is not None:
+      return flash_core.block_sizes(ops, self.block_q, self.block_k)
+    bq, bk, _ = _launch(ops.query.shape[-1], ops.query.shape[-2],
+                        ops.key.shape[-2])
+    return (bq if self.block_q is None else self.block_q,
+            bk if self.block_k is None else self.block_k)
+
+  def __call__(self, problem: base.Problem):
+    ops = problem.ops
+    bq, bk = self._blocks(ops)
+    ops = flash.with_rule_tables(ops, bq, bk)
+    if ops.block_mask is not None:  # its tables' (clipped) sizes
+      bq, bk = ops.block_mask.block_q, ops.block_mask.block_k
+    _, _, warps = _launch(ops.query.shape[-1], bq, bk)
+    launch = _Launch(self.interpret, self.num_warps or warps,
+                     self.num_stages)
+    head = functools.partial(
+        _single_head, launch=launch, scale=problem.scale,
+        is_causal=ops.causal, window=ops.window, score_mod=ops.score_mod,
+        block_q=bq, block_k=bk, out_dtype=problem.out_dtype)
+    return _broadcast.lift_heads(head, ops)
+
+
+def _launch(h: int, t: int, s: int) -> tuple[int, int, int]:
+  """``(block_q, block_k, num_warps)`` for head dim ``h``.
+
+  Following jax's ``pallas/ops/gpu/attention.py`` and FlashAttention-2's
+  Triton kernel: 128 x 64 blocks and 4 warps up to H = 64; 64 x 64 and 8
+  warps beyond (a [bq, H] query tile and [bk, H] key tile stay in
+  registers/shared memory). Short sequences take one block (a power of
+  two >= 16). Not tuned on hardware.
+  """
+  bq, bk = (128, 64) if h <= 64 else (64, 64)
+  fit = lambda n, b: min(b, max(16, 1 << max(n - 1, 0).bit_length()))  # noqa: E731
+  return fit(t, bq), fit(s, bk), 4 if h <= 64 else 8
+
+
+class _Launch(NamedTuple):
+  interpret: bool
+  num_warps: int
+  num_stages: int
+
+
+def _unlowered(ops, bq: int, bk: int) -> str | None:
+  """Why a score modifier or rule has no Triton lowering, or None."""
+  i32 = jnp.int32
+  idx = (jnp.zeros((), i32), jnp.zeros((), i32), jnp.zeros((bq, 1), i32),
+         jnp.zeros((1, bk), i32))
+  checks = []
+  if ops.score_mod is not None:
+    checks.append(("score_mod", lambda: ops.score_mod(
+        jnp.zeros((bq, bk), _F32), *idx)))
+  if ops.block_mask is not None:
+    checks.append(("the mask rule", lambda: ops.block_mask.mask_fn(*idx)))
+  for what, fn in checks:
+    try:
+      used = _primitives(jax.make_jaxpr(fn)().jaxpr)
+    except Exception:  # noqa: BLE001 (a rule of per-head arrays: see below)
+      return (f"{what} could not be traced at one block's shapes, which "
+              "the Triton lowering needs")
+    missing = sorted(used & _NOT_LOWERED)
+    if missing:
+      return (f"{what} reads arrays at traced indices ({', '.join(missing)}"
+              "), which Pallas's Triton lowering lacks")
+  return None
+
+
+def _primitives(jaxpr) -> set[str]:
+  """The primitives of ``jaxpr`` and of the jaxprs inside it."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for param in eqn.params.values():
+      for inner in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          names |= _primitives(inner)
+  return names
+
+
+class _Replay(NamedTuple):
+  """A function traced at block shapes, to be replayed inside a kernel.
+
+  ``fn(consts, *args)`` evaluates the traced program; ``consts`` are the
+  arrays it read (passed to the kernel as operands).
+  """
+  jaxpr: Any
+  consts: tuple
+  blocks: bool = True  # whether it may write -inf (score modifiers)
+
+  def __call__(self, consts, *args):
+    out, = jax.core.eval_jaxpr(self.jaxpr, list(consts), *args)
+    return out
+
+
+def _replay(fn: Callable, *examples, blocks: bool = True) -> _Replay:
+  closed = jax.make_jaxpr(fn)(*examples)
+  return _Replay(closed.jaxpr, tuple(closed.consts), blocks)
+
+
+class _Spec(NamedTuple):
+  """A head's static layout: what each kernel receives and how to read it."""
+  st: flash_core.Static
+  mask_shape: tuple[int, int] | None
+  bias: bool
+  segments: bool
+  length: bool
+  q_length: bool
+  listed: bool  # a block mask's tables
+  every_block_checked: bool  # a dense mask or a rule: no full blocks
+  patterned: bool
+  mod: _Replay | None  # (score, b, h, q_idx, kv_idx, *diff) -> score
+  num_diff: int  # the score modifier's differentiable arrays
+  rule: _Replay | None  # (b, h, q_idx, kv_idx) -> bool
+  launch: _Launch
+
+
+class _Tiles(NamedTuple):
+  """A block's operands, read inside a kernel."""
+  ints: Any  # (length, q_length, b, h) int32 scalars
+  q_seg: Any
+  k_seg: Any
+  mask: Any
+  bias: Any
+  mod_consts: tuple
+  mod_diff: tuple
+  rule_consts: tuple
+
+
+def _load_const(ref, shape):
+  return ref[...].reshape(shape)
+
+
+def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Tiles, full: bool,
+            want_vjp: bool = False):
+  """Float32 logits of one block, where allowed (``ok``), and a VJP.
+
+  As ``flash_core``'s block logits: ``scale * q.k + bias``, then the score
+  modifier; ``full`` blocks skip the pattern; padded query rows need no
+  mask (their outputs are dropped, their cotangents zero).
+  """
+  st = sp.st
+  logits = jax.lax.dot_general(qi, kj, (((1,), (1,)), ((), ())),
+                               preferred_element_type=_F32)  # [bq, bk]
+  logits = logits * st.scale
+  ok = None
+
+  def both(extra):
+    if extra is None:
+      return ok
+    return extra if ok is None else ok & extra
+
+  rows = i0 + jax.lax.broadcasted_iota(jnp.int32, (st.bq, 1), 0)
+  cols = j0 + jax.lax.broadcasted_iota(jnp.int32, (1, st.bk), 1)
+  length, q_length, b, h = tiles.ints
+  if tiles.bias is not None:
+    logits = logits + tiles.bias.astype(_F32)
+    ok = both(logits > -jnp.inf)
+  mod_vjp = None
+  if sp.mod is not None:
+    consts = tiles.mod_consts
+
+    def mod(score, *diff):
+      return jnp.broadcast_to(
+          sp.mod(consts, score, b, h, rows, cols, *diff).astype(_F32),
+          score.shape)
+
+    safe = logits if ok is None else jnp.where(ok, logits, 0.0)
+    if want_vjp:
+      logits, mod_vjp = jax.vjp(mod, safe, *tiles.mod_diff)
+    else:
+      logits = mod(safe, *tiles.mod_diff)
+    if sp.mod.blocks:
+      ok = both(logits > -jnp.inf)
+  if full:
+    return logits, ok, mod_vjp
+  if st.s % st.bk:
+    ok = both(cols < st.s)
+  q_seg = k_seg = None
+  if tiles.q_seg is not None:
+    q_seg, k_seg = tiles.q_seg[:, None], tiles.k_seg[None, :]
+  ok = both(_patterns.visible(rows, cols, st.s - st.t, st.bounds,
+                              q_length if sp.q_length else None,
+                              length if sp.length else None, q_seg, k_seg))
+  if tiles.mask is not None:
+    ok = both(jnp.broadcast_to(tiles.mask != 0, (st.bq, st.bk)))
+  if sp.rule is not None:
+    ok = both(jnp.broadcast_to(sp.rule(tiles.rule_consts, b, h, rows, cols),
+                               (st.bq, st.bk)))
+  return logits, ok, mod_vjp
+
+
+def _masked_exp(logits, ok, shift):
+  if ok is None:
+    return jnp.exp(logits - shift[:, None])
+  return jnp.where(ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0)),
+                   0.0)
+
+
+def _walk(sp: _Spec, ranges_ref, idx, table_ref, count: int, body, carry):
+  """``body(block, full, carry)`` over the blocks block ``idx`` visits.
+
+  ``ranges_ref[idx]`` is ``(lo, hi, full_lo, full_hi, first, last)``;
+  with a block mask ``table_ref[idx, first:last]`` lists the blocks (each
+  checked: Triton has no ``cond`` on a flag here, and a full block's mask
+  is all True).
+  """
+  if not sp.patterned:
+    return jax.lax.fori_loop(0, count, lambda j, c: body(j, True, c), carry)
+  lo, hi, full_lo, full_hi, first, last = (ranges_ref[idx, n]
+                                           for n in range(6))
+  masked = lambda j, c: body(j, False, c)  # noqa: E731
+  if sp.listed:
+    return jax.lax.fori_loop(first, last,
+                             lambda n, c: masked(table_ref[idx, n], c), carry)
+  if sp.every_block_checked:
+    return jax.lax.fori_loop(lo, hi, masked, carry)
+  carry = jax.lax.fori_loop(lo, full_lo, masked, carry)
+  carry = jax.lax.fori_loop(full_lo, full_hi,
+                            lambda j, c: body(j, True, c), carry)
+  return jax.lax.fori_loop(full_hi, hi, masked, carry)
+
+
+class _Refs(NamedTuple):
+  """The kernel operands besides q, k, v (None = absent)."""
+  ints: Any
+  ranges: Any
+  table: Any
+  q_seg: Any
+  k_seg: Any
+  mask: Any
+  bias: Any
+  mod_consts: tuple
+  mod_diff: tuple
+  rule_consts: tuple
+
+
+def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Tiles:
+  """Reads one block's operands at rows ``i0``, columns ``j0``."""
+  st = sp.st
+  ints = tuple(r.ints[n] for n in range(4))
+  q_seg = k_seg = mask = bias = None
+  if sp.segments:
+    q_seg = r.q_seg[pl.ds(i0, st.bq)]
+    k_seg = r.k_seg[pl.ds(j0, st.bk)]
+  if sp.mask_shape is not None:
+    rows, cols = sp.mask_shape
+    mask = r.mask[pl.ds(i0, st.bq) if rows != 1 else pl.ds(0, 1),
+                  pl.ds(j0, st.bk) if cols != 1 else pl.ds(0, 1)]
+  if sp.bias:
+    bias = r.bias[pl.ds(i0, st.bq), pl.ds(j0, st.bk)]
+  mod_shapes, diff_shapes, rule_shapes = shapes
+  return _Tiles(ints, q_seg, k_seg, mask, bias,
+                tuple(map(_load_const, r.mod_consts, mod_shapes)),
+                tuple(map(_load_const, r.mod_diff, diff_shapes)),
+                tuple(map(_load_const, r.rule_consts, rule_shapes)))
+
+
+def _key_rows(st, ref, j0, length, has_length):
+  rows = ref[pl.ds(j0, st.bk), :]
+  if not has_length:
+    return rows
+  valid = j0 + jax.lax.broadcasted_iota(jnp.int32, (st.bk, 1), 0) < length
+  return jnp.where(valid, rows, jnp.zeros_like(rows))
+
+
+def _forward_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
+                    *refs):
+  st = sp.st
+  r = _Refs(*_unflatten(refs[:num_refs], sp))
+  out_ref, lse_ref = refs[num_refs:]
+  i = pl.program_id(0)
+  i0 = i * st.bq
+  qi = q_ref[...]  # [bq, H]
+  length = r.ints[0]
+
+  def key_block(j, full, carry):
+    row_max, total, acc = carry
+    j0 = j * st.bk
+    kj = _key_rows(st, k_ref, j0, length, sp.length)  # [bk, H]
+    vj = _key_rows(st, v_ref, j0, length, sp.length)  # [bk, Hv]
+    tiles = _tiles(sp, r, shapes, i0, j0)
+    logits, ok, _ = _logits(sp, qi, kj, i0, j0, tiles, full)
+    allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
+    new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
+    shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
+    p = _masked_exp(logits, ok, shift)  # [bq, bk]
+    rescale = jnp.exp(row_max - shift)  # 0 while row_max = -inf
+    total = total * rescale + p.sum(-1)
+    acc = acc * rescale[:, None] + jax.lax.dot_general(
+        p.astype(vj.dtype), vj, (((1,), (0,)), ((), ())),
+        preferred_element_type=_F32)
+    return new_max, total, acc
+
+  hv = v_ref.shape[-1]
+  init = (jnp.full((st.bq,), -jnp.inf, _F32), jnp.zeros((st.bq,), _F32),
+          jnp.zeros((st.bq, hv), _F32))
+  row_max, total, acc = _walk(sp, r.ranges, i, r.table, k_ref.shape[0] //
+                              st.bk, key_block, init)
+  seen = total > 0
+  safe_total = jnp.where(seen, total, 1.0)
+  out_ref[...] = (acc / safe_total[:, None]).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(
+      seen, jnp.where(row_max > -jnp.inf, row_max, 0.0) + jnp.log(safe_total),
+      -jnp.inf)
+
+
+def _probabilities(sp, qi, kj, i0, j0, tiles, full, lse_i, want_vjp):
+  """``P = exp(logits - lse)`` of one block (0 where blocked), and the VJP."""
+  logits, ok, mod_vjp = _logits(sp, qi, kj, i0, j0, tiles, full, want_vjp)
+  row_ok = (lse_i > -jnp.inf)[:, None]
+  ok = row_ok if ok is None else ok & row_ok
+  return _masked_exp(logits, ok, jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), \
+      mod_vjp
+
+
+def _dkdv_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
+                 do_ref, lse_ref, delta_ref, *refs):
+  """Key block ``j``: dk, dv, its column of dbias, its share of d(mod)."""
+  st = sp.st
+  r = _Refs(*_unflatten(refs[:num_refs], sp))
+  outs = list(refs[num_refs + sp.bias:])  # (past dbias's zeros, aliased)
+  dk_ref, dv_ref = outs[:2]
+  dbias_ref = outs[2] if sp.bias else None
+  ddiff_refs = outs[2 + sp.bias:]
+  j = pl.program_id(0)
+  j0 = j * st.bk
+  length = r.ints[0]
+  kj = _key_rows(st, k_ref, j0, length, sp.length)
+  vj = _key_rows(st, v_ref, j0, length, sp.length)
+  diff_shapes = shapes[1]
+
+  def query_block(i, full, carry):
+    dkj, dvj, ddiff = carry
+    i0 = i * st.bq
+    qi = q_ref[pl.ds(i0, st.bq), :]
+    doi = do_ref[pl.ds(i0, st.bq), :].astype(_F32)
+    tiles = _tiles(sp, r, shapes, i0, j0)
+    p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full,
+                                lse_ref[pl.ds(i0, st.bq)], sp.mod is not None)
+    dvj = dvj + jax.lax.dot_general(p, doi, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=_F32)
+    dp = jax.lax.dot_general(doi, vj.astype(_F32), (((1,), (1,)), ((), ())),
+                             preferred_element_type=_F32)
+    ds = p * (dp - delta_ref[pl.ds(i0, st.bq)][:, None])  # [bq, bk]
+    if mod_vjp is not None:
+      ds, *d_diff = mod_vjp(ds)
+      ddiff = tuple(acc + d.astype(_F32) for acc, d in zip(ddiff, d_diff))
+    dkj = dkj + jax.lax.dot_general(ds, qi.astype(_F32),
+                                    (((0,), (0,)), ((), ())),
+                                    preferred_element_type=_F32) * st.scale
+    if dbias_ref is not None:
+      plgpu.store(dbias_ref.at[pl.ds(i0, st.bq), pl.ds(j0, st.bk)],
+                  ds.astype(dbias_ref.dtype))
+    return dkj, dvj, ddiff
+
+  init = (jnp.zeros(kj.shape, _F32), jnp.zeros(vj.shape, _F32),
+          tuple(jnp.zeros(s, _F32) for s in diff_shapes))
+  dkj, dvj, ddiff = _walk(sp, r.ranges, j, r.table, q_ref.shape[0] // st.bq,
+                          query_block, init)
+  dk_ref[...] = dkj.astype(dk_ref.dtype)
+  dv_ref[...] = dvj.astype(dv_ref.dtype)
+  for ref, d in zip(ddiff_refs, ddiff):
+    ref[...] = d.reshape(ref.shape)
+
+
+def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
+               do_ref, lse_ref, delta_ref, *refs):
+  """Query block ``i``: dq."""
+  st = sp.st
+  r = _Refs(*_unflatten(refs[:num_refs], sp))
+  dq_ref, = refs[num_refs:]
+  i = pl.program_id(0)
+  i0 = i * st.bq
+  qi = q_ref[...]
+  doi = do_ref[...].astype(_F32)
+  lse_i = lse_ref[...]
+  delta_i = delta_ref[...]
+  length = r.ints[0]
+
+  def key_block(j, full, dqi):
+    j0 = j * st.bk
+    kj = _key_rows(st, k_ref, j0, length, sp.length)
+    vj = _key_rows(st, v_ref, j0, length, sp.length)
+    tiles = _tiles(sp, r, shapes, i0, j0)
+    p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full, lse_i,
+                                sp.mod is not None)
+    dp = jax.lax.dot_general(doi, vj.astype(_F32), (((1,), (1,)), ((), ())),
+                             preferred_element_type=_F32)
+    ds = p * (dp - delta_i[:, None])
+    if mod_vjp is not None:
+      ds = mod_vjp(ds)[0]
+    return dqi + jax.lax.dot_general(ds, kj.astype(_F32),
+                                     (((1,), (0,)), ((), ())),
+                                     preferred_element_type=_F32) * st.scale
+
+  dqi = _walk(sp, r.ranges, i, r.table, k_ref.shape[0] // st.bk, key_block,
+              jnp.zeros(qi.shape, _F32))
+  dq_ref[...] = dqi.astype(dq_ref.dtype)
+
+
+def _flatten(r: _Refs) -> list:
+  """The present operands of ``r`` in order (the kernels' refs)."""
+  flat = [r.ints, r.ranges]
+  for x in (r.table, r.q_seg, r.k_seg, r.mask, r.bias):
+    if x is not None:
+      flat.append(x)
+  return flat + [*r.mod_consts, *r.mod_diff, *r.rule_consts]
+
+
+def _unflatten(refs, sp: _Spec) -> list:
+  refs = list(refs)
+  take = lambda present: refs.pop(0) if present else None  # noqa: E731
+  ints, ranges = refs.pop(0), refs.pop(0)
+  table = take(sp.listed)
+  q_seg, k_seg = take(sp.segments), take(sp.segments)
+  mask = take(sp.mask_shape is not None)
+  bias = take(sp.bias)
+  n_mod = 0 if sp.mod is None else len(sp.mod.consts)
+  n_rule = 0 if sp.rule is None else len(sp.rule.consts)
+  mod_consts = tuple(refs.pop(0) for _ in range(n_mod))
+  mod_diff = tuple(refs.pop(0) for _ in range(sp.num_diff))
+  rule_consts = tuple(refs.pop(0) for _ in range(n_rule))
+  return [ints, ranges, table, q_seg, k_seg, mask, bias, mod_consts, mod_diff,
+          rule_consts]
+
+
+def _as_operand(x):
+  """A kernel operand: 0-d arrays become ``[1]`` (read back reshaped)."""
+  x = jnp.asarray(x)
+  return x.reshape(1) if x.ndim == 0 else x
+
+
+def _call(kernel, sp: _Spec, grid: int, inputs, in_specs, out_shape,
+          out_specs, aliases=None):
+  return pl.pallas_call(
+      kernel, grid=(grid,), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, input_output_aliases=aliases or {},
+      interpret=sp.launch.interpret,
+      compiler_params=plgpu.CompilerParams(
+          num_warps=sp.launch.num_warps, num_stages=sp.launch.num_stages),
+  )(*inputs)
+
+
+def _whole(x):
+  """A BlockSpec giving every program the whole array."""
+  return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _rows(block: int, width: int | None = None):
+  """A BlockSpec giving program ``n`` rows ``[n * block, (n + 1) * block)``."""
+  if width is None:
+    return pl.BlockSpec((block,), lambda n: (n,))
+  return pl.BlockSpec((block, width), lambda n: (n, 0))
+
+
+def _shapes(sp: _Spec, mod_diff):
+  mod_shapes = () if sp.mod is None else tuple(
+      jnp.shape(c) for c in sp.mod.consts)
+  rule_shapes = () if sp.rule is None else tuple(
+      jnp.shape(c) for c in sp.rule.consts)
+  return mod_shapes, tuple(jnp.shape(c) for c in mod_diff), rule_shapes
+
+
+def _forward(sp: _Spec, q, k, v, fixed: _Refs):
+  st = sp.st
+  flat = [_as_operand(x) for x in _flatten(fixed)]
+  shapes = _shapes(sp, fixed.mod_diff)
+  kernel = functools.partial(_forward_kernel, sp, shapes, len(flat))
+  hv = v.shape[-1]
+  out, lse = _call(
+      kernel, sp, q.shape[0] // st.bq, [q, k, v, *flat],
+      [_rows(st.bq, q.shape[-1]), _whole(k), _whole(v),
+       *map(_whole, flat)],
+      [jax.ShapeDtypeStruct((q.shape[0], hv), v.dtype),
+       jax.ShapeDtypeStruct((q.shape[0],), _F32)],
+      [_rows(st.bq, hv), _rows(st.bq)])
+  return out, lse
+
+
+def _backward(sp: _Spec, q, k, v, out, lse, d_out, d_lse, key_fixed: _Refs,
+              query_fixed: _Refs):
+  """dq, dk, dv, dbias, d(mod arrays) from the two backward kernels."""
+  st = sp.st
+  delta = jnp.sum(d_out.astype(_F32) * out.astype(_F32), -1) - d_lse  # [Tp]
+  common = [q, k, v, d_out, lse, delta]
+  shapes = _shapes(sp, key_fixed.mod_diff)
+  num_k = k.shape[0] // st.bk
+  # dk, dv (and dbias, d(mod arrays)): one program per key block.
+  flat = [_as_operand(x) for x in _flatten(key_fixed)]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_specs = [_rows(st.bk, k.shape[-1]), _rows(st.bk, v.shape[-1])]
+  inputs = [*common, *flat]
+  in_specs = [*map(_whole, common), *map(_whole, flat)]
+  aliases = {}
+  if sp.bias:  # each program writes the tiles it visits; the rest stay 0
+    zeros = jnp.zeros(key_fixed.bias.shape, _F32)
+    aliases[len(inputs)] = 2
+    inputs.append(zeros)
+    in_specs.append(_whole(zeros))
+    out_shape.append(jax.ShapeDtypeStruct(zeros.shape, _F32))
+    out_specs.append(_whole(zeros))
+  for c in key_fixed.mod_diff:  # one partial sum per key block
+    shape = (num_k,) + (jnp.shape(c) or (1,))
+    out_shape.append(jax.ShapeDtypeStruct(shape, _F32))
+    out_specs.append(pl.BlockSpec((1,) + shape[1:], _slab_index(len(shape))))
+  kernel = functools.partial(_dkdv_kernel, sp, shapes, len(flat))
+  results = _call(kernel, sp, num_k, inputs, in_specs, out_shape, out_specs,
+                  aliases)
+  dk, dv = results[:2]
+  dbias = results[2] if sp.bias else None
+  d_diff = tuple(d.sum(0).reshape(jnp.shape(c)) for d, c in
+                 zip(results[2 + sp.bias:], key_fixed.mod_diff))
+  # dq: one program per query block.
+  flat = [_as_operand(x) for x in _flatten(query_fixed)]
+  kernel = functools.partial(_dq_kernel, sp, shapes, len(flat))
+  dq, = _call(
+      kernel, sp, q.shape[0] // st.bq, [*common, *flat],
+      [_rows(st.bq, q.shape[-1]), _whole(k), _whole(v),
+       _rows(st.bq, d_out.shape[-1]), _rows(st.bq), _rows(st.bq),
+       *map(_whole, flat)],
+      [jax.ShapeDtypeStruct(q.shape, q.dtype)], [_rows(st.bq, q.shape[-1])])
+  return dq, dk, dv, dbias, d_diff
+
+
+def _slab_index(ndim: int):
+  """Program ``j`` writes slab ``j`` of an ``ndim``-D output."""
+  return lambda j: (j,) + (0,) * (ndim - 1)
+
+
+def _ranges(st, ex, rows: bool, table):
+  """``[n, 6]`` int32 ``(lo, hi, full_lo, full_hi, first, last)`` per block.
+
+  Query blocks' key ranges (``rows``) or key blocks' query ranges; with a
+  block mask's row ``table`` the listed blocks' span ``[first, last)``.
+  """
+  num_q, num_k = st.t_pad // st.static.bq, st.s_pad // st.static.bk
+  place = flash_core.Place(st.s - st.t)
+  seg = flash_core.segment_summary(st.static, ex)
+  if rows:
+    fn = lambda n: flash_core.key_ranges(st.static, ex, place, seg, n, num_k)  # noqa: E731
+    count = num_q
+  else:
+    fn = lambda n: flash_core.query_ranges(st.static, ex, place, seg, n,  # noqa: E731
+                                           num_q)
+    count = num_k
+  lo, hi, full_lo, full_hi = jax.vmap(fn)(jnp.arange(count))
+  if table is None:
+    first = last = jnp.zeros_like(lo)
+  else:
+    search = jax.vmap(jnp.searchsorted)
+    first, last = search(table, lo), search(table, hi)
+  return jnp.stack([lo, hi, full_lo, full_hi, first, last],
+                   -1).astype(jnp.int32)
+
+
+class _Padded(NamedTuple):
+  static: flash_core.Static
+  t_pad: int
+  s_pad: int
+
+  @property
+  def t(self):
+    return self.static.t
+
+  @property
+  def s(self):
+    return self.static.s
+
+
+def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
+  """One head (``_broadcast.Head``): pad, attend in the kernels, strip, sink."""
+  if h.mask is not None:  # keys no query sees may hold NaN: zero them
+    k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
+  hv = v.shape[-1]
+  st, q, k, v = _padded(q, k, v, **blocks)
+  ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)
+  st, ex = flash_core.hoist_score_mod(st, ex, q)
+  pst = _Padded(st, q.shape[0], k.shape[0])
+  i32 = jnp.int32
+  bias = None
+  if ex.bias is not None:  # whole tiles; the broadcast's cotangent sums
+    bias = jnp.broadcast_to(ex.bias, (pst.t_pad, pst.s_pad))
+  mod = rule = None
+  mod_diff = tuple(ex.mod_consts)
+  if st.score_mod is not None:
+    mod = _replay(st.score_mod, jnp.zeros((st.bq, st.bk), _F32),
+                  jnp.zeros((), i32), jnp.zeros((), i32),
+                  jnp.zeros((st.bq, 1), i32), jnp.zeros((1, st.bk), i32),
+                  *mod_diff, blocks=getattr(st.score_mod, "blocks", True))
+  bm = ex.block_mask
+  if bm is not None:
+    rule = _replay(bm.mask_fn, jnp.zeros((), i32), jnp.zeros((), i32),
+                   jnp.zeros((st.bq, 1), i32), jnp.zeros((1, st.bk), i32))
+  listed = bm is not None and bm.kinds is not None
+  sp = _Spec(st, None if ex.mask is None else ex.mask.shape, bias is not None,
+             ex.q_seg is not None, ex.length is not None,
+             ex.q_length is not None, listed,
+             ex.mask is not None or (bm is not None and not listed),
+             flash_core.patterned(st, ex), mod, len(mod_diff), rule, launch)
+  zero = jnp.zeros((), i32)
+  b_idx, h_idx = (zero, zero) if ex.index is None else ex.index
+  ints = jnp.stack([
+      jnp.asarray(pst.s if ex.length is None else ex.length, i32),
+      jnp.asarray(pst.t if ex.q_length is None else ex.q_length, i32),
+      jnp.asarray(b_idx, i32), jnp.asarray(h_idx, i32)])
+
+  def fixed(rows: bool):
+    table = None
+    if listed:
+      table = bm.kv_indices if rows else bm.q_indices
+    return _Refs(
+        ints, _ranges(pst, ex, rows, table), table, ex.q_seg, ex.k_seg,
+        None if ex.mask is None else ex.mask.astype(jnp.int8), None,
+        () if mod is None else mod.consts, (),
+        () if rule is None else rule.consts)
+
+  # The custom VJP closes over nothing traced (vmap's tracers would leak
+  # into the backward pass): the block tables travel as arguments.
+  @jax.custom_vjp
+  def attend(q, k, v, bias, mod_diff, by_rows, by_cols):
+    del by_cols
+    return _forward(sp, q, k, v, by_rows._replace(bias=bias,
+                                                  mod_diff=mod_diff))
+
+  def attend_fwd(q, k, v, bias, mod_diff, by_rows, by_cols):
+    out, lse = attend(q, k, v, bias, mod_diff, by_rows, by_cols)
+    return (out, lse), (q, k, v, bias, mod_diff, by_rows, by_cols, out, lse)
+
+  def attend_bwd(res, cotangents):
+    q, k, v, bias, mod_diff, by_rows, by_cols, out, lse = res
+    d_out, d_lse = cotangents
+    dq, dk, dv, dbias, d_diff = _backward(
+        sp, q, k, v, out, lse, d_out, d_lse,
+        by_cols._replace(bias=bias, mod_diff=mod_diff),
+        by_rows._replace(bias=bias, mod_diff=mod_diff))
+    return (dq, dk, dv,
+            None if bias is None else dbias.astype(bias.dtype),
+            tuple(d.astype(c.dtype) for d, c in zip(d_diff, mod_diff)),
+            None, None)
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  out, lse = attend(q, k, v, bias, mod_diff, fixed(True), fixed(False))
+  out, lse = out[:st.t, :hv], lse[:st.t]
+  if h.sink is not None:
+    out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
+  return out.astype(out_dtype), None, lse
+
+
+def _padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
+            score_mod):
+  """One head's static config and q, k, v padded to whole blocks.
+
+  Unlike the flash core, blocks are not clipped to short sequences (a
+  Triton tile keeps its power-of-two shape); the head dims are padded with
+  zeros to a power of two >= 16, which changes no dot product.
+  """
+  t, s = q.shape[0], k.shape[0]
+  tp, sp = -(-t // block_q) * block_q, -(-s // block_k) * block_k
+  st = flash_core.Static(float(scale), _patterns.bounds(bool(is_causal),
+                                                        window),
+                         score_mod, t, s, block_q, block_k)
+
+  def pad(x, rows):
+    width = x.shape[-1]
+    cols = max(16, 1 << max(width - 1, 0).bit_length())
+    return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - width)))
+
+  return st, pad(q, tp), pad(k, sp), pad(v, sp)
