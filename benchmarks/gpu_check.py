@@ -84,16 +84,26 @@ TOLERANCES = {"float32": {"fwd": 1e-4, "grad": 5e-4},
 # with 16-bit inputs and T * S >= 1024 * 1024, cuDNN). "ring" is
 # aj.ring_attention over every device. The kernels in between are
 # aj.kernels.REGISTRY's, by name (see ``implementations``).
-AUTO, RING = "auto", "ring"
+AUTO, RING, JAX_NN = "auto", "ring", "jax.nn"
 CASES = ("plain", "causal", "causal_cross", "gqa_causal", "lengths",
-         "window", "segments")
+         "window", "segments", "sinks", "softcap", "alibi", "t5")
 # Cases of the multi-head level: K < N heads projected, per-example lengths
 # and segment ids, a window, through the layer's mask handling.
 MHA_CASES = ("gqa_causal", "lengths", "window", "segments")
 DTYPES = ("float32", "bfloat16")
 # What a kernel (by name) is known to refuse: (feature -> why).
-KNOWN_REFUSALS = {"cudnn": {"float32": "cuDNN takes float16/bfloat16 only",
-                            "segments": "cuDNN takes no segment ids"}}
+_NO_TRITON = "its Triton lowering cannot read arrays at traced indices"
+KNOWN_REFUSALS = {
+    "cudnn": {"float32": "cuDNN takes float16/bfloat16 only",
+              "segments": "cuDNN takes no segment ids",
+              "sinks": "jax.nn's cuDNN kernel has no sinks",
+              "softcap": "jax.nn's cuDNN kernel takes no score modifier",
+              "alibi": "jax.nn's cuDNN kernel takes no score modifier",
+              "t5": "jax.nn's cuDNN kernel takes no score modifier"},
+    "pallas_gpu": {"alibi": _NO_TRITON, "t5": _NO_TRITON},
+}
+# The T5 case's buckets and reach (tests/contract.py's choice).
+T5_BUCKETS, T5_MAX_DISTANCE = 32, 128
 
 
 def kernel_names() -> tuple[str, ...]:
@@ -109,7 +119,8 @@ def implementations(level: str = "sdpa") -> tuple[str, ...]:
 
 def _define_flags():
   """The command line's flags, defined only when run as a program."""
-  global _QUICK, _OUT, _REPEATS, _CASES, _TIMING, _IMPLS
+  global _QUICK, _OUT, _REPEATS, _CASES, _TIMING, _IMPLS, _PATTERNS
+  global _BUDGET, _INTERPRET
   _QUICK = flags.DEFINE_bool(
       "quick", False, "Tiny shapes everywhere (a CPU smoke run, seconds).")
   _OUT = flags.DEFINE_string("out", None, "Write the results here (JSON).")
@@ -121,6 +132,15 @@ def _define_flags():
   _IMPLS = flags.DEFINE_list(
       "impls", [], "Only these implementations (default all): "
       f"{implementations()}.")
+  _PATTERNS = flags.DEFINE_bool(
+      "patterns", True, f"Time {PATTERNS} at long sequences (bfloat16).")
+  _BUDGET = flags.DEFINE_float(
+      "budget_s", 420.0, "Seconds the whole run may take before the pattern "
+      "timings skip their remaining points (8 minutes on one GPU, with "
+      "start-up and the last compiles).")
+  _INTERPRET = flags.DEFINE_list(
+      "interpret", [], "Registered accelerator kernels to run in Pallas's "
+      "interpreter (e.g. pallas_gpu on CPU: slow, a correctness check).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +191,11 @@ def _reference_fn(case: Case):
   allowed = case.allowed()  # [B, N, T, S]
 
   def attention(query, key, value, mask=None, is_causal=False,
-                return_lse=False):
-    del mask, is_causal  # written out in `allowed`
-    out, lse = reference.masked_attention(query, key, value, None, allowed)
+                return_lse=False, **extras):
+    del mask, is_causal, extras  # written out in `allowed` and the case
+    out, lse = reference.masked_attention(
+        query, key, value, None, allowed,
+        **case.reference_extras(query.dtype))
     return (out, lse) if return_lse else out
 
   return attention
@@ -196,7 +218,34 @@ class Case:
   window: tuple[int, int] | None = None  # (left, right), bottom-right
   kv_lengths: np.ndarray | None = None  # int32 [B]
   segment_ids: np.ndarray | None = None  # int32 [B, T] (T == S)
+  softcap: float | None = None  # aj.soft_cap(c), after ALiBi / T5
+  sinks: np.ndarray | None = None  # float32 [N] sink logits
+  slopes: np.ndarray | None = None  # float32 [N]: aj.alibi
+  t5_table: np.ndarray | None = None  # float32 [T5_BUCKETS, N]
   features: frozenset[str] = frozenset()
+
+  def extras(self) -> dict:
+    """The library's keywords for the case's sinks and score modifiers."""
+    kw, mods = {}, []
+    if self.sinks is not None:
+      kw["sinks"] = jnp.asarray(self.sinks)
+    if self.slopes is not None:
+      mods.append(aj.alibi(jnp.asarray(self.slopes)))
+    if self.t5_table is not None:
+      mods.append(aj.t5_relative_bias(jnp.asarray(self.t5_table),
+                                      max_distance=T5_MAX_DISTANCE))
+    if self.softcap is not None:
+      mods.append(aj.soft_cap(self.softcap))
+    if mods:
+      kw["score_mod"] = mods[0] if len(mods) == 1 else aj.chain(*mods)
+    return kw
+
+  def reference_extras(self, dtype) -> dict:
+    """The same, as ``reference.masked_attention``'s arguments."""
+    cast = lambda x: None if x is None else jnp.asarray(x, dtype)  # noqa: E731
+    return {"softcap": self.softcap, "sinks": cast(self.sinks),
+            "slopes": cast(self.slopes), "t5_table": cast(self.t5_table),
+            "t5_max_distance": T5_MAX_DISTANCE}
 
   def mask_parts(self):
     """``(static, arrays)``: the case's ``aj.Mask`` fields besides causality
@@ -260,6 +309,23 @@ def build_case(name: str, z: Sizes) -> Case:
       ids.append(np.searchsorted(cuts, np.arange(t), side="right"))
     fields["segment_ids"] = np.array(ids, np.int32)  # [B, T]
     features.add("segments")
+  elif name == "sinks":
+    fields["causal"] = True
+    fields["sinks"] = np.random.default_rng(7).normal(size=n).astype(
+        np.float32)
+    features.add("sinks")
+  elif name == "softcap":
+    fields["causal"] = True
+    fields["softcap"] = 2.0  # low enough to bend the unit-normal logits
+    features.add("softcap")
+  elif name == "alibi":
+    fields["causal"] = True
+    fields["slopes"] = np.asarray(aj.alibi_slopes(n), np.float32)
+    features.add("alibi")
+  elif name == "t5":
+    fields["t5_table"] = np.random.default_rng(8).normal(
+        size=(T5_BUCKETS, n)).astype(np.float32)
+    features.add("t5")
   elif name != "plain":
     raise ValueError(f"unknown case {name!r}; known: {CASES}")
   return Case(name, b, n, k, t, s, h, features=frozenset(features), **fields)
@@ -305,7 +371,8 @@ def _loss(out, lse, cot, cot_lse):
 _RING_FIELDS = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
 
 
-def _ring(query, key, value, mask=None, is_causal=False, return_lse=False):
+def _ring(query, key, value, mask=None, is_causal=False, return_lse=False,
+          **extras):
   """ring_attention with T and S split over every device."""
   devices = jax.devices()
   mesh = jax.make_mesh((len(devices),), ("seq",), devices=devices,
@@ -327,18 +394,52 @@ def _ring(query, key, value, mask=None, is_causal=False, return_lse=False):
   def local(q, k, v, arrays):
     m = None if mask is None else aj.Mask(**static, **arrays)
     return aj.ring_attention(q, k, v, m, axis_name="seq",
-                             is_causal=is_causal, return_lse=return_lse)
+                             is_causal=is_causal, return_lse=return_lse,
+                             **extras)
 
   return jax.shard_map(
       local, mesh=mesh, in_specs=(seq, seq, seq, specs),
       out_specs=(seq, seq) if return_lse else seq)(query, key, value, arrays)
 
 
+# Kernels run in Pallas's interpreter with --interpret (names of the
+# registry's accelerator kernels; see run_check).
+_INTERPRETED: set[str] = set()
+
+
+def _kernel(impl: str) -> kernel_base.Kernel:
+  """The registered kernel ``impl``, interpreted if asked."""
+  kernel = aj.kernels.by_name(impl)
+  if impl in _INTERPRETED:
+    kernel = dataclasses.replace(kernel, interpret=True)
+  return kernel
+
+
 def _sdpa_fn(impl: str):
   if impl == RING:
     return _ring
+  if impl == JAX_NN:
+    return _jax_nn
   return functools.partial(aj.scaled_dot_product_attention,
-                           implementation=None if impl == AUTO else impl)
+                           implementation=None if impl == AUTO
+                           else _kernel(impl))
+
+
+def _jax_nn(query, key, value, mask=None, is_causal=False, **extras):
+  """``jax.nn.dot_product_attention`` (its own choice of implementation)
+  on our ``[B, N, T, H]`` layout: a timing peer for what it can express."""
+  if extras:
+    raise ValueError(f"jax.nn takes no {sorted(extras)}")
+  mask = mask_lib.as_mask(mask)
+  window = None if mask is None else mask.window
+  if mask is not None and any(
+      getattr(mask, f) is not None for f in
+      ("q_lengths", "kv_lengths", "q_segment_ids", "dense", "rule")):
+    raise ValueError("jax.nn is timed with causal masks and windows only")
+  swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+  return swap(jax.nn.dot_product_attention(
+      swap(query), swap(key), swap(value), is_causal=is_causal,
+      local_window_size=window))
 
 
 @functools.cache
@@ -360,9 +461,9 @@ def _unavailable(impl: str) -> str | None:
     if len(jax.devices()) < 2:
       return f"needs more than one device; {len(jax.devices())} here"
     return None
-  if impl == AUTO or jax.default_backend() == "gpu":
+  if impl in (AUTO, JAX_NN) or jax.default_backend() == "gpu":
     return None
-  reason = aj.kernels.by_name(impl).supports(_probe())
+  reason = _kernel(impl).supports(_probe())
   return None if reason is None else f"unavailable: {reason}"
 
 
@@ -372,8 +473,9 @@ def _refusal(impl: str, case: Case, dtype: str,
   q = jnp.zeros((case.b, case.n, case.t, case.h), dtype)
   kv = jnp.zeros((case.b, case.k, case.s, case.h), dtype)
   mask = mask_lib.as_mask(_mask(*case.mask_parts()), is_causal=case.causal)
-  problem = kernel_base.canonicalize(q, kv, kv, mask, return_lse=return_lse)
-  return aj.kernels.by_name(impl).supports(problem)
+  problem = kernel_base.canonicalize(q, kv, kv, mask, return_lse=return_lse,
+                                     **case.extras())
+  return _kernel(impl).supports(problem)
 
 
 def _known_refusal(impl, features) -> str | None:
@@ -395,7 +497,7 @@ def _plan(row, impl: str, case: Case, dtype: str, lse: bool) -> bool | None:
   if why:
     row["status"], row["reason"] = "SKIP", why
     return None
-  if impl in (AUTO, RING):
+  if impl in (AUTO, RING, JAX_NN):
     return lse
   try:
     reason = _refusal(impl, case, dtype, lse)
@@ -474,7 +576,8 @@ def check_sdpa(case: Case, dtype: str, impls) -> list[dict]:
 
   def value_and_grads(fn, with_lse, q=q, k=k, v=v):
     def loss(q, k, v, arrays, cot, cot_lse):
-      kw = {"mask": _mask(static, arrays), "is_causal": case.causal}
+      kw = {"mask": _mask(static, arrays), "is_causal": case.causal,
+            **case.extras()}
       res = fn(q, k, v, return_lse=True, **kw) if with_lse else (
           fn(q, k, v, **kw), None)
       return _loss(*res, cot, cot_lse if with_lse else None), res
@@ -611,6 +714,116 @@ def time_impls(z: Sizes, repeats: int, impls=None,
 
 
 # --------------------------------------------------------------------------
+# Timing by pattern: the structured cases at long sequences, bfloat16.
+
+PATTERNS = ("plain", "causal", "window", "segments", "sinks", "softcap",
+            "alibi", "t5")
+# The timed peers: the default choice, each accelerator kernel, the flash
+# core (pure JAX, the ratios' denominator) and jax.nn.
+PATTERN_IMPLS = (AUTO, "cudnn", "splash", "pallas_gpu", "blockwise", JAX_NN)
+
+
+def pattern_sizes(quick: bool) -> tuple[tuple[int, ...], int, int, int]:
+  """``(lengths T = S, tokens B * T, N, H)`` of the pattern timings."""
+  if quick:
+    return (128,), 128, 2, 16
+  if jax.default_backend() == "cpu":
+    return (1024, 2048), 2048, 4, 64
+  return (2048, 8192, 32768), 32768, 8, 64
+
+
+def _pattern_case(pattern: str, b: int, n: int, t: int, h: int) -> Case:
+  z = Sizes((b, n, t, h), window=min(t, 1024), docs=max(2, t // 1024),
+            time=(b, n, t, h))
+  return build_case("plain" if pattern == "plain" else pattern, z)
+
+
+def time_patterns(quick: bool, repeats: int, impls=PATTERN_IMPLS,
+                  budget_s: float = 420.0, patterns=PATTERNS) -> list[dict]:
+  """fwd and fwd+bwd per pattern, length and implementation (bfloat16).
+
+  Each point is asked of the kernel first (``supports``); a refusal is
+  reported with its reason. Points past ``budget_s`` seconds of this
+  function are skipped and say so, so that one run fits its slot.
+  """
+  lengths, tokens, n, h = pattern_sizes(quick)
+  known = set(implementations()) | {JAX_NN}
+  impls = [i for i in impls if i in known]
+  start_all = time.perf_counter()
+  rows = []
+  for pattern in patterns:
+    for t in lengths:
+      b = max(1, tokens // t)
+      case = _pattern_case(pattern, b, n, t, h)
+      q, k, v = (_normal(i, (b, n, t, h), jnp.bfloat16) for i in range(3))
+      static, arrays = case.mask_parts()
+      for impl in impls:
+        for mode in ("fwd", "fwd+bwd"):
+          row = {"pattern": pattern, "shape": f"B{b} N{n} T{t} H{h}",
+                 "impl": impl, "mode": mode, "ms": None, "reason": None}
+          rows.append(row)
+          if time.perf_counter() - start_all > budget_s:
+            row["reason"] = f"past the {budget_s:.0f} s budget"
+            continue
+          if impl not in (AUTO, JAX_NN):
+            why = _unavailable(impl) or _refusal(impl, case, "bfloat16",
+                                                 False)
+            if why:
+              row["reason"] = why
+              continue
+          fn = functools.partial(_sdpa_fn(impl), is_causal=case.causal,
+                                 **case.extras())
+
+          def run(q, k, v, arrays, fn=fn, static=static):
+            return fn(q, k, v, mask=_mask(static, arrays))
+
+          call = jax.jit(run) if mode == "fwd" else jax.jit(jax.grad(
+              lambda q, k, v, a, run=run: jnp.sum(
+                  run(q, k, v, a).astype(jnp.float32)), (0, 1, 2)))
+          try:
+            jax.block_until_ready(call(q, k, v, arrays))
+            times = []
+            for _ in range(repeats):
+              t0 = time.perf_counter()
+              jax.block_until_ready(call(q, k, v, arrays))
+              times.append(time.perf_counter() - t0)
+            row["ms"] = 1e3 * statistics.median(times)
+          except Exception as err:  # noqa: BLE001 - a row, not a crash
+            row["reason"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+  return rows
+
+
+def patterns_table(rows: list[dict]) -> str:
+  """ms per implementation; in brackets the ratio to the flash core."""
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  lines = ["| pattern | shape | mode | " + " | ".join(impls) + " |",
+           "|---|---|---|" + "---|" * len(impls)]
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["pattern"], r["shape"], r["mode"]), {})[
+        r["impl"]] = r
+  notes = {}
+  for (pattern, shape, mode), by_impl in groups.items():
+    base = (by_impl.get("blockwise") or {}).get("ms")
+    cells = []
+    for impl in impls:
+      r = by_impl.get(impl)
+      if r is None or r["ms"] is None:
+        reason = "" if r is None else (r["reason"] or "")
+        mark = notes.setdefault(reason, len(notes) + 1) if reason else None
+        cells.append("-" if mark is None else f"- [{mark}]")
+      elif base:
+        cells.append(f"{r['ms']:.3g} ({base / r['ms']:.2f}x)")
+      else:
+        cells.append(f"{r['ms']:.3g}")
+    lines.append(f"| {pattern} | {shape} | {mode} | " + " | ".join(cells)
+                 + " |")
+  lines.append("")
+  lines += [f"[{i}] {reason}" for reason, i in notes.items()]
+  return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
 # Tables and the run.
 
 
@@ -652,12 +865,16 @@ def machine() -> str:
 
 def run_check(quick: bool = False, cases=(), repeats: int = 5,
               timing: bool = True, out: str | None = None,
-              dtypes=DTYPES, impls=()) -> dict:
+              dtypes=DTYPES, impls=(), patterns: bool = False,
+              budget_s: float = 420.0, interpret=()) -> dict:
   """Runs the checks (and timings), prints both tables; returns the results.
 
   ``results["failed"]`` counts FAIL rows; ``main`` exits non-zero on any.
   """
+  started = time.perf_counter()
   z = sizes(quick)
+  _INTERPRETED.clear()
+  _INTERPRETED.update(interpret)
   names = [c for c in CASES if not cases or c in cases]
   unknown = set(cases) - set(CASES)
   if unknown:
@@ -681,6 +898,13 @@ def run_check(quick: bool = False, cases=(), repeats: int = 5,
   timings = time_impls(z, repeats, sdpa_impls, dtypes) if timing else []
   if timings:
     print(f"{timing_table(timings)}\n", flush=True)
+  by_pattern = []
+  if patterns:
+    left = budget_s - (time.perf_counter() - started)
+    by_pattern = time_patterns(quick, repeats, budget_s=left,
+                               impls=[i for i in PATTERN_IMPLS
+                                      if not impls or i in impls])
+    print(f"{patterns_table(by_pattern)}\n", flush=True)
   failed = sum(r["status"] == "FAIL" for r in checks)
   counts = {s: sum(r["status"] == s for r in checks)
             for s in ("PASS", "FAIL", "SKIP")}
@@ -689,7 +913,7 @@ def run_check(quick: bool = False, cases=(), repeats: int = 5,
   results = {"machine": machine(), "backend": jax.default_backend(),
              "devices": len(jax.devices()), "quick": quick,
              "sizes": dataclasses.asdict(z), "checks": checks,
-             "timings": timings, "failed": failed}
+             "timings": timings, "patterns": by_pattern, "failed": failed}
   if out:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
@@ -700,7 +924,9 @@ def run_check(quick: bool = False, cases=(), repeats: int = 5,
 def main(argv):
   del argv
   results = run_check(_QUICK.value, _CASES.value, _REPEATS.value,
-                      _TIMING.value, _OUT.value, impls=_IMPLS.value)
+                      _TIMING.value, _OUT.value, impls=_IMPLS.value,
+                      patterns=_PATTERNS.value, budget_s=_BUDGET.value,
+                      interpret=_INTERPRET.value)
   if results["failed"]:
     sys.exit(1)
 

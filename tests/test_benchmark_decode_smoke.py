@@ -108,6 +108,21 @@ class GpuCheckSmokeTest(absltest.TestCase):
         {("auto", "fwd"), ("blockwise", "fwd+bwd")}, timed)
     self.assertTrue((pathlib.Path(out) / "r.json").exists())
 
+  def test_pattern_timings_run_or_say_why(self):
+    rows = gpu_check.time_patterns(quick=True, repeats=1,
+                                   impls=("blockwise", "jax.nn"),
+                                   patterns=("causal", "sinks"))
+    by = {(r["pattern"], r["impl"], r["mode"]): r for r in rows}
+    for impl in ("blockwise", "jax.nn"):
+      self.assertGreater(by["causal", impl, "fwd+bwd"]["ms"], 0)
+    self.assertIsNone(by["sinks", "jax.nn", "fwd"]["ms"])
+    self.assertIn("sinks", by["sinks", "jax.nn", "fwd"]["reason"])
+    self.assertIn("(1.00x)", gpu_check.patterns_table(rows))
+    late = gpu_check.time_patterns(quick=True, repeats=1,
+                                   impls=("blockwise",), budget_s=0.0,
+                                   patterns=("causal",))
+    self.assertTrue(all("budget" in r["reason"] for r in late))
+
   def test_a_dropped_causal_mask_fails(self):
     def no_causal(impl):
       fn = functools.partial(aj.scaled_dot_product_attention,
