@@ -95,6 +95,10 @@ class SupportsTest(chex.TestCase):
       reason = kernel.supports(self._problem(
           score_mod=aj.alibi(aj.alibi_slopes(N))))
       self.assertRegex(reason, "score_mod reads arrays at traced indices")
+      odd = aj.ScoreMod(lambda s, b, h, q_idx, kv_idx, p: s + p.sum(),
+                        jnp.ones((12,)))
+      self.assertRegex(kernel.supports(self._problem(score_mod=odd)),
+                       r"shape \(12,\); Triton's tensors have power-of-two")
       reason = kernel.supports(self._problem(mask=aj.Mask(rule=aj.block_mask(
           aj.prefix_lm_mask_fn(20), T, S, block_q=24, block_k=16))))
       self.assertRegex(reason, "block_q=24: Triton's blocks are powers of two")

@@ -18,6 +18,11 @@ modifier (with its gradient, also into the arrays it reads), causal and
 window bounds, lengths, segment ids, a dense mask, a mask rule; sinks join
 the softmax after the kernel, from its lse.
 
+Dots take the inputs' dtype with float32 accumulation (bfloat16 tensor-core
+dots for bfloat16 inputs; the probabilities and their cotangents are rounded
+to it before their dots, as in FlashAttention-2); softmax statistics,
+accumulators and the score modifier are float32.
+
 Written for one head (``[T, H]`` against ``[S, H]``) and lifted over heads
 by ``_broadcast.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
 to its grid. Arrays a score modifier or a mask rule reads are passed to the
@@ -156,14 +161,18 @@ def _unlowered(ops, bq: int, bk: int) -> str | None:
     checks.append(("the mask rule", lambda: ops.block_mask.mask_fn(*idx)))
   for what, fn in checks:
     try:
-      used = _primitives(jax.make_jaxpr(fn)().jaxpr)
-    except Exception:  # noqa: BLE001 (a rule of per-head arrays: see below)
+      closed = jax.make_jaxpr(fn)()
+    except Exception:  # noqa: BLE001 (e.g. a rule over per-head arrays)
       return (f"{what} could not be traced at one block's shapes, which "
               "the Triton lowering needs")
-    missing = sorted(used & _NOT_LOWERED)
+    missing = sorted(_primitives(closed.jaxpr) & _NOT_LOWERED)
     if missing:
       return (f"{what} reads arrays at traced indices ({', '.join(missing)}"
               "), which Pallas's Triton lowering lacks")
+    for const in closed.consts:
+      if any(d & (d - 1) for d in jnp.shape(const)):
+        return (f"{what} reads an array of shape {jnp.shape(const)}; "
+                "Triton's tensors have power-of-two dims")
   return None
 
 
@@ -436,19 +445,21 @@ def _dkdv_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     dkj, dvj, ddiff = carry
     i0 = i * st.bq
     qi = q_ref[pl.ds(i0, st.bq), :]
-    doi = do_ref[pl.ds(i0, st.bq), :].astype(_F32)
+    doi = do_ref[pl.ds(i0, st.bq), :]
     tiles = _tiles(sp, r, shapes, i0, j0)
     p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full,
                                 lse_ref[pl.ds(i0, st.bq)], sp.mod is not None)
-    dvj = dvj + jax.lax.dot_general(p, doi, (((0,), (0,)), ((), ())),
+    dvj = dvj + jax.lax.dot_general(p.astype(doi.dtype), doi,
+                                    (((0,), (0,)), ((), ())),
                                     preferred_element_type=_F32)
-    dp = jax.lax.dot_general(doi, vj.astype(_F32), (((1,), (1,)), ((), ())),
+    dp = jax.lax.dot_general(doi, vj.astype(doi.dtype),
+                             (((1,), (1,)), ((), ())),
                              preferred_element_type=_F32)
     ds = p * (dp - delta_ref[pl.ds(i0, st.bq)][:, None])  # [bq, bk]
     if mod_vjp is not None:
       ds, *d_diff = mod_vjp(ds)
       ddiff = tuple(acc + d.astype(_F32) for acc, d in zip(ddiff, d_diff))
-    dkj = dkj + jax.lax.dot_general(ds, qi.astype(_F32),
+    dkj = dkj + jax.lax.dot_general(ds.astype(qi.dtype), qi,
                                     (((0,), (0,)), ((), ())),
                                     preferred_element_type=_F32) * st.scale
     if dbias_ref is not None:
@@ -475,7 +486,7 @@ def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
   i = pl.program_id(0)
   i0 = i * st.bq
   qi = q_ref[...]
-  doi = do_ref[...].astype(_F32)
+  doi = do_ref[...]
   lse_i = lse_ref[...]
   delta_i = delta_ref[...]
   length = r.ints[0]
@@ -487,12 +498,13 @@ def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     tiles = _tiles(sp, r, shapes, i0, j0)
     p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full, lse_i,
                                 sp.mod is not None)
-    dp = jax.lax.dot_general(doi, vj.astype(_F32), (((1,), (1,)), ((), ())),
+    dp = jax.lax.dot_general(doi, vj.astype(doi.dtype),
+                             (((1,), (1,)), ((), ())),
                              preferred_element_type=_F32)
     ds = p * (dp - delta_i[:, None])
     if mod_vjp is not None:
       ds = mod_vjp(ds)[0]
-    return dqi + jax.lax.dot_general(ds, kj.astype(_F32),
+    return dqi + jax.lax.dot_general(ds.astype(kj.dtype), kj,
                                      (((1,), (0,)), ((), ())),
                                      preferred_element_type=_F32) * st.scale
 
