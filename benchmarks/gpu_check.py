@@ -1,7 +1,9 @@
 """Implementations vs a reference, then timed: ``python -m benchmarks.gpu_check``.
 
-Meant to be run whenever a GPU is at hand (it also runs on CPU, where a
-kernel that needs a GPU is skipped with its own reason). On the default
+Meant to be run whenever a GPU or a TPU is at hand (the same script is the
+TPU twin; it also runs on CPU, where a kernel that needs another backend is
+skipped with its reason, or runs in Pallas's interpreter with
+``--interpret=pallas_gpu,splash``). On the default
 backend it checks ``aj.scaled_dot_product_attention`` with
 ``implementation=None`` ("auto") and with every kernel of
 ``aj.kernels.REGISTRY`` by its name, and ``aj.ring_attention`` ("ring": the
@@ -19,7 +21,8 @@ input and every parameter).
 The case grid: plain, causal, causal cross-attention (``T < S``, bottom-right
 aligned), grouped-query (``K = N / 4``, causal), key padding lengths (one
 example of length 0, whose rows see nothing), a causal sliding window,
-packed documents (segment ids), each with float32 and bfloat16 inputs; the
+packed documents (segment ids), sinks, a soft cap, ALiBi and a T5 bias
+(score modifiers), each with float32 and bfloat16 inputs; the
 patterns go in as ``aj.Mask`` fields (lengths ``[B]``, segment ids ``[B,
 T]``, the window), causality as ``is_causal``. Checks run under
 ``jax.default_matmul_precision("highest")`` so that float32 tolerances are
@@ -35,8 +38,15 @@ FAIL.
 Then forward and forward+backward of each implementation are timed at the
 default matmul precision, medians of ``--repeats`` after a compiling call:
 B4 N8 T=S=4096 H64 causal on a GPU, B1 N4 T=S=1024 H64 on CPU, tiny with
-``--quick``. Prints a PASS/FAIL table and a timing table, writes ``--out``
-(JSON) if given, and exits non-zero on any FAIL.
+``--quick``. Then (``--patterns``) each pattern of ``PATTERNS`` (plain,
+causal, window, packed documents, sinks, soft cap, ALiBi, T5 bias) at T = S
+= 2k, 8k and 32k (B * T = 32k tokens, N8 H64, bfloat16) for the automatic
+choice, cuDNN, splash, the Pallas GPU kernel, the flash core and
+``jax.nn.dot_product_attention`` (plain, causal and window only), each as
+a ratio to the flash core; points past ``--budget_s`` seconds of the whole
+run are skipped and say so (the default fits one run in 8 minutes). Prints
+a PASS/FAIL table and the timing tables, writes ``--out`` (JSON) if given,
+and exits non-zero on any FAIL.
 
 Layout ``[B, N, T, H]``; shape glossary: B batch, N query heads, K key/value
 heads, T query length, S key/value length, H head dim, D model dim (N * H).
@@ -101,7 +111,11 @@ KNOWN_REFUSALS = {
               "alibi": "jax.nn's cuDNN kernel takes no score modifier",
               "t5": "jax.nn's cuDNN kernel takes no score modifier"},
     "pallas_gpu": {"alibi": _NO_TRITON, "t5": _NO_TRITON},
+    "splash": {"alibi": "splash's only score modifier is a soft cap",
+               "t5": "splash's only score modifier is a soft cap"},
 }
+# The backend each accelerator kernel needs (unless interpreted).
+BACKENDS = {"cudnn": "gpu", "pallas_gpu": "gpu", "splash": "tpu"}
 # The T5 case's buckets and reach (tests/contract.py's choice).
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128
 
@@ -154,7 +168,7 @@ class Sizes:
 def sizes(quick: bool) -> Sizes:
   if quick:
     return Sizes((2, 4, 32, 16), 8, 3, (1, 2, 128, 16))
-  if jax.default_backend() == "gpu":
+  if jax.default_backend() in ("gpu", "tpu"):
     return Sizes((2, 8, 1024, 64), 128, 5, (4, 8, 4096, 64))
   return Sizes((2, 4, 1024, 32), 128, 5, (1, 4, 1024, 64))
 
@@ -461,7 +475,15 @@ def _unavailable(impl: str) -> str | None:
     if len(jax.devices()) < 2:
       return f"needs more than one device; {len(jax.devices())} here"
     return None
-  if impl in (AUTO, JAX_NN) or jax.default_backend() == "gpu":
+  if impl in (AUTO, JAX_NN):
+    return None
+  needs = BACKENDS.get(impl)
+  if needs is not None and impl not in _INTERPRETED:
+    if jax.default_backend() != needs:
+      return (f"unavailable: it needs a {needs.upper()}, the backend is "
+              f"{jax.default_backend()!r}")
+    return None  # on its backend, refusals are judged case by case
+  if jax.default_backend() != "cpu":
     return None
   reason = _kernel(impl).supports(_probe())
   return None if reason is None else f"unavailable: {reason}"

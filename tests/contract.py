@@ -50,6 +50,7 @@ CONFIGURED = {
     "ring": aj.kernels.Ring("seq", block_q=4, block_k=3),
     # Accelerator kernels run in Pallas's interpreter here.
     "pallas_gpu": aj.kernels.PallasGpu(block_q=5, block_k=7, interpret=True),
+    "splash": aj.kernels.Splash(interpret=True),  # 128-blocks: one each here
 }
 
 # The case features each kernel refuses (its ``supports`` must say so).
@@ -61,6 +62,9 @@ REFUSES = {
                         "rule"}),
     "ring": frozenset({"mask", "bias", "float64"}),
     "pallas_gpu": frozenset({"float64"}),
+    # Splash has no bias, no modifier but a soft cap, and a static mask (a
+    # dense mask is traced under jit).
+    "splash": frozenset({"float64", "bias", "mask", "alibi", "t5"}),
 }
 NEEDS_GPU = frozenset({"cudnn"})
 
@@ -76,6 +80,14 @@ SUBSETS = {
         "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
         "t5_bias_bidirectional_gqa", "block_mask_prefix_lm",
         "rule_per_example_prefix_window", "everything_combined"),
+    "splash": (
+        "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
+        "mqa_causal_lengths", "mha", "mask_empty_rows", "bias_neg_inf",
+        "bfloat16_causal_lengths", "float64", "two_sided_window_lengths",
+        "query_lengths_causal", "softcap_window_query_lengths",
+        "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
+        "alibi_causal_gqa", "block_mask_prefix_lm",
+        "rule_per_example_prefix_window", "union_prefix_lm_segments"),
 }
 
 

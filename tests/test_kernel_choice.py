@@ -46,6 +46,11 @@ EXPECTED = {
             "alibi": "blockwise", "bias": "cudnn",
             "float32_causal": "pallas_gpu", "small": "dense",
             "weights": "dense"},
+    "tpu": {"causal": "splash", "segments": "splash", "sinks": "splash",
+            "softcap": "splash",
+            # Splash's only modifier is a soft cap, and it has no bias.
+            "alibi": "blockwise", "bias": "blockwise",
+            "float32_causal": "splash", "small": "dense", "weights": "dense"},
     "cpu": {"causal": "blockwise", "segments": "blockwise",
             "sinks": "blockwise", "softcap": "blockwise",
             "alibi": "blockwise", "bias": "blockwise",
@@ -63,9 +68,10 @@ class AutomaticChoiceTest(parameterized.TestCase):
 
   def test_explicit_choice_that_cannot_run_says_why(self):
     q = jnp.zeros((B, N, 64, 16), jnp.bfloat16)
-    with self.assertRaisesRegex(ValueError,
-                                "'pallas_gpu' is not possible: it needs a GPU"):
-      aj.scaled_dot_product_attention(q, q, q, implementation="pallas_gpu")
+    for name, device in (("pallas_gpu", "GPU"), ("splash", "TPU")):
+      with self.assertRaisesRegex(
+          ValueError, f"'{name}' is not possible: it needs a {device}"):
+        aj.scaled_dot_product_attention(q, q, q, implementation=name)
 
 
 if __name__ == "__main__":

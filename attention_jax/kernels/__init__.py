@@ -21,16 +21,18 @@ from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
 from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
+from attention_jax.kernels.splash import Splash
 
 REGISTRY: tuple[Kernel, ...] = (
     Cudnn(),  # GPU only
+    Splash(),  # TPU only
     PallasGpu(),  # GPU only
     Flash(),
     Dense(),
 )
 
 __all__ = ["REGISTRY", "Cudnn", "Dense", "Flash", "Kernel", "PallasGpu",
-           "Problem", "Ring", "by_name", "candidates", "choose"]
+           "Problem", "Ring", "Splash", "by_name", "candidates", "choose"]
 
 
 def by_name(name: str) -> Kernel:
