@@ -36,6 +36,10 @@ PATTERNS = {
     "bias": dict(bias=jnp.zeros((1, N, T, T), jnp.bfloat16)),
     "float32_causal": dict(mask=CAUSAL, dtype=jnp.float32),
     "small": dict(mask=CAUSAL, t=256),
+    "prefix_rule": dict(mask=aj.Mask(rule=aj.prefix_lm_mask_fn(100))),
+    # A rule reading per-example arrays (prefix lengths [B]) by index.
+    "per_example_rule": dict(mask=aj.Mask(
+        rule=aj.prefix_lm_mask_fn(jnp.array([100], jnp.int32)))),
     "weights": dict(mask=CAUSAL, return_weights=True),
 }
 EXPECTED = {
@@ -45,17 +49,21 @@ EXPECTED = {
             # ALiBi reads slopes[h]: no Triton lowering, the flash core.
             "alibi": "blockwise", "bias": "cudnn",
             "float32_causal": "pallas_gpu", "small": "dense",
-            "weights": "dense"},
+            "weights": "dense", "prefix_rule": "pallas_gpu",
+            "per_example_rule": "blockwise"},
     "tpu": {"causal": "splash", "segments": "splash", "sinks": "splash",
             "softcap": "splash",
             # Splash's only modifier is a soft cap, and it has no bias.
             "alibi": "blockwise", "bias": "blockwise",
-            "float32_causal": "splash", "small": "dense", "weights": "dense"},
+            "float32_causal": "splash", "small": "dense", "weights": "dense",
+            # Concrete rules become splash's (static) NumPy masks.
+            "prefix_rule": "splash", "per_example_rule": "splash"},
     "cpu": {"causal": "blockwise", "segments": "blockwise",
             "sinks": "blockwise", "softcap": "blockwise",
             "alibi": "blockwise", "bias": "blockwise",
             "float32_causal": "blockwise", "small": "dense",
-            "weights": "dense"},
+            "weights": "dense", "prefix_rule": "blockwise",
+            "per_example_rule": "blockwise"},
 }
 
 

@@ -36,6 +36,11 @@ CPU. A score modifier or mask rule that indexes arrays by value (ALiBi's
 slopes[h], T5's table lookup) has no Triton lowering (``dynamic_slice`` and
 ``gather`` of a loaded value), so on a GPU ``supports`` refuses those and
 the automatic choice moves on to the flash core.
+
+Not yet run on a GPU: its numbers are checked in the interpreter (the
+contract suite) and its Triton lowering for ``cuda`` from a CPU
+(``tests/test_pallas_gpu.py``); speed and the block/warp choice are
+unmeasured.
 """
 
 from __future__ import annotations
@@ -94,13 +99,20 @@ class PallasGpu(base.Kernel):
               "(PallasGpu(interpret=True) runs it anywhere, slowly)")
     ops = problem.ops
     bq, bk = self._blocks(ops)
+    bm = ops.block_mask
+    if bm is not None and bm.kinds is None:  # tables built at clipped sizes
+      bq = min(bq, ops.query.shape[-2])
+      bk = min(bk, ops.key.shape[-2])
     for name, size in (("block_q", bq), ("block_k", bk)):
       if size < 16 or size & (size - 1):
         return (f"{name}={size}: Triton's blocks are powers of two >= 16 "
-                "(a block mask fixes its own sizes: build it with such)")
+                "(a block mask fixes its own sizes: build it with such; a "
+                "rule's tables are built at blocks clipped to T and S)")
     return _unlowered(ops, bq, bk)
 
   def declines(self, problem: base.Problem) -> str | None:
+    if self.interpret:
+      return "interpret mode is a check, not a speed"
     return base.too_small(problem)
 
   def _blocks(self, ops) -> tuple[int, int]:
