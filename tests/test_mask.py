@@ -254,8 +254,8 @@ class KernelInterfaceTest(absltest.TestCase):
         r"blockwise: it never forms the attention weights"):
       aj.scaled_dot_product_attention(q, k, v, implementation=(
           "cudnn", "blockwise"), return_weights=True)
-    with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'blockwise', "
-                                "'dense'\\]"):
+    with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'splash', "
+                                "'pallas_gpu', 'blockwise', 'dense'\\]"):
       aj.scaled_dot_product_attention(q, k, v, implementation="flash")
 
   def test_a_list_runs_the_first_kernel_that_fits(self):

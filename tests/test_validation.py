@@ -258,7 +258,8 @@ CASES = [
     ("sdpa_unknown_implementation", lambda: sdpa(Q, K, V,
                                                  implementation="flash"),
      ValueError, r"implementation must be None, a kernel, a sequence of them, "
-     r"or one of \['cudnn', 'blockwise', 'dense'\], got 'flash'"),
+     r"or one of \['cudnn', 'splash', 'pallas_gpu', 'blockwise', 'dense'\], "
+     r"got 'flash'"),
     ("sdpa_blockwise_dropout", lambda: sdpa(
         Q, K, V, implementation="blockwise", dropout_rate=0.1,
         dropout_rng=jax.random.key(0)), ValueError,
