@@ -49,7 +49,10 @@ CONFIGURED = {
     "blockwise": aj.kernels.Flash(block_q=5, block_k=7),
     "ring": aj.kernels.Ring("seq", block_q=4, block_k=3),
     # Accelerator kernels run in Pallas's interpreter here.
-    "pallas_gpu": aj.kernels.PallasGpu(block_q=5, block_k=7, interpret=True),
+    # Triton's smallest tiles (powers of two >= 16: what a GPU would run,
+    # padding included); block masks' 5 x 7 tables are rebuilt at them.
+    "pallas_gpu": aj.kernels.PallasGpu(block_q=16, block_k=16,
+                                       interpret=True),
     "splash": aj.kernels.Splash(interpret=True),  # 128-blocks: one each here
 }
 

@@ -94,14 +94,23 @@ class SupportsTest(chex.TestCase):
           score_mod=aj.soft_cap(5.0))))
       reason = kernel.supports(self._problem(
           score_mod=aj.alibi(aj.alibi_slopes(N))))
-      self.assertRegex(reason, "score_mod reads arrays at traced indices")
+      self.assertRegex(reason, "score_mod uses dynamic_slice.* Triton lowering lacks")
       odd = aj.ScoreMod(lambda s, b, h, q_idx, kv_idx, p: s + p.sum(),
                         jnp.ones((12,)))
       self.assertRegex(kernel.supports(self._problem(score_mod=odd)),
                        r"shape \(12,\); Triton's tensors have power-of-two")
-      reason = kernel.supports(self._problem(mask=aj.Mask(rule=aj.block_mask(
-          aj.prefix_lm_mask_fn(20), T, S, block_q=24, block_k=16))))
+      # A modifier whose VJP alone has no lowering rule (slice's transpose
+      # pads) is refused too.
+      first = aj.ScoreMod(lambda s, b, h, q_idx, kv_idx, p: s + p[0],
+                          jnp.ones((4,)))
+      self.assertRegex(kernel.supports(self._problem(score_mod=first)),
+                       "score_mod uses .*slice.* Triton lowering lacks")
+      reason = pallas_gpu.PallasGpu(block_q=24).supports(self._problem())
       self.assertRegex(reason, "block_q=24: Triton's blocks are powers of two")
+      # A block mask at the flash core's sizes is rebuilt at Triton's.
+      self.assertIsNone(kernel.supports(self._problem(mask=aj.Mask(
+          rule=aj.block_mask(aj.prefix_lm_mask_fn(20), T, S, block_q=24,
+                             block_k=8)))))
       self.assertRegex(kernel.supports(self._problem(return_weights=True)),
                        "never forms the attention weights")
 

@@ -1,4 +1,8 @@
-"""The splash kernel (``kernels/splash.py``) against the dense kernel.
+"""The splash kernel (``kernels/splash.py``) beyond the shared contract.
+
+The contract suite (``tests/contract.py``) checks its numbers case by case;
+here: a per-head dense mask, a per-example rule, the gradient through the
+lse alone, each refusal's reason, and the TPU path.
 
 No TPU here: splash's Pallas kernels run in the interpreter
 (``Splash(interpret=True)``); tiny shapes (one 128 block after padding),
@@ -71,36 +75,6 @@ class SplashTest(chex.TestCase):
       np.testing.assert_allclose(got, ref, **GRAD_TOL)
     return out, lse, grads
 
-  def test_causal_t_ne_s_gqa(self):
-    for t, s in ((24, 40), (40, 24)):  # T > S: the first rows see nothing
-      q, k, v = _qkv(t, s)
-      out, lse, grads = self._matches_dense(q, k, v, aj.Mask(causal=True))
-      if t > s:
-        empty = slice(0, t - s)
-        np.testing.assert_array_equal(out[:, :, empty], 0.0)
-        np.testing.assert_array_equal(lse[:, :, empty], -np.inf)
-        np.testing.assert_array_equal(grads[0][:, :, empty], 0.0)
-
-  def test_window_segments_lengths_nan_padding(self):
-    q, k, v = _qkv(24, 40)
-    lengths = jnp.array([40, 27])
-    padding = (jnp.arange(40)[None, :] >= lengths[:, None])[:, None, :, None]
-    k, v = (jnp.where(padding, jnp.nan, x) for x in (k, v))  # past lengths
-    q_seg = np.asarray(_data.bernoulli(9, 0.5, (B, 24)), np.int32) * 7
-    k_seg = np.asarray(_data.bernoulli(10, 0.5, (B, 40)), np.int32) * 7
-    mask = aj.Mask(window=(6, 3), kv_lengths=lengths, q_segment_ids=q_seg,
-                   kv_segment_ids=k_seg)
-    self._matches_dense(q, k, v, mask)
-
-  def test_query_lengths_soft_cap_sinks_mqa(self):
-    q, k, v = _qkv(40, 40, kv_heads=1)
-    mask = aj.Mask(causal=True, window=(5, 0), q_lengths=jnp.array([29, 0]))
-    sinks = {"sinks": 0.5 * _data.normal(12, (N,)) + 0.5}
-    out, lse, _ = self._matches_dense(q, k, v, mask, sinks,
-                                      score_mod=aj.soft_cap(1.5))
-    np.testing.assert_array_equal(out[0, :, 29:], 0.0)
-    np.testing.assert_array_equal(lse[1], -np.inf)  # no queries at all
-
   def test_rules_per_example_and_mha(self):
     # A per-example rule and a per-head dense mask (concrete, eager) run one
     # kernel per distinct slice.
@@ -152,6 +126,11 @@ class SplashTest(chex.TestCase):
       jax.jit(lambda q, k, v, m: aj.scaled_dot_product_attention(
           q, k, v, m, implementation=SPLASH))(
               q, k, v, jnp.ones((B, 1, 8, 8), bool))
+    with mock.patch.object(splash, "HOST_MASK_LIMIT", 8 * 8 - 1), \
+        self.assertRaisesRegex(ValueError, "evaluated on the host into 64"):
+      aj.scaled_dot_product_attention(
+          q, k, v, aj.Mask(rule=aj.prefix_lm_mask_fn(3)),
+          implementation=SPLASH)
     with self.assertRaisesRegex(ValueError, "needs a TPU.*interpret=True"):
       aj.scaled_dot_product_attention(q, k, v, is_causal=True,
                                       implementation=splash.Splash())

@@ -58,24 +58,39 @@ import jax.numpy as jnp
 from attention_jax import _broadcast
 from attention_jax import _numerics
 from attention_jax import _patterns
+from attention_jax import score_mods
 from attention_jax.kernels import base
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
 
 _F32 = jnp.float32
-# Primitives of a score modifier or rule the Triton lowering lacks (reading
-# an array at a traced index of a loaded value).
-_NOT_LOWERED = frozenset({"gather", "dynamic_slice", "scatter", "scatter-add",
-                          "dynamic_update_slice"})
+# The primitives a score modifier or rule (and the modifier's VJP) may use:
+# those Pallas's Triton lowering has rules for in jax 0.10, less those whose
+# rules take only some shapes or directions (concatenate, cumsum, split,
+# stack) and control flow. Reading an array at a traced index (gather,
+# dynamic_slice: ALiBi's slopes[h], T5's table) has no rule.
+_LOWERED = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan",
+    "atan2", "atanh", "bitcast_convert_type", "broadcast_in_dim", "cbrt",
+    "ceil", "clamp", "closed_call", "convert_element_type", "cos", "cosh",
+    "custom_jvp_call", "div", "eq", "erf_inv", "exp", "exp2", "expm1",
+    "floor", "ge", "gt", "integer_pow", "iota", "is_finite", "jit", "le",
+    "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
+    "nextafter", "not", "or", "pow", "reduce_max", "reduce_min",
+    "reduce_sum", "rem", "reshape", "rsqrt", "select_n", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh",
+    "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan", "tanh",
+    "transpose", "xor"})
 
 
 @dataclasses.dataclass(frozen=True)
 class PallasGpu(base.Kernel):
   """Fused flash attention for GPUs (Pallas, Triton lowering).
 
-  ``block_q``/``block_k`` None pick by head dim (``_launch``); a block mask
-  fixes its own. ``interpret=True`` runs the kernels on any backend in
-  Pallas's interpreter (a correctness check, not a fast path).
+  ``block_q``/``block_k`` None pick by head dim (``_launch``); a block
+  mask built at other sizes has its tables rebuilt at these from its rule.
+  ``interpret=True`` runs the kernels on any backend in Pallas's
+  interpreter (a correctness check, not a fast path).
   """
   block_q: int | None = None
   block_k: int | None = None
@@ -99,15 +114,9 @@ class PallasGpu(base.Kernel):
               "(PallasGpu(interpret=True) runs it anywhere, slowly)")
     ops = problem.ops
     bq, bk = self._blocks(ops)
-    bm = ops.block_mask
-    if bm is not None and bm.kinds is None:  # tables built at clipped sizes
-      bq = min(bq, ops.query.shape[-2])
-      bk = min(bk, ops.key.shape[-2])
     for name, size in (("block_q", bq), ("block_k", bk)):
       if size < 16 or size & (size - 1):
-        return (f"{name}={size}: Triton's blocks are powers of two >= 16 "
-                "(a block mask fixes its own sizes: build it with such; a "
-                "rule's tables are built at blocks clipped to T and S)")
+        return f"{name}={size}: Triton's blocks are powers of two >= 16"
     return _unlowered(ops, bq, bk)
 
   def declines(self, problem: base.Problem) -> str | None:
@@ -116,9 +125,8 @@ class PallasGpu(base.Kernel):
     return base.too_small(problem)
 
   def _blocks(self, ops) -> tuple[int, int]:
-    bm = ops.block_mask
-    if bm is not None and bm.kinds is not None:
-      return flash_core.block_sizes(ops, self.block_q, self.block_k)
+    """The kernel's tile sizes (a block mask's own sizes are not used:
+    its tables are rebuilt at these when they differ, ``_own_tables``)."""
     bq, bk, _ = _launch(ops.query.shape[-1], ops.query.shape[-2],
                         ops.key.shape[-2])
     return (bq if self.block_q is None else self.block_q,
@@ -127,9 +135,7 @@ class PallasGpu(base.Kernel):
   def __call__(self, problem: base.Problem):
     ops = problem.ops
     bq, bk = self._blocks(ops)
-    ops = flash.with_rule_tables(ops, bq, bk)
-    if ops.block_mask is not None:  # its tables' (clipped) sizes
-      bq, bk = ops.block_mask.block_q, ops.block_mask.block_k
+    ops = flash.with_rule_tables(_own_tables(ops, bq, bk), bq, bk)
     _, _, warps = _launch(ops.query.shape[-1], bq, bk)
     launch = _Launch(self.interpret, self.num_warps or warps,
                      self.num_stages)
@@ -138,6 +144,21 @@ class PallasGpu(base.Kernel):
         is_causal=ops.causal, window=ops.window, score_mod=ops.score_mod,
         block_q=bq, block_k=bk, out_dtype=problem.out_dtype)
     return _broadcast.lift_heads(head, ops)
+
+
+def _own_tables(ops, bq: int, bk: int):
+  """``ops`` with a block mask's tables dropped unless they are at this
+  kernel's blocks (``block_mask`` clips blocks to T and S, and a clipped
+  block is the kernel's one padded block); ``flash.with_rule_tables`` then
+  builds them from the rule at the kernel's sizes. A block mask's sizes
+  are the flash core's; Triton needs its own tiles."""
+  bm = ops.block_mask
+  if bm is None or bm.kinds is None:
+    return ops
+  t, s = ops.query.shape[-2], ops.key.shape[-2]
+  if (bm.block_q, bm.block_k) == (min(bq, t), min(bk, s)):
+    return ops
+  return ops._replace(block_mask=bm.with_tables((None,) * 5))
 
 
 def _launch(h: int, t: int, s: int) -> tuple[int, int, int]:
@@ -161,27 +182,47 @@ class _Launch(NamedTuple):
 
 
 def _unlowered(ops, bq: int, bk: int) -> str | None:
-  """Why a score modifier or rule has no Triton lowering, or None."""
+  """Why a score modifier or rule has no Triton lowering, or None.
+
+  Both are traced at one block's shapes (the modifier with its VJP, which
+  the backward kernels run) and every primitive must be in ``_LOWERED``;
+  every array they read must have power-of-two dims.
+  """
   i32 = jnp.int32
   idx = (jnp.zeros((), i32), jnp.zeros((), i32), jnp.zeros((bq, 1), i32),
          jnp.zeros((1, bk), i32))
   checks = []
-  if ops.score_mod is not None:
-    checks.append(("score_mod", lambda: ops.score_mod(
-        jnp.zeros((bq, bk), _F32), *idx)))
+  mod = ops.score_mod
+  if mod is not None:
+    score = jnp.zeros((bq, bk), _F32)
+    if isinstance(mod, score_mods.ScoreMod):  # its params are differentiated
+      fn, args = (lambda x, p: mod.fn(x, *idx, p)), (score, mod.params)
+    else:
+      fn, args = (lambda x: mod(x, *idx)), (score,)
+
+    def with_vjp():
+      out, vjp = jax.vjp(lambda *a: jnp.broadcast_to(fn(*a), score.shape)
+                         .astype(_F32), *args)
+      return out, vjp(jnp.ones_like(out))
+
+    checks.append(("score_mod", with_vjp))
   if ops.block_mask is not None:
     checks.append(("the mask rule", lambda: ops.block_mask.mask_fn(*idx)))
-  for what, fn in checks:
+  for what, traced in checks:
     try:
-      closed = jax.make_jaxpr(fn)()
+      closed = jax.make_jaxpr(traced)()
     except Exception:  # noqa: BLE001 (e.g. a rule over per-head arrays)
       return (f"{what} could not be traced at one block's shapes, which "
               "the Triton lowering needs")
-    missing = sorted(_primitives(closed.jaxpr) & _NOT_LOWERED)
+    missing = sorted(_primitives(closed.jaxpr) - _LOWERED)
     if missing:
-      return (f"{what} reads arrays at traced indices ({', '.join(missing)}"
-              "), which Pallas's Triton lowering lacks")
-    for const in closed.consts:
+      return (f"{what} uses {', '.join(missing)} (its VJP included), which "
+              "Pallas's Triton lowering lacks (gather and dynamic_slice read "
+              "an array at a traced index, e.g. ALiBi's slopes[h])")
+    arrays = list(closed.consts)
+    if mod is not None and isinstance(mod, score_mods.ScoreMod):
+      arrays += jax.tree.leaves(mod.params)
+    for const in arrays:
       if any(d & (d - 1) for d in jnp.shape(const)):
         return (f"{what} reads an array of shape {jnp.shape(const)}; "
                 "Triton's tensors have power-of-two dims")

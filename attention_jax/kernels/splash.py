@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import typing
 
 import jax
@@ -86,12 +87,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import _broadcast
+from attention_jax import _checks
 from attention_jax import _grouping
 from attention_jax import _patterns
 from attention_jax import score_mods
 from attention_jax.kernels import base
 
 _LANES = 128  # splash's blocks are whole multiples of the TPU's 128 lanes
+# The most booleans a rule may be evaluated into on the host (2 GiB): past
+# it the automatic choice moves on to the flash core (tables on device).
+HOST_MASK_LIMIT = 1 << 31
 
 # The private backward this kernel calls, as jax 0.10.2 defines it.
 _BWD_PARAMETERS = ("save_residuals", "mask_value", "is_mqa", "block_sizes",
@@ -243,6 +248,14 @@ class Splash(base.Kernel):
     t, s = ops.query.shape[-2], ops.key.shape[-2]
     if t == 0 or s == 0:
       return f"it needs T and S >= 1, got T={t}, S={s}"
+    if ops.block_mask is not None:
+      batch = _checks.rule_batch(ops.block_mask.mask_fn, ops.leading, s)
+      cells = math.prod(batch) * t * s
+      if cells > HOST_MASK_LIMIT:
+        return (f"its mask is static: this rule would be evaluated on the "
+                f"host into {cells} booleans ({math.prod(batch)} slices of "
+                f"T x S = {t} x {s}), over its limit of {HOST_MASK_LIMIT}; "
+                "'blockwise' builds the rule's tables on device")
     _, reason = _static_mask(ops, t, s)
     return reason or _backward_problem()
 
