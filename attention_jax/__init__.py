@@ -35,6 +35,7 @@ from attention_jax.masks import causal_mask
 from attention_jax.masks import combine_masks
 from attention_jax.masks import make_attention_mask
 from attention_jax.masks import padding_mask
+from attention_jax.merge import merge_attentions
 from attention_jax.modules.decoder_attention import BahdanauAttention
 from attention_jax.modules.decoder_attention import LuongAttention
 from attention_jax.modules.multi_head import MultiHeadAttention
@@ -94,6 +95,7 @@ __all__ = [
     "init_multi_head_params",
     "luong_attention",
     "make_attention_mask",
+    "merge_attentions",
     "masked_softmax",
     "multi_head_attention",
     "padding_mask",
