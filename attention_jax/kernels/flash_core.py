@@ -40,7 +40,7 @@ elsewhere):
   contract.
 * ``patterned``, ``segment_summary``, ``key_ranges``, ``query_ranges``:
   which blocks a block visits (the Pallas GPU kernel computes them outside
-  its kernels with these).
+  its kernels with these); ``masked_exp``, also used inside its kernels.
 * ``block_sizes(ops, block_q, block_k)`` picks blocks. (Validation happened
   once, before any kernel: ``kernels.base.canonicalize``.)
 
@@ -269,7 +269,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
   return logits, ok, mod_vjp
 
 
-def _masked_exp(logits, ok, shift, scale=1.0):
+def masked_exp(logits, ok, shift, scale=1.0):
   """``exp((logits - shift) * scale)``, 0 where not ``ok`` (no inf - inf)."""
   if ok is None:
     return jnp.exp((logits - shift[:, None]) * scale)
@@ -392,7 +392,7 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
       allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
       new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
       shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-      p = _masked_exp(logits, ok, shift, later)  # [bq, bk]
+      p = masked_exp(logits, ok, shift, later)  # [bq, bk]
       rescale = jnp.exp((row_max - shift) * later)  # 0 while row_max = -inf
       total = total * rescale + p.sum(-1)
       acc = acc * rescale[:, None] + jnp.einsum(
@@ -481,7 +481,7 @@ def backward(st, residuals, cotangents):
       if ok is not None:  # rows with nothing to attend have lse = -inf
         ok = ok & jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
       lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
-      p = _masked_exp(logits, ok, lse_i)  # [bq, bk]
+      p = masked_exp(logits, ok, lse_i)  # [bq, bk]
       dvj = dvj + jnp.einsum("TS,TV->SV", p, doi)
       dp = jnp.einsum("TV,SV->TS", doi, vj.astype(f32))
       ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i0, st.bq)[:, None])

@@ -279,23 +279,11 @@ class _Spec(NamedTuple):
   launch: _Launch
 
 
-class _Tiles(NamedTuple):
-  """A block's operands, read inside a kernel."""
-  ints: Any  # (length, q_length, b, h) int32 scalars
-  q_seg: Any
-  k_seg: Any
-  mask: Any
-  bias: Any
-  mod_consts: tuple
-  mod_diff: tuple
-  rule_consts: tuple
-
-
 def _load_const(ref, shape):
   return ref[...].reshape(shape)
 
 
-def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Tiles, full: bool,
+def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
             want_vjp: bool = False):
   """Float32 logits of one block, where allowed (``ok``), and a VJP.
 
@@ -354,13 +342,6 @@ def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Tiles, full: bool,
   return logits, ok, mod_vjp
 
 
-def _masked_exp(logits, ok, shift):
-  if ok is None:
-    return jnp.exp(logits - shift[:, None])
-  return jnp.where(ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0)),
-                   0.0)
-
-
 def _walk(sp: _Spec, ranges_ref, idx, table_ref, count: int, body, carry):
   """``body(block, full, carry)`` over the blocks block ``idx`` visits.
 
@@ -386,7 +367,9 @@ def _walk(sp: _Spec, ranges_ref, idx, table_ref, count: int, body, carry):
 
 
 class _Refs(NamedTuple):
-  """The kernel operands besides q, k, v (None = absent)."""
+  """The kernel operands besides q, k, v (None = absent): refs in a kernel,
+  or one block's values read from them (``_tiles``; ``ints`` then scalars,
+  ``ranges``/``table`` None)."""
   ints: Any
   ranges: Any
   table: Any
@@ -399,7 +382,7 @@ class _Refs(NamedTuple):
   rule_consts: tuple
 
 
-def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Tiles:
+def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Refs:
   """Reads one block's operands at rows ``i0``, columns ``j0``."""
   st = sp.st
   ints = tuple(r.ints[n] for n in range(4))
@@ -414,10 +397,10 @@ def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Tiles:
   if sp.bias:
     bias = r.bias[pl.ds(i0, st.bq), pl.ds(j0, st.bk)]
   mod_shapes, diff_shapes, rule_shapes = shapes
-  return _Tiles(ints, q_seg, k_seg, mask, bias,
-                tuple(map(_load_const, r.mod_consts, mod_shapes)),
-                tuple(map(_load_const, r.mod_diff, diff_shapes)),
-                tuple(map(_load_const, r.rule_consts, rule_shapes)))
+  return _Refs(ints, None, None, q_seg, k_seg, mask, bias,
+               tuple(map(_load_const, r.mod_consts, mod_shapes)),
+               tuple(map(_load_const, r.mod_diff, diff_shapes)),
+               tuple(map(_load_const, r.rule_consts, rule_shapes)))
 
 
 def _key_rows(st, ref, j0, length, has_length):
@@ -448,7 +431,7 @@ def _forward_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
     shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
-    p = _masked_exp(logits, ok, shift)  # [bq, bk]
+    p = flash_core.masked_exp(logits, ok, shift)  # [bq, bk]
     rescale = jnp.exp(row_max - shift)  # 0 while row_max = -inf
     total = total * rescale + p.sum(-1)
     acc = acc * rescale[:, None] + jax.lax.dot_general(
@@ -474,8 +457,8 @@ def _probabilities(sp, qi, kj, i0, j0, tiles, full, lse_i, want_vjp):
   logits, ok, mod_vjp = _logits(sp, qi, kj, i0, j0, tiles, full, want_vjp)
   row_ok = (lse_i > -jnp.inf)[:, None]
   ok = row_ok if ok is None else ok & row_ok
-  return _masked_exp(logits, ok, jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), \
-      mod_vjp
+  shift = jnp.where(lse_i > -jnp.inf, lse_i, 0.0)
+  return flash_core.masked_exp(logits, ok, shift), mod_vjp
 
 
 def _dkdv_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
@@ -696,21 +679,20 @@ def _slab_index(ndim: int):
   return lambda j: (j,) + (0,) * (ndim - 1)
 
 
-def _ranges(st, ex, rows: bool, table):
+def _ranges(st: flash_core.Static, ex, num_q: int, num_k: int, rows: bool,
+            table):
   """``[n, 6]`` int32 ``(lo, hi, full_lo, full_hi, first, last)`` per block.
 
   Query blocks' key ranges (``rows``) or key blocks' query ranges; with a
   block mask's row ``table`` the listed blocks' span ``[first, last)``.
   """
-  num_q, num_k = st.t_pad // st.static.bq, st.s_pad // st.static.bk
   place = flash_core.Place(st.s - st.t)
-  seg = flash_core.segment_summary(st.static, ex)
+  seg = flash_core.segment_summary(st, ex)
   if rows:
-    fn = lambda n: flash_core.key_ranges(st.static, ex, place, seg, n, num_k)  # noqa: E731
+    fn = lambda n: flash_core.key_ranges(st, ex, place, seg, n, num_k)  # noqa: E731
     count = num_q
   else:
-    fn = lambda n: flash_core.query_ranges(st.static, ex, place, seg, n,  # noqa: E731
-                                           num_q)
+    fn = lambda n: flash_core.query_ranges(st, ex, place, seg, n, num_q)  # noqa: E731
     count = num_k
   lo, hi, full_lo, full_hi = jax.vmap(fn)(jnp.arange(count))
   if table is None:
@@ -722,20 +704,6 @@ def _ranges(st, ex, rows: bool, table):
                    -1).astype(jnp.int32)
 
 
-class _Padded(NamedTuple):
-  static: flash_core.Static
-  t_pad: int
-  s_pad: int
-
-  @property
-  def t(self):
-    return self.static.t
-
-  @property
-  def s(self):
-    return self.static.s
-
-
 def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
   """One head (``_broadcast.Head``): pad, attend in the kernels, strip, sink."""
   if h.mask is not None:  # keys no query sees may hold NaN: zero them
@@ -744,11 +712,11 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
   st, q, k, v = _padded(q, k, v, **blocks)
   ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)
   st, ex = flash_core.hoist_score_mod(st, ex, q)
-  pst = _Padded(st, q.shape[0], k.shape[0])
+  num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   i32 = jnp.int32
   bias = None
   if ex.bias is not None:  # whole tiles; the broadcast's cotangent sums
-    bias = jnp.broadcast_to(ex.bias, (pst.t_pad, pst.s_pad))
+    bias = jnp.broadcast_to(ex.bias, (q.shape[0], k.shape[0]))
   mod = rule = None
   mod_diff = tuple(ex.mod_consts)
   if st.score_mod is not None:
@@ -769,8 +737,8 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
   zero = jnp.zeros((), i32)
   b_idx, h_idx = (zero, zero) if ex.index is None else ex.index
   ints = jnp.stack([
-      jnp.asarray(pst.s if ex.length is None else ex.length, i32),
-      jnp.asarray(pst.t if ex.q_length is None else ex.q_length, i32),
+      jnp.asarray(st.s if ex.length is None else ex.length, i32),
+      jnp.asarray(st.t if ex.q_length is None else ex.q_length, i32),
       jnp.asarray(b_idx, i32), jnp.asarray(h_idx, i32)])
 
   def fixed(rows: bool):
@@ -778,7 +746,7 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
     if listed:
       table = bm.kv_indices if rows else bm.q_indices
     return _Refs(
-        ints, _ranges(pst, ex, rows, table), table, ex.q_seg, ex.k_seg,
+        ints, _ranges(st, ex, num_q, num_k, rows, table), table, ex.q_seg, ex.k_seg,
         None if ex.mask is None else ex.mask.astype(jnp.int8), None,
         () if mod is None else mod.consts, (),
         () if rule is None else rule.consts)

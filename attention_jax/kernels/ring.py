@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from attention_jax import _broadcast
 from attention_jax import _numerics
 from attention_jax import mask as mask_lib
+from attention_jax import merge as merge_lib
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 from attention_jax.mask import BlockMask
@@ -98,18 +99,6 @@ def _held_block(rg: _Ring, ex: flash_core.Extras, k_seg, step):
           flash_core.Place(offset, index * st.t, src * st.s))
 
 
-def _merge(out, lse, out_j, lse_j):
-  """Combines two normalised partial results by their log-sum-exps."""
-  top = jnp.maximum(lse, lse_j)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  a, b = jnp.exp(lse - top), jnp.exp(lse_j - top)  # 0 for an empty part
-  total = a + b
-  seen = total > 0
-  total = jnp.where(seen, total, 1.0)
-  out = (out * a[:, None] + out_j * b[:, None]) / total[:, None]
-  return out, jnp.where(seen, top + jnp.log(total), -jnp.inf)
-
-
 def _local(rg: _Ring, ex: flash_core.Extras) -> flash_core.Extras:
   """This device's rows of the query lengths."""
   if ex.q_length is None:
@@ -117,6 +106,11 @@ def _local(rg: _Ring, ex: flash_core.Extras) -> flash_core.Extras:
   index = jax.lax.axis_index(rg.axis_name)
   return ex._replace(
       q_length=jnp.clip(ex.q_length - index * rg.block.t, 0, rg.block.t))
+
+
+def _merge(out, lse, part):
+  """Two normalised partial results combined by their log-sum-exps."""
+  return merge_lib.merge_attentions([out, part[0]], [lse, part[1]])
 
 
 def _ring_forward(rg: _Ring, q, k, v, ex):
@@ -131,7 +125,7 @@ def _ring_forward(rg: _Ring, q, k, v, ex):
     def step_fn(step, carry):
       out, lse, k, v, k_seg = carry
       k, v, k_seg = (_shift(x, rg) for x in (k, v, k_seg))
-      out, lse = _merge(out, lse, *attend(step, k, v, k_seg))
+      out, lse = _merge(out, lse, attend(step, k, v, k_seg))
       return out, lse, k, v, k_seg
 
     out, lse = attend(0, k, v, ex.k_seg)
@@ -145,7 +139,7 @@ def _ring_forward(rg: _Ring, q, k, v, ex):
     k, v, k_seg = (_shift(x, rg, step - held) for x in (k, v, k_seg))
     held = step
     part = attend(step, k, v, k_seg)
-    out, lse = part if out is None else _merge(out, lse, *part)
+    out, lse = part if out is None else _merge(out, lse, part)
   return out, lse
 
 
