@@ -41,8 +41,10 @@ from attention_jax.modules.decoder_attention import LuongAttention
 from attention_jax.modules.multi_head import MultiHeadAttention
 from attention_jax.multi_head import attend_heads
 from attention_jax.multi_head import multi_head_attention
+from attention_jax.multi_head import project_memory
 from attention_jax.multi_head_params import init_multi_head_params
 from attention_jax.ring import ring_attention
+from attention_jax.rope import Rope
 from attention_jax.rope import apply_rope
 from attention_jax.rope import segment_positions
 from attention_jax.score_mods import ScoreMod
@@ -66,6 +68,7 @@ __all__ = [
     "Mask",
     "MaskRule",
     "MultiHeadAttention",
+    "Rope",
     "ScoreMod",
     "T5Bias",
     "alibi",
@@ -102,6 +105,7 @@ __all__ = [
     "precompute_additive_keys",
     "precompute_luong_keys",
     "prefix_lm_mask_fn",
+    "project_memory",
     "ring_attention",
     "scaled_dot_product_attention",
     "segment_positions",

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 import functools
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -188,7 +188,9 @@ def attend_heads(
     dropout_rng: jax.Array | None = None,
     attention_fn: AttentionFn | Any = None,
     return_weights: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    return_lse: bool = False,
+    return_max_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, ...]:
   """Attention of N query heads over K shared key/value heads.
 
   Args:
@@ -220,10 +222,14 @@ def attend_heads(
       kernel name, a kernel or a list of them). None: that function,
       automatic.
     return_weights: also return the weights.
+    return_lse: also return each row's log-sum-exp (passed on only when
+      True, like ``return_weights``).
+    return_max_logits: also return each row's largest raw logit (passed on
+      only when True).
 
   Returns:
-    ``out [B, N, T, H]``, or ``(out, weights [B, N, T, S])`` with
-    ``return_weights``.
+    ``out [B, N, T, H]``, followed, in this order and only when asked, by
+    ``weights [B, N, T, S]``, ``lse [B, N, T]``, ``max_logits [B, N, T]``.
 
   Example:
     >>> q, kv = jnp.ones((2, 4, 3, 8)), jnp.ones((2, 2, 5, 8))  # N=4, K=2
@@ -264,8 +270,12 @@ def attend_heads(
       kwargs[name] = x
   if not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0.0):
     kwargs.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  if return_weights:
-    kwargs["return_weights"] = True
+  for name, flag in (("return_weights", return_weights),
+                     ("return_lse", return_lse),
+                     ("return_max_logits", return_max_logits)):
+    _checks.check_static_bool(name, flag)
+    if flag:
+      kwargs[name] = True
   _check_accepts(attention_fn, kwargs)
   return attention_fn(query, key, value, **kwargs)
 
@@ -316,8 +326,93 @@ def _partial_keywords(fn) -> dict[str, Any]:
   return fixed
 
 
+class Memory(NamedTuple):
+  """Keys and values of a memory, projected once (``project_memory``).
+
+  ``key``, ``value``: ``[B, K, S, H]``, after ``W_k``/``W_v`` (and the
+  key's qk-norm): what cross-attention reuses at every decoding step.
+  """
+  key: jax.Array
+  value: jax.Array
+
+
+class Forward(NamedTuple):
+  """What ``forward`` returns; the fields not asked for are None."""
+  output: jax.Array  # [B, T, Dout]
+  weights: jax.Array | None = None  # [B, N, T, S or L]
+  cache: KVCache | None = None
+  lse: jax.Array | None = None  # [B, N, T] float32
+  max_logits: jax.Array | None = None  # [B, N, T] float32
+
+  def returned(self, weights: bool, lse: bool, max_logits: bool):
+    """The public functions' return: the output alone, or a tuple with
+    the asked-for extras in the order weights, lse, max_logits."""
+    extra = tuple(x for x, asked in ((self.weights, weights), (self.lse, lse),
+                                     (self.max_logits, max_logits)) if asked)
+    return (self.output, *extra) if extra else self.output
+
+
+def project_memory(params: Params, memory: ArrayLike, *,
+                   precision: Precision = None) -> Memory:
+  """Projects a memory (e.g. an encoder's output) to keys and values once.
+
+  Cross-attention in a decoder attends to the same memory at every step;
+  projecting it here once and passing ``memory=`` to ``forward`` (or
+  ``MultiHeadAttention.init_cross_cache``) gives the same numbers as
+  projecting ``key``/``value`` in every call.
+
+  Args:
+    params: multi-head params (``W_k``, ``W_v``, and ``k_norm`` with
+      qk-norm).
+    memory: float ``[B, S, Dkv]``.
+    precision: the projection einsums' precision.
+
+  Returns:
+    ``Memory(key [B, K, S, H], value [B, K, S, H])``.
+
+  Example:
+    >>> p = init_multi_head_params(jax.random.key(0), 8, 2)
+    >>> mem = project_memory(p, jnp.ones((1, 5, 8)))
+    >>> mem.key.shape
+    (1, 2, 5, 4)
+  """
+  dims = param_dims(params)
+  _checks.check_float_array("memory", memory)
+  _checks.check_rank("memory", memory, (3,), "[B, S, Dkv]")
+  if _checks.shape_of(memory)[-1] != dims.kv_features:
+    raise ValueError(
+        f"memory has {_checks.shape_of(memory)[-1]} features (shape "
+        f"{_checks.shape_of(memory)}), but params['W_k']['kernel'] has shape "
+        f"{multi_head_params.param_shape(params, 'W_k', 'kernel')}: [Dkv, K, "
+        f"H] with Dkv={dims.kv_features}.")
+  memory = jnp.asarray(memory)
+  k = project_heads(memory, params["W_k"], precision=precision)  # [B, K, S, H]
+  v = project_heads(memory, params["W_v"], precision=precision)  # [B, K, S, H]
+  if dims.normalize_qk:
+    k = rms_norm(k, params["k_norm"]["scale"])
+  return Memory(k, v)
+
+
+def _check_memory(memory, b: int, dims: multi_head_params.HeadDims):
+  if not isinstance(memory, Memory):
+    raise TypeError(f"memory must be an aj Memory from project_memory(params, "
+                    f"memory [B, S, Dkv]), got {type(memory).__name__}.")
+  want = (b, dims.num_kv_heads, None, dims.head_dim)
+  for name, x in (("memory.key", memory.key), ("memory.value", memory.value)):
+    shape = _checks.shape_of(x)
+    if len(shape) != 4 or any(w is not None and w != g
+                              for w, g in zip(want, shape)):
+      raise ValueError(
+          f"{name} has shape {shape}, but this call needs [B, K, S, H] with "
+          f"B={b} (the query's batch), K={dims.num_kv_heads}, "
+          f"H={dims.head_dim} (the params): project it with these params.")
+  if _checks.shape_of(memory.key) != _checks.shape_of(memory.value):
+    raise ValueError(f"memory.key {_checks.shape_of(memory.key)} and "
+                     f"memory.value {_checks.shape_of(memory.value)} differ.")
+
+
 def _rope_positions(t: int, s: int, mask: Mask | None):
-  """Positions of this call's queries and keys for rotary embeddings.
+  """Default positions of this call's queries and keys for rotary embeddings.
 
   Packed documents: restarting per segment (``segment_positions``,
   ``[B, 1, T]``). Otherwise ``arange``, queries bottom-right aligned
@@ -333,24 +428,87 @@ def _rope_positions(t: int, s: int, mask: Mask | None):
   return s - t + jnp.arange(t), jnp.arange(s)
 
 
-def _check_inputs(query, key, value, cache: KVCache | None,
-                  params: Mapping[str, Any], dims: multi_head_params.HeadDims) -> None:
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    _checks.check_float_array(name, x)
-  _checks.check_rank("query", query, (3,), "[B, T, D]")
-  _checks.check_rank("key", key, (3,), "[B, S, Dkv]")
-  _checks.check_rank("value", value, (3,), "[B, S, Dkv]")
-  q_shape, k_shape, v_shape = map(_checks.shape_of, (query, key, value))
-  if k_shape != v_shape:
+def _as_positions(name: str, positions, b: int, length: int, what: str):
+  """``[B, T]`` or ``[T]`` integer positions as ``[B|1, 1, T]`` (head axis)."""
+  if isinstance(positions, (list, tuple)):
+    positions = jnp.asarray(positions)
+  dtype = jnp.result_type(positions)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array [B, {what}] (or "
+                    f"[{what}] shared by the batch), got dtype {dtype}.")
+  shape = _checks.shape_of(positions)
+  if shape not in ((b, length), (length,), (1, length)):
     raise ValueError(
-        f"key {k_shape} and value {v_shape} must have the same shape "
-        f"[B, S, Dkv] (one W_k/W_v input width Dkv).")
+        f"{name} has shape {shape}, expected [B, {what}] = {(b, length)} (or "
+        f"[{what}] = ({length},) shared by the batch): one position per "
+        "token.")
+  positions = jnp.asarray(positions)
+  return positions.reshape((-1, 1, length))  # [B|1, 1, T]
+
+
+def _rotary_positions(positions, kv_positions, t: int, s: int, b: int,
+                      mask: Mask | None, cache: KVCache | None, q_pos,
+                      self_attention: bool):
+  """The positions queries and keys are rotated at (``forward``)."""
+  if cache is not None:  # keys are this call's tokens, rotated before caching
+    if kv_positions is not None:
+      raise ValueError(
+          "kv_positions is for attention over keys other than this call's "
+          "tokens; while decoding the cached keys are this call's tokens, "
+          "at `positions`.")
+    if positions is None:
+      rot = q_pos[:, None, :]  # [B, 1, T]: each example's cache position
+    else:
+      rot = _as_positions("positions", positions, b, t, "T")
+    return rot, rot
+  q_rot, k_rot = _rope_positions(t, s, mask)
+  if positions is not None:
+    q_rot = _as_positions("positions", positions, b, t, "T")
+  if kv_positions is not None:
+    k_rot = _as_positions("kv_positions", kv_positions, b, s, "S")
+  elif positions is not None:
+    if not self_attention:
+      raise ValueError(
+          f"positions gives the queries' positions; with keys other than the "
+          f"queries (S={s}, T={t}) pass kv_positions [B, S] too.")
+    k_rot = q_rot
+  return q_rot, k_rot
+
+
+def _check_inputs(query, key, value, cache: KVCache | None,
+                  params: Mapping[str, Any], dims: multi_head_params.HeadDims,
+                  memory: Memory | None) -> None:
+  _checks.check_float_array("query", query)
+  _checks.check_rank("query", query, (3,), "[B, T, D]")
+  q_shape = _checks.shape_of(query)
   if q_shape[-1] != dims.d_model:
     raise ValueError(
         f"query has {q_shape[-1]} features (shape {q_shape}), but "
         f"params['W_q']['kernel'] has shape "
         f"{multi_head_params.param_shape(params, 'W_q', 'kernel')}: [D, N, H] "
         f"with D={dims.d_model}.")
+  if memory is not None:
+    if key is not None or value is not None:
+      raise ValueError(
+          "memory holds the projected keys and values; pass key=None and "
+          "value=None with it (or pass key/value and no memory).")
+    if cache is not None:
+      raise ValueError("memory (cross-attention) and a KV cache (causal "
+                       "self-attention) are two kinds of layer; pass one.")
+    _check_memory(memory, q_shape[0], dims)
+    return
+  for name, x in (("key", key), ("value", value)):
+    if x is None:
+      raise TypeError(f"{name} is None: pass [B, S, Dkv] (or memory= from "
+                      "project_memory).")
+    _checks.check_float_array(name, x)
+  _checks.check_rank("key", key, (3,), "[B, S, Dkv]")
+  _checks.check_rank("value", value, (3,), "[B, S, Dkv]")
+  k_shape, v_shape = map(_checks.shape_of, (key, value))
+  if k_shape != v_shape:
+    raise ValueError(
+        f"key {k_shape} and value {v_shape} must have the same shape "
+        f"[B, S, Dkv] (one W_k/W_v input width Dkv).")
   if k_shape[-1] != dims.kv_features:
     raise ValueError(
         f"key and value have {k_shape[-1]} features (shape {k_shape}), but "
@@ -372,8 +530,8 @@ def _check_inputs(query, key, value, cache: KVCache | None,
 def forward(
     params: Params,
     query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
+    key: ArrayLike | None,
+    value: ArrayLike | None,
     mask: Mask | ArrayLike | None = None,
     *,
     bias: ArrayLike | None = None,
@@ -385,45 +543,65 @@ def forward(
     dropout_rng: jax.Array | None = None,
     attention_fn: AttentionFn | Any = None,
     return_weights: bool = False,
-    rope: float | None = None,
+    return_lse: bool = False,
+    return_max_logits: bool = False,
+    rope: rope_lib.Rope | float | None = None,
+    positions: ArrayLike | None = None,
+    kv_positions: ArrayLike | None = None,
     precision: Precision = None,
     head_axis: str | None = None,
     cache: KVCache | None = None,
+    memory: Memory | None = None,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
-) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
+) -> Forward:
   """The one projection -> attention -> output path, with or without a cache.
 
   ``multi_head_attention`` is this without a cache; ``MultiHeadAttention``
   calls it with its cache when decoding. The sizes (N, K, H, D, Dkv, Dout,
-  qk-norm) come from ``params`` (``param_dims``); ``num_heads`` /
+  qk-norm, gate) come from ``params`` (``param_dims``); ``num_heads`` /
   ``num_kv_heads``, when given, must agree with them. With ``cache``, this
   call's keys and values are written at ``cache.index``
   (``decoding.write``) and the queries attend causally to every filled
   slot; a dense mask and the bias are then over the ``L`` cache slots
-  (``[B, N, T, L]``, rank 4). Order per head: projection, qk-norm, rotary
-  positions (``rope``, the base; ``_rope_positions`` says which positions),
-  cache write, attention, ``W_o``.
+  (``[B, N, T, L]``, rank 4). With ``memory`` (``project_memory``), the
+  keys and values are those, not projected again (``key``/``value`` None).
+  Order per head: projection, qk-norm, rotary positions (``rope``; at
+  ``positions``/``kv_positions`` if given, else ``_rope_positions``, or the
+  cache positions while decoding), cache write, attention, output gate
+  (``W_g``), ``W_o``.
 
   Returns:
-    ``(output [B, T, Dout], weights [B, N, T, S or L] or None, updated
-    cache or None)``.
+    ``Forward(output [B, T, Dout], weights [B, N, T, S or L], cache, lse
+    [B, N, T], max_logits [B, N, T])``, the ones not asked for None.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 8, 2)
     >>> x = jnp.ones((1, 3, 8))
-    >>> out, _, _ = forward(p, x, x, x, is_causal=True)
-    >>> out.shape
+    >>> forward(p, x, x, x, is_causal=True).output.shape
     (1, 3, 8)
   """
   dims = param_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
-  _check_inputs(query, key, value, cache, params, dims)
+  _check_inputs(query, key, value, cache, params, dims, memory)
   _checks.check_static_bool("is_causal", is_causal)
-  q_shape, k_shape = _checks.shape_of(query), _checks.shape_of(key)
+  rope = rope_lib.as_rope(rope)
+  if rope is None and (positions is not None or kv_positions is not None):
+    raise ValueError(
+        "positions/kv_positions place rotary embeddings, and this call has "
+        "rope=None: pass rope= (e.g. aj.Rope(base=10000.0)) or leave the "
+        "positions out (masks and score modifiers see token indices).")
+  if rope is not None and memory is not None:
+    raise ValueError(
+        "rope with a projected memory is not supported: the memory's keys "
+        "are projected once, without positions. Rotate them yourself or "
+        "attend with key/value.")
+  q_shape = _checks.shape_of(query)
+  s = (memory.key.shape[2] if memory is not None
+       else _checks.shape_of(key)[1])
   sharding.check_heads_divide(dims.num_heads, dims.num_kv_heads, head_axis)
   b, t = q_shape[:2]
   if cache is None:
-    full, layout = (b, dims.num_heads, t, k_shape[1]), "[B, N, T, S]"
+    full, layout = (b, dims.num_heads, t, s), "[B, N, T, S]"
   else:
     full = (b, dims.num_heads, t, cache.key.shape[2])
     layout = "[B, N, T, L] (decoding: L cache slots)"
@@ -432,29 +610,37 @@ def forward(
                                      full, layout)
   if dense is not None:
     m = mask_lib.Mask(**{**_fields(m), "dense": dense})
-  query, key, value = map(jnp.asarray, (query, key, value))
-  if dense is not None and cache is None:
-    # Padded inputs may hold NaN: zero them before W_k/W_v.
-    seen = jnp.any(dense, axis=(1, 2))  # [B|1, S|1]
-    key, value = _numerics.zero_unseen(seen, key, value)
+  self_attention = s == t  # keys default to the queries' positions
+  query = jnp.asarray(query)
   q = project_heads(query, params["W_q"], precision=precision)  # [B, N, T, H]
-  k = project_heads(key, params["W_k"], precision=precision)  # [B, K, S, H]
-  v = project_heads(value, params["W_v"], precision=precision)  # [B, K, S, H]
+  if memory is None:
+    key, value = jnp.asarray(key), jnp.asarray(value)
+    if dense is not None and cache is None:
+      # Padded inputs may hold NaN: zero them before W_k/W_v.
+      seen = jnp.any(dense, axis=(1, 2))  # [B|1, S|1]
+      key, value = _numerics.zero_unseen(seen, key, value)
+    k = project_heads(key, params["W_k"], precision=precision)  # [B, K, S, H]
+    v = project_heads(value, params["W_v"], precision=precision)  # [B, K, S, H]
+  else:
+    k, v = memory.key, memory.value  # [B, K, S, H], normed already
+    if dense is not None:  # masked memory may hold NaN: zero what is unseen
+      seen = jnp.any(dense, axis=(1, 2))[:, None, :, None]  # [B|1, 1, S|1, 1]
+      k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
   q, k, v = (sharding.constrain_heads(x, head_axis) for x in (q, k, v))
   if dims.normalize_qk:  # Gemma's order: norm, then rotary positions
     q = rms_norm(q, params["q_norm"]["scale"])
-    k = rms_norm(k, params["k_norm"]["scale"])
+    if memory is None:
+      k = rms_norm(k, params["k_norm"]["scale"])
+  q_pos = None
   if cache is not None:  # every example at its own position
     index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
     lengths = decoding.new_lengths(m, b, t)
     q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] absolute
   if rope is not None:
-    if cache is not None:  # keys are rotated before they enter the cache
-      q_rot = k_rot = q_pos[:, None, :]  # [B, 1, T]
-    else:
-      q_rot, k_rot = _rope_positions(t, k.shape[2], m)
-    q = rope_lib.apply_rope(q, q_rot, base=rope)
-    k = rope_lib.apply_rope(k, k_rot, base=rope)
+    q_rot, k_rot = _rotary_positions(positions, kv_positions, t, s, b, m,
+                                     cache, q_pos, self_attention)
+    q = rope_lib.apply_rope(q, q_rot, rope=rope)
+    k = rope_lib.apply_rope(k, k_rot, rope=rope)
   if cache is not None:
     k, v, m, score_mod, cache = decoding.write(
         cache, k, v, m, bias, score_mod, index, lengths, q_pos,
@@ -462,11 +648,19 @@ def forward(
   result = attend_heads(
       q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      attention_fn=attention_fn, return_weights=return_weights)
-  out, weights = result if return_weights else (result, None)
+      attention_fn=attention_fn, return_weights=return_weights,
+      return_lse=return_lse, return_max_logits=return_max_logits)
+  result = result if isinstance(result, tuple) else (result,)
+  out, extra = result[0], list(result[1:])
+  weights = extra.pop(0) if return_weights else None
+  lse = extra.pop(0) if return_lse else None
+  max_logits = extra.pop(0) if return_max_logits else None
+  if dims.output_gate is not None:  # sigmoid(query W_g): [B, N, T, H|1]
+    gate = project_heads(query, params["W_g"], precision=precision)
+    out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
   output = output_projection(out, params["W_o"],
                              precision=precision)  # [B, T, Dout]
-  return output, weights, cache
+  return Forward(output, weights, cache, lse, max_logits)
 
 
 def _fields(m: Mask) -> dict[str, Any]:
@@ -479,8 +673,8 @@ def _fields(m: Mask) -> dict[str, Any]:
 def multi_head_attention(
     params: Params,
     query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
+    key: ArrayLike | None,
+    value: ArrayLike | None,
     mask: Mask | ArrayLike | None = None,
     *,
     bias: ArrayLike | None = None,
@@ -492,21 +686,27 @@ def multi_head_attention(
     dropout_rng: jax.Array | None = None,
     attention_fn: AttentionFn | Any = None,
     return_weights: bool = False,
-    rope: float | None = None,
+    return_lse: bool = False,
+    return_max_logits: bool = False,
+    rope: rope_lib.Rope | float | None = None,
+    positions: ArrayLike | None = None,
+    kv_positions: ArrayLike | None = None,
+    memory: Memory | None = None,
     precision: Precision = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> jax.Array | tuple[jax.Array, ...]:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
   The head structure is read from ``params`` (see ``init_multi_head_params``
   for the layout): ``N`` and ``H`` from ``W_q``, ``K`` from ``W_k``, the
-  output width from ``W_o``, qk-norm from ``q_norm``/``k_norm``.
+  output width from ``W_o``, qk-norm from ``q_norm``/``k_norm``, the
+  output gate from ``W_g``.
 
   Args:
     params: from ``init_multi_head_params`` (or a converter such as
       ``from_torch_multihead_attention``).
     query: float ``[B, T, D]``.
-    key: float ``[B, S, Dkv]``.
-    value: float ``[B, S, Dkv]``.
+    key: float ``[B, S, Dkv]`` (None with ``memory``).
+    value: float ``[B, S, Dkv]`` (None with ``memory``).
     mask: an ``aj.Mask`` (e.g. ``aj.Mask(kv_lengths=lengths [B])``,
       ``aj.Mask(q_segment_ids=ids [B, T])`` for packed documents,
       ``aj.Mask(causal=True, window=(W - 1, 0))``, a rule), or a dense
@@ -529,17 +729,38 @@ def multi_head_attention(
       or its ``implementation`` (``"dense"``, ``"blockwise"``, ``"cudnn"``,
       a kernel, a list); None: automatic.
     return_weights: also return the attention weights (static).
-    rope: base of rotary position embeddings (e.g. ``10000.0``) applied to
-      the projected queries and keys (``apply_rope``; positions restart per
-      document with segment ids, queries bottom-right aligned otherwise);
-      None for none. With qk-norm, the norm comes first.
+    return_lse: also return each row's log-sum-exp ``[B, N, T]`` float32
+      (``-inf`` for a row with nothing to attend to), e.g. to merge
+      attentions over other keys with ``aj.merge_attentions`` (static).
+    return_max_logits: also return each row's largest raw logit ``scale *
+      q . k`` over the keys it may attend to, ``[B, N, T]`` float32, before
+      bias, score modifiers and soft cap (``-inf`` for empty rows; no
+      gradient): what QK-clip and logit-growth monitoring read, e.g.
+      ``max_logits.max(axis=(0, 2))`` per head (static).
+    rope: rotary position embeddings on the projected queries and keys: an
+      ``aj.Rope`` (base, scaling, partial rotary, layout) or a base (e.g.
+      ``10000.0``, the plain formula); None for none. Positions are
+      ``positions``/``kv_positions`` if given; else they restart per
+      document with segment ids, with queries bottom-right aligned
+      otherwise. With qk-norm, the norm comes first.
+    positions: integer ``[B, T]`` (or ``[T]``) positions of the queries for
+      ``rope``: left-padded batches (each example's first real token at 0;
+      mask the padded keys, e.g. a dense ``[B, 1, 1, S]`` mask) or custom
+      position ids. Only rotary embeddings read them; masks and score
+      modifiers see token indices.
+    kv_positions: integer ``[B, S]`` positions of the keys; default
+      ``positions`` when ``S == T`` (self-attention), required otherwise.
+    memory: keys and values projected once by ``project_memory`` (e.g. an
+      encoder's output for cross-attention at every decoding step), with
+      ``key``/``value`` None.
     precision: ``jax.lax.Precision`` (or None) of the projection einsums
       (``W_q``, ``W_k``, ``W_v``, ``W_o``); the attention itself runs at
       ``scaled_dot_product_attention``'s precision, which takes none.
 
   Returns:
-    ``output [B, T, Dout]``, or ``(output, weights float32 [B, N, T, S])``
-    with ``return_weights``.
+    ``output [B, T, Dout]``; with any ``return_*`` flag a tuple: output,
+    then ``weights float32 [B, N, T, S]``, ``lse``, ``max_logits``, each
+    only when asked, in that order.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 16, 4)
@@ -556,10 +777,12 @@ def multi_head_attention(
     ...                      aj.Mask(kv_lengths=jnp.array([7, 3]))).shape
     (2, 5, 4)
   """
-  output, weights, _ = forward(
+  result = forward(
       params, query, key, value, mask, bias=bias, scale=scale,
       is_causal=is_causal, score_mod=score_mod, sinks=sinks,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      attention_fn=attention_fn, return_weights=return_weights, rope=rope,
+      attention_fn=attention_fn, return_weights=return_weights,
+      return_lse=return_lse, return_max_logits=return_max_logits, rope=rope,
+      positions=positions, kv_positions=kv_positions, memory=memory,
       precision=precision)
-  return (output, weights) if return_weights else output
+  return result.returned(return_weights, return_lse, return_max_logits)

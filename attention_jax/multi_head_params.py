@@ -11,9 +11,13 @@ lays them out:
 - ``W_k``, ``W_v``: ``{"kernel": [Dkv, K, H], "bias": [K, H]}``
 - ``W_o``: ``{"kernel": [N, H, Dout], "bias": [Dout]}``
 - optional ``q_norm``, ``k_norm``: ``{"scale": [H]}`` (qk-norm)
+- optional ``W_g``: ``{"kernel": [D, N, G], "bias": [N, G]}``, the output
+  gate (``G = H``: one gate per feature, "elementwise"; ``G = 1``: one per
+  head, "headwise"): ``sigmoid(query @ W_g)`` multiplies each head's
+  attention output before ``W_o``
 
 The head structure lives in the parameters, so everything (N, K, H, D, Dkv,
-Dout, qk-norm) is read from their shapes (``param_dims``); ``multi_head``
+Dout, qk-norm, the gate) is read from their shapes (``param_dims``); ``multi_head``
 computes with them.
 """
 
@@ -38,7 +42,12 @@ LAYOUT = {
     "W_o": "kernel [N, H, Dout], bias [Dout]",
     "q_norm": "scale [H]",
     "k_norm": "scale [H]",
+    "W_g": "kernel [D, N, G], bias [N, G] with G = H (elementwise) or 1 "
+           "(headwise)",
 }
+
+# The output gate's kinds: the gate's width G per head.
+OUTPUT_GATES = ("elementwise", "headwise")
 
 
 class HeadDims(NamedTuple):
@@ -50,6 +59,7 @@ class HeadDims(NamedTuple):
   kv_features: int  # Dkv, key/value features
   out_features: int  # Dout
   normalize_qk: bool  # q_norm/k_norm present
+  output_gate: str | None = None  # W_g present: "elementwise" or "headwise"
 
 
 def check_dims(d_model: int, num_heads: int, *,
@@ -97,6 +107,7 @@ def init_multi_head_params(
     out_features: int | None = None,
     use_bias: bool = True,
     normalize_qk: bool = False,
+    output_gate: str | None = None,
     dtype: jnp.dtype = jnp.float32,
 ) -> Params:
   """Initialises ``W_q``, ``W_k``, ``W_v``, ``W_o`` for ``multi_head_attention``.
@@ -116,6 +127,10 @@ def init_multi_head_params(
     use_bias: whether each projection has a bias.
     normalize_qk: add ``q_norm`` and ``k_norm`` (RMSNorm scales of the
       projected queries and keys, per head).
+    output_gate: add ``W_g``, a sigmoid gate on each head's output computed
+      from the query input: ``"elementwise"`` (``[D, N, H]``, one gate per
+      feature, Qwen3-Next) or ``"headwise"`` (``[D, N, 1]``, one per
+      head); its kernel is drawn like ``W_q``'s, its bias is zero.
     dtype: parameter dtype.
 
   Returns:
@@ -132,9 +147,10 @@ def init_multi_head_params(
     >>> p["W_o"]["kernel"].shape
     (4, 2, 8)
   """
-  n, k, h, d, dkv, dout, _ = check_dims(
+  n, k, h, d, dkv, dout, _, _ = check_dims(
       d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
       kv_features=kv_features, out_features=out_features)
+  check_output_gate(output_gate)
   init = jax.nn.initializers.lecun_normal()
   shapes = {  # name: (kernel shape, bias shape)
       "W_q": ((d, n, h), (n, h)),
@@ -142,9 +158,14 @@ def init_multi_head_params(
       "W_v": ((dkv, k, h), (k, h)),
       "W_o": ((n, h, dout), (dout,)),
   }
+  if output_gate is not None:
+    g = gate_width(output_gate, h)
+    shapes["W_g"] = ((d, n, g), (n, g))
   params = {}
-  for rng_i, (name, (shape, bias_shape)) in zip(jax.random.split(rng, 4),
-                                                 shapes.items()):
+  # The four projections draw from the first four keys as before, so adding
+  # a gate does not change them.
+  rngs = list(jax.random.split(rng, 4)) + [jax.random.fold_in(rng, 4)]
+  for rng_i, (name, (shape, bias_shape)) in zip(rngs, shapes.items()):
     fan_in = shape[0] if name != "W_o" else n * h
     flat = (fan_in, math.prod(shape) // fan_in)  # LinearGeneral's 2-D draw
     params[name] = {"kernel": init(rng_i, flat, dtype).reshape(shape)}
@@ -154,6 +175,19 @@ def init_multi_head_params(
     for name in ("q_norm", "k_norm"):
       params[name] = {"scale": jnp.ones((h,), dtype)}
   return params
+
+
+def check_output_gate(output_gate) -> None:
+  if output_gate is not None and output_gate not in OUTPUT_GATES:
+    raise ValueError(
+        f"output_gate must be None, 'elementwise' (one sigmoid gate per "
+        f"feature of each head) or 'headwise' (one per head), got "
+        f"{output_gate!r}.")
+
+
+def gate_width(output_gate: str, head_dim: int) -> int:
+  """``G``, the gates per head: ``H`` elementwise, 1 headwise."""
+  return head_dim if output_gate == "elementwise" else 1
 
 
 def _layer(params, name: str) -> Mapping[str, Any]:
@@ -194,12 +228,12 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
 
   Args:
     params: ``{"W_q", "W_k", "W_v", "W_o"}`` (and optionally ``"q_norm"``,
-      ``"k_norm"``) in the layout of ``init_multi_head_params``.
+      ``"k_norm"``, ``"W_g"``) in the layout of ``init_multi_head_params``.
     num_heads: when given, must equal the ``N`` of ``W_q``.
     num_kv_heads: when given, must equal the ``K`` of ``W_k``/``W_v``.
 
   Returns:
-    ``HeadDims(N, K, H, D, Dkv, Dout, normalize_qk)``.
+    ``HeadDims(N, K, H, D, Dkv, Dout, normalize_qk, output_gate)``.
 
   Raises:
     ValueError: naming the parameter, its shape and the expected layout.
@@ -253,6 +287,19 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
     _layer(params, name)
     if param_shape(params, name, "scale") != (h,):
       raise _wrong(params, name, "scale", f"({h},) = [H]")
+  output_gate = None
+  if "W_g" in params:
+    _layer(params, "W_g")
+    g_kernel = param_shape(params, "W_g", "kernel")
+    if len(g_kernel) != 3 or g_kernel[:2] != (d, n) or g_kernel[2] not in (
+        h, 1):
+      raise _wrong(params, "W_g", "kernel", f"[D, N, G] with D={d}, N={n} "
+                   f"and G={h} (elementwise) or 1 (headwise)")
+    if "bias" in params["W_g"] and param_shape(params, "W_g",
+                                               "bias") != g_kernel[1:]:
+      raise _wrong(params, "W_g", "bias", str(g_kernel[1:]))
+    # H == 1 reads as elementwise: the same gate either way.
+    output_gate = "elementwise" if g_kernel[2] == h else "headwise"
   for arg, value, got, what, layer in (
       ("num_heads", num_heads, n, "heads", "W_q"),
       ("num_kv_heads", num_kv_heads, k, "key/value heads", "W_k")):
@@ -264,4 +311,4 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
             f"{param_shape(params, layer, 'kernel')}: {got} {what}. The head "
             f"counts are read from the params; pass params built for {arg}="
             f"{value} or leave {arg} out.")
-  return HeadDims(n, k, h, d, dkv, dout, bool(norms))
+  return HeadDims(n, k, h, d, dkv, dout, bool(norms), output_gate)

@@ -22,7 +22,7 @@ _FREE = PartitionSpec.UNCONSTRAINED
 
 
 def projection_specs(head_axis: str) -> dict[str, dict[str, tuple]]:
-  """``{layer: {"kernel": spec, "bias": spec}}`` for ``W_q/W_k/W_v/W_o``.
+  """``{layer: {"kernel": spec, "bias": spec}}`` for ``W_q/W_k/W_v/W_o/W_g``.
 
   Each spec names the mesh axis per parameter axis: the heads axis of
   every kernel (``[D, N, H]``, ``[N, H, Dout]``) and bias (``[N, H]``) is
@@ -34,6 +34,7 @@ def projection_specs(head_axis: str) -> dict[str, dict[str, tuple]]:
   """
   split_heads = {"kernel": (None, head_axis, None), "bias": (head_axis, None)}
   return {"W_q": split_heads, "W_k": split_heads, "W_v": split_heads,
+          "W_g": split_heads,  # the output gate [D, N, G], per head like W_q
           "W_o": {"kernel": (head_axis, None, None), "bias": (None,)}}
 
 

@@ -216,7 +216,7 @@ def to_torch_multihead_attention(
       sd = aj.to_torch_multihead_attention(params)
       torch.nn.MultiheadAttention(E, N, batch_first=True).load_state_dict(sd)
   """
-  n, k, h, d, dkv, dout, qk_norm = multi_head_params.param_dims(params)
+  n, k, h, d, dkv, dout, qk_norm, gate = multi_head_params.param_dims(params)
   cannot = []
   if k != n:
     cannot.append(f"grouped-query heads (K={k} key/value heads for N={n})")
@@ -227,6 +227,8 @@ def to_torch_multihead_attention(
     cannot.append(f"out_features={dout} != D={d}")
   if qk_norm:
     cannot.append("qk-norm (q_norm/k_norm)")
+  if gate:
+    cannot.append(f"an output gate (W_g, {gate})")
   if cannot:
     raise ValueError("torch.nn.MultiheadAttention cannot express "
                      + "; ".join(cannot) + ".")

@@ -116,8 +116,11 @@ class DecoderLayer(nnx.Module):
     """Returns the new ``x`` and the cross-attention weights ``[B, N, T, S]``."""
     x = x + self.self_attention(self.norm1(x), is_causal=not decode,
                                 decode=decode)
+    # Decoding: the memory's keys and values were projected once
+    # (init_cache -> init_cross_cache); decode=True attends to them.
     attended, weights = self.cross_attention(
-        self.norm2(x), memory, mask=memory_mask, return_weights=True)
+        self.norm2(x), None if decode else memory, mask=memory_mask,
+        return_weights=True, decode=decode)
     x = x + attended
     return x + self.ffn(self.norm3(x)), weights
 
@@ -179,23 +182,27 @@ class TransformerSeq2Seq(nnx.Module):
     positions = sinusoidal_positions(tgt_in.shape[1], self.config.d_model)
     return self._decode(tgt_in, memory, memory_mask, positions, decode=False)
 
-  def init_cache(self, batch_size: int, max_length: int) -> None:
+  def init_cache(self, batch_size: int, max_length: int, memory) -> None:
+    """KV caches for the decoder's self-attention; the encoder's ``memory
+    [B, S, D]`` projected once for each cross-attention."""
     for layer in self.decoder:
       layer.self_attention.init_cache(batch_size, max_length)
+      layer.cross_attention.init_cross_cache(memory)
 
 
 def greedy(model: TransformerSeq2Seq, src, src_len, num_steps: int):
-  """Greedy decoding with the decoder's KV caches, one token per step.
+  """Greedy decoding with the decoder's caches, one token per step.
 
-  The caches are created here; the step loop is a ``jax.lax.scan`` whose
-  carry is the model's state (``nnx.split``/``nnx.merge``), so this function
-  can sit inside ``nnx.jit``.
+  The caches (self-attention keys/values, and the memory's projections for
+  cross-attention, computed once) are created here; the step loop is a
+  ``jax.lax.scan`` whose carry is the model's state (``nnx.split``/
+  ``nnx.merge``), so this function can sit inside ``nnx.jit``.
 
   Returns:
     ``(tokens [B, num_steps], cross-attention [B, N, num_steps, S])``.
   """
   memory, memory_mask = model.encode(src, src_len)
-  model.init_cache(src.shape[0], num_steps)
+  model.init_cache(src.shape[0], num_steps, memory)
   graphdef, state = nnx.split(model)
   bos = jnp.full((src.shape[0], 1), data.BOS, jnp.int32)
   table = sinusoidal_positions(num_steps, model.config.d_model)

@@ -154,7 +154,9 @@ def multi_head_attention(params, query, key, value, mask=None, *,
   features as the lesson does. ``H`` need not be ``D / N``; keys/values may
   have their own width; ``q_norm``/``k_norm`` RMS-normalise each head; with
   ``rope_base`` queries and keys are then rotated at ``query_positions``
-  ``[T]`` and ``key_positions`` ``[S]`` (given explicitly by the caller).
+  ``[T]`` and ``key_positions`` ``[S]`` (given explicitly by the caller;
+  ``[B, 1, T]`` for per-example positions); with ``W_g`` (``[D, N, G]``)
+  each head's output is multiplied by ``sigmoid(query W_g + b)``.
   """
   _, n, h = np.shape(params["W_q"]["kernel"])
   kv_heads = np.shape(params["W_k"]["kernel"])[1]
@@ -186,6 +188,10 @@ def multi_head_attention(params, query, key, value, mask=None, *,
   k = np.repeat(k, group, axis=1)  # explicit head repetition for GQA
   v = np.repeat(v, group, axis=1)
   out, weights = sdpa(q, k, v, mask, scale=scale, is_causal=is_causal)
+  if "W_g" in params:  # output gate: sigmoid(query W_g), per head [.., G]
+    g = np.shape(params["W_g"]["kernel"])[-1]
+    logit = linear(query, flat(params["W_g"])).reshape(b, t, n, g)
+    out = out * (1.0 / (1.0 + np.exp(-logit))).transpose(0, 2, 1, 3)
   out = out.transpose(0, 2, 1, 3).reshape(b, t, n * h)  # concat heads
   w_o = {"kernel": np.reshape(params["W_o"]["kernel"], (n * h, -1))}
   if "bias" in params["W_o"]:

@@ -434,7 +434,7 @@ MODULE_CASES = [
      r"logits_soft_cap must be positive"),
     ("mha_rope_base", lambda: aj.MultiHeadAttention(
         16, 4, rope=-1.0, rngs=nnx.Rngs(0)), ValueError,
-     r"rope is the rotary base, a positive number"),
+     r"a number is the rotary base and must be positive"),
     ("bahdanau_hidden", lambda: aj.BahdanauAttention(
         6, 4, 0, rngs=nnx.Rngs(0)), ValueError,
      r"hidden_features must be positive, got 0"),

@@ -5,13 +5,15 @@ K key/value heads, H head dim (``D // N`` unless chosen), D model dim, Dkv
 key/value features, Dout output features, L cache capacity.
 
 The module owns its parameters as plain ``nnx.Param``s (``W_q``, ``W_k``,
-``W_v``, ``W_o``, each a ``kernel`` and optional ``bias``, and with qk-norm
-``q_norm``/``k_norm``, each a ``scale``), laid out per head as
+``W_v``, ``W_o``, each a ``kernel`` and optional ``bias``, with qk-norm
+``q_norm``/``k_norm``, each a ``scale``, and with an output gate ``W_g``),
+laid out per head as
 ``aj.multi_head_attention``'s params dict (``W_q`` kernel ``[D, N, H]``,
 ``W_o`` kernel ``[N, H, Dout]``, ...), and, after ``init_cache``, the cache
-variables. The maths is ``attention_jax.multi_head.forward`` (projection
-per head, attention of N query heads over K shared KV heads, ``W_o``), the
-same path for the full call and for cached decoding.
+variables (a KV cache for causal decoding, or a cross-attention memory
+projected once). The maths is ``attention_jax.multi_head.forward``
+(projection per head, attention of N query heads over K shared KV heads,
+``W_o``), the same path for the full call and for cached decoding.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from attention_jax import decoding
 from attention_jax import mask as mask_lib
 from attention_jax import multi_head
 from attention_jax import multi_head_params
+from attention_jax import rope as rope_lib
 from attention_jax import score_mods
 from attention_jax import sharding
 from attention_jax.mask import Mask
@@ -161,9 +164,21 @@ class MultiHeadAttention(nnx.Module):
       learn T5's relative position bias, a ``t5_table`` ``nnx.Param
       [num_buckets, N]`` (initialised normal, std ``d_model ** -0.5``),
       applied before ``score_mod``; decoding uses absolute positions.
-    rope: base of rotary position embeddings (e.g. ``10000.0``) on the
-      projected queries and keys, None for none. Positions come from the
-      cache while decoding and restart per document with segment ids.
+    rope: rotary position embeddings on the projected queries and keys:
+      an ``aj.Rope`` (base, scaling such as Llama 3's or YaRN, partial
+      rotary, interleaved layout) or a base such as ``10000.0`` (the plain
+      formula); None for none. Positions are the call's ``positions`` if
+      given, else the cache's while decoding, else they restart per
+      document with segment ids.
+    output_gate: ``"elementwise"`` or ``"headwise"``: a learned sigmoid
+      gate computed from the query input, ``sigmoid(query @ W_g + b)``,
+      multiplied into each head's attention output before ``W_o`` (Qiu et
+      al. 2025, "Gated Attention for Large Language Models"; Qwen3-Next
+      uses the elementwise one). ``W_g`` is ``[D, N, H]`` (elementwise) or
+      ``[D, N, 1]`` (headwise), drawn with ``kernel_init`` like ``W_q``,
+      with a zero bias (if ``use_bias``): a new layer's gate starts around
+      0.5, as the paper trains it, not as a pass-through of the ungated
+      layer.
 
   Example:
     >>> mha = MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
@@ -209,7 +224,8 @@ class MultiHeadAttention(nnx.Module):
       attention_sinks: bool = False,
       score_mod: multi_head.ScoreMod | None = None,
       t5_bias: score_mods.T5Bias | None = None,
-      rope: float | None = None,
+      rope: rope_lib.Rope | float | None = None,
+      output_gate: str | None = None,
   ):
     dims = multi_head_params.check_dims(
         d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -261,11 +277,9 @@ class MultiHeadAttention(nnx.Module):
       self.t5_table = nnx.Param(jax.random.normal(
           rngs.params(), (t5_bias.num_buckets, num_heads), param_dtype)
                                 * d_model ** -0.5)  # [buckets, N]
-    if rope is not None and (isinstance(rope, bool) or not isinstance(
-        rope, (int, float)) or not rope > 0):
-      raise ValueError(f"rope is the rotary base, a positive number such as "
-                       f"10000.0, or None; got {rope!r}.")
-    self.rope = rope
+    self.rope = rope_lib.as_rope(rope)
+    multi_head_params.check_output_gate(output_gate)
+    self.output_gate = output_gate
     self.sinks = nnx.data(None)
     if attention_sinks:
       self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype))  # [N]
@@ -285,6 +299,10 @@ class MultiHeadAttention(nnx.Module):
     self.W_k = linear("W_k", (dkv,), (k, head_dim))  # [Dkv, K, H]
     self.W_v = linear("W_v", (dkv,), (k, head_dim))  # [Dkv, K, H]
     self.W_o = linear("W_o", (n, head_dim), (dims.out_features,))
+    self.W_g = nnx.data(None)
+    if output_gate is not None:  # [D, N, H] or [D, N, 1]
+      self.W_g = linear("W_g", (d_model,), (
+          n, multi_head_params.gate_width(output_gate, head_dim)))
     self.q_norm = nnx.data(None)
     self.k_norm = nnx.data(None)
     if normalize_qk:
@@ -296,6 +314,8 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index: nnx.Cache | None = nnx.data(None)
     self.cache_overflow: nnx.Cache | None = nnx.data(None)
     self.cache_window: int | None = None
+    self.memory_key: nnx.Cache | None = nnx.data(None)
+    self.memory_value: nnx.Cache | None = nnx.data(None)
 
   def _score_mod(self):
     """The layer's T5 bias (its learned table), ``score_mod``, soft cap."""
@@ -310,7 +330,8 @@ class MultiHeadAttention(nnx.Module):
 
   def _layers(self) -> dict[str, Projection | NormScale]:
     names = ("W_q", "W_k", "W_v", "W_o") + (
-        ("q_norm", "k_norm") if self.normalize_qk else ())
+        ("q_norm", "k_norm") if self.normalize_qk else ()) + (
+            ("W_g",) if self.output_gate is not None else ())
     return {name: getattr(self, name) for name in names}
 
   def params_dict(self) -> multi_head.Params:
@@ -343,7 +364,8 @@ class MultiHeadAttention(nnx.Module):
     if set(params) != set(mine):
       raise ValueError(
           f"params has entries {sorted(params)}, but this module has "
-          f"{sorted(mine)} (normalize_qk={self.normalize_qk}).")
+          f"{sorted(mine)} (normalize_qk={self.normalize_qk}, "
+          f"output_gate={self.output_gate!r}).")
     for name, layer in mine.items():
       have = {entry: getattr(layer, entry) for entry in ("kernel", "bias",
                                                           "scale")
@@ -428,6 +450,54 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))  # [B]
     self.cache_overflow = nnx.Cache(jnp.zeros((batch_size,), bool))  # [B]
     self.cache_window = None if window is None else left
+    self.memory_key = self.memory_value = None  # one cache at a time
+
+  def init_cross_cache(self, memory: ArrayLike, *,
+                       dtype: jnp.dtype | None = None) -> None:
+    """Projects a memory (an encoder's output) once, for cross-attention.
+
+    After this, ``layer(query, decode=True)`` attends to the stored keys and
+    values without projecting the memory again: the same numbers as
+    ``layer(query, memory)`` (a decoder's cross-attention then costs one
+    query projection per step instead of two ``[S, Dkv]`` projections).
+    Masks and biases are per call, over ``[B, N, T, S]`` as without the
+    cache (e.g. ``aj.Mask(kv_lengths=source_lengths)``). Replaces any KV
+    cache of this layer (one layer is either causal self-attention or
+    cross-attention).
+
+    Args:
+      memory: float ``[B, S, Dkv]``.
+      dtype: dtype of the stored keys and values; defaults to the module's
+        ``dtype`` or ``param_dtype``.
+
+    Example:
+      >>> cross = MultiHeadAttention(8, 2, rngs=nnx.Rngs(0))
+      >>> memory, x = jnp.ones((1, 6, 8)), jnp.ones((1, 1, 8))
+      >>> cross.init_cross_cache(memory)
+      >>> bool(jnp.allclose(cross(x, decode=True), cross(x, memory)))
+      True
+    """
+    if self.rope is not None:
+      raise ValueError(
+          "init_cross_cache projects the memory once, without positions; "
+          "this layer has rope, which would rotate the keys at each call's "
+          "positions. Build the cross-attention layer with rope=None.")
+    _checks.check_rank("memory", memory, (3,), "[B, S, Dkv]")
+    if _checks.shape_of(memory)[-1] != self.kv_features:
+      raise ValueError(
+          f"memory has {_checks.shape_of(memory)[-1]} features (shape "
+          f"{_checks.shape_of(memory)}), but the module was built with "
+          f"kv_features={self.kv_features}.")
+    if self.dtype is not None:
+      memory = jnp.asarray(memory, self.dtype)
+    projected = multi_head.project_memory(self.params_dict(), memory,
+                                          precision=self.precision)
+    dtype = dtype or self.dtype or self.param_dtype
+    self.memory_key = nnx.Cache(projected.key.astype(dtype))  # [B, K, S, H]
+    self.memory_value = nnx.Cache(projected.value.astype(dtype))
+    self.cached_key = self.cached_value = None
+    self.cache_index = self.cache_overflow = None
+    self.cache_window = None
 
   def check_cache(self) -> None:
     """Raises ``ValueError`` if a decoding call overflowed the cache.
@@ -464,8 +534,12 @@ class MultiHeadAttention(nnx.Module):
       deterministic: bool | None = None,
       rngs: nnx.Rngs | jax.Array | None = None,
       return_weights: bool = False,
+      return_lse: bool = False,
+      return_max_logits: bool = False,
+      positions: ArrayLike | None = None,
+      kv_positions: ArrayLike | None = None,
       decode: bool = False,
-  ) -> jax.Array | tuple[jax.Array, jax.Array]:
+  ) -> jax.Array | tuple[jax.Array, ...]:
     """Attends ``query`` to ``key``/``value``.
 
     Args:
@@ -490,23 +564,52 @@ class MultiHeadAttention(nnx.Module):
       deterministic: overrides the constructor's; True disables dropout.
       rngs: overrides the module's dropout stream for this call.
       return_weights: also return the attention weights.
-      decode: append this call's keys/values to the cache (``init_cache``
-        first) and attend causally to everything cached. Any number of tokens
-        per call; the result equals full causal attention over the sequence.
-        Each example writes at its own position (``cache_index [B]``).
-        Overflow of a linear cache is recorded, not raised, inside the step:
-        ``check_cache()`` raises it.
+      return_lse: also return each row's log-sum-exp ``[B, N, T]``
+        (float32; ``-inf`` where a row sees nothing), e.g. for
+        ``aj.merge_attentions``.
+      return_max_logits: also return each row's largest raw logit
+        ``scale * q . k`` over the keys it may attend to, ``[B, N, T]``,
+        before bias, score modifiers and soft cap; no gradient (QK-clip,
+        logit-growth monitoring: ``.max(axis=(0, 2))`` per head).
+      positions: integer ``[B, T]`` (or ``[T]``) rotary positions of this
+        call's queries (needs ``rope``): left-padded batches, custom
+        position ids; while decoding, the positions of the new tokens
+        (their keys are cached rotated there). Masks and score modifiers
+        keep seeing token (cache slot) indices.
+      kv_positions: integer ``[B, S]`` rotary positions of the keys;
+        default ``positions`` when ``S == T``; not while decoding.
+      decode: with a KV cache (``init_cache``): append this call's
+        keys/values to the cache and attend causally to everything cached.
+        Any number of tokens per call; the result equals full causal
+        attention over the sequence. Each example writes at its own
+        position (``cache_index [B]``). Overflow of a linear cache is
+        recorded, not raised, inside the step: ``check_cache()`` raises it.
+        With a cross-attention cache (``init_cross_cache``): attend to the
+        stored memory (``key``/``value`` not given).
 
     Returns:
-      ``output [B, T, Dout]``, or ``(output, weights [B, N, T, S])`` (``S = L``
-      when decoding) with ``return_weights=True``.
+      ``output [B, T, Dout]``, or a tuple of it followed by what was asked
+      for, in this order: ``weights [B, N, T, S]`` (``S = L`` when
+      decoding), ``lse [B, N, T]``, ``max_logits [B, N, T]``.
     """
-    key = query if key is None else key
-    value = key if value is None else value
+    memory = None
+    if decode and self.memory_key is not None:
+      if key is not None or value is not None:
+        raise ValueError(
+            "this layer holds a cross-attention memory (init_cross_cache): "
+            "decode=True attends to it, so pass no key/value (or call "
+            "without decode=True to attend to other keys).")
+      memory = multi_head.Memory(self.memory_key[...], self.memory_value[...])
+      decode = False
+    if memory is None:
+      key = query if key is None else key
+      value = key if value is None else value
     for name, x, width, arg in (
         ("query", query, self.d_model, "d_model"),
         ("key", key, self.kv_features, "kv_features"),
         ("value", value, self.kv_features, "kv_features")):
+      if x is None:  # attending to the stored memory
+        continue
       _checks.check_rank(name, x, (3,), "[B, T or S, features]")
       if _checks.shape_of(x)[-1] != width:
         raise ValueError(
@@ -514,7 +617,7 @@ class MultiHeadAttention(nnx.Module):
             f"{_checks.shape_of(x)}), but the module was built with "
             f"{arg}={width}.")
     if self.dtype is not None:  # as nnx.Linear: compute in `dtype`
-      query, key, value = (jnp.asarray(x, self.dtype)
+      query, key, value = (None if x is None else jnp.asarray(x, self.dtype)
                            for x in (query, key, value))
     if deterministic is None:
       deterministic = self.deterministic
@@ -524,7 +627,9 @@ class MultiHeadAttention(nnx.Module):
     if decode:
       if self.cache_index is None:
         raise ValueError("decode=True needs a cache: call "
-                         "init_cache(batch_size, max_length) first.")
+                         "init_cache(batch_size, max_length) first (causal "
+                         "self-attention), or init_cross_cache(memory) "
+                         "(cross-attention).")
       cache = decoding.KVCache(self.cached_key[...],
                                  self.cached_value[...],
                                  self.cache_index[...],
@@ -533,18 +638,21 @@ class MultiHeadAttention(nnx.Module):
     call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)
     if self.mask is not None:
       call_mask = self.mask if call_mask is None else self.mask & call_mask
-    out, weights, cache = multi_head.forward(
+    result = multi_head.forward(
         self.params_dict(), query, key, value, call_mask, bias=bias,
         scale=self.scale, score_mod=self._score_mod(),
         sinks=None if self.sinks is None else self.sinks[...],
         dropout_rate=rate, dropout_rng=dropout_rng,
         attention_fn=self.attention_fn, return_weights=return_weights,
-        rope=self.rope, precision=self.precision, head_axis=self.head_axis,
-        cache=cache, num_heads=self.num_heads,
+        return_lse=return_lse, return_max_logits=return_max_logits,
+        rope=self.rope, positions=positions, kv_positions=kv_positions,
+        precision=self.precision, head_axis=self.head_axis, cache=cache,
+        memory=memory, num_heads=self.num_heads,
         num_kv_heads=self.num_kv_heads)
+    cache = result.cache
     if decode:
       self.cached_key[...] = cache.key
       self.cached_value[...] = cache.value
       self.cache_index[...] = cache.index
       self.cache_overflow[...] = cache.overflow
-    return (out, weights) if return_weights else out
+    return result.returned(return_weights, return_lse, return_max_logits)
