@@ -111,7 +111,7 @@ class HeadParallelTest(parameterized.TestCase):
     # head_axis is the module's (and forward's) only; the pure function's
     # path is forward without it.
     a = aj.multi_head_attention(params, x, x, x)
-    b, _, _ = multi_head.forward(params, x, x, x, head_axis="model")
+    b = multi_head.forward(params, x, x, x, head_axis="model").output
     chex.assert_trees_all_equal(a, b)
 
 
