@@ -35,14 +35,22 @@ def _x(seed=0, b=2, t=6):
   return jax.random.normal(jax.random.key(seed), (b, t, 16))
 
 
+@nnx.jit
+def _decode(mha, x, extra):
+  return mha(x, decode=True, **extra)
+
+
 def _prefill_then_steps(mha, x, splits=(4, 5), **call):
-  """Decodes ``x`` in chunks ``[0, 4), [4, 5), [5, T)``; outputs joined."""
+  """Decodes ``x`` in chunks ``[0, 4), [4, 5), [5, T)``; outputs joined.
+
+  Jitted (two shapes: the prefill and single steps), as decoding runs.
+  """
   mha.init_cache(batch_size=x.shape[0], max_length=x.shape[1] + 2)
   bounds = (0, *splits, x.shape[1])
   pieces = []
   for start, stop in zip(bounds[:-1], bounds[1:]):
     extra = {k: v(start, stop) for k, v in call.items()}
-    pieces.append(mha(x[:, start:stop], decode=True, **extra))
+    pieces.append(_decode(mha, x[:, start:stop], extra))
   return jnp.concatenate(pieces, 1)
 
 
@@ -173,8 +181,9 @@ class CrossAttentionCacheTest(absltest.TestCase):
     want, want_w = cross(x, memory, mask=mask, return_weights=True)
     cross.init_cross_cache(memory)
     self.assertEqual(cross.memory_key.shape, (2, 2, 5, 4))  # [B, K, S, H]
-    pieces = [cross(x[:, i:i + 1], mask=mask, decode=True,
-                    return_weights=True) for i in range(3)]
+    step = nnx.jit(lambda m, x, mask: m(x, mask=mask, decode=True,
+                                        return_weights=True))
+    pieces = [step(cross, x[:, i:i + 1], mask) for i in range(3)]
     got = jnp.concatenate([o for o, _ in pieces], 1)
     got_w = jnp.concatenate([w for _, w in pieces], 2)
     chex.assert_trees_all_close(got_w, want_w, **STEP_TOL)
