@@ -90,9 +90,10 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
 
   ``head_fn(q, k, v, head, *extra)`` sees ``[T, H]``, ``[S, H]``,
   ``[S, Hv]`` and a ``Head`` of the other operands, and returns
-  ``(out [T, Hv], weights [T, S] or None, lse [T] or None)``. The results
-  come back over the leading dims with grouped heads merged again
-  (``[..., N, T, Hv]``).
+  ``(out [T, Hv], weights [T, S] or None, lse [T] or None)``, or those and
+  ``max_logits [T]`` (``return_max_logits``). The results come back over
+  the leading dims with grouped heads merged again (``[..., N, T, Hv]``),
+  as many as ``head_fn`` returns.
   """
   b, h = (None, None) if ops.head_index is None else ops.head_index
   # A block mask with per-(b, h) tables is sliced per head like a mask;
@@ -116,9 +117,10 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
     return head_fn(q, k, v, head, *rest[len(tables):])
 
   first_table = 12  # the index of the tables among the operands
-  out, weights, lse = broadcast_vmap(
+  out, weights, *rows = broadcast_vmap(
       per_head, core, operands,
       sequential=range(first_table, first_table + len(tables)))
+  # lse and max_logits: one value per query row
   return (_grouping.merge(out, ops.groups, -3),
           _grouping.merge(weights, ops.groups, -3),
-          _grouping.merge(lse, ops.groups, -2))
+          *(_grouping.merge(x, ops.groups, -2) for x in rows))

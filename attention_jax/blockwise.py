@@ -36,7 +36,8 @@ def blockwise_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    return_max_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, ...]:
   """Attention in O(T + S) memory: ``softmax(q k^T * scale + bias) v`` by blocks.
 
   Every mask field skips the blocks it rules out (no FLOPs, forward
@@ -70,12 +71,18 @@ def blockwise_attention(
     block_k: key block size (clipped to S). Default 256, 512 for plain
       causal. Lengths need not be multiples.
     return_lse: also return the log-sum-exp of each query row's logits.
+    return_max_logits: also return each query row's largest raw logit
+      ``scale * q . k`` over the keys it attends to, before the bias,
+      ``score_mod`` and sinks (see ``scaled_dot_product_attention``); kept
+      during the forward walk over the visited blocks.
 
   Returns:
-    ``output [..., T, Hv]`` in the inputs' dtype, or ``(output, lse)`` with
-    ``return_lse`` (``lse [..., T]`` float32; ``-inf`` for rows with nothing
-    to attend to, whose output is 0). Gradients flow to query, key, value,
-    bias, sinks and ``score_mod``'s arrays, through ``lse`` as well.
+    ``output [..., T, Hv]`` in the inputs' dtype, then ``lse [..., T]``
+    with ``return_lse`` and ``max_logits [..., T]`` with
+    ``return_max_logits``, in that order (float32; ``-inf`` for rows with
+    nothing to attend to, whose output is 0). Gradients flow to query,
+    key, value, bias, sinks and ``score_mod``'s arrays, through ``lse`` as
+    well; ``max_logits`` has none (zero).
 
   Example:
     >>> q = jnp.ones((2, 4, 100, 16))   # [B, N, T, H]
@@ -84,8 +91,10 @@ def blockwise_attention(
     >>> blockwise_attention(q, kv, kv, padding, block_k=128).shape
     (2, 4, 100, 16)
   """
-  out, _, lse = dot_product.run(
+  out, _, lse, max_logits = dot_product.run(
       query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
       score_mod=score_mod, sinks=sinks, return_lse=return_lse,
+      return_max_logits=return_max_logits,
       implementation=flash.Flash(block_q, block_k))
-  return (out, lse) if return_lse else out
+  extra = (lse,) * bool(return_lse) + (max_logits,) * bool(return_max_logits)
+  return (out, *extra) if extra else out

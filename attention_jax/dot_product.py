@@ -34,9 +34,11 @@ from attention_jax.mask import Mask
 def run(query, key, value, mask=None, *, bias=None, scale=None,
         is_causal: bool = False, score_mod=None, sinks=None,
         dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
-        return_weights: bool = False, return_lse: bool = False):
-  """``scaled_dot_product_attention`` returning ``(out, weights, lse)``
-  (weights/lse None unless asked for): the path every entry point shares."""
+        return_weights: bool = False, return_lse: bool = False,
+        return_max_logits: bool = False):
+  """``scaled_dot_product_attention`` returning ``(out, weights, lse,
+  max_logits)`` (None unless asked for): the path every entry point
+  shares."""
   _checks.check_static_bool("is_causal", is_causal)
   mask = mask_lib.as_mask(mask, is_causal=is_causal)
   candidates, automatic = kernels.candidates(implementation)
@@ -45,11 +47,21 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
       query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
       sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       return_weights=return_weights, return_lse=return_lse,
-      rule_lengths=rule_lengths)
+      return_max_logits=return_max_logits, rule_lengths=rule_lengths)
   kernel = kernels.choose(candidates, problem, automatic)
-  out, weights, lse = kernel(problem)
+  result = kernel(problem)
+  out, weights, lse = result[:3]
+  max_logits = None
+  if problem.return_max_logits:
+    if len(result) != 4:  # a kernel that accepted the flag and ignored it
+      raise TypeError(
+          f"kernel {kernel.name!r} was asked for max logits "
+          f"(return_max_logits=True) but returned {len(result)} values, "
+          "not (out, weights, lse, max_logits): its supports() must refuse "
+          "return_max_logits (kernels.base.no_max_logits).")
+    max_logits = result[3]
   return (out, weights if return_weights else None,
-          lse if return_lse else None)
+          lse if return_lse else None, max_logits)
 
 
 def _rule_lengths(candidates, query, key):
@@ -84,6 +96,7 @@ def scaled_dot_product_attention(
     implementation: Any = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    return_max_logits: bool = False,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``softmax(query @ key^T * scale + bias, where=mask) @ value``.
 
@@ -137,22 +150,34 @@ def scaled_dot_product_attention(
       same numbers within float32 rounding (tested).
     return_weights: also return the attention weights (dense only).
     return_lse: also return the log-sum-exp of each row's allowed logits.
+    return_max_logits: also return each row's largest raw logit (what
+      QK-clip and logit-growth monitoring read; ``dense``, ``blockwise``
+      and ring attention; the fused kernels refuse it and the automatic
+      choice skips them).
 
   The leading dimensions ``...`` of all operands broadcast like NumPy's.
   Static arguments for ``jax.jit``: ``scale`` (if a Python float),
   ``is_causal``, ``dropout_rate``, ``implementation``, ``return_weights``,
-  ``return_lse``; a ``Mask`` and a ``ScoreMod`` are pytrees (their
-  structure static, their arrays traced).
+  ``return_lse``, ``return_max_logits``; a ``Mask`` and a ``ScoreMod`` are
+  pytrees (their structure static, their arrays traced).
 
   Returns:
     ``output`` ``[..., T, Hv]`` in the promoted dtype of the inputs; with
     ``return_weights=True`` also ``weights`` ``[..., T, S]``, the softmax
     probabilities before dropout (rows sum to 1, or are all 0 for a query
     that may attend to nothing, whose output is then 0); with
-    ``return_lse=True`` also ``lse`` ``[..., T]`` (``-inf`` for such rows).
-    Weights and lse are float32 (float64 for float64 inputs). Order:
-    ``output``, ``(output, weights)``, ``(output, lse)`` or
-    ``(output, weights, lse)``.
+    ``return_lse=True`` also ``lse`` ``[..., T]`` (``-inf`` for such rows);
+    with ``return_max_logits=True`` also ``max_logits`` ``[..., T]``: per
+    query row, the maximum of the raw scaled logits ``scale * q . k`` over
+    the keys it may attend to (after every mask field; ``-inf`` bias or
+    ``score_mod`` entries block like the mask), before the bias, any
+    ``score_mod`` (ALiBi, T5, soft cap) and sinks; ``-inf`` for a row with
+    nothing to attend to. It does not depend on the values and is not
+    differentiated (zero gradient, as ``lax.stop_gradient``). Weights, lse
+    and max_logits are float32 (float64 for float64 inputs). Order: the
+    output, then weights, lse and max_logits as asked for, e.g.
+    ``(output, weights)``, ``(output, lse)``, ``(output, weights, lse)``,
+    ``(output, lse, max_logits)`` or ``(output, max_logits)``.
 
   Raises:
     TypeError: non-float query/key/value/bias, a mask that is neither a
@@ -171,11 +196,17 @@ def scaled_dot_product_attention(
     >>> out, w = scaled_dot_product_attention(q, kv, kv, return_weights=True)
     >>> w.shape
     (2, 4, 6)
+    >>> out, max_logits = scaled_dot_product_attention(
+    ...     q, kv, kv, is_causal=True, return_max_logits=True)
+    >>> max_logits.shape  # [B, T]; per head: max_logits.max(axis=(0, -1))
+    (2, 4)
   """
-  out, weights, lse = run(
+  out, weights, lse, max_logits = run(
       query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
       score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, implementation=implementation,
-      return_weights=return_weights, return_lse=return_lse)
-  extra = (weights,) * bool(return_weights) + (lse,) * bool(return_lse)
+      return_weights=return_weights, return_lse=return_lse,
+      return_max_logits=return_max_logits)
+  extra = ((weights,) * bool(return_weights) + (lse,) * bool(return_lse)
+           + (max_logits,) * bool(return_max_logits))
   return (out, *extra) if extra else out

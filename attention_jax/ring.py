@@ -36,7 +36,8 @@ def ring_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    return_max_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, ...]:
   """Attention over a sequence split across the devices of ``axis_name``.
 
   Call inside ``jax.shard_map`` (or anything that binds ``axis_name``), with
@@ -71,12 +72,18 @@ def ring_attention(
     sinks: per-head sink logits (replicated), as in ``blockwise_attention``.
     block_q, block_k: block sizes of the per-device blockwise computation.
     return_lse: also return the global log-sum-exp of each query row.
+    return_max_logits: also return each query row's largest raw logit
+      ``scale * q . k`` over every key of the global sequence it attends to
+      (before ``score_mod`` and sinks; see
+      ``scaled_dot_product_attention``), the max over the ring steps.
 
   Returns:
-    ``output [..., T, Hv]`` in the inputs' dtype, or ``(output, lse)`` with
-    ``return_lse`` (``lse [..., T]`` float32). Differentiable in query, key,
-    value, sinks and ``score_mod``'s arrays (through ``lse`` too); the backward
-    pass goes round the ring blockwise.
+    ``output [..., T, Hv]`` in the inputs' dtype, then ``lse [..., T]``
+    with ``return_lse`` and ``max_logits [..., T]`` with
+    ``return_max_logits``, in that order (float32). Differentiable in
+    query, key, value, sinks and ``score_mod``'s arrays (through ``lse``
+    too; ``max_logits`` has no gradient); the backward pass goes round the
+    ring blockwise.
 
   Raises:
     ValueError: float64 operands, ``axis_name`` is not bound (not inside
@@ -96,8 +103,10 @@ def ring_attention(
     >>> ring(x, x, x).shape
     (2, 64, 16)
   """
-  out, _, lse = dot_product.run(
+  out, _, lse, max_logits = dot_product.run(
       query, key, value, mask, scale=scale, is_causal=is_causal,
       score_mod=score_mod, sinks=sinks, return_lse=return_lse,
+      return_max_logits=return_max_logits,
       implementation=ring.Ring(axis_name, block_q, block_k))
-  return (out, lse) if return_lse else out
+  extra = (lse,) * bool(return_lse) + (max_logits,) * bool(return_max_logits)
+  return (out, *extra) if extra else out

@@ -8,8 +8,9 @@ with ``implementation=`` that kernel, over ``[B, N, T, H]`` operands. Where
 the kernel takes all the case's features it must match the independent
 float64 reference ``tests/reference.masked_attention`` (outputs, lse,
 gradients of q, k, v, bias and the differentiable extras, gradients through
-lse too); where it does not, it must refuse with a ``ValueError`` /
-``TypeError``, never return a number.
+lse too; the row maxima of the raw logits against a NumPy float64 one,
+with no gradient through them); where it does not, it must refuse with a
+``ValueError`` / ``TypeError``, never return a number.
 
 ``tests/test_contract.py`` runs the registry's kernels in process;
 ``tests/multidevice/test_contract_ring.py`` runs ``ring`` on
@@ -62,12 +63,13 @@ REFUSES = {
     "blockwise": frozenset({"float64"}),
     "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
                         "softcap", "segments", "sinks", "alibi", "t5",
-                        "rule"}),
+                        "rule", "max_logits"}),
     "ring": frozenset({"mask", "bias", "float64"}),
-    "pallas_gpu": frozenset({"float64"}),
+    "pallas_gpu": frozenset({"float64", "max_logits"}),
     # Splash has no bias, no modifier but a soft cap, and a static mask (a
     # dense mask is traced under jit).
-    "splash": frozenset({"float64", "bias", "mask", "alibi", "t5"}),
+    "splash": frozenset({"float64", "bias", "mask", "alibi", "t5",
+                         "max_logits"}),
 }
 NEEDS_GPU = frozenset({"cudnn"})
 
@@ -84,14 +86,16 @@ SUBSETS = {
         "float64", "softcap_window_query_lengths",
         "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
         "t5_bias_bidirectional_gqa", "block_mask_prefix_lm",
-        "rule_per_example_prefix_window", "everything_combined"),
+        "rule_per_example_prefix_window", "everything_combined",
+        "max_logits_modified_patterned"),
     "splash": (
         "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
         "mask_empty_rows", "bias_neg_inf", "bfloat16_causal_lengths",
         "float64", "softcap_window_query_lengths",
         "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
         "alibi_causal_gqa", "block_mask_prefix_lm",
-        "rule_per_example_prefix_window", "union_prefix_lm_segments"),
+        "rule_per_example_prefix_window", "union_prefix_lm_segments",
+        "max_logits_modified_patterned"),
 }
 
 
@@ -121,9 +125,11 @@ def _ring(query, key, value, mask_parts, **kw):
   mesh = jax.make_mesh((RING_DEVICES,), ("seq",),
                        devices=jax.devices()[:RING_DEVICES],
                        axis_types=(jax.sharding.AxisType.Auto,))
-  seq = P(None, None, "seq")
+  seq = P(None, None, "seq")  # also [B, N, T] lse and max logits
   return_lse = kw.pop("return_lse", False)
-  out_specs = (seq, seq) if return_lse else seq
+  return_max_logits = kw.pop("return_max_logits", False)
+  returned = 1 + return_lse + return_max_logits
+  out_specs = (seq,) * returned if returned > 1 else seq
   arrays = {n: x for n, x in mask_parts.items()
             if n in ("q_lengths", "kv_lengths", "q_segment_ids",
                      "kv_segment_ids", "dense") and x is not None}
@@ -134,7 +140,8 @@ def _ring(query, key, value, mask_parts, **kw):
   def local(q, k, v, arrays, kw):
     return aj.scaled_dot_product_attention(
         q, k, v, _mask({**fixed, **arrays}),
-        implementation=CONFIGURED["ring"], return_lse=return_lse, **kw)
+        implementation=CONFIGURED["ring"], return_lse=return_lse,
+        return_max_logits=return_max_logits, **kw)
 
   return jax.shard_map(local, mesh=mesh,
                        in_specs=(seq, seq, seq, specs, {n: P() for n in kw}),
@@ -176,11 +183,13 @@ class Case:
   rule: str | None = None
   nan_padding: bool = False  # NaN in keys/values past the lengths
   dtype: str = "float32"
+  # return_max_logits: each row's largest raw scale * q.k where allowed
+  max_logits: bool = False
 
   def features(self) -> set[str]:
     used = {self.dtype}
     for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap",
-                 "segments", "sinks", "alibi", "t5", "rule"):
+                 "segments", "sinks", "alibi", "t5", "rule", "max_logits"):
       if getattr(self, name):
         used.add(name)
     return used
@@ -238,6 +247,13 @@ CASES = {
         t=40, s=40, causal=True, window=(11, 0), segments="sorted",
         lengths=(40, 35), q_lengths=(38, 40), softcap=3.0, sinks=True,
         alibi=True, kv_heads=1, lse=True),
+    # Max logits ignore the modifiers and sinks but not the pattern (rows
+    # past the query lengths see nothing: -inf); no mask or bias, which
+    # ring refuses.
+    "max_logits_modified_patterned": Case(
+        t=40, s=40, causal=True, window=(9, 0), segments="sorted",
+        lengths=(40, 33), q_lengths=(37, 40), softcap=2.0, sinks=True,
+        alibi=True, lse=True, max_logits=True),
 }
 
 PREFIX, CHUNK = 9, 8  # the rule cases' prefix length and chunk size
@@ -374,6 +390,16 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
 T5_BUCKETS, T5_MAX_DISTANCE = 10, 20
 
 
+def _max_logits(q, k, allowed):
+  """Each row's max of the raw ``q.k / sqrt(H)`` where allowed, ``[B, N, T]``
+  (float64; ``-inf`` for a row that sees nothing); query head ``n`` uses
+  key head ``n // (N / K)``."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)  # [B, N, S, H]
+  raw = np.einsum("bnth,bnsh->bnts", q, k) / np.sqrt(q.shape[-1])
+  return np.where(allowed, raw, -np.inf).max(-1)
+
+
 def _loss(out, lse, cot, cot_lse):
   total = jnp.sum(out.astype(jnp.float64 if out.dtype == jnp.float64
                              else jnp.float32) * cot)
@@ -434,12 +460,17 @@ def suite(names):
         if mods:
           kw["score_mod"] = mods[0] if len(mods) == 1 else aj.chain(*mods)
         kw["return_lse"] = case.lse
+        if case.max_logits:
+          kw["return_max_logits"] = True
         if name == "ring":
           result = _ring(q, k, v, parts, **kw)
         else:
           result = aj.scaled_dot_product_attention(
               q, k, v, _mask(parts), implementation=_kernel(name), **kw)
-        return result if case.lse else (result, None)
+        result = list(result) if isinstance(result, tuple) else [result]
+        out = result.pop(0)
+        lse = result.pop(0) if case.lse else None
+        return out, lse, (result.pop(0) if case.max_logits else None)
 
       if case.features() & REFUSES.get(name, frozenset()):
         with self.assertRaises((ValueError, TypeError)):
@@ -460,13 +491,18 @@ def suite(names):
       # with the gradient as auxiliary values.
       cot = _data.normal(7, (B, N, case.t, H))
       cot_lse = _data.normal(8, (B, N, case.t)) if case.lse else None
+      cot_max = _data.normal(15, (B, N, case.t)) if case.max_logits else None
       argnums = (0, 1, 2, 4) + ((3,) if bias is not None else ())
 
       def loss_and_outputs(*a):
-        out, lse = ours(*a)
-        return _loss(out, lse, cot, cot_lse), (out, lse)
+        out, lse, max_logits = ours(*a)
+        loss = _loss(out, lse, cot, cot_lse)
+        if max_logits is not None:  # no gradient: the grads must not move
+          loss = loss + jnp.sum(jnp.where(jnp.isfinite(max_logits),
+                                          max_logits, 0.0) * cot_max)
+        return loss, (out, lse, max_logits)
 
-      (_, (out, lse)), grads = jax.jit(jax.value_and_grad(
+      (_, (out, lse, max_logits)), grads = jax.jit(jax.value_and_grad(
           loss_and_outputs, argnums, has_aux=True))(q_in, k_in, v_in, bias,
                                                      diff)
       f64 = lambda x: None if x is None else np.asarray(x, np.float64)
@@ -494,6 +530,13 @@ def suite(names):
       if case.lse:
         np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse,
                                    atol=tol["fwd"], rtol=tol["fwd"])
+      if case.max_logits:  # -inf exactly where a row sees nothing
+        chex.assert_shape(max_logits, (B, N, case.t))
+        self.assertEqual(max_logits.dtype, jnp.promote_types(q.dtype,
+                                                             jnp.float32))
+        np.testing.assert_allclose(
+            np.asarray(max_logits, np.float64), _max_logits(q, k, allowed),
+            atol=tol["fwd"], rtol=tol["fwd"])
 
       names = ["dq", "dk", "dv"] + [f"d{n}" for n in diff] + (
           ["dbias"] if bias is not None else [])

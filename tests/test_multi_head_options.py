@@ -170,6 +170,20 @@ class LseAndMaxLogitsTest(absltest.TestCase):
                  return_lse=True)
     chex.assert_trees_all_close(lse, want, **TOL)
 
+  def test_max_logits_are_raw_and_come_last(self):
+    # Before the soft cap (the raw maxima here exceed it) and after lse.
+    mha = _module(logits_soft_cap=0.5)
+    x = np.asarray(_x(seed=8), np.float64) * 3.0
+    logits = np.where(reference.causal(6, 6), _scaled_logits(mha, x),
+                      -np.inf)
+    out, lse, top = mha(jnp.asarray(x, jnp.float32), is_causal=True,
+                        return_lse=True, return_max_logits=True)
+    self.assertGreater(float(np.max(top)), 0.5)
+    chex.assert_trees_all_close(top, logits.max(-1), **TOL)
+    chex.assert_trees_all_close(out, mha(jnp.asarray(x, jnp.float32),
+                                         is_causal=True), atol=0, rtol=0)
+    self.assertEqual(lse.shape, (2, 4, 6))
+
 
 class CrossAttentionCacheTest(absltest.TestCase):
 

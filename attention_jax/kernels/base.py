@@ -16,7 +16,17 @@ see), the scale, dropout and what to return. A kernel is a ``Kernel``:
 * ``lengths(t, s)``: the ``(T, S)`` a mask rule's indices refer to (ring
   attention: the global sequence);
 * ``__call__(problem) -> (out [..., N, T, Hv], weights or None, lse or
-  None)``, heads merged again. Kernels never re-validate.
+  None)``, heads merged again, and a fourth value, ``max_logits [..., N,
+  T]``, only when ``problem.return_max_logits`` (a kernel that cannot
+  compute it refuses in ``supports``: ``no_max_logits``). Kernels never
+  re-validate.
+
+``max_logits`` (QK-clip, logit-growth monitoring): per query row, the
+maximum of the raw scaled logits ``scale * q . k`` over the keys the row
+attends to (every mask field; ``-inf`` bias or ``score_mod`` entries block
+like a mask), before the bias, ``score_mod`` and sinks; ``-inf`` for a row
+with nothing to attend to. Float32 (float64 for float64 inputs), and not
+differentiated: its gradient is zero (``lax.stop_gradient``).
 
 The registry (``kernels/__init__.py``) lists them in the automatic choice's
 order; the dispatcher (``dot_product``) walks it.
@@ -43,6 +53,7 @@ class Problem(NamedTuple):
   dropout_rng: jax.Array | None = None
   return_weights: bool = False
   return_lse: bool = False
+  return_max_logits: bool = False
 
   @property
   def dropout_on(self) -> bool:
@@ -77,6 +88,7 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
                  score_mod=None, sinks=None, dropout_rate=0.0,
                  dropout_rng=None, return_weights: bool = False,
                  return_lse: bool = False,
+                 return_max_logits: bool = False,
                  rule_lengths: tuple[int, int] | None = None) -> Problem:
   """Every check of an attention call, once; the ``Problem`` kernels run.
 
@@ -84,7 +96,8 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   accepted values); ``scale`` None means ``1 / sqrt(H)``.
   """
   for name, flag in (("return_weights", return_weights),
-                     ("return_lse", return_lse)):
+                     ("return_lse", return_lse),
+                     ("return_max_logits", return_max_logits)):
     _checks.check_static_bool(name, flag)
   ops = _checks.attention_operands(query, key, value, mask_lib.as_mask(mask),
                                    bias, sinks=sinks, score_mod=score_mod,
@@ -94,7 +107,8 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
   return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
-                 bool(return_weights), bool(return_lse))
+                 bool(return_weights), bool(return_lse),
+                 bool(return_max_logits))
 
 
 # Below this many scores per head the dense kernel is as fast (see the
@@ -120,6 +134,14 @@ def float32_only(problem: Problem) -> str | None:
   if jnp.promote_types(problem.out_dtype, jnp.float32) != jnp.float32:
     return ("it computes in float32; float64 inputs need the dense kernel "
             "(implementation='dense')")
+  return None
+
+
+def no_max_logits(problem: Problem) -> str | None:
+  """The reason a kernel without the raw row maxima refuses, or None."""
+  if problem.return_max_logits:
+    return ("it does not return max logits (return_max_logits=True); use "
+            "'dense', 'blockwise' or ring attention")
   return None
 
 

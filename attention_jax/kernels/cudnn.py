@@ -62,7 +62,8 @@ class Cudnn(base.Kernel):
   name = "cudnn"
 
   def supports(self, problem: base.Problem) -> str | None:
-    reason = base.no_weights_or_dropout(problem)
+    reason = (base.no_weights_or_dropout(problem)
+              or base.no_max_logits(problem))
     if reason:
       return reason
     ops = problem.ops

@@ -8,7 +8,9 @@ written for one head and lifted over leading dims by
 ``_broadcast.lift_heads``. Logits, softmax and the weighted sum run in the
 compute dtype (float32, float64 for float64 inputs); one path whether or not
 the weights are returned or dropout is on, so the numbers never change with
-those options. The only kernel with dropout, weights and float64.
+those options. The only kernel with dropout, weights and float64. With
+``return_max_logits`` it also returns each row's maximum raw scaled logit
+(``kernels.base``), read off the same ``[T, S]`` logits.
 """
 
 from __future__ import annotations
@@ -48,21 +50,25 @@ class Dense(base.Kernel):
           window=ops.window, score_mod=ops.score_mod,
           dropout_rate=p.dropout_rate, out_dtype=p.out_dtype,
           compute_dtype=_numerics.compute_dtype(p.out_dtype),
-          want_lse=p.return_lse)
+          want_lse=p.return_lse, want_max_logits=p.return_max_logits)
 
     return _broadcast.lift_heads(head, ops, (keep,), (2,))
 
 
 def single_head(query, key, value, h, keep, *, scale, is_causal, window,
-                score_mod, dropout_rate, out_dtype, compute_dtype, want_lse):
+                score_mod, dropout_rate, out_dtype, compute_dtype, want_lse,
+                want_max_logits=False):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
   ``h`` is the head's ``_broadcast.Head`` (mask, bias, lengths, segment
   ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``keep`` the ``[T, S]``
   dropout draw or None; ``window`` and ``score_mod`` as in
   ``_patterns`` / the flash core.
-  Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``; weights and
-  lse in ``compute_dtype``, out in ``out_dtype``.
+  Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``, and with
+  ``want_max_logits`` also ``max_logits [T]`` (each row's largest raw
+  ``scale * q . k`` where it attends, ``-inf`` where it attends nowhere; no
+  gradient); weights, lse and max_logits in ``compute_dtype``, out in
+  ``out_dtype``.
   """
   t, s = query.shape[0], key.shape[0]
   allowed = None
@@ -98,6 +104,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=compute_dtype)  # [T, S]
   logits = logits * jnp.asarray(scale, compute_dtype)
+  raw = logits  # before the bias and score_mod: what max_logits reads
   finite = None  # where a -inf bias or score_mod blocks
   if h.bias is not None:
     logits = logits + jnp.broadcast_to(h.bias.astype(compute_dtype), (t, s))
@@ -112,6 +119,11 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
           finite & (logits > -jnp.inf))
   if finite is not None:  # where a bias or score_mod blocks
     allowed = both(finite)
+  max_logits = None
+  if want_max_logits:  # a statistic: no gradient
+    seen = raw if allowed is None else jnp.where(allowed, raw, -jnp.inf)
+    max_logits = jax.lax.stop_gradient(
+        jnp.max(seen, axis=-1, initial=-jnp.inf))  # [T]
   want_lse = want_lse or h.sink is not None
   if additive:
     weights, lse = softmax.softmax_and_lse(logits, allowed)  # [T, S], [T]
@@ -126,6 +138,8 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("TS,SV->TV", probs, value.astype(compute_dtype),
                    preferred_element_type=compute_dtype)  # [T, Hv]
+  if want_max_logits:
+    return out.astype(out_dtype), weights, lse, max_logits
   return out.astype(out_dtype), weights, lse
 
 

@@ -9,7 +9,9 @@ time; every mask field skips the blocks it rules out (forward and backward)
 and full blocks run without a mask pass; a rule without block tables gets
 them here, at this kernel's block sizes (NumPy when concrete, on device
 when traced). The backward pass is a custom VJP that recomputes the blocks
-(FlashAttention-2). No weights, no dropout, float32 compute.
+(FlashAttention-2). No weights, no dropout, float32 compute. With
+``return_max_logits`` the forward walk also keeps each row's raw maximum
+logit (``flash_core.forward``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class Flash(base.Kernel):
     head = functools.partial(flash_core.single_head, scale=problem.scale,
                              is_causal=ops.causal, window=ops.window,
                              score_mod=ops.score_mod, block_q=block_q,
-                             block_k=block_k, out_dtype=problem.out_dtype)
+                             block_k=block_k,
+                             max_logits=problem.return_max_logits,
+                             out_dtype=problem.out_dtype)
     return _broadcast.lift_heads(head, ops)
 
 

@@ -19,25 +19,29 @@ Internal interface (what ``kernels/flash.py``, ``kernels/ring.py`` and
 elsewhere):
 
 * ``Static``: one head's static configuration (scale, causal/window bounds,
-  score modifier, true lengths, block sizes); hashable, the
-  ``nondiff_argnums`` of the custom VJPs.
+  score modifier, true lengths, block sizes, whether to return the row
+  maxima); hashable, the ``nondiff_argnums`` of the custom VJPs.
 * ``Extras``: one head's other operands, padded (mask, bias, lengths,
   segment ids, block mask, ``(b, h)``, the score modifier's arrays); a
   pytree. ``Place``: where the local rows and columns stand.
 * ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
-  score_mod)`` builds the ``Static`` and pads q, k, v to whole blocks;
-  ``padded_extras(st, tp, sp, head)`` pads a ``_broadcast.Head``;
+  score_mod, max_logits)`` builds the ``Static`` and pads q, k, v to whole
+  blocks; ``padded_extras(st, tp, sp, head)`` pads a ``_broadcast.Head``;
   ``hoist_score_mod(st, ex, like, replay_closures=)`` makes the modifier's
   arrays operands.
-* ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp])``.
+* ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp],
+  max_logits [Tp] or None)``; ``max_logits`` (``st.max_logits``) is each
+  row's largest raw ``scale * q . k`` over the keys it attends to in the
+  visited blocks (``-inf`` if none), before bias and ``score_mod``.
 * ``backward(st, residuals, cotangents)``: float32 ``(dq, dk, dv, dbias,
   dargs)`` from ``residuals = (q, k, v, ex, place, out, lse)`` and
   ``cotangents = (d_out, d_lse)``; ``out``/``lse`` may be those of a longer
   key sequence of which ``k``/``v`` are one block (ring attention).
 * ``single_head(q, k, v, head, *, out_dtype, **blocks)``: one head end to
   end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too),
-  returning ``(out [T, Hv], None, lse [T])``, the ``_broadcast.lift_heads``
-  contract.
+  returning ``(out [T, Hv], None, lse [T])`` and, with
+  ``max_logits=True``, ``max_logits [T]`` (zero gradient), the
+  ``_broadcast.lift_heads`` contract.
 * ``patterned``, ``segment_summary``, ``key_ranges``, ``query_ranges``:
   which blocks a block visits (the Pallas GPU kernel computes them outside
   its kernels with these); ``masked_exp``, also used inside its kernels.
@@ -84,6 +88,8 @@ class Static(NamedTuple):
   s: int
   bq: int
   bk: int
+  # forward also returns each row's raw max logit (return_max_logits)
+  max_logits: bool = False
 
 
 class Extras(NamedTuple):
@@ -195,9 +201,10 @@ def patterned(st: Static, ex: Extras) -> bool:
 
 def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
                   full: bool, scale=None, want_vjp: bool = False):
-  """Float32 logits of one block, where they are allowed, and a VJP.
+  """Float32 logits of one block, where they are allowed, a VJP, raw logits.
 
-  Logits are ``scale * q.k + bias``, then ``score_mod`` (a soft cap is one).
+  Logits are ``scale * q.k + bias``, then ``score_mod`` (a soft cap is one);
+  ``raw`` is ``scale * q.k`` alone (the same array without either).
   ``ok`` is None when every entry is allowed, statically; ``full`` says the
   block is known to hold no blocked entry (no pattern or mask pass is
   made; ``-inf`` from a bias or ``score_mod`` still blocks). ``mod_vjp`` is
@@ -211,6 +218,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
                       preferred_element_type=jnp.float32)  # [bq, bk]
   if scale != 1.0:
     logits = logits * scale
+  raw = logits
   ok = None
 
   def both(extra):
@@ -251,7 +259,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
     if getattr(st.score_mod, "blocks", True):  # (a replayed closure may)
       ok = both(logits > -jnp.inf)
   if full:
-    return logits, ok, mod_vjp
+    return logits, ok, mod_vjp, raw
   if st.s % st.bk:
     ok = both(cols < st.s)
   q_seg = k_seg = None
@@ -266,7 +274,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
     ok = both(jnp.broadcast_to(ex.block_mask.mask_fn(
         *ex.index, rows + place.q_start, cols + place.kv_start),
                                (st.bq, st.bk)))
-  return logits, ok, mod_vjp
+  return logits, ok, mod_vjp, raw
 
 
 def masked_exp(logits, ok, shift, scale=1.0):
@@ -364,7 +372,10 @@ def _walk(st: Static, ex: Extras, ranges, listed, count: int, body, carry):
 
 
 def forward(st: Static, q, k, v, ex: Extras, place: Place):
-  """Online softmax; returns ``(out [Tp, Hv] f32, lse [Tp] f32)``."""
+  """Online softmax; ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None)``.
+
+  All float32; ``max_logits`` only with ``st.max_logits``.
+  """
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   hv = v.shape[-1]
   # Without a bias or score modifier, softmax(scale * l) is computed on the
@@ -375,6 +386,10 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
   defer = (ex.bias is None and st.score_mod is None
            and st.scale > 0)
   later = st.scale if defer else 1.0
+  # max_logits: without a bias or score modifier the running maximum is
+  # the raw one (times `later`); otherwise a second carry keeps it.
+  raw_carry = st.max_logits and not (ex.bias is None
+                                     and st.score_mod is None)
   seg = segment_summary(st, ex)
   zero = _zero_like_all(q, k, v, ex, place)
 
@@ -383,12 +398,15 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
     qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)  # [bq, H]
 
     def key_block(j, full, carry):
-      row_max, total, acc = carry
+      row_max, total, acc, *raw_max = carry
       j0 = j * st.bk
       kj = _key_rows(st, k, j0, ex.length)  # [bk, H]
       vj = _key_rows(st, v, j0, ex.length)  # [bk, Hv]
-      logits, ok, _ = _block_logits(st, qi, kj, i0, j0, ex, place, full,
-                                       scale=1.0 if defer else None)
+      logits, ok, _, raw = _block_logits(st, qi, kj, i0, j0, ex, place,
+                                         full, scale=1.0 if defer else None)
+      if raw_carry:
+        seen = raw if ok is None else jnp.where(ok, raw, -jnp.inf)
+        raw_max = [jnp.maximum(raw_max[0], jnp.max(seen, -1))]  # [bq]
       allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
       new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
       shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -398,42 +416,50 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
       acc = acc * rescale[:, None] + jnp.einsum(
           "TS,SV->TV", p.astype(v.dtype), vj,
           preferred_element_type=jnp.float32)
-      return new_max, total, acc
+      return new_max, total, acc, *raw_max
 
     init = (jnp.full((st.bq,), -jnp.inf, jnp.float32) + zero,
             jnp.zeros((st.bq,), jnp.float32) + zero,
             jnp.zeros((st.bq, hv), jnp.float32) + zero)
+    if raw_carry:
+      init += (init[0],)
     listed = None
     if ex.block_mask is not None and ex.block_mask.kinds is not None:
       listed = (ex.block_mask.kv_indices[i], ex.block_mask.kv_full[i])
     ranges = key_ranges(st, ex, place, seg, i, num_k)
-    row_max, total, acc = _walk(st, ex, ranges, listed, num_k, key_block,
-                                init)
+    row_max, total, acc, *raw_max = _walk(st, ex, ranges, listed, num_k,
+                                          key_block, init)
+    max_logits = None
+    if st.max_logits:  # raw_max, or row_max in raw-logit units
+      max_logits = raw_max[0] if raw_carry else row_max * later
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[:, None]
     lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
                     * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    return out, lse
+    return out, lse, max_logits
 
-  out, lse = jax.lax.map(query_block, jnp.arange(num_q))
-  return out.reshape(-1, hv), lse.reshape(-1)
+  out, lse, max_logits = jax.lax.map(query_block, jnp.arange(num_q))
+  if max_logits is not None:
+    max_logits = max_logits.reshape(-1)
+  return out.reshape(-1, hv), lse.reshape(-1), max_logits
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(st: Static, q, k, v, ex: Extras, place: Place):
-  out, lse = forward(st, q, k, v, ex, place)
-  return out.astype(v.dtype), lse
+  out, lse, max_logits = forward(st, q, k, v, ex, place)
+  return out.astype(v.dtype), lse, max_logits
 
 
 def _attend_fwd(st, q, k, v, ex, place):
-  out, lse = forward(st, q, k, v, ex, place)
+  out, lse, max_logits = forward(st, q, k, v, ex, place)
   out = out.astype(v.dtype)
-  return (out, lse), (q, k, v, ex, place, out, lse)
+  return (out, lse, max_logits), (q, k, v, ex, place, out, lse)
 
 
 def _attend_bwd(st, residuals, cotangents):
   q, k, v, ex = residuals[:4]
-  dq, dk, dv, dbias, dargs = backward(st, residuals, cotangents)
+  # max_logits has no gradient: its cotangent (cotangents[2]) is dropped.
+  dq, dk, dv, dbias, dargs = backward(st, residuals, cotangents[:2])
   # None is a zero cotangent: masks, lengths, ids and tables have none.
   d_ex = Extras(
       bias=None if ex.bias is None else dbias.astype(ex.bias.dtype),
@@ -454,7 +480,7 @@ def backward(st, residuals, cotangents):
   gradients are its share of the global ones.
   """
   q, k, v, ex, place, out, lse = residuals
-  d_out, d_lse = cotangents
+  d_out, d_lse = cotangents  # (max_logits has no cotangent here)
   f32 = jnp.float32
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   d_out = d_out.astype(f32)
@@ -475,7 +501,7 @@ def backward(st, residuals, cotangents):
       i0 = i * st.bq
       qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)
       doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
-      logits, ok, mod_vjp = _block_logits(
+      logits, ok, mod_vjp, _ = _block_logits(
           st, qi, kj, i0, j0, ex, place, full,
           want_vjp=st.score_mod is not None)
       if ok is not None:  # rows with nothing to attend have lse = -inf
@@ -518,13 +544,13 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def padded(q, k, v, *, scale, is_causal, block_q, block_k, window=None,
-           score_mod=None):
+           score_mod=None, max_logits: bool = False):
   """One head's static config and q, k, v padded to whole blocks."""
   t, s = q.shape[0], k.shape[0]
   bq, bk = min(block_q, t), min(block_k, s)
   tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
   st = Static(float(scale), _patterns.bounds(bool(is_causal), window),
-              score_mod, t, s, bq, bk)
+              score_mod, t, s, bq, bk, bool(max_logits))
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 
@@ -610,16 +636,22 @@ def hoist_score_mod(st: Static, ex: Extras, like, *,
 
 
 def single_head(q, k, v, h, *, out_dtype, **blocks):
-  """One head (``_broadcast.Head`` operands): pad, attend, strip, sink."""
+  """One head (``_broadcast.Head`` operands): pad, attend, strip, sink.
+
+  Returns ``(out, None, lse)``, and ``max_logits [T]`` too with
+  ``max_logits=True`` among ``blocks``.
+  """
   if h.mask is not None:  # keys no query sees may hold NaN: zero them
     k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
   ex = padded_extras(st, q.shape[0], k.shape[0], h)
   st, ex = hoist_score_mod(st, ex, q)
-  out, lse = _attend(st, q, k, v, ex, Place(st.s - st.t))
+  out, lse, max_logits = _attend(st, q, k, v, ex, Place(st.s - st.t))
   out, lse = out[:st.t], lse[:st.t]
   if h.sink is not None:
     out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
+  if st.max_logits:  # the sink is no logit of a key: it changes nothing
+    return out.astype(out_dtype), None, lse, max_logits[:st.t]
   return out.astype(out_dtype), None, lse
 
 

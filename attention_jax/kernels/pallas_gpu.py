@@ -106,7 +106,8 @@ class PallasGpu(base.Kernel):
     base.check_block_size("num_stages", self.num_stages)
 
   def supports(self, problem: base.Problem) -> str | None:
-    reason = base.no_weights_or_dropout(problem) or base.float32_only(problem)
+    reason = (base.no_weights_or_dropout(problem)
+              or base.no_max_logits(problem) or base.float32_only(problem))
     if reason or self.interpret:
       return reason
     if jax.default_backend() != "gpu":

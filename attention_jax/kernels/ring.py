@@ -20,6 +20,10 @@ its queries' share (``flash_core.backward`` with the global ``lse``), and one
 last shift brings every accumulator home. Saved per device: its own q, k, v,
 output and ``lse`` — O(T + S), independent of P.
 
+With ``return_max_logits`` each step's raw row maxima (``flash_core.forward``)
+are combined by ``max`` over the steps, which between them hold every
+device's keys; no gradient flows through them.
+
 Causal masking is bottom-right aligned on the *global* lengths; a key block
 wholly in a query block's future is skipped (no FLOPs), though the device
 still waits for its neighbours (no load balancing: device 0 has the least
@@ -108,13 +112,17 @@ def _local(rg: _Ring, ex: flash_core.Extras) -> flash_core.Extras:
       q_length=jnp.clip(ex.q_length - index * rg.block.t, 0, rg.block.t))
 
 
-def _merge(out, lse, part):
-  """Two normalised partial results combined by their log-sum-exps."""
-  return merge_lib.merge_attentions([out, part[0]], [lse, part[1]])
+def _merge(acc, part):
+  """Two partial ``(out, lse, max_logits or None)`` combined: outputs by
+  their log-sum-exps, row maxima by max."""
+  out, lse = merge_lib.merge_attentions([acc[0], part[0]], [acc[1], part[1]])
+  max_logits = acc[2] if acc[2] is None else jnp.maximum(acc[2], part[2])
+  return out, lse, max_logits
 
 
 def _ring_forward(rg: _Ring, q, k, v, ex):
-  """Float32 ``(out [Tp, Hv], lse [Tp])`` over the whole ring."""
+  """Float32 ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None)`` over the
+  whole ring (``max_logits`` with ``rg.block.max_logits``)."""
   ex = _local(rg, ex)
 
   def attend(step, k, v, k_seg):
@@ -123,39 +131,40 @@ def _ring_forward(rg: _Ring, q, k, v, ex):
 
   if rg.steps == tuple(range(rg.size)):  # every step: one shift each
     def step_fn(step, carry):
-      out, lse, k, v, k_seg = carry
+      result, k, v, k_seg = carry
       k, v, k_seg = (_shift(x, rg) for x in (k, v, k_seg))
-      out, lse = _merge(out, lse, attend(step, k, v, k_seg))
-      return out, lse, k, v, k_seg
+      result = _merge(result, attend(step, k, v, k_seg))
+      return result, k, v, k_seg
 
-    out, lse = attend(0, k, v, ex.k_seg)
-    out, lse, *_ = jax.lax.fori_loop(1, rg.size, step_fn,
-                                     (out, lse, k, v, ex.k_seg))
-    return out, lse
+    result = attend(0, k, v, ex.k_seg)
+    result, *_ = jax.lax.fori_loop(1, rg.size, step_fn,
+                                   (result, k, v, ex.k_seg))
+    return result
   # A window: only the steps that hold visible keys, unrolled.
   k_seg, held = ex.k_seg, 0
-  out = lse = None
+  result = None
   for step in rg.steps:
     k, v, k_seg = (_shift(x, rg, step - held) for x in (k, v, k_seg))
     held = step
     part = attend(step, k, v, k_seg)
-    out, lse = part if out is None else _merge(out, lse, part)
-  return out, lse
+    result = part if result is None else _merge(result, part)
+  return result
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(rg: _Ring, q, k, v, ex):
-  out, lse = _ring_forward(rg, q, k, v, ex)
-  return out.astype(v.dtype), lse
+  out, lse, max_logits = _ring_forward(rg, q, k, v, ex)
+  return out.astype(v.dtype), lse, max_logits
 
 
 def _ring_fwd(rg, q, k, v, ex):
-  out, lse = _ring_forward(rg, q, k, v, ex)
-  return (out.astype(v.dtype), lse), (q, k, v, ex, out, lse)
+  out, lse, max_logits = _ring_forward(rg, q, k, v, ex)
+  return (out.astype(v.dtype), lse, max_logits), (q, k, v, ex, out, lse)
 
 
 def _ring_bwd(rg, residuals, cotangents):
   q, k, v, ex0, out, lse = residuals
+  cotangents = cotangents[:2]  # max_logits has no gradient: dropped
   f32 = jnp.float32
   ex = _local(rg, ex0)
 
@@ -212,8 +221,8 @@ def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
   st, q, k, v = flash_core.padded(q, k, v, **blocks)
   ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)
   st, ex = flash_core.hoist_score_mod(st, ex, q, replay_closures=False)
-  out, lse = _ring(_Ring(st, axis_name, size, needed_steps(st, size)), q,
-                   k, v, ex)
+  out, lse, max_logits = _ring(
+      _Ring(st, axis_name, size, needed_steps(st, size)), q, k, v, ex)
   out, lse = out[:st.t], lse[:st.t]
   if h.sink is not None:
     q_length = None
@@ -221,6 +230,8 @@ def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
       index = jax.lax.axis_index(axis_name)
       q_length = jnp.clip(h.q_length - index * st.t, 0, st.t)
     out, _, lse = _numerics.with_sink(out, lse, h.sink, q_length)
+  if st.max_logits:
+    return out.astype(out_dtype), None, lse, max_logits[:st.t]
   return out.astype(out_dtype), None, lse
 
 
@@ -295,5 +306,5 @@ class Ring(base.Kernel):
         _single_head, axis_name=self.axis_name, size=size,
         scale=problem.scale, is_causal=ops.causal, window=ops.window,
         score_mod=ops.score_mod, block_q=block_q, block_k=block_k,
-        out_dtype=problem.out_dtype)
+        max_logits=problem.return_max_logits, out_dtype=problem.out_dtype)
     return _broadcast.lift_heads(head, ops)

@@ -235,7 +235,8 @@ class Splash(base.Kernel):
     if not self.interpret and jax.default_backend() != "tpu":
       return (f"it needs a TPU (the backend is {jax.default_backend()!r}), "
               "or Splash(interpret=True) to run in the Pallas interpreter")
-    reason = base.no_weights_or_dropout(problem) or base.float32_only(problem)
+    reason = (base.no_weights_or_dropout(problem)
+              or base.no_max_logits(problem) or base.float32_only(problem))
     if reason:
       return reason
     ops = problem.ops
