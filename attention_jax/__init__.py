@@ -25,6 +25,10 @@ from attention_jax.kv_cache import cache_overflow
 from attention_jax.kv_cache import ring_slot_positions
 from attention_jax.kv_cache import update_kv_cache
 from attention_jax.kv_cache import update_ring_cache
+from attention_jax.latent import init_latent_cache
+from attention_jax.latent import init_latent_params
+from attention_jax.latent import latent_attention
+from attention_jax.latent import latent_decode
 from attention_jax.luong import init_luong_params
 from attention_jax.luong import luong_attention
 from attention_jax.luong import precompute_luong_keys
@@ -38,6 +42,7 @@ from attention_jax.masks import padding_mask
 from attention_jax.merge import merge_attentions
 from attention_jax.modules.decoder_attention import BahdanauAttention
 from attention_jax.modules.decoder_attention import LuongAttention
+from attention_jax.modules.latent import MultiHeadLatentAttention
 from attention_jax.modules.multi_head import MultiHeadAttention
 from attention_jax.multi_head import attend_heads
 from attention_jax.multi_head import multi_head_attention
@@ -68,6 +73,7 @@ __all__ = [
     "Mask",
     "MaskRule",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "Rope",
     "ScoreMod",
     "T5Bias",
@@ -94,8 +100,12 @@ __all__ = [
     "flax_attention_fn",
     "from_torch_multihead_attention",
     "init_additive_params",
+    "init_latent_cache",
+    "init_latent_params",
     "init_luong_params",
     "init_multi_head_params",
+    "latent_attention",
+    "latent_decode",
     "luong_attention",
     "make_attention_mask",
     "merge_attentions",

@@ -1,0 +1,395 @@
+"""``MultiHeadLatentAttention``: DeepSeek-V2/V3's MLA in Flax NNX, with its cache.
+
+Shape glossary: B batch, T this call's tokens, L cache slots, N query heads,
+D model dim, Dout output features, Rq ``q_lora_rank``, R ``kv_lora_rank``,
+Hn ``qk_nope_head_dim``, Hr ``qk_rope_head_dim``, Hv ``v_head_dim``.
+
+The module owns its parameters as ``Projection``/``NormScale`` holders of
+``nnx.Param``s, laid out as ``aj.latent_attention``'s params dict:
+
+- ``W_dq.kernel [D, Rq]`` (``.bias [Rq]`` with ``use_bias``),
+  ``q_norm.scale [Rq]``, ``W_uq.kernel [Rq, N, Hn + Hr]``; without a query
+  low-rank (``q_lora_rank=None``) ``W_q.kernel [D, N, Hn + Hr]`` instead;
+- ``W_dkv.kernel [D, R + Hr]`` (``.bias``), ``kv_norm.scale [R]``,
+  ``W_ukv.kernel [R, N, Hn + Hv]``;
+- ``W_o.kernel [N, Hv, Dout]`` (``.bias [Dout]``),
+
+and, after ``init_cache``, the cache: ``cached_latent [B, L, R]`` (the
+normed ``c_kv``), ``cached_rope_key [B, L, Hr]`` (the rotated shared key),
+``cache_index [B]`` and ``cache_overflow [B]``. Cache per token: ``(R + Hr)
+* itemsize`` bytes per layer, vs ``2 * K * H * itemsize`` for
+``MultiHeadAttention`` (DeepSeek-V2: 576 numbers against 2 * 128 * 128 =
+32768 for its 128 heads). The full call is ``latent.latent_attention``
+(per-head keys and values, the paper's form); ``decode=True`` is
+``latent.latent_decode`` (``W_uk`` folded into the query, multi-query
+attention over the latent cache, then ``W_uv`` and ``W_o``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+import numpy as np
+
+from attention_jax import _checks
+from attention_jax import latent
+from attention_jax import mask as mask_lib
+from attention_jax import multi_head
+from attention_jax import rope as rope_lib
+from attention_jax.mask import Mask
+from attention_jax.modules.multi_head import NormScale
+from attention_jax.modules.multi_head import Projection
+
+_LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
+_ZEROS = nnx.initializers.zeros_init()
+
+
+class MultiHeadLatentAttention(nnx.Module):
+  """Multi-head latent attention (DeepSeek-V2/V3): a small cache per token.
+
+  Self-attention only (keys and values come from the same tokens as the
+  queries), causal when decoding.
+
+  Args:
+    d_model: ``D``, input features (and output features by default).
+    num_heads: ``N``.
+    rngs: ``nnx.Rngs`` for parameter init (``params`` stream).
+    kv_lora_rank: ``R``, the width of the cached latent ``c_kv`` (DeepSeek:
+      512).
+    qk_nope_head_dim: ``Hn``, each head's position-free query/key features
+      (DeepSeek: 128).
+    qk_rope_head_dim: ``Hr``, the rotary query features per head and the
+      width of the one shared rotary key (even; DeepSeek: 64).
+    v_head_dim: ``Hv``, each head's value width (DeepSeek: 128).
+    q_lora_rank: ``Rq``, the query's low rank (DeepSeek-V2/V3: 1536), or
+      None for a full-rank ``W_q`` (DeepSeek-V2-Lite).
+    out_features: ``Dout``; None means ``d_model``.
+    rope: an ``aj.Rope`` (DeepSeek-V3 long context: ``aj.Rope(base,
+      scaling="yarn", factor=40, original_max_positions=4096,
+      mscale=1.0, mscale_all_dim=1.0, interleaved=True)``), a rotary base
+      (a number), or None; applied to ``q_pe`` and ``k_pe`` only.
+    scale: multiplier of ``q . k``; None means ``1 / sqrt(Hn + Hr)``,
+      multiplied by YaRN's ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2``
+      when ``rope`` is a YaRN ``Rope`` with ``mscale_all_dim`` (as DeepSeek
+      and Hugging Face do; ``latent.default_scale``). A number is used as
+      given (nothing multiplied in). Decoding uses the same scale.
+    use_bias: biases on ``W_dq``, ``W_dkv`` and ``W_o`` (DeepSeek's
+      ``attention_bias``; the up-projections never have one).
+    precision: ``jax.lax.Precision`` of the projection einsums.
+    dtype: computation dtype (inputs and parameters are cast to it); None:
+      inferred. Attention runs in float32 for <=32-bit inputs.
+    param_dtype: parameter dtype.
+    kernel_init: initialiser for the kernels (LeCun normal), called on the
+      flat 2-D shapes (``[D, Rq]``, ``[Rq, N*(Hn+Hr)]``, ``[D, R + Hr]``,
+      ``[R, N*(Hn+Hv)]``, ``[N*Hv, Dout]``) then reshaped per head.
+    bias_init: initialiser for the biases (zeros).
+    attention_fn: replacement for ``aj.scaled_dot_product_attention`` with
+      its contract, or its ``implementation`` (see ``aj.attend_heads``); it
+      always receives ``scale=``.
+    mask: an ``aj.Mask`` every call is intersected with, e.g.
+      ``aj.Mask(causal=True, window=(W - 1, 0))`` (decoding honours it; the
+      cache may then be a ring buffer of ``W`` slots).
+
+  Example:
+    >>> mla = MultiHeadLatentAttention(
+    ...     32, 4, q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=8,
+    ...     qk_rope_head_dim=4, v_head_dim=8, rngs=nnx.Rngs(0))
+    >>> x = jax.random.normal(jax.random.key(1), (2, 6, 32))
+    >>> forward = nnx.jit(lambda m, x: m(x, is_causal=True))  # training
+    >>> decode = nnx.jit(lambda m, x: m(x, decode=True))  # cached, absorbed
+    >>> full = forward(mla, x)
+    >>> mla.init_cache(batch_size=2, max_length=8)
+    >>> prompt = decode(mla, x[:, :5])               # prefill the cache
+    >>> step = decode(mla, x[:, 5:])                 # then a token at a time
+    >>> bool(jnp.allclose(step, full[:, 5:], atol=1e-5))
+    True
+    >>> mla.cached_latent.shape, mla.cached_rope_key.shape  # [B, L, R], Hr
+    ((2, 8, 24), (2, 8, 4))
+    >>> mla.cache_bytes_per_token                    # (24 + 4) * 4 bytes
+    112
+  """
+
+  def __init__(
+      self,
+      d_model: int,
+      num_heads: int,
+      *,
+      rngs: nnx.Rngs,
+      kv_lora_rank: int,
+      qk_nope_head_dim: int,
+      qk_rope_head_dim: int,
+      v_head_dim: int,
+      q_lora_rank: int | None = None,
+      out_features: int | None = None,
+      rope: Any = 10000.0,
+      scale: float | None = None,
+      use_bias: bool = False,
+      precision: multi_head.Precision = None,
+      dtype: jnp.dtype | None = None,
+      param_dtype: jnp.dtype = jnp.float32,
+      kernel_init: nnx.Initializer = _LECUN_NORMAL,
+      bias_init: nnx.Initializer = _ZEROS,
+      attention_fn: Any = None,
+      mask: Mask | None = None,
+  ):
+    dims = latent.check_latent_dims(
+        d_model, num_heads, q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+        out_features=out_features)
+    _checks.check_static_bool("use_bias", use_bias)
+    _checks.check_scale(scale)
+    if mask is not None and not isinstance(mask, Mask):
+      raise TypeError(f"mask must be an aj.Mask (the layer's pattern, e.g. "
+                      f"aj.Mask(causal=True, window=(W - 1, 0))), got "
+                      f"{type(mask).__name__}; per-call masks go to the "
+                      "call.")
+    self.dims = dims
+    self.d_model = d_model
+    self.num_heads = num_heads
+    self.q_lora_rank = q_lora_rank
+    self.kv_lora_rank = kv_lora_rank
+    self.qk_nope_head_dim = qk_nope_head_dim
+    self.qk_rope_head_dim = qk_rope_head_dim
+    self.v_head_dim = v_head_dim
+    self.out_features = dims.out_features
+    self.rope = rope_lib.as_rope(rope)
+    self.scale = scale
+    self.use_bias = use_bias
+    self.precision = precision
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.attention_fn = attention_fn
+    self.mask = nnx.data(mask)
+    for name, shape, _ in latent.param_shapes(dims):
+      if name.endswith("_norm"):
+        layer = NormScale(shape[0], param_dtype=param_dtype)
+      else:
+        split = 1 if name in ("W_dq", "W_dkv", "W_q", "W_uq", "W_ukv") else 2
+        layer = Projection(shape[:split], shape[split:],
+                           use_bias=use_bias and name in latent.BIASED,
+                           param_dtype=param_dtype, kernel_init=kernel_init,
+                           bias_init=bias_init, rngs=rngs)
+      setattr(self, name, layer)
+    for name in ("W_dq", "q_norm", "W_uq", "W_q"):
+      if not hasattr(self, name):
+        setattr(self, name, nnx.data(None))
+    self.cached_latent: nnx.Cache | None = nnx.data(None)
+    self.cached_rope_key: nnx.Cache | None = nnx.data(None)
+    self.cache_index: nnx.Cache | None = nnx.data(None)
+    self.cache_overflow: nnx.Cache | None = nnx.data(None)
+    self.cache_window: int | None = None
+
+  def _layers(self) -> dict[str, Projection | NormScale]:
+    return {name: getattr(self, name)
+            for name, _, _ in latent.param_shapes(self.dims)}
+
+  def params_dict(self) -> latent.Params:
+    """The parameters in ``aj.latent_attention``'s layout, in ``dtype``."""
+    return {name: layer.as_dict(self.dtype)
+            for name, layer in self._layers().items()}
+
+  def load_params(self, params: Mapping[str, Mapping[str, Any]]) -> None:
+    """Assigns a params dict (e.g. converted DeepSeek weights) to this module.
+
+    Args:
+      params: ``aj.latent_attention``'s layout (see the module docstring for
+        the mapping of Hugging Face's names), with this module's entries,
+        biases and shapes; cast to ``param_dtype``.
+
+    Raises:
+      ValueError: naming the entry and both shapes when they differ.
+
+    Example:
+      >>> kw = dict(q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=8,
+      ...           qk_rope_head_dim=4, v_head_dim=8)
+      >>> a = MultiHeadLatentAttention(32, 4, rngs=nnx.Rngs(0), **kw)
+      >>> b = MultiHeadLatentAttention(32, 4, rngs=nnx.Rngs(1), **kw)
+      >>> b.load_params(a.params_dict())
+      >>> bool(np.array_equal(a.W_ukv.kernel[...], b.W_ukv.kernel[...]))
+      True
+    """
+    latent.latent_dims(params)  # a valid layout, with its own messages
+    mine = self._layers()
+    if set(params) != set(mine):
+      raise ValueError(
+          f"params has entries {sorted(params)}, but this module has "
+          f"{sorted(mine)} (q_lora_rank={self.q_lora_rank}).")
+    for name, layer in mine.items():
+      have = {entry: getattr(layer, entry)
+              for entry in ("kernel", "bias", "scale")
+              if getattr(layer, entry, None) is not None}
+      if set(params[name]) != set(have):
+        raise ValueError(
+            f"params['{name}'] has {sorted(params[name])}, but this module's "
+            f"{name} has {sorted(have)} (use_bias must match).")
+      for entry, variable in have.items():
+        got, want = _checks.shape_of(params[name][entry]), variable.shape
+        if got != tuple(want):
+          raise ValueError(
+              f"params['{name}']['{entry}'] has shape {got}, but this "
+              f"module's is {tuple(want)} ({latent.LAYOUT[name]}; "
+              f"{self.dims}).")
+    for name, layer in mine.items():
+      for entry, value in params[name].items():
+        variable = getattr(layer, entry)
+        variable[...] = jnp.asarray(value, variable.dtype)
+
+  def init_cache(self, batch_size: int, max_length: int | None = None, *,
+                 window: int | None = None,
+                 dtype: jnp.dtype | None = None) -> None:
+    """Creates an empty latent cache: linear, or a ring buffer for a window.
+
+    Each example keeps its own position (``cache_index [B]``), as in
+    ``MultiHeadAttention.init_cache``.
+
+    Args:
+      batch_size: ``B``.
+      max_length: ``L``, the most tokens a linear cache holds. Leave it out
+        for a layer whose mask has a causal window ``(w, 0)`` to get a ring
+        buffer of ``w + 1`` slots.
+      window: ``W`` slots of a ring buffer; needs a layer mask window ``(w,
+        0)`` with ``w < W``.
+      dtype: cache dtype; defaults to ``dtype`` or ``param_dtype``.
+    """
+    _checks.check_positive_int("batch_size", batch_size)
+    layer_window = None if self.mask is None else self.mask.window
+    left = None if layer_window is None else layer_window[0]
+    if max_length is not None and window is not None:
+      raise ValueError(
+          f"init_cache takes max_length (a linear cache) or window (a ring "
+          f"buffer), not both; got max_length={max_length}, window={window}.")
+    if max_length is None and window is None:
+      if left is None:
+        raise ValueError(
+            "init_cache needs max_length, the most tokens the cache will "
+            "hold (a ring buffer, without one, needs a layer mask with a "
+            "window: mask=aj.Mask(causal=True, window=(w, 0))).")
+      window = left + 1
+    if window is not None:
+      _checks.check_positive_int("window", window)
+      if left is None or not window > left:
+        raise ValueError(
+            f"a ring buffer of window={window} slots forgets keys older than "
+            f"{window - 1} positions, so the module must attend within that: "
+            f"its mask's window is {layer_window}. Build the module with "
+            f"mask=aj.Mask(causal=True, window=({window - 1}, 0)) (or "
+            "smaller), or use init_cache(batch_size, max_length).")
+    cache = latent.LatentCache(
+        *(jnp.zeros((batch_size, max_length or window, width),
+                    dtype or self.dtype or self.param_dtype)
+          for width in (self.kv_lora_rank, self.qk_rope_head_dim)),
+        jnp.zeros((batch_size,), jnp.int32), jnp.zeros((batch_size,), bool))
+    self.cached_latent = nnx.Cache(cache.latent)  # [B, L, R]
+    self.cached_rope_key = nnx.Cache(cache.rope_key)  # [B, L, Hr]
+    self.cache_index = nnx.Cache(cache.index)  # [B]
+    self.cache_overflow = nnx.Cache(cache.overflow)  # [B]
+    self.cache_window = None if window is None else left
+
+  @property
+  def cache_bytes_per_token(self) -> int:
+    """Bytes the cache spends per token and example (one layer).
+
+    Measured from the cache buffers: ``(nbytes of cached_latent and
+    cached_rope_key) / (B * L)``, i.e. ``(R + Hr) * itemsize``.
+    """
+    if self.cached_latent is None:
+      raise ValueError("no cache: call init_cache(batch_size, max_length) "
+                       "first.")
+    buffers = (self.cached_latent, self.cached_rope_key)
+    total = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
+                for v in buffers)
+    b, slots = self.cached_latent.shape[:2]
+    return total // (b * slots)
+
+  def check_cache(self) -> None:
+    """Raises ``ValueError`` if a decoding call overflowed the cache.
+
+    Overflow is recorded inside the step (``cache_overflow [B]``, sticky);
+    call this where a host sync is cheap, as ``MultiHeadAttention``'s.
+    """
+    if self.cache_overflow is None:
+      raise ValueError("no cache: call init_cache(batch_size, max_length) "
+                       "first.")
+    over = np.asarray(self.cache_overflow[...])
+    if over.any():
+      rows = np.flatnonzero(over).tolist()
+      index = np.asarray(self.cache_index[...])[rows].tolist()
+      raise ValueError(
+          f"latent cache overflow in examples {rows}: they reached positions "
+          f"{index}, but max_length is {self.cached_latent.shape[1]}; the "
+          "tokens past it were not cached and those examples' outputs are "
+          "not meaningful. Call init_cache with a larger max_length.")
+
+  def __call__(
+      self,
+      x: ArrayLike,
+      mask: Mask | ArrayLike | None = None,
+      *,
+      positions: ArrayLike | None = None,
+      is_causal: bool = False,
+      decode: bool = False,
+      return_weights: bool = False,
+  ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attends ``x`` to itself.
+
+    Args:
+      x: ``[B, T, D]``.
+      mask: an ``aj.Mask`` (``kv_lengths``, causal, window, segment ids
+        (not while decoding), a rule) or a dense bool array of rank 4 (``[B,
+        N, T, T]``; over cache slots ``[B, N, T, L]`` when decoding, where
+        ``q_lengths [B]`` is each example's real new tokens of a right-padded
+        ragged prefill). Intersected with the layer's ``mask``.
+      positions: integer ``[B, T]`` (or ``[T]``) rotary positions of this
+        call's tokens (e.g. counted from each left-padded example's first
+        real token); None: ``0..T-1`` (restarting per document with segment
+        ids), or the cache slots ``cache_index + 0..T-1`` when decoding.
+      is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (implied by
+        ``decode``).
+      decode: write this call's latents to the cache (``init_cache`` first)
+        and attend causally over everything cached, in the absorbed form.
+        Any number of tokens per call; equals the full causal forward.
+      return_weights: also return the attention weights ``[B, N, T, S]``
+        (``S = L`` when decoding; ``L + T`` for a ring buffer).
+
+    Returns:
+      ``output [B, T, Dout]``, or ``(output, weights)``.
+    """
+    _checks.check_static_bool("is_causal", is_causal)
+    _checks.check_static_bool("decode", decode)
+    _checks.check_rank("x", x, (3,), "[B, T, D]")
+    if _checks.shape_of(x)[-1] != self.d_model:
+      raise ValueError(
+          f"x has {_checks.shape_of(x)[-1]} features (shape "
+          f"{_checks.shape_of(x)}), but the module was built with "
+          f"d_model={self.d_model}.")
+    if self.dtype is not None:
+      x = jnp.asarray(x, self.dtype)
+    call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)
+    if self.mask is not None:
+      call_mask = self.mask if call_mask is None else self.mask & call_mask
+    if not decode:
+      return latent.latent_attention(
+          self.params_dict(), x, call_mask, positions=positions,
+          rope=self.rope, scale=self.scale, attention_fn=self.attention_fn,
+          precision=self.precision, return_weights=return_weights)
+    if self.cache_index is None:
+      raise ValueError("decode=True needs a cache: call "
+                       "init_cache(batch_size, max_length) first.")
+    cache = latent.LatentCache(
+        self.cached_latent[...], self.cached_rope_key[...],
+        self.cache_index[...], self.cache_overflow[...], self.cache_window)
+    *result, cache = latent.latent_decode(
+        self.params_dict(), x, cache, call_mask, positions=positions,
+        rope=self.rope, scale=self.scale, attention_fn=self.attention_fn,
+        precision=self.precision, return_weights=return_weights)
+    self.cached_latent[...] = cache.latent
+    self.cached_rope_key[...] = cache.rope_key
+    self.cache_index[...] = cache.index
+    self.cache_overflow[...] = cache.overflow
+    return tuple(result) if return_weights else result[0]
