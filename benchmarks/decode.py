@@ -26,6 +26,12 @@ the first ``--check_steps`` outputs of the two modes are compared (they must
 agree within float32 rounding: a fast wrong decode is worthless); that run
 is also the warm-up that compiles every program.
 
+Then, unless switched off, the rows of ``benchmarks.decode_variants``:
+shared-prefix (cascade) decoding against the concatenation
+(``--shared_prefix=B,P,G``: B sequences sharing a P-token prompt, G tokens
+each) and latent attention against ``MultiHeadAttention`` of the same width
+(``--latent``).
+
 Timed: the prefill call, and the ``C - P`` decode steps (``B * (C - P)``
 tokens), compilation excluded; medians of ``--repeats`` runs, each from an
 empty cache / buffer, the two modes interleaved. ``--layers`` defaults to 1:
@@ -56,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from benchmarks import decode_variants
 
 DOCS_PAGE = (pathlib.Path(__file__).resolve().parent.parent / "docs"
              / "performance.md")
@@ -74,6 +81,7 @@ def _define_flags():
   """The command line's flags, defined only when run as a program."""
   global _BATCH_SIZES, _CONTEXT, _D_MODEL, _NUM_HEADS, _LAYERS, _PROMPT
   global _REPEATS, _IMPLEMENTATION, _CHECK_STEPS, _WRITE_DOCS
+  global _SHARED_PREFIX, _LATENT
   _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"],
                                    "Batch sizes B.")
   _CONTEXT = flags.DEFINE_integer("context", 1024,
@@ -97,6 +105,12 @@ def _define_flags():
       "check_steps", 4,
       "Decode steps compared between the modes (this run also compiles).",
       lower_bound=1)
+  _SHARED_PREFIX = flags.DEFINE_list(
+      "shared_prefix", ["8", "1024", "64"],
+      "B,P,G of the shared-prefix row (B sequences sharing a P-token "
+      "prompt, G generated each); empty to skip it.")
+  _LATENT = flags.DEFINE_bool(
+      "latent", True, "Time the latent-attention row (D, N as above).")
   _WRITE_DOCS = flags.DEFINE_bool(
       "write_docs", False,
       "Rewrite the generated decode section of docs/performance.md.")
@@ -260,12 +274,16 @@ def run_benchmark(batch_sizes=(1, 8), context: int = 1024,
                   prompt_len: int = 1, repeats: int = 1,
                   implementation: str | None = None, check_steps: int = 4,
                   command: str | None = None,
-                  docs_page: os.PathLike | None = None) -> list[dict]:
+                  docs_page: os.PathLike | None = None,
+                  shared_prefix: tuple[int, int, int] | None = None,
+                  latent: bool = False) -> list[dict]:
   """Checks, times and prints both modes per batch size; returns the rows.
 
   Rows: ``{batch, mode, prefill_ms, tokens_per_s, ms_per_token, speedup,
   steps, check_max_diff}`` (``speedup`` of cache over recompute on the cache
-  row, None on the recompute row).
+  row, None on the recompute row). ``shared_prefix`` ``(B, P, G)`` and
+  ``latent`` add the tables of ``decode_variants`` to the report (latent
+  at the largest batch size).
   """
   if not 1 <= prompt_len < context:
     raise ValueError(f"prompt ({prompt_len}) must be in [1, context "
@@ -313,12 +331,26 @@ def run_benchmark(batch_sizes=(1, 8), context: int = 1024,
                                    / by_mode["recompute"]["tokens_per_s"])
     rows += [by_mode[mode] for mode in MODES]
     print(table(rows[-2:]), flush=True)
+  sections = []
+  if shared_prefix:
+    b, p, g = shared_prefix
+    sp_rows = decode_variants.shared_prefix_rows(
+        b, p, g, d_model, num_heads, repeats, check_steps)
+    sections.append(decode_variants.shared_prefix_report(sp_rows))
+    print(sections[-1], flush=True)
+  if latent:
+    lat_rows = decode_variants.latent_rows(
+        max(batch_sizes), context, d_model, num_heads, prompt_len, repeats,
+        check_steps)
+    sections.append(decode_variants.latent_report(lat_rows))
+    print(sections[-1], flush=True)
   load.append(_load())
   text = report(rows, dict(context=context, d_model=d_model,
                            num_heads=num_heads, layers=layers,
                            prompt_len=prompt_len, repeats=repeats,
                            implementation=implementation, load=load),
                 command)
+  text = "\n".join([text, *sections])
   print(f"\n{text}", flush=True)
   if docs_page is not None:
     write_docs(docs_page, text)
@@ -380,7 +412,9 @@ def main(argv):
                 _D_MODEL.value, _NUM_HEADS.value, _LAYERS.value,
                 _PROMPT.value, _REPEATS.value, _IMPLEMENTATION.value,
                 _CHECK_STEPS.value, command,
-                DOCS_PAGE if _WRITE_DOCS.value else None)
+                DOCS_PAGE if _WRITE_DOCS.value else None,
+                tuple(int(x) for x in _SHARED_PREFIX.value) or None,
+                _LATENT.value)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class DecodeSmokeTest(absltest.TestCase):
     rows = decode.run_benchmark(
         batch_sizes=(2,), context=6, d_model=8, num_heads=2, layers=2,
         prompt_len=2, repeats=1, check_steps=3, command="tiny smoke",
-        docs_page=page)
+        docs_page=page, shared_prefix=(2, 5, 3), latent=True)
 
     self.assertEqual([(r["batch"], r["mode"]) for r in rows],
                      [(2, "cache"), (2, "recompute")])
@@ -50,6 +50,9 @@ class DecodeSmokeTest(absltest.TestCase):
     self.assertNotIn("old", text)
     self.assertIn("`tiny smoke`", " ".join(text.split()))  # any wrapping
     self.assertIn("| 2 | recompute |", text)
+    # The variant rows: each checked against its plain path, then timed.
+    self.assertIn("| shared prefix | 2 | 5 | 3 |", text)
+    self.assertIn("| MultiHeadLatentAttention | 2 | 6 |", text)
 
   def test_report_names_the_command_on_any_machine(self):
     rows = [dict(batch=1, mode=m, prefill_ms=1.0, tokens_per_s=1.0,
