@@ -18,6 +18,8 @@ from attention_jax.block_mask import block_mask
 from attention_jax.block_mask import chunked_mask_fn
 from attention_jax.block_mask import prefix_lm_mask_fn
 from attention_jax.blockwise import blockwise_attention
+from attention_jax.checkpoints import LoadedAttention
+from attention_jax.checkpoints import load_attention_weights
 from attention_jax.dot_product import scaled_dot_product_attention
 from attention_jax.flax_fn import flax_attention_fn
 from attention_jax.jax_nn import dot_product_attention
@@ -69,6 +71,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BahdanauAttention",
     "BlockMask",
+    "LoadedAttention",
     "LuongAttention",
     "Mask",
     "MaskRule",
@@ -105,6 +108,7 @@ __all__ = [
     "init_luong_params",
     "init_multi_head_params",
     "latent_attention",
+    "load_attention_weights",
     "latent_decode",
     "luong_attention",
     "make_attention_mask",
