@@ -470,7 +470,9 @@ def _rotary_positions(positions, kv_positions, t: int, s: int, b: int,
     if not self_attention:
       raise ValueError(
           f"positions gives the queries' positions; with keys other than the "
-          f"queries (S={s}, T={t}) pass kv_positions [B, S] too.")
+          f"queries (S={s}, T={t}) pass kv_positions [B, S] too (the keys "
+          "take the queries' positions only in self-attention, key and value "
+          "the query itself).")
     k_rot = q_rot
   return q_rot, k_rot
 
@@ -610,7 +612,8 @@ def forward(
                                      full, layout)
   if dense is not None:
     m = mask_lib.Mask(**{**_fields(m), "dense": dense})
-  self_attention = s == t  # keys default to the queries' positions
+  # Keys default to the queries' positions only when they are the queries.
+  self_attention = key is query and value is query
   query = jnp.asarray(query)
   q = project_heads(query, params["W_q"], precision=precision)  # [B, N, T, H]
   if memory is None:
@@ -639,8 +642,11 @@ def forward(
   if rope is not None:
     q_rot, k_rot = _rotary_positions(positions, kv_positions, t, s, b, m,
                                      cache, q_pos, self_attention)
-    q = rope_lib.apply_rope(q, q_rot, rope=rope)
-    k = rope_lib.apply_rope(k, k_rot, rope=rope)
+    seq_len = None
+    if rope.scaling == "dynamic":  # one length, so q and k share frequencies
+      seq_len = jnp.maximum(jnp.max(q_rot), jnp.max(k_rot)) + 1
+    q = rope_lib.apply_rope(q, q_rot, rope=rope, seq_len=seq_len)
+    k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
   if cache is not None:
     k, v, m, score_mod, cache = decoding.write(
         cache, k, v, m, bias, score_mod, index, lengths, q_pos,
@@ -651,6 +657,15 @@ def forward(
       attention_fn=attention_fn, return_weights=return_weights,
       return_lse=return_lse, return_max_logits=return_max_logits)
   result = result if isinstance(result, tuple) else (result,)
+  asked = 1 + return_weights + return_lse + return_max_logits
+  if len(result) != asked:
+    names = [n for n, on in (("weights", return_weights), ("lse", return_lse),
+                             ("max_logits", return_max_logits)) if on]
+    raise TypeError(
+        f"attention_fn returned {len(result)} value(s), but this call asked "
+        f"for (out, {', '.join(names)}): an attention_fn that accepts a "
+        "return_* flag must return what it asks for, in the order weights, "
+        "lse, max_logits.")
   out, extra = result[0], list(result[1:])
   weights = extra.pop(0) if return_weights else None
   lse = extra.pop(0) if return_lse else None
@@ -749,7 +764,8 @@ def multi_head_attention(
       position ids. Only rotary embeddings read them; masks and score
       modifiers see token indices.
     kv_positions: integer ``[B, S]`` positions of the keys; default
-      ``positions`` when ``S == T`` (self-attention), required otherwise.
+      ``positions`` in self-attention (``key`` and ``value`` are ``query``
+      itself), required otherwise.
     memory: keys and values projected once by ``project_memory`` (e.g. an
       encoder's output for cross-attention at every decoding step), with
       ``key``/``value`` None.

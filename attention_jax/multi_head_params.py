@@ -178,6 +178,10 @@ def init_multi_head_params(
 
 
 def check_output_gate(output_gate) -> None:
+  if output_gate is not None and not isinstance(output_gate, str):
+    raise TypeError(
+        f"output_gate must be None or a string, 'elementwise' or 'headwise', "
+        f"got {output_gate!r} ({type(output_gate).__name__}).")
   if output_gate is not None and output_gate not in OUTPUT_GATES:
     raise ValueError(
         f"output_gate must be None, 'elementwise' (one sigmoid gate per "

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from attention_jax import multi_head
 from experiments import transformer
 from tests import reference
 
@@ -120,6 +121,27 @@ class PositionsTest(absltest.TestCase):
         query_positions=pos[:, None], key_positions=pos[:, None])
     chex.assert_trees_all_close(mha(x, positions=jnp.asarray(pos)), want,
                                 **TOL)
+
+
+class DynamicRopeTest(absltest.TestCase):
+
+  def test_queries_and_keys_share_one_length(self):
+    # Two queries at 0, 1 over 12 keys past the trained context (8): both
+    # rotate with the frequencies of length 12, as transformers computes one
+    # inv_freq per forward.
+    rope = aj.Rope(scaling="dynamic", factor=4.0, original_max_positions=8)
+    params = aj.init_multi_head_params(jax.random.key(5), 16, 4)
+    x, mem = _x(seed=12, t=2), _x(seed=13, t=12)
+    got = aj.multi_head_attention(params, x, mem, mem, rope=rope,
+                                  positions=jnp.arange(2),
+                                  kv_positions=jnp.arange(12))
+    heads = lambda name, y: multi_head.project_heads(y, params[name])
+    q = aj.apply_rope(heads("W_q", x), jnp.arange(2), rope=rope, seq_len=12)
+    k = aj.apply_rope(heads("W_k", mem), jnp.arange(12), rope=rope,
+                      seq_len=12)
+    out = aj.scaled_dot_product_attention(q, k, heads("W_v", mem))
+    want = multi_head.output_projection(out, params["W_o"])
+    chex.assert_trees_all_close(got, want, **STEP_TOL)
 
 
 class RopeVariantsDecodeTest(parameterized.TestCase):
@@ -250,6 +272,13 @@ class ValidationTest(absltest.TestCase):
       _module(rope=10.0)(x, positions=jnp.arange(6.0))
     with self.assertRaisesRegex(ValueError, "pass kv_positions"):
       _module(rope=10.0)(x, _x(t=4), positions=jnp.arange(6))
+    with self.assertRaisesRegex(ValueError, "pass kv_positions"):  # S == T
+      _module(rope=10.0)(x, _x(seed=1), positions=jnp.arange(6))
+    with self.assertRaisesRegex(ValueError, "rotates no features"):
+      _module(rope=aj.Rope(fraction=0.1))  # at construction, H = 4
+    with self.assertRaisesRegex(TypeError, "returned 1 value"):
+      _module(attention_fn=lambda q, k, v, **kw: aj.attend_heads(q, k, v))(
+          x, return_lse=True)
     with self.assertRaisesRegex(ValueError, "output_gate must be"):
       _module(output_gate="sigmoid")
     mha = _module(rope=10.0)

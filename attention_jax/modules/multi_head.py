@@ -278,6 +278,10 @@ class MultiHeadAttention(nnx.Module):
           rngs.params(), (t5_bias.num_buckets, num_heads), param_dtype)
                                 * d_model ** -0.5)  # [buckets, N]
     self.rope = rope_lib.as_rope(rope)
+    if self.rope is not None:  # refused now, not at the first call
+      self.rope.inverse_frequencies(
+          self.rope.rotary_dim(head_dim),
+          seq_len=1 if self.rope.scaling == "dynamic" else None)
     multi_head_params.check_output_gate(output_gate)
     self.output_gate = output_gate
     self.sinks = nnx.data(None)
@@ -468,7 +472,8 @@ class MultiHeadAttention(nnx.Module):
     Args:
       memory: float ``[B, S, Dkv]``.
       dtype: dtype of the stored keys and values; defaults to the module's
-        ``dtype`` or ``param_dtype``.
+        ``dtype`` or ``param_dtype`` (another dtype rounds them: the numbers
+        then differ from projecting the memory per call by that rounding).
 
     Example:
       >>> cross = MultiHeadAttention(8, 2, rngs=nnx.Rngs(0))
@@ -482,6 +487,7 @@ class MultiHeadAttention(nnx.Module):
           "init_cross_cache projects the memory once, without positions; "
           "this layer has rope, which would rotate the keys at each call's "
           "positions. Build the cross-attention layer with rope=None.")
+    _checks.check_float_array("memory", memory)
     _checks.check_rank("memory", memory, (3,), "[B, S, Dkv]")
     if _checks.shape_of(memory)[-1] != self.kv_features:
       raise ValueError(
@@ -577,7 +583,8 @@ class MultiHeadAttention(nnx.Module):
         (their keys are cached rotated there). Masks and score modifiers
         keep seeing token (cache slot) indices.
       kv_positions: integer ``[B, S]`` rotary positions of the keys;
-        default ``positions`` when ``S == T``; not while decoding.
+        default ``positions`` in self-attention (no ``key`` given),
+        required with other keys; not while decoding.
       decode: with a KV cache (``init_cache``): append this call's
         keys/values to the cache and attend causally to everything cached.
         Any number of tokens per call; the result equals full causal
@@ -602,6 +609,8 @@ class MultiHeadAttention(nnx.Module):
       memory = multi_head.Memory(self.memory_key[...], self.memory_value[...])
       decode = False
     if memory is None:
+      if key is None and value is None and not decode:
+        kv_positions = positions if kv_positions is None else kv_positions
       key = query if key is None else key
       value = key if value is None else value
     for name, x, width, arg in (
