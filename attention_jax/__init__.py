@@ -10,6 +10,7 @@ arguments) at your boundary.
 """
 
 from attention_jax import kernels as kernels  # the kernel interface
+from attention_jax import lesson as lesson  # the textbook versions, to read
 from attention_jax.additive import additive_attention
 from attention_jax.additive import additive_score
 from attention_jax.additive import init_additive_params
