@@ -20,7 +20,9 @@ and the options the family's modeling code applies to that layer (its
   window rule.
 - gemma2: ``scale = query_pre_attn_scalar ** -0.5``,
   ``attn_logit_softcapping``, sliding and global layers alternating.
-- gemma3: qk-norm with Gemma's ``1 + weight`` (folded into the scale), the
+- gemma3: qk-norm with Gemma's ``1 + weight`` (folded into the qk-norm scale; a
+  bfloat16 checkpoint rounds ``1 + weight`` to bfloat16, where transformers keeps
+  it in float32: pass ``dtype=jnp.float32`` for its numbers), the
   Gemma 2 scale, ``layer_types`` (every 6th global), a local rotary base on
   sliding layers and the global base (with its scaling) elsewhere.
 - gpt_oss: biases on all four projections, ``sinks [N]``, alternating
@@ -63,6 +65,12 @@ _MODEL_TYPES = {
 # HF's default rotary base per family when a config gives none
 # (``default_theta`` of the config class; Gemma 3: global, local).
 _DEFAULT_THETA = {"gpt_oss": 150000.0, "gemma3": (1e6, 10000.0)}
+# transformers' config-class defaults for keys a saved config.json may omit.
+_DEFAULT_WINDOW = {"gemma2": 4096, "gemma3": 4096, "mistral": 4096,
+                   "qwen2": 4096, "qwen3": 4096, "gpt_oss": 128}
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 # HF's default attention_bias per family (the config class's).
 _DEFAULT_BIAS = {"gpt_oss": True}
 # rope_type -> our Rope scaling.
@@ -197,6 +205,8 @@ def _family(family) -> str:
 
 def _layer_type(cfg: Mapping[str, Any], family: str, layer: int) -> str:
   """``"sliding_attention"`` or ``"full_attention"``, as HF's config derives it."""
+  if family == "mistral":  # MistralModel windows every layer, layer_types or not
+    return "sliding_attention"
   types = cfg.get("layer_types")
   if types is not None:
     if layer >= len(types):
@@ -217,8 +227,6 @@ def _layer_type(cfg: Mapping[str, Any], family: str, layer: int) -> str:
   if family in ("qwen2", "qwen3"):  # HF: from max_window_layers on
     return ("sliding_attention" if layer >= cfg.get("max_window_layers", 28)
             else "full_attention")
-  if family == "mistral":
-    return "sliding_attention"
   return "full_attention"
 
 
@@ -226,7 +234,7 @@ def _window(cfg: Mapping[str, Any], family: str, layer: int) -> int | None:
   """The layer's sliding window ``W`` (keys with ``q - k < W``), or None."""
   if family in ("llama", "gpt2"):
     return None
-  window = cfg.get("sliding_window")
+  window = cfg.get("sliding_window", _DEFAULT_WINDOW.get(family))
   if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window",
                                                   False):
     return None  # HF sets sliding_window = None without use_sliding_window
@@ -256,15 +264,17 @@ def _rope_parameters(cfg: Mapping[str, Any], family: str,
     else:
       params = {**(scaling or {}),
                 "rope_theta": cfg.get("rope_theta", global_theta)}
-    params.setdefault("rope_theta", global_theta if kind == "full_attention"
-                      else local_theta)
+    # HF fills a nested entry without a base from the top-level ones.
+    params.setdefault("rope_theta", cfg.get("rope_theta", global_theta)
+                      if kind == "full_attention"
+                      else cfg.get("rope_local_base_freq", local_theta))
     return params
+  if family == "gpt_oss" and scaling is None and params is None:
+    params = _GPT_OSS_ROPE  # GptOssConfig's default: YaRN, not plain rope
   params = dict(scaling or params or {})
   if kind in params and isinstance(params[kind], Mapping):
     params = dict(params[kind])
   params.setdefault("rope_theta", cfg.get("rope_theta", theta))
-  if cfg.get("partial_rotary_factor") is not None:
-    params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
   return params
 
 
@@ -285,8 +295,16 @@ def _rope(cfg: Mapping[str, Any], family: str, layer: int) -> rope_lib.Rope:
                        f"{p}.")
     return p[name]
 
-  fields = dict(base=float(p["rope_theta"]), scaling=_ROPE_SCALINGS[rope_type],
-                fraction=float(p.get("partial_rotary_factor") or 1.0))
+  # These families' modeling code rotates the whole head: transformers'
+  # default rope never reads partial_rotary_factor, and with a scaled rope
+  # type a factor below 1 makes its frequencies and its head disagree.
+  partial = p.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+  if partial is not None and float(partial) < 1.0 and rope_type != "default":
+    raise ValueError(
+        f"config's partial_rotary_factor={partial} with rope_type "
+        f"{rope_type!r} (layer {layer}): {family}'s attention rotates the "
+        "whole head, and transformers cannot run this combination either.")
+  fields = dict(base=float(p["rope_theta"]), scaling=_ROPE_SCALINGS[rope_type])
   max_positions = cfg.get("max_position_embeddings")
   # HF's standardisation: a top-level original_max_position_embeddings wins,
   # then rope_parameters', then max_position_embeddings.
@@ -328,7 +346,8 @@ def _find_prefix(state: Mapping[str, Any], family: str, layer: int) -> str:
   tail = (f"h.{layer}.attn.c_attn.weight" if family == "gpt2"
           else f"layers.{layer}.self_attn.q_proj.weight")
   found = sorted(k[:-len(tail.split(".", 3)[-1])] for k in state
-                 if k == tail or k.endswith("." + tail))
+                 if (k == tail or k.endswith("." + tail))
+                 and "vision" not in k)  # a multimodal model's image tower
   if len(found) != 1:
     example = "transformer." if family == "gpt2" else "model."
     raise ValueError(

@@ -190,6 +190,32 @@ class InputsTest(parameterized.TestCase):
           self.assertEqual(got["rope"], new["rope"])
           self.assertEqual(got["mask"].window, new["mask"].window)
 
+  def test_keys_a_config_json_leaves_out_take_transformers_defaults(self):
+    # A saved config.json may omit keys whose config-class default is not
+    # None: the sliding window (4096; gpt-oss 128) and gpt-oss's YaRN rope.
+    def window(family, drop, layer=0, **extra):
+      _, sd, cfg = _golden(family)
+      cfg = {k: v for k, v in cfg.items() if k not in drop} | extra
+      got = checkpoints.load_attention_weights(sd, family=family, config=cfg,
+                                               layer=layer).options
+      return got["mask"].window, got["rope"]
+
+    self.assertEqual(window("gemma2", {"sliding_window"})[0], (4095, 0))
+    w, rope = window("gpt_oss", {"sliding_window", "rope_parameters"})
+    self.assertEqual(w, (127, 0))
+    self.assertEqual(rope, aj.Rope(
+        base=150000.0, scaling="yarn", factor=32.0,
+        original_max_positions=4096, truncate=False))
+    # Mistral windows every layer: its model ignores layer_types.
+    self.assertEqual(window("mistral", (), layer=0,
+                            layer_types=["full_attention"] * 2)[0], (3, 0))
+    # Gemma 3's nested rope entries without a base take the top-level ones.
+    _, rope_local = window("gemma3", (), layer=0, rope_local_base_freq=100.0,
+                           rope_parameters={"sliding_attention": {
+                               "rope_type": "default"}, "full_attention": {
+                                   "rope_type": "default"}})
+    self.assertEqual(rope_local.base, 100.0)
+
   def test_rope_types(self):
     _, sd, cfg = _golden("qwen3")
     base = {k: v for k, v in cfg.items() if k != "rope_parameters"}
@@ -206,11 +232,18 @@ class InputsTest(parameterized.TestCase):
             sd, family="qwen3", layer=0, config={
                 **base, "rope_theta": 1e6, "rope_scaling": scaling})
         self.assertEqual(got.options["rope"], want)
+    # Qwen 3's attention rotates the whole head whatever the factor says
+    # (transformers' default rope never reads it); with a scaled rope type
+    # transformers cannot run it, so it is refused.
     partial = checkpoints.load_attention_weights(
         sd, family="qwen3", layer=0, config={
             **cfg, "partial_rotary_factor": 0.5})
-    self.assertEqual(partial.options["rope"],
-                     aj.Rope(base=1e6, fraction=0.5))
+    self.assertEqual(partial.options["rope"], aj.Rope(base=1e6))
+    with self.assertRaisesRegex(ValueError, "rotates the whole head"):
+      checkpoints.load_attention_weights(
+          sd, family="qwen3", layer=0, config={
+              **base, "partial_rotary_factor": 0.5, "rope_theta": 1e6,
+              "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
 
   def test_config_objects_and_multimodal_gemma3(self):
     _, sd, cfg = _golden("gemma3")
