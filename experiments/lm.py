@@ -18,17 +18,22 @@ Then, per variant: validation bits per character, overall and on the first
 prompts of different lengths with the KV cache (``lm_generate``: greedy and
 sampled, prefill and decode tokens/s), with the check that cached greedy
 generation equals recomputing the full forward at every step; attention
-maps at a document boundary and for one token of an English sentence.
+maps at a document boundary and for one token of an English sentence; and
+leakage (``leakage``): one validation document scored after two different
+predecessors in one packed row, its first characters' next-character
+distributions compared (identical with segment ids, different naively).
 Writes to the workdir:
 
 * ``results.json``: every number; ``summary.md``: tables and samples;
 * ``loss_curves.png``; ``attention_<variant>.png`` (every layer and head at
   a document boundary); ``boundary_attention.png`` (the variants side by
   side); ``where_it_looks.png`` (one token's weights as bars);
+  ``leakage.png`` (per-character KL divergence between the two contexts);
 * ``checkpoints/<variant>/``: orbax checkpoints (rerunning resumes).
 
 Shape glossary: B batch, T ``seq_len``, D model dim, N heads, H head dim,
-V vocabulary size, L layers.
+V vocabulary size, L layers; leakage: K (predecessor, predecessor, document)
+triples, C characters compared, P predecessor tokens (``P + C = T``).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ PROMPTS = ("The cat sat on the mat", 'The "for" statement is used to',
 # character) look?
 SENTENCE, QUERY_WORD = "The cat sat on the mat.", "sat"
 BOUNDARY_HALF = 24  # characters shown either side of a document start
+LEAKAGE_TRIPLES = 8  # (A, B, D) triples the leakage is averaged over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +266,132 @@ def attention_analysis(model: lm_model.DecoderLM, variant: str,
           "query": query, "looks": maps[1, :, :, query, :query + 1]}
 
 
+def documents_of(packed: lm_data.Packed) -> list[np.ndarray]:
+  """The packed documents back, in packing order, each ``[BOS, c_1, ...]``."""
+  # Rows overlap by one token: row r's inputs, then the last row's last.
+  stream = np.concatenate([packed.tokens[:, :-1].ravel(),
+                           packed.tokens[-1, -1:]])
+  stream = stream[stream != lm_data.PAD]  # padding only trails the stream
+  return np.split(stream, np.flatnonzero(stream == lm_data.BOS)[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class LeakageRows:
+  """Packed rows ``[A | D]`` and ``[B | D]`` of K triples.
+
+  Attributes:
+    inputs: int32 ``[2, K, T]``: ``[0]`` after predecessor A, ``[1]`` after B.
+    segment_ids: int32 ``[2, K, T]``: 1 on the predecessor, 2 on D.
+    targets: int32 ``[K, C]``: D's first ``C`` characters.
+    offset: ``P``, the index of D's BOS in every row (the same in all).
+    triples: ``[K]`` of ``(a, b, d)`` document indices (packing order).
+  """
+  inputs: np.ndarray
+  segment_ids: np.ndarray
+  targets: np.ndarray
+  offset: int
+  triples: list[tuple[int, int, int]]
+
+
+def leakage_chars(config: LMConfig) -> int:
+  """C: the characters of a document compared for leakage:
+  ``doc_start_chars``, at most half a row (the rest holds the
+  predecessor)."""
+  return min(config.doc_start_chars, config.seq_len // 2)
+
+
+def leakage_rows(packed: lm_data.Packed, seq_len: int, chars: int,
+                 count: int = LEAKAGE_TRIPLES) -> LeakageRows:
+  """Rows that score one document D after two predecessors A and B.
+
+  Each row is A's (or B's) last ``P`` tokens, then D's BOS and first
+  ``chars - 1`` characters as inputs, so the targets are D's first
+  ``chars`` characters. ``P = seq_len - chars`` (a full row), or less when
+  fewer than three documents are that long (the rows are then shorter).
+  Both predecessors have the same length, so D sits at the same offset in
+  both rows: with segment ids D's computation is then the same sequence of
+  floating-point operations in both (the other document's keys get weight
+  exactly 0 wherever they sit), and the predictions can be compared bit
+  for bit. Triple ``i`` is documents ``(i + 1, i + 2, i)`` (mod the
+  eligible count) of those of at least ``max(P, chars + 1)`` tokens.
+
+  Raises:
+    ValueError: ``chars`` outside ``[1, seq_len - 1]``, or fewer than three
+      documents of at least ``chars + 1`` tokens.
+  """
+  if not 1 <= chars < seq_len:
+    raise ValueError(f"chars must lie in [1, seq_len - 1] = [1, "
+                     f"{seq_len - 1}], got {chars}.")
+  docs = documents_of(packed)
+  lengths = sorted((len(d) for d in docs if len(d) >= chars + 1),
+                   reverse=True)
+  if len(lengths) < 3:
+    raise ValueError(
+        f"leakage needs three documents of at least {chars + 1} tokens "
+        f"(BOS and chars={chars} characters), got {len(lengths)} of "
+        f"{len(docs)}: lower doc_start_chars.")
+  before = min(seq_len - chars, lengths[2])  # P
+  long = [i for i, d in enumerate(docs) if len(d) >= max(before, chars + 1)]
+  triples = [(long[(i + 1) % len(long)], long[(i + 2) % len(long)], long[i])
+             for i in range(min(count, len(long)))]
+  ids = np.concatenate([np.full(before, 1, np.int32),
+                        np.full(chars + 1, 2, np.int32)])
+  rows = np.stack([np.stack([np.concatenate([docs[p][-before:],
+                                             docs[d][:chars + 1]])
+                             for p in (a, b)]) for a, b, d in triples], 1)
+  return LeakageRows(
+      inputs=rows[..., :-1].astype(np.int32),
+      segment_ids=np.broadcast_to(ids[:-1], rows[..., :-1].shape).copy(),
+      targets=np.stack([docs[d][1:chars + 1] for _, _, d in triples]),
+      offset=before, triples=triples)
+
+
+@nnx.jit
+def _log_probs(model, inputs, segment_ids):
+  return jax.nn.log_softmax(model(inputs, segment_ids), axis=-1)
+
+
+def leakage(model: lm_model.DecoderLM, variant: str, rows: LeakageRows) -> dict:
+  """How much D's first characters' predictions depend on its predecessor.
+
+  ``rows`` are scored the way ``variant`` packs (segment ids, or for
+  ``naive`` one undivided causal row). Compares, per triple and position,
+  the next-character distributions after A (``p``) and after B (``q``):
+  ``KL(p || q)`` in bits, ``|log p - log q|`` (nats, every character of the
+  vocabulary) and the bits of D's actual next character.
+
+  Returns:
+    ``max_abs_log_prob_diff`` (nats), ``mean_kl_bits``,
+    ``mean_abs_bits_diff`` (per character), ``bits_per_char_abs_diff``
+    (``|bits/char after A - after B|`` over the C characters, mean over
+    triples), ``bitwise_equal``, per-position means ``kl_bits_per_position``
+    and ``abs_bits_diff_per_position`` (``[C]``), ``chars``, ``triples``.
+  """
+  two, count, width = rows.inputs.shape
+  chars = rows.targets.shape[1]
+  log_p = np.asarray(_log_probs(
+      model, jnp.asarray(rows.inputs.reshape(two * count, width)),
+      jnp.asarray(attended_ids(variant, rows.segment_ids).reshape(
+          two * count, width))))
+  log_p = log_p.reshape(two, count, width, -1)[
+      :, :, rows.offset:rows.offset + chars]  # [2, K, C, V] float32
+  after_a, after_b = log_p.astype(np.float64)
+  kl = (np.exp(after_a) * (after_a - after_b)).sum(-1) / math.log(2)  # [K, C]
+  pick = lambda lp: -np.take_along_axis(  # noqa: E731
+      lp, rows.targets[..., None], -1)[..., 0] / math.log(2)  # [K, C] bits
+  bits_a, bits_b = pick(after_a), pick(after_b)
+  return {
+      "chars": chars, "triples": count, "predecessor_tokens": rows.offset,
+      "bitwise_equal": bool(np.array_equal(log_p[0], log_p[1])),
+      "max_abs_log_prob_diff": float(np.abs(after_a - after_b).max()),
+      "mean_kl_bits": float(kl.mean()),
+      "mean_abs_bits_diff": float(np.abs(bits_a - bits_b).mean()),
+      "bits_per_char_abs_diff": float(np.abs(bits_a.mean(1)
+                                             - bits_b.mean(1)).mean()),
+      "kl_bits_per_position": kl.mean(0).tolist(),
+      "abs_bits_diff_per_position": np.abs(bits_a - bits_b).mean(0).tolist()}
+
+
 def _chars(vocab: lm_data.Vocab, tokens) -> list[str]:
   return ["<s>" if t == lm_data.BOS else vocab.decode([t]) for t in tokens]
 
@@ -300,6 +432,8 @@ def run(config: LMConfig) -> dict:
   mesh = training.training_mesh(config.train)
   corpus = lm_data.build_corpus(config.seq_len, config.valid_fraction,
                                 config.train.seed)
+  rows = leakage_rows(corpus.valid, config.seq_len,
+                      leakage_chars(config))
   results, analyses = {}, {}
   for variant in config.variants:
     with jax.set_mesh(mesh):
@@ -326,11 +460,17 @@ def run(config: LMConfig) -> dict:
                        config.doc_start_chars, mesh)
       gen = generation(model, corpus, config)
       analyses[variant] = attention_analysis(model, variant, corpus)
+      leaks = leakage(model, variant, rows)
     results[variant] = {
         "train": stats, "valid": valid, "generation": gen,
-        "cross_document_mass": analyses[variant]["cross_document_mass"]}
+        "cross_document_mass": analyses[variant]["cross_document_mass"],
+        "leakage": leaks}
+  names = corpus.valid_names
   payload = {"config": report.jsonable(dataclasses.asdict(config)),
              "corpus": _corpus_stats(corpus),
+             "leakage_documents": [
+                 {"a": names[a], "b": names[b], "d": names[d]}
+                 for a, b, d in rows.triples],
              "variants": report.jsonable(results)}
   if jax.process_index() == 0:  # one writer when several hosts run this
     _write_report(config, corpus, results, analyses, payload)
@@ -386,14 +526,21 @@ def _write_report(config: LMConfig, corpus: lm_data.Corpus, results: dict,
       _chars(vocab, a["sentence"][:a["query"] + 1]), a["query"],
       f'{first}: where does "{QUERY_WORD}" (its last character) look in '
       f'"{SENTENCE}"?')
+  leaks = {v: r["leakage"] for v, r in results.items()}
+  some_leak = next(iter(leaks.values()))
+  lm_plots.leakage(
+      os.path.join(workdir, "leakage.png"), leaks,
+      f"One validation document after two different ones in a packed row: "
+      f"its first {some_leak['chars']} characters' predictions, mean over "
+      f"{some_leak['triples']} triples")
   report.write_json(os.path.join(workdir, "results.json"), payload)
-  summary = _summary(config, corpus, results, analyses)
+  summary = _summary(config, corpus, results, analyses, payload)
   report.write_text(os.path.join(workdir, "summary.md"), summary)
   print(summary)
 
 
 def _summary(config: LMConfig, corpus: lm_data.Corpus, results: dict,
-             analyses: dict) -> str:
+             analyses: dict, payload: dict) -> str:
   stats, m, t = _corpus_stats(corpus), config.model, config.train
   rows = []
   for v, r in results.items():
@@ -438,6 +585,26 @@ def _summary(config: LMConfig, corpus: lm_data.Corpus, results: dict,
       "the attention weight the first characters of a validation document "
       "put on the previous document, averaged over heads and queries.\n",
   ]
+  some = next(iter(results.values()))["leakage"]
+  parts += [
+      "## Leakage across documents\n",
+      f"Each of {some['triples']} validation documents D scored after two "
+      f"different validation documents A and B (their last "
+      f"{some['predecessor_tokens']} tokens, so D starts at the same offset "
+      f"in both rows), each row attended the way the variant packs; "
+      f"compared: D's first {some['chars']} next-character distributions. "
+      "Triples (A, B, D): " + "; ".join(
+          f"({t['a']}, {t['b']}, {t['d']})"
+          for t in payload["leakage_documents"]) + ".\n",
+      report.markdown_table(
+          ["variant", "bitwise equal", "max abs log p - log q (nats)",
+           "mean KL(p, q) (bits)", "mean abs bits diff per char",
+           f"abs bits/char diff over {some['chars']} chars"],
+          [[v, "yes" if r["leakage"]["bitwise_equal"] else "no",
+            r["leakage"]["max_abs_log_prob_diff"],
+            r["leakage"]["mean_kl_bits"], r["leakage"]["mean_abs_bits_diff"],
+            r["leakage"]["bits_per_char_abs_diff"]]
+           for v, r in results.items()]) + "\n"]
   first = next(iter(analyses))
   a = analyses[first]
   chars = _chars(corpus.vocab, a["sentence"][:a["query"] + 1])

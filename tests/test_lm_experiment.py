@@ -7,6 +7,7 @@ placed on it), so they reuse its compiled programs.
 """
 
 import dataclasses
+import json
 import math
 import os
 import tempfile
@@ -62,6 +63,8 @@ class RunTest(absltest.TestCase):
                   self._bits_per_character_recomputed_from_logits,
                   self._cached_generation_equals_recomputation,
                   self._only_naive_attends_across_documents,
+                  self._only_naive_predictions_depend_on_the_predecessor,
+                  self._leakage_recomputed_from_logits,
                   self._ragged_cached_greedy_of_a_fresh_model,
                   self._interrupted_and_resumed_run_equals_uninterrupted,
                   self._checkpoint_of_other_flags_is_refused):
@@ -71,7 +74,7 @@ class RunTest(absltest.TestCase):
   def _writes_the_report(self):
     self.assertContainsSubset(
         {"results.json", "summary.md", "loss_curves.png",
-         "boundary_attention.png", "where_it_looks.png",
+         "boundary_attention.png", "where_it_looks.png", "leakage.png",
          *(f"attention_{v}.png" for v in lm.VARIANTS)}, self.files)
     self.assertCountEqual(os.listdir(os.path.join(self.workdir,
                                                   "checkpoints")),
@@ -81,6 +84,7 @@ class RunTest(absltest.TestCase):
       self.assertIn(f"### {variant}, greedy", summary)
       self.assertIn(f"### {variant}, sampled", summary)
     self.assertIn(f"{lm.PROMPTS[0]}\u2502", summary)
+    self.assertIn("## Leakage across documents", summary)
 
   def _every_variant_trains_one_step_after_another(self):
     for variant in lm.VARIANTS:
@@ -108,19 +112,34 @@ class RunTest(absltest.TestCase):
           self.assertBetween(valid[key], 0.5,
                              math.log2(self.corpus.vocab.size) + 1.0)
 
+  def _fresh_model_logits(self):
+    """A fresh segments model, and its float64 logits ``[B, T, V]`` of
+    four validation rows and of the naive leakage rows, from one (eager,
+    so slow to dispatch) call for both checks that need them."""
+    if not hasattr(self, "_fresh"):
+      model, mesh = _as_run_builds_it(self.config, "segments",
+                                      self.corpus.vocab.size)
+      valid = self.corpus.valid
+      rows = lm_data.Packed(valid.tokens[:4], valid.segment_ids[:4],
+                            valid.doc_positions[:4])
+      leak = lm.leakage_rows(valid, self.config.seq_len, 8)
+      inputs, _, _, ids = lm_data.batch(rows, np.arange(4))
+      with jax.set_mesh(mesh):
+        logits = np.asarray(model(
+            np.concatenate([inputs, leak.inputs.reshape(-1, 32)]),
+            np.concatenate([ids, np.ones_like(leak.inputs).reshape(-1, 32)])),
+            np.float64)
+      self._fresh = (model, mesh, rows, logits[:4], leak, logits[4:])
+    return self._fresh
+
   def _bits_per_character_recomputed_from_logits(self):
     # evaluate's numbers against -log2 p(target) written out in float64
     # from one batch's logits: four validation rows, every target weighted
     # by whether it belongs to its input's document.
-    model, mesh = _as_run_builds_it(self.config, "segments",
-                                    self.corpus.vocab.size)
-    valid = self.corpus.valid
-    rows = lm_data.Packed(valid.tokens[:4], valid.segment_ids[:4],
-                          valid.doc_positions[:4])
+    model, mesh, rows, logits, _, _ = self._fresh_model_logits()
     with jax.set_mesh(mesh):
       got = lm.evaluate(model, "segments", rows, 4, start_chars=8)
-      inputs, targets, weights, ids = lm_data.batch(rows, np.arange(4))
-      logits = np.asarray(model(inputs, ids), np.float64)  # [B, T, V]
+    _, targets, weights, _ = lm_data.batch(rows, np.arange(4))
     top = logits.max(-1, keepdims=True)
     log_p = logits - top - np.log(np.exp(logits - top).sum(-1,
                                                            keepdims=True))
@@ -162,6 +181,64 @@ class RunTest(absltest.TestCase):
     self.assertEqual(mass["segments"], [0.0])
     self.assertEqual(mass["window"], [0.0])
     self.assertGreater(mass["naive"][0], 0.05)
+
+  def _only_naive_predictions_depend_on_the_predecessor(self):
+    with open(os.path.join(self.workdir, "results.json")) as f:
+      saved = json.load(f)
+    self.assertLen(saved["leakage_documents"], lm.LEAKAGE_TRIPLES)
+    for variant in lm.VARIANTS:
+      with self.subTest(variant):
+        leak = saved["variants"][variant]["leakage"]
+        self.assertEqual(leak["chars"], 8)  # doc_start_chars of _tiny
+        self.assertEqual(leak["triples"], lm.LEAKAGE_TRIPLES)
+        if variant == "naive":
+          # One undivided row: D's first characters see A or B.
+          self.assertFalse(leak["bitwise_equal"])
+          self.assertGreater(leak["max_abs_log_prob_diff"], 1e-3)
+          self.assertGreater(leak["mean_kl_bits"], 0.0)
+          self.assertGreater(leak["kl_bits_per_position"][0], 0.0)
+        else:
+          # Segment ids, D at the same offset: the same operations on the
+          # same numbers, so exactly equal, not merely close.
+          self.assertTrue(leak["bitwise_equal"])
+          for key in ("max_abs_log_prob_diff", "mean_kl_bits",
+                      "mean_abs_bits_diff", "bits_per_char_abs_diff"):
+            self.assertEqual(leak[key], 0.0, key)
+          self.assertEqual(leak["kl_bits_per_position"], [0.0] * 8)
+
+  def _leakage_recomputed_from_logits(self):
+    # leakage's numbers against KL and -log2 p written out in float64 from
+    # the logits of a fresh (untrained) naive model; its segment-id twin
+    # exactly 0 on the same rows.
+    model, mesh, _, _, rows, logits = self._fresh_model_logits()
+    with jax.set_mesh(mesh):
+      twin = lm.leakage(model, "segments", rows)
+      got = lm.leakage(model, "naive", rows)
+    self.assertTrue(twin["bitwise_equal"])
+    self.assertEqual(twin["mean_kl_bits"], 0.0)
+    logits = logits.reshape(2, lm.LEAKAGE_TRIPLES, 32, -1)[
+        :, :, rows.offset:rows.offset + 8]  # [2, K, C, V]
+    top = logits.max(-1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(-1,
+                                                           keepdims=True))
+    p, q = log_p
+    kl = (np.exp(p) * (p - q)).sum(-1) / np.log(2.0)  # [K, C] bits
+    bits = -np.take_along_axis(log_p, np.broadcast_to(
+        rows.targets[None, ..., None], (2, *rows.targets.shape, 1)),
+        -1)[..., 0] / np.log(2.0)  # [2, K, C]
+    self.assertFalse(got["bitwise_equal"])
+    self.assertGreater(kl.mean(), 1e-3)
+    # float32 log-softmax against float64: ~1e-6 on values of ~0.01-1.
+    self.assertAlmostEqual(got["mean_kl_bits"], kl.mean(), delta=1e-5)
+    self.assertAlmostEqual(got["max_abs_log_prob_diff"],
+                           np.abs(p - q).max(), delta=1e-5)
+    self.assertAlmostEqual(got["mean_abs_bits_diff"],
+                           np.abs(bits[0] - bits[1]).mean(), delta=1e-5)
+    self.assertAlmostEqual(
+        got["bits_per_char_abs_diff"],
+        np.abs(bits[0].mean(1) - bits[1].mean(1)).mean(), delta=1e-5)
+    np.testing.assert_allclose(got["kl_bits_per_position"], kl.mean(0),
+                               atol=1e-5, rtol=0)
 
   def _interrupted_and_resumed_run_equals_uninterrupted(self):
     workdir = self.enterContext(tempfile.TemporaryDirectory())
@@ -228,6 +305,43 @@ class RunTest(absltest.TestCase):
                        100 * lm_generate.LOGIT_TOL)
     np.testing.assert_allclose(logits[0], cached.logits[0],
                                atol=lm_generate.LOGIT_TOL, rtol=0)
+
+
+class LeakageRowsTest(absltest.TestCase):
+
+  def test_one_document_after_two_predecessors_at_one_offset(self):
+    corpus = lm_data.build_corpus(32, 0.2, 0)
+    docs = lm.documents_of(corpus.valid)
+    self.assertLen(docs, len(corpus.valid_names))
+    # The documents back, as the help topics' own text.
+    texts = lm_data.load_documents()
+    self.assertEqual(corpus.vocab.decode(docs[3]),
+                     texts[corpus.valid_names[3]])
+    rows = lm.leakage_rows(corpus.valid, 32, 8, count=3)
+    self.assertEqual(rows.inputs.shape, (2, 3, 32))
+    self.assertEqual(rows.offset, 24)
+    for k, (a, b, d) in enumerate(rows.triples):
+      self.assertLen({a, b, d}, 3)
+      for i, pred in enumerate((a, b)):
+        np.testing.assert_array_equal(rows.inputs[i, k, :24], docs[pred][-24:])
+        np.testing.assert_array_equal(rows.inputs[i, k, 24:], docs[d][:8])
+      np.testing.assert_array_equal(rows.targets[k], docs[d][1:9])
+    np.testing.assert_array_equal(rows.segment_ids[0, 0],
+                                  [1] * 24 + [2] * 8)
+    self.assertEqual(rows.inputs[0, 0, 24], lm_data.BOS)
+
+  def test_bad_sizes_are_refused(self):
+    corpus = lm_data.build_corpus(32, 0.2, 0)
+    with self.assertRaisesRegex(ValueError, "chars must lie in"):
+      lm.leakage_rows(corpus.valid, 32, 32)
+    with self.assertRaisesRegex(ValueError, "three documents"):
+      lm.leakage_rows(corpus.valid, 100_000, 50_000)
+    # Rows longer than the third-longest document: predecessors shortened
+    # to it, so that three documents can take each role.
+    lengths = sorted(len(d) for d in lm.documents_of(corpus.valid))
+    rows = lm.leakage_rows(corpus.valid, 100_000, 8, count=1)
+    self.assertEqual(rows.offset, lengths[-3])
+    self.assertEqual(rows.inputs.shape, (2, 1, lengths[-3] + 8))
 
 
 class GenerationTest(absltest.TestCase):
