@@ -5,7 +5,8 @@ With no flags: the copy task, a GRU encoder-decoder without attention
 about 3 minutes on 2 CPU cores. ``--experiment=logit_scale`` measures the
 1/sqrt(d_k) logit scale instead; ``--experiment=lm`` trains a character-level
 causal language model on Python's help topics and generates with the KV
-cache.
+cache; ``--experiment=dates`` translates dates written out by Babel in 8
+locales into ISO (and ISO into Vietnamese), with the copy task's models.
 
 The flags are generated from the experiments' config dataclasses
 (``experiments/config_flags.py``): names, defaults, help and bounds are
@@ -20,6 +21,7 @@ from absl import flags
 from absl import logging
 
 from experiments import config_flags
+from experiments import dates
 from experiments import lm
 from experiments import logit_scale
 from experiments import parallel
@@ -30,13 +32,16 @@ EXPERIMENTS = {
     "seq2seq": (seq2seq.Seq2SeqConfig, seq2seq.run),
     "logit_scale": (logit_scale.LogitScaleConfig, logit_scale.run),
     "lm": (lm.LMConfig, lm.run),
+    "dates": (dates.DatesConfig, dates.run),
 }
 
 _EXPERIMENT = flags.DEFINE_enum(
     "experiment", "seq2seq", list(EXPERIMENTS),
     "seq2seq: copy/reverse with and without attention (bottleneck, "
     "alignment). logit_scale: why attention divides by sqrt(d_k). lm: a "
-    "causal character-level language model on Python's help topics.")
+    "causal character-level language model on Python's help topics. dates: "
+    "dates in 8 languages to ISO and back to Vietnamese (real data, "
+    "reordering, field alignment).")
 config_flags.define_flags(
     [parallel.DistributedConfig, *(c for c, _ in EXPERIMENTS.values())],
     flags.FLAGS)
