@@ -146,3 +146,44 @@ def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
                                 num_heads)
   new_cache = KVCache(ck, cv, index + count, overflow, cache.window)
   return keys, values, mask, score_mod, new_cache
+
+
+def cache_slots(layer_mask: mask_lib.Mask | None, max_length: int | None,
+                window: int | None) -> tuple[int, int | None]:
+  """A new cache's slots ``L`` and, for a ring buffer, the window it serves.
+
+  A linear cache holds ``max_length`` tokens; a ring buffer holds ``window``
+  slots (default: the layer mask's causal window ``(w, 0)`` plus one) and
+  needs ``w < window``, since it forgets older keys. Shared by the modules'
+  ``init_cache``.
+
+  Returns:
+    ``(L, w)``: ``w`` the layer window's left side for a ring buffer, None
+    for a linear cache.
+  """
+  layer_window = None if layer_mask is None else layer_mask.window
+  left = None if layer_window is None else layer_window[0]
+  if max_length is not None and window is not None:
+    raise ValueError(
+        f"init_cache takes max_length (a linear cache) or window (a ring "
+        f"buffer), not both; got max_length={max_length}, window={window}.")
+  if max_length is None and window is None:
+    if left is None:
+      raise ValueError(
+          "init_cache needs max_length, the most tokens the cache will "
+          "hold (a ring buffer, without one, needs a layer mask with a "
+          "window: mask=aj.Mask(causal=True, window=(w, 0))).")
+    window = left + 1
+  if window is None:
+    _checks.check_positive_int("max_length", max_length)
+    return max_length, None
+  _checks.check_positive_int("window", window)
+  if left is None or not window > left:
+    raise ValueError(
+        f"a ring buffer of window={window} slots forgets keys older than "
+        f"{window - 1} positions, so the module must attend within that: "
+        f"its mask's window is {layer_window}. Build the module with "
+        f"mask=aj.Mask(causal=True, window=({window - 1}, 0)) (or "
+        "smaller), or use init_cache(batch_size, max_length) for a "
+        "linear cache.")
+  return window, left

@@ -37,6 +37,7 @@ from jax.typing import ArrayLike
 import numpy as np
 
 from attention_jax import _checks
+from attention_jax import decoding
 from attention_jax import latent
 from attention_jax import mask as mask_lib
 from attention_jax import multi_head
@@ -44,6 +45,7 @@ from attention_jax import rope as rope_lib
 from attention_jax.mask import Mask
 from attention_jax.modules.multi_head import NormScale
 from attention_jax.modules.multi_head import Projection
+from attention_jax.modules.multi_head import assign_params
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
 _ZEROS = nnx.initializers.zeros_init()
@@ -215,30 +217,9 @@ class MultiHeadLatentAttention(nnx.Module):
       True
     """
     latent.latent_dims(params)  # a valid layout, with its own messages
-    mine = self._layers()
-    if set(params) != set(mine):
-      raise ValueError(
-          f"params has entries {sorted(params)}, but this module has "
-          f"{sorted(mine)} (q_lora_rank={self.q_lora_rank}).")
-    for name, layer in mine.items():
-      have = {entry: getattr(layer, entry)
-              for entry in ("kernel", "bias", "scale")
-              if getattr(layer, entry, None) is not None}
-      if set(params[name]) != set(have):
-        raise ValueError(
-            f"params['{name}'] has {sorted(params[name])}, but this module's "
-            f"{name} has {sorted(have)} (use_bias must match).")
-      for entry, variable in have.items():
-        got, want = _checks.shape_of(params[name][entry]), variable.shape
-        if got != tuple(want):
-          raise ValueError(
-              f"params['{name}']['{entry}'] has shape {got}, but this "
-              f"module's is {tuple(want)} ({latent.LAYOUT[name]}; "
-              f"{self.dims}).")
-    for name, layer in mine.items():
-      for entry, value in params[name].items():
-        variable = getattr(layer, entry)
-        variable[...] = jnp.asarray(value, variable.dtype)
+    assign_params(self._layers(), params, latent.LAYOUT,
+                  entries=f"q_lora_rank={self.q_lora_rank}",
+                  sizes=str(self.dims))
 
   def init_cache(self, batch_size: int, max_length: int | None = None, *,
                  window: int | None = None,
@@ -258,30 +239,9 @@ class MultiHeadLatentAttention(nnx.Module):
       dtype: cache dtype; defaults to ``dtype`` or ``param_dtype``.
     """
     _checks.check_positive_int("batch_size", batch_size)
-    layer_window = None if self.mask is None else self.mask.window
-    left = None if layer_window is None else layer_window[0]
-    if max_length is not None and window is not None:
-      raise ValueError(
-          f"init_cache takes max_length (a linear cache) or window (a ring "
-          f"buffer), not both; got max_length={max_length}, window={window}.")
-    if max_length is None and window is None:
-      if left is None:
-        raise ValueError(
-            "init_cache needs max_length, the most tokens the cache will "
-            "hold (a ring buffer, without one, needs a layer mask with a "
-            "window: mask=aj.Mask(causal=True, window=(w, 0))).")
-      window = left + 1
-    if window is not None:
-      _checks.check_positive_int("window", window)
-      if left is None or not window > left:
-        raise ValueError(
-            f"a ring buffer of window={window} slots forgets keys older than "
-            f"{window - 1} positions, so the module must attend within that: "
-            f"its mask's window is {layer_window}. Build the module with "
-            f"mask=aj.Mask(causal=True, window=({window - 1}, 0)) (or "
-            "smaller), or use init_cache(batch_size, max_length).")
+    length, window = decoding.cache_slots(self.mask, max_length, window)
     cache = latent.LatentCache(
-        *(jnp.zeros((batch_size, max_length or window, width),
+        *(jnp.zeros((batch_size, length, width),
                     dtype or self.dtype or self.param_dtype)
           for width in (self.kv_lora_rank, self.qk_rope_head_dim)),
         jnp.zeros((batch_size,), jnp.int32), jnp.zeros((batch_size,), bool))
@@ -289,7 +249,7 @@ class MultiHeadLatentAttention(nnx.Module):
     self.cached_rope_key = nnx.Cache(cache.rope_key)  # [B, L, Hr]
     self.cache_index = nnx.Cache(cache.index)  # [B]
     self.cache_overflow = nnx.Cache(cache.overflow)  # [B]
-    self.cache_window = None if window is None else left
+    self.cache_window = window
 
   @property
   def cache_bytes_per_token(self) -> int:

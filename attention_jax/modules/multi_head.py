@@ -100,6 +100,40 @@ class NormScale(nnx.Module):
     return {"scale": scale if dtype is None else scale.astype(dtype)}
 
 
+def assign_params(layers: Mapping[str, Projection | NormScale],
+                  params: Mapping[str, Mapping[str, Any]],
+                  layout: Mapping[str, str], *, entries: str,
+                  sizes: str) -> None:
+  """Assigns ``params`` to a module's parameter holders, after every check.
+
+  The same entries (``layers``' names, each's kernel/bias/scale) and shapes
+  as the module's, or a ValueError naming the entry, both shapes, its
+  ``layout`` and the module's options (``entries``, ``sizes``); values are
+  cast to each variable's dtype. Shared by the modules' ``load_params``.
+  """
+  if set(params) != set(layers):
+    raise ValueError(f"params has entries {sorted(params)}, but this module "
+                     f"has {sorted(layers)} ({entries}).")
+  for name, layer in layers.items():
+    have = {entry: getattr(layer, entry) for entry in ("kernel", "bias",
+                                                        "scale")
+            if getattr(layer, entry, None) is not None}
+    if set(params[name]) != set(have):
+      raise ValueError(
+          f"params['{name}'] has {sorted(params[name])}, but this module's "
+          f"{name} has {sorted(have)} (use_bias must match).")
+    for entry, variable in have.items():
+      got, want = _checks.shape_of(params[name][entry]), variable.shape
+      if got != tuple(want):
+        raise ValueError(
+            f"params['{name}']['{entry}'] has shape {got}, but this "
+            f"module's is {tuple(want)} ({layout[name]}; {sizes}).")
+  for name, layer in layers.items():
+    for entry, value in params[name].items():
+      variable = getattr(layer, entry)
+      variable[...] = jnp.asarray(value, variable.dtype)
+
+
 class MultiHeadAttention(nnx.Module):
   """Multi-head attention for self-, cross- and causal (cached) attention.
 
@@ -364,34 +398,14 @@ class MultiHeadAttention(nnx.Module):
       True
     """
     multi_head_params.param_dims(params)  # a valid layout, with its own messages
-    mine = self._layers()
-    if set(params) != set(mine):
-      raise ValueError(
-          f"params has entries {sorted(params)}, but this module has "
-          f"{sorted(mine)} (normalize_qk={self.normalize_qk}, "
-          f"output_gate={self.output_gate!r}).")
-    for name, layer in mine.items():
-      have = {entry: getattr(layer, entry) for entry in ("kernel", "bias",
-                                                          "scale")
-              if getattr(layer, entry, None) is not None}
-      if set(params[name]) != set(have):
-        raise ValueError(
-            f"params['{name}'] has {sorted(params[name])}, but this module's "
-            f"{name} has {sorted(have)} (use_bias must match).")
-      for entry, variable in have.items():
-        got, want = _checks.shape_of(params[name][entry]), variable.shape
-        if got != tuple(want):
-          raise ValueError(
-              f"params['{name}']['{entry}'] has shape {got}, but this "
-              f"module's is {tuple(want)} ({multi_head_params.LAYOUT[name]}; "
-              f"d_model={self.d_model}, num_heads={self.num_heads}, "
-              f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-              f"kv_features={self.kv_features}, "
-              f"out_features={self.out_features}).")
-    for name, layer in mine.items():
-      for entry, value in params[name].items():
-        variable = getattr(layer, entry)
-        variable[...] = jnp.asarray(value, variable.dtype)
+    assign_params(
+        self._layers(), params, multi_head_params.LAYOUT,
+        entries=(f"normalize_qk={self.normalize_qk}, "
+                 f"output_gate={self.output_gate!r}"),
+        sizes=(f"d_model={self.d_model}, num_heads={self.num_heads}, "
+               f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+               f"kv_features={self.kv_features}, "
+               f"out_features={self.out_features}"))
 
   def init_cache(self, batch_size: int, max_length: int | None = None, *,
                  window: int | None = None,
@@ -417,33 +431,7 @@ class MultiHeadAttention(nnx.Module):
         ``param_dtype``.
     """
     _checks.check_positive_int("batch_size", batch_size)
-    layer_window = None if self.mask is None else self.mask.window
-    left = None if layer_window is None else layer_window[0]
-    if max_length is not None and window is not None:
-      raise ValueError(
-          f"init_cache takes max_length (a linear cache) or window (a ring "
-          f"buffer), not both; got max_length={max_length}, window={window}.")
-    if max_length is None and window is None:
-      if left is None:
-        raise ValueError(
-            "init_cache needs max_length, the most tokens the cache will "
-            "hold (a ring buffer, without one, needs a layer mask with a "
-            "window: mask=aj.Mask(causal=True, window=(w, 0))).")
-      window = left + 1
-    if window is not None:
-      _checks.check_positive_int("window", window)
-      if left is None or not window > left:
-        raise ValueError(
-            f"a ring buffer of window={window} slots forgets keys older than "
-            f"{window - 1} positions, so the module must attend within that: "
-            f"its mask's window is {layer_window}. Build the module with "
-            f"mask=aj.Mask(causal=True, window=({window - 1}, 0)) (or "
-            "smaller), or use init_cache(batch_size, max_length) for a "
-            "linear cache.")
-      length = window
-    else:
-      _checks.check_positive_int("max_length", max_length)
-      length = max_length
+    length, window = decoding.cache_slots(self.mask, max_length, window)
     dtype = dtype or self.dtype or self.param_dtype
     shape = (batch_size, self.num_kv_heads, length, self.head_dim)
     meta = {}
@@ -453,7 +441,7 @@ class MultiHeadAttention(nnx.Module):
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype), **meta)
     self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))  # [B]
     self.cache_overflow = nnx.Cache(jnp.zeros((batch_size,), bool))  # [B]
-    self.cache_window = None if window is None else left
+    self.cache_window = window
     self.memory_key = self.memory_value = None  # one cache at a time
 
   def init_cross_cache(self, memory: ArrayLike, *,
