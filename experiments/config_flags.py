@@ -84,6 +84,32 @@ def nested(default: Any, expose: Mapping[str, Flag | None]) -> Any:
   return dataclasses.field(default=default, metadata={_NESTED: dict(expose)})
 
 
+def training_flags(prefix: str, steps: str, batch_size: str
+                   ) -> dict[str, Flag | None]:
+  """``nested``'s ``expose`` for a ``TrainConfig`` under its own flag names.
+
+  An experiment with its own budget names its training flags
+  ``<prefix>_steps``, ``<prefix>_batch_size``, ``<prefix>_learning_rate``,
+  ``<prefix>_checkpoint_every`` and ``<prefix>_log_every`` (``steps`` and
+  ``batch_size`` say what one step and one batch are); ``seed`` and
+  ``mesh`` stay the shared ``--seed`` and ``--mesh``.
+  """
+  return {
+      "steps": Flag(f"{prefix}: {steps}", name=f"{prefix}_steps",
+                    lower_bound=1),
+      "batch_size": Flag(f"{prefix}: {batch_size}",
+                         name=f"{prefix}_batch_size", lower_bound=1),
+      "learning_rate": Flag(
+          f"{prefix}: peak Adam learning rate (cosine decay to 10%).",
+          name=f"{prefix}_learning_rate", lower_bound=1e-8),
+      "checkpoint_every": Flag(
+          f"{prefix}: steps between checkpoints (0: at the end only).",
+          name=f"{prefix}_checkpoint_every", lower_bound=0),
+      "log_every": Flag(f"{prefix}: steps between logged losses.",
+                        name=f"{prefix}_log_every", lower_bound=1),
+      "seed": None, "mesh": None}
+
+
 @dataclasses.dataclass(frozen=True)
 class FlagSpec:
   """One flag of one config: where its value goes and what it accepts."""

@@ -88,22 +88,8 @@ class DatesConfig:
   train: training.TrainConfig = config_flags.nested(
       training.TrainConfig(steps=1000, batch_size=64, learning_rate=3e-3,
                            checkpoint_every=500, log_every=50),
-      expose={
-          "steps": config_flags.Flag("dates: training steps per model.",
-                                     name="dates_steps", lower_bound=1),
-          "batch_size": config_flags.Flag("dates: batch size.",
-                                          name="dates_batch_size",
-                                          lower_bound=1),
-          "learning_rate": config_flags.Flag(
-              "dates: peak Adam learning rate (cosine decay to 10%).",
-              name="dates_learning_rate", lower_bound=1e-8),
-          "checkpoint_every": config_flags.Flag(
-              "dates: steps between checkpoints (0: at the end only).",
-              name="dates_checkpoint_every", lower_bound=0),
-          "log_every": config_flags.Flag(
-              "dates: steps between logged losses.",
-              name="dates_log_every", lower_bound=1),
-          "seed": None, "mesh": None})
+      expose=config_flags.training_flags(
+          "dates", "training steps per model.", "batch size."))
   rnn: rnn.RNNConfig = rnn.RNNConfig()
   transformer: transformer.TransformerConfig = transformer.TransformerConfig()
   eval_examples: int = config_flags.field(
@@ -177,18 +163,6 @@ def _batches(config: DatesConfig, vocab: dates_data.Vocab, max_src: int,
       tasks=tasks_of(config), reverse_fraction=config.reverse_fraction,
       vocab=vocab, max_src=max_src, max_tgt=max_tgt).batch
   return b.src, b.src_len, b.tgt_in, b.tgt_out, b.tgt_mask
-
-
-@nnx.jit
-def _teacher_forced(model, src, src_len, tgt_in):
-  return model(src, src_len, tgt_in)[1]
-
-
-@nnx.jit(static_argnums=3)
-def _greedy(model, src, src_len, num_steps):
-  if isinstance(model, transformer.TransformerSeq2Seq):
-    return transformer.greedy(model, src, src_len, num_steps)[0]
-  return model.greedy(src, src_len, num_steps)[0]
 
 
 def alignment_share(attention: np.ndarray, src_fields: np.ndarray,
@@ -265,10 +239,10 @@ def evaluate(model: nnx.Module, config: DatesConfig,
         for attr in ("src", "src_len", "tgt_in"))
     chunk = min(_EVAL_CHUNK, src.shape[0])  # both splits: the same shape
     tokens = _run_chunks(
-        lambda m, s, n: _greedy(m, s, n, max_tgt), model, (src, src_len),
-        chunk)
-    attention = _run_chunks(_teacher_forced, model, (src, src_len, tgt_in),
-                            chunk)
+        lambda m, s, n: seq2seq.greedy_tokens(m, s, n, max_tgt), model,
+        (src, src_len), chunk)
+    attention = _run_chunks(seq2seq.teacher_forced_attention, model,
+                            (src, src_len, tgt_in), chunk)
     if attention.ndim == 4:  # transformer: [B, N, T, S], mean over heads
       attention = attention.mean(1)
     rows, start = {}, 0

@@ -92,21 +92,8 @@ class LMConfig:
   train: training.TrainConfig = config_flags.nested(
       training.TrainConfig(steps=350, batch_size=16, learning_rate=3e-3,
                            checkpoint_every=100, log_every=10),
-      expose={
-          "steps": config_flags.Flag("lm: training steps per variant.",
-                                     name="lm_steps", lower_bound=1),
-          "batch_size": config_flags.Flag("lm: rows per batch.",
-                                          name="lm_batch_size",
-                                          lower_bound=1),
-          "learning_rate": config_flags.Flag(
-              "lm: peak Adam learning rate (cosine decay to 10%).",
-              name="lm_learning_rate", lower_bound=1e-8),
-          "checkpoint_every": config_flags.Flag(
-              "lm: steps between checkpoints (0: at the end only).",
-              name="lm_checkpoint_every", lower_bound=0),
-          "log_every": config_flags.Flag("lm: steps between logged losses.",
-                                         name="lm_log_every", lower_bound=1),
-          "seed": None, "mesh": None})
+      expose=config_flags.training_flags(
+          "lm", "training steps per variant.", "rows per batch."))
   gen_tokens: int = config_flags.field(
       120, "lm: characters generated per prompt.", lower_bound=1)
   temperature: float = config_flags.field(

@@ -90,12 +90,14 @@ def build_model(name: str, config: Seq2SeqConfig,
 
 
 @nnx.jit
-def _teacher_forced(model, src, src_len, tgt_in):
+def teacher_forced_attention(model, src, src_len, tgt_in):
+  """The model's teacher-forced attention ``[B, T, S]`` (jitted)."""
   return model(src, src_len, tgt_in)[1]
 
 
 @nnx.jit(static_argnums=3)
-def _greedy(model, src, src_len, num_steps):
+def greedy_tokens(model, src, src_len, num_steps):
+  """Greedy decoding, ``[B, num_steps]`` tokens (jitted; any seq2seq model)."""
   if isinstance(model, transformer.TransformerSeq2Seq):
     return transformer.greedy(model, src, src_len, num_steps)[0]
   return model.greedy(src, src_len, num_steps)[0]
@@ -109,9 +111,9 @@ def evaluate(model: nnx.Module, config: Seq2SeqConfig) -> dict:
                             num_examples=config.eval_examples,
                             vocab_size=config.train.vocab_size)
     src, src_len, tgt_in, _, _ = training.batch_arrays(batch)
-    tokens = np.asarray(_greedy(model, src, src_len, length + 1))
+    tokens = np.asarray(greedy_tokens(model, src, src_len, length + 1))
     row = metrics.sequence_metrics(tokens, batch)
-    attention = np.asarray(_teacher_forced(model, src, src_len, tgt_in))
+    attention = np.asarray(teacher_forced_attention(model, src, src_len, tgt_in))
     if attention.ndim == 4:  # transformer: [B, N, T, S], one map per head
       heads = [metrics.alignment_metrics(attention[:, n], length, task)
                for n in range(attention.shape[1])]
