@@ -187,3 +187,21 @@ def cache_slots(layer_mask: mask_lib.Mask | None, max_length: int | None,
         "smaller), or use init_cache(batch_size, max_length) for a "
         "linear cache.")
   return window, left
+
+
+def raise_if_overflowed(overflow, index, capacity: int, what: str,
+                        hint: str = "") -> None:
+  """The modules' ``check_cache``: a ValueError naming the examples that
+  overflowed (``overflow [B]``, sticky) and the positions they reached."""
+  if overflow is None:
+    raise ValueError("no cache: call init_cache(batch_size, max_length) "
+                     "first.")
+  over = np.asarray(overflow)
+  if over.any():
+    rows = np.flatnonzero(over).tolist()
+    reached = np.asarray(index)[rows].tolist()
+    raise ValueError(
+        f"{what} overflow in examples {rows}: they reached positions "
+        f"{reached}, but max_length is {capacity}; the tokens past it were "
+        "not cached and those examples' outputs are not meaningful. Call "
+        f"init_cache with a larger max_length{hint}.")

@@ -274,17 +274,10 @@ class MultiHeadLatentAttention(nnx.Module):
     call this where a host sync is cheap, as ``MultiHeadAttention``'s.
     """
     if self.cache_overflow is None:
-      raise ValueError("no cache: call init_cache(batch_size, max_length) "
-                       "first.")
-    over = np.asarray(self.cache_overflow[...])
-    if over.any():
-      rows = np.flatnonzero(over).tolist()
-      index = np.asarray(self.cache_index[...])[rows].tolist()
-      raise ValueError(
-          f"latent cache overflow in examples {rows}: they reached positions "
-          f"{index}, but max_length is {self.cached_latent.shape[1]}; the "
-          "tokens past it were not cached and those examples' outputs are "
-          "not meaningful. Call init_cache with a larger max_length.")
+      decoding.raise_if_overflowed(None, None, 0, "latent cache")
+    decoding.raise_if_overflowed(
+        self.cache_overflow[...], self.cache_index[...],
+        self.cached_latent.shape[1], "latent cache")
 
   def __call__(
       self,

@@ -26,7 +26,6 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-import numpy as np
 
 from attention_jax import _checks
 from attention_jax import decoding
@@ -503,18 +502,11 @@ class MultiHeadAttention(nnx.Module):
     are not meaningful.
     """
     if self.cache_overflow is None:
-      raise ValueError("no cache: call init_cache(batch_size, max_length) "
-                       "first.")
-    over = np.asarray(self.cache_overflow[...])
-    if over.any():
-      rows = np.flatnonzero(over).tolist()
-      index = np.asarray(self.cache_index[...])[rows].tolist()
-      raise ValueError(
-          f"KV cache overflow in examples {rows}: they reached positions "
-          f"{index}, but max_length is {self.cached_key.shape[2]}; the "
-          "tokens past it were not cached and those examples' outputs are "
-          "not meaningful. Call init_cache with a larger max_length (or use "
-          "a ring buffer: a layer mask with a causal window).")
+      decoding.raise_if_overflowed(None, None, 0, "KV cache")
+    decoding.raise_if_overflowed(
+        self.cache_overflow[...], self.cache_index[...],
+        self.cached_key.shape[2], "KV cache",
+        " (or use a ring buffer: a layer mask with a causal window)")
 
   def __call__(
       self,
