@@ -54,6 +54,17 @@ def check_rank(name: str, x, ranks: Sequence[int], layout: str) -> None:
         f"{shape_of(x)}.")
 
 
+def check_module_input(name: str, x, width: int, option: str,
+                       layout: str = "[B, T, features]") -> None:
+  """A module call's input: rank 3 with the ``width`` features the module
+  was built with (``option`` names the constructor argument)."""
+  check_rank(name, x, (3,), layout)
+  if shape_of(x)[-1] != width:
+    raise ValueError(
+        f"{name} has {shape_of(x)[-1]} features (shape {shape_of(x)}), but "
+        f"the module was built with {option}={width}.")
+
+
 def check_mask_dtype(name: str, mask) -> None:
   """Masks are bool (True = may attend) or integer (0 = blocked)."""
   dtype = jnp.result_type(mask)

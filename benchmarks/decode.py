@@ -136,11 +136,6 @@ class Stack(nnx.Module):
     return x
 
 
-def _next_token(out):
-  """The next input: the output row ``[B, 1, D]`` at unit RMS."""
-  return out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + 1e-6)
-
-
 def _copy(tree):
   return jax.tree.map(jnp.copy, tree)
 
@@ -166,13 +161,13 @@ class Programs:
         self.traces["prefill"] += 1
         m = nnx.merge(graphdef, state)
         out = m(prompt, decode=True)[:, -1:]  # [B, 1, D]
-        return nnx.state(m), _next_token(out), out
+        return nnx.state(m), decode_variants.next_token(out), out
 
       def step(state, token):
         self.traces["step"] += 1
         m = nnx.merge(graphdef, state)
         out = m(token, decode=True)  # [B, 1, D]
-        return nnx.state(m), _next_token(out), out
+        return nnx.state(m), decode_variants.next_token(out), out
 
       jit_prefill = jax.jit(prefill, donate_argnums=0)
       jit_step = jax.jit(step, donate_argnums=0)
@@ -193,13 +188,13 @@ class Programs:
         self.traces["prefill"] += 1
         buffer = jax.lax.dynamic_update_slice(buffer, prompt, (0, 0, 0))
         out = last_row(params, buffer, prompt.shape[1] - 1)
-        return buffer, _next_token(out), out
+        return buffer, decode_variants.next_token(out), out
 
       def step(params, buffer, token, t):
         self.traces["step"] += 1
         buffer = jax.lax.dynamic_update_slice(buffer, token, (0, t, 0))
         out = last_row(params, buffer, t)
-        return buffer, _next_token(out), out
+        return buffer, decode_variants.next_token(out), out
 
       jit_prefill = jax.jit(prefill, donate_argnums=1)
       jit_step = jax.jit(step, donate_argnums=1)

@@ -41,8 +41,9 @@ from attention_jax import multi_head
 CHECK_TOL = 1e-4
 
 
-def _next_token(out):
-  """The next input: the output row ``[B, 1, D]`` at unit RMS."""
+def next_token(out):
+  """The next input: the output row ``[B, 1, D]`` at unit RMS (no
+  vocabulary), so each step depends on the one before."""
   return out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + 1e-6)
 
 
@@ -74,13 +75,13 @@ def _module_programs(module, batch: int, context: int, traces, name: str):
     traces[f"{name}.prefill"] += 1
     m = nnx.merge(graphdef, state)
     out = m(prompt, decode=True)[:, -1:]  # [B, 1, D]
-    return nnx.state(m), _next_token(out), out
+    return nnx.state(m), next_token(out), out
 
   def step(state, token):
     traces[f"{name}.step"] += 1
     m = nnx.merge(graphdef, state)
     out = m(token, decode=True)  # [B, 1, D]
-    return nnx.state(m), _next_token(out), out
+    return nnx.state(m), next_token(out), out
 
   fresh = lambda: jax.tree.map(jnp.copy, state)
   return (jax.jit(prefill, donate_argnums=0), jax.jit(step, donate_argnums=0),
@@ -99,7 +100,7 @@ def _shared_prefix_programs(module, batch: int, steps: int, traces):
     out = aj.multi_head_attention(params, prompt[:, -1:], None, None,
                                   memory=memory)  # the prompt's last row
     out = jnp.broadcast_to(out, (batch, 1, out.shape[-1]))  # [B, 1, D]
-    return (memory, *carry[1:]), _next_token(out), out
+    return (memory, *carry[1:]), next_token(out), out
 
   def step(carry, token):  # token [B, 1, D]
     traces["shared.step"] += 1
@@ -116,7 +117,7 @@ def _shared_prefix_programs(module, batch: int, steps: int, traces):
     heads, _ = aj.merge_attentions([shared[0], own[0]],
                                    [shared[1], own[1]])  # [B, N, 1, H]
     out = multi_head.output_projection(heads, params["W_o"])  # [B, 1, D]
-    return (memory, own_k, own_v, index), _next_token(out), out
+    return (memory, own_k, own_v, index), next_token(out), out
 
   def fresh():
     zeros = jnp.zeros(own_shape, jnp.float32)
@@ -222,7 +223,7 @@ def latent_config(d_model: int, num_heads: int) -> dict:
 
 def _check_against_full_forward(module, prompt, outs) -> float:
   """Cached outputs against the module's uncached causal forward."""
-  tokens = [jnp.asarray(_next_token(jnp.asarray(o))) for o in outs[:-1]]
+  tokens = [jnp.asarray(next_token(jnp.asarray(o))) for o in outs[:-1]]
   seq = jnp.concatenate([prompt, *tokens], 1)  # [B, P + steps, D]
   full = np.asarray(module(seq, is_causal=True))[:, prompt.shape[1] - 1:]
   got = np.concatenate(outs, 1)

@@ -47,7 +47,6 @@ from experiments import config_flags
 from experiments import dates_data
 from experiments import dates_plots
 from experiments import metrics
-from experiments import parallel
 from experiments import plots
 from experiments import report
 from experiments import rnn
@@ -131,15 +130,7 @@ def tasks_of(config: DatesConfig) -> list[tuple[str, str]]:
 def build_model(name: str, config: DatesConfig, vocab_size: int,
                 mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
   """A fresh model of kind ``name`` over ``vocab_size`` characters."""
-  rngs = nnx.Rngs(config.train.seed)
-  if name == "transformer":
-    return transformer.TransformerSeq2Seq(
-        config.transformer, vocab_size=vocab_size, rngs=rngs,
-        model_axis=parallel.model_axis(mesh) if mesh else None)
-  if name not in rnn.ATTENTIONS:
-    raise ValueError(f"model must be one of {MODELS}, got {name!r}.")
-  return rnn.RNNSeq2Seq(config.rnn, attention=name, vocab_size=vocab_size,
-                        rngs=rngs)
+  return seq2seq.make_model(name, config, vocab_size, mesh)
 
 
 def fingerprint(name: str, config: DatesConfig) -> dict:

@@ -77,8 +77,14 @@ def build_model(name: str, config: Seq2SeqConfig,
   """A fresh model; with a ``mesh`` whose ``model`` axis is > 1, the
   Transformer's heads and FFN units are annotated to split over it (build
   under ``jax.set_mesh(mesh)``)."""
+  return make_model(name, config, config.train.vocab_size, mesh)
+
+
+def make_model(name: str, config, vocab_size: int,
+               mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+  """Model ``name`` from a config with ``rnn``, ``transformer`` and
+  ``train.seed`` fields (this task's or another's) over ``vocab_size``."""
   rngs = nnx.Rngs(config.train.seed)
-  vocab_size = config.train.vocab_size
   if name == "transformer":
     return transformer.TransformerSeq2Seq(
         config.transformer, vocab_size=vocab_size, rngs=rngs,

@@ -315,12 +315,7 @@ class MultiHeadLatentAttention(nnx.Module):
     """
     _checks.check_static_bool("is_causal", is_causal)
     _checks.check_static_bool("decode", decode)
-    _checks.check_rank("x", x, (3,), "[B, T, D]")
-    if _checks.shape_of(x)[-1] != self.d_model:
-      raise ValueError(
-          f"x has {_checks.shape_of(x)[-1]} features (shape "
-          f"{_checks.shape_of(x)}), but the module was built with "
-          f"d_model={self.d_model}.")
+    _checks.check_module_input("x", x, self.d_model, "d_model", "[B, T, D]")
     if self.dtype is not None:
       x = jnp.asarray(x, self.dtype)
     call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)

@@ -475,12 +475,8 @@ class MultiHeadAttention(nnx.Module):
           "this layer has rope, which would rotate the keys at each call's "
           "positions. Build the cross-attention layer with rope=None.")
     _checks.check_float_array("memory", memory)
-    _checks.check_rank("memory", memory, (3,), "[B, S, Dkv]")
-    if _checks.shape_of(memory)[-1] != self.kv_features:
-      raise ValueError(
-          f"memory has {_checks.shape_of(memory)[-1]} features (shape "
-          f"{_checks.shape_of(memory)}), but the module was built with "
-          f"kv_features={self.kv_features}.")
+    _checks.check_module_input("memory", memory, self.kv_features,
+                               "kv_features", "[B, S, Dkv]")
     if self.dtype is not None:
       memory = jnp.asarray(memory, self.dtype)
     projected = multi_head.project_memory(self.params_dict(), memory,
@@ -597,14 +593,9 @@ class MultiHeadAttention(nnx.Module):
         ("query", query, self.d_model, "d_model"),
         ("key", key, self.kv_features, "kv_features"),
         ("value", value, self.kv_features, "kv_features")):
-      if x is None:  # attending to the stored memory
-        continue
-      _checks.check_rank(name, x, (3,), "[B, T or S, features]")
-      if _checks.shape_of(x)[-1] != width:
-        raise ValueError(
-            f"{name} has {_checks.shape_of(x)[-1]} features (shape "
-            f"{_checks.shape_of(x)}), but the module was built with "
-            f"{arg}={width}.")
+      if x is not None:  # None: attending to the stored memory
+        _checks.check_module_input(name, x, width, arg,
+                                   "[B, T or S, features]")
     if self.dtype is not None:  # as nnx.Linear: compute in `dtype`
       query, key, value = (None if x is None else jnp.asarray(x, self.dtype)
                            for x in (query, key, value))
