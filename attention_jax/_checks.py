@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_jax import _elementwise
 from attention_jax import _grouping
 from attention_jax import _numerics
 from attention_jax import _patterns
@@ -256,7 +257,7 @@ def _segment_ids(name, ids, size, letter, leading_rank):
   return jnp.asarray(ids, jnp.int32)
 
 
-def check_concrete_range(name, lengths, upper: int) -> None:
+def check_concrete_range(name, lengths, upper: int, fix: str = "") -> None:
   """Concrete lengths must lie in ``[0, upper]`` (traced ones clip)."""
   try:
     values = np.asarray(lengths)
@@ -265,7 +266,7 @@ def check_concrete_range(name, lengths, upper: int) -> None:
   if values.size and (values.min() < 0 or values.max() > upper):
     raise ValueError(
         f"{name} must lie in [0, {upper}], got values from {values.min()} "
-        f"to {values.max()} (shape {values.shape}).")
+        f"to {values.max()} (shape {values.shape}){fix}.")
 
 
 def _logits_shape(leading, t: int, s: int) -> tuple[int, ...]:
@@ -402,6 +403,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                               None, None, None)
   if rule is not None:
     block_mask = rule
+    check_rule(block_mask.mask_fn, q_shape[:-2], rule_t, rule_s)
     if block_mask.shape != (rule_t, rule_s):
       where = (" (the global sequence: ring attention indexes rules over "
                "all devices)" if rule_lengths else "")
@@ -433,7 +435,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     bias = jnp.asarray(bias)
     _check_pair_axes("bias", bias.shape, t, s, q_shape, k_shape)
     leading["bias"] = bias.shape[:-2]
-  check_score_mod(score_mod)
+  check_score_mod(score_mod, t, s, _numerics.compute_dtype(query, key))
   what = "leading (batch) dimensions of the attention operands"
   if len(q_shape) == 4 and len(k_shape) == 4 and groups is None:
     what += (" (4-D operands are [B, N, T, H] queries over [B, K, S, H] "
@@ -499,6 +501,24 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                   score_mod, block_mask, bool(is_causal), caller_leading)
 
 
+def check_rule(mask_fn, leading, t: int, s: int) -> None:
+  """A mask rule returns booleans (True = may attend), whatever kernel
+  runs it; checked abstractly at the call's indices."""
+  b, h = _patterns.rule_indices(tuple(leading), jnp)
+  lead = (1,) * len(leading)
+  q_idx = jax.ShapeDtypeStruct(lead + (t, 1), jnp.int32)
+  kv_idx = jax.ShapeDtypeStruct(lead + (1, s), jnp.int32)
+  out = jax.eval_shape(mask_fn, b, h, q_idx, kv_idx)
+  dtype = getattr(out, "dtype", None)
+  if dtype != jnp.bool_:
+    shape = tuple(getattr(out, "shape", ()))
+    raise TypeError(
+        f"the mask's rule must return a bool array (True = may attend), got "
+        f"dtype {dtype} with shape {shape} for q_idx [{t}, 1], kv_idx [1, "
+        f"{s}]: return a comparison, e.g. kv_idx <= q_idx, or (x != 0) for "
+        "a number x. Every kernel refuses a rule that returns numbers.")
+
+
 def rule_batch(mask_fn, leading, s: int) -> tuple[int, ...]:
   """The leading dims a rule depends on: ``leading`` with 1 where it does
   not (``()`` when it depends on none); read from the rule's output shape
@@ -539,13 +559,68 @@ def _check_rule_covered(block_mask, leading, s: int) -> None:
           "where the rule does not depend on the axis).")
 
 
-def check_score_mod(score_mod) -> None:
-  """A score modifier is callable as ``(score, b, h, q_idx, kv_idx)``."""
-  if score_mod is not None and not callable(score_mod):
+_ELEMENTWISE_MEANS = (
+    "a score modifier must be elementwise: its output at (i, j) may read "
+    "score[i, j], b, h, q_idx[i], kv_idx[j] and arrays indexed by them, "
+    "never other scores (each kernel calls it on the scores it holds: the "
+    "dense kernel on a head's whole [T, S], the blockwise ones on each "
+    "block, so anything else would change with the kernel)")
+
+
+def check_score_mod(score_mod, t: int | None = None, s: int | None = None,
+                    dtype: Any = jnp.float32) -> None:
+  """A score modifier is callable as ``(score, b, h, q_idx, kv_idx)`` and,
+  given the lengths, elementwise: float scores of the score's shape for a
+  head's ``[T, S]`` and for a ``[1, 1]`` block, computed from each entry
+  alone (``_elementwise``). Abstract: nothing is computed."""
+  if score_mod is None:
+    return
+  if not callable(score_mod):
     raise TypeError(
         f"score_mod must be callable as score_mod(score, b, h, q_idx, "
         f"kv_idx) (e.g. aj.alibi(slopes), or aj.ScoreMod(fn, params)), got "
         f"{type(score_mod).__name__}.")
+  if t is None:
+    return
+  i32 = jnp.int32
+  for rows, cols in dict.fromkeys(((t, s), (1, 1))):
+    shapes = f"score [{rows}, {cols}], q_idx [{rows}, 1], kv_idx [1, {cols}]"
+    args = (jax.ShapeDtypeStruct((rows, cols), dtype),
+            jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
+            jax.ShapeDtypeStruct((rows, 1), i32),
+            jax.ShapeDtypeStruct((1, cols), i32))
+    try:
+      closed = jax.make_jaxpr(score_mod)(*args)
+    except Exception as e:  # noqa: BLE001 - only the block probe is ours
+      if (rows, cols) == (t, s):
+        raise
+      raise TypeError(
+          f"score_mod failed on one block of scores ({shapes}; b, h int32 "
+          f"scalars) with {type(e).__name__}: {e}. The blockwise kernels "
+          f"call it on blocks: {_ELEMENTWISE_MEANS}.") from e
+    outs = closed.out_avals
+    if len(outs) != 1:
+      raise TypeError(
+          f"score_mod must return one array of modified scores, got "
+          f"{len(outs)} outputs for {shapes}.")
+    out = outs[0]
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+      raise TypeError(
+          f"score_mod must return float scores, got dtype {out.dtype} (shape "
+          f"{tuple(out.shape)}) for {shapes}: return a float array (-inf "
+          "blocks an entry).")
+    if tuple(out.shape) != (rows, cols):
+      raise ValueError(
+          f"score_mod returned shape {tuple(out.shape)} for {shapes}; it "
+          f"must return the score's shape [{rows}, {cols}]: "
+          f"{_ELEMENTWISE_MEANS}.")
+    culprit = _elementwise.mixing_primitive(closed)
+    if culprit is not None:
+      raise ValueError(
+          f"score_mod is not elementwise: it applies {culprit!r} to the "
+          f"scores ({shapes}); {_ELEMENTWISE_MEANS}. Row-wise statistics "
+          "(a sum or standard deviation over keys) cannot be a score "
+          "modifier.")
 
 
 def _head_index(batch_shape, groups):
@@ -592,6 +667,34 @@ def check_scale(scale) -> None:
   if not scale > 0 or not np.isfinite(scale):
     raise ValueError(f"scale must be positive and finite, got {scale}; None "
                      "means 1 / sqrt(head_dim).")
+
+
+def check_call_scale(scale) -> None:
+  """An attention call's ``scale``: None, a positive finite number, or a
+  float scalar array (positive and finite when concrete; a traced one, a
+  learned scale, cannot be checked)."""
+  if scale is None:
+    return
+  if isinstance(scale, (int, float, np.integer, np.floating, bool,
+                        np.bool_)):
+    check_scale(scale)
+    return
+  if not hasattr(scale, "dtype") or not hasattr(scale, "shape"):
+    raise TypeError(
+        f"scale must be a positive number (the multiplier of q . k), a float "
+        f"scalar array or None (1 / sqrt(H)), got {scale!r} "
+        f"({type(scale).__name__}).")
+  if not jnp.issubdtype(scale.dtype, jnp.floating) or np.shape(scale):
+    raise TypeError(
+        f"scale must be a positive number or a float scalar array (shape "
+        f"()), got dtype {scale.dtype} with shape {np.shape(scale)}.")
+  try:
+    value = float(np.asarray(scale))
+  except jax.errors.TracerArrayConversionError:
+    return
+  if not value > 0 or not np.isfinite(value):
+    raise ValueError(f"scale must be positive and finite, got an array "
+                     f"holding {value}; None means 1 / sqrt(head_dim).")
 
 
 def check_head_counts(d_model: int, num_heads: int,

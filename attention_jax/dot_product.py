@@ -115,7 +115,9 @@ def scaled_dot_product_attention(
       ``aj.BlockMask`` (a rule with precomputed block tables).
     bias: optional float added to the logits (after scaling), broadcastable to
       ``[..., T, S]``; ``-inf`` entries block like a False mask.
-    scale: multiplier of ``query @ key^T``; defaults to ``1 / sqrt(H)``.
+    scale: multiplier of ``query @ key^T``: a positive finite number or a
+      float scalar array (a learned one may be traced); defaults to ``1 /
+      sqrt(H)``.
     is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (jax.nn's and
       torch's habit): query ``i`` may attend to key ``j`` only when ``j <= i
       + (S - T)`` (bottom-right aligned).
@@ -125,7 +127,12 @@ def scaled_dot_product_attention(
       operands: the last leading axis is ``h``, the one before ``b``; with
       one leading axis, ``b`` and ``h = 0``), ``q_idx``/``kv_idx`` broadcast
       integer query/key indices (``[T, 1]`` and ``[1, S]``, or one block's).
-      ``-inf`` blocks an entry. Arrays travel inside it: ``aj.ScoreMod(fn,
+      ``-inf`` blocks an entry. It must be elementwise: its output at ``(i,
+      j)`` reads ``score[i, j]``, ``b``, ``h``, ``q_idx[i]``, ``kv_idx[j]``
+      and arrays indexed by them, never other scores (no sums, row
+      statistics or sorts: each kernel holds other scores), and returns
+      float scores of the score's shape; checked at the call (a jaxpr
+      walk), for every kernel alike. Arrays travel inside it: ``aj.ScoreMod(fn,
       params)`` (a pytree; ``aj.alibi(slopes)``, ``aj.t5_relative_bias``)
       or a plain closure (not in ``ring_attention``, which needs them as a
       ``ScoreMod``); they are differentiated in every implementation.
@@ -182,11 +189,13 @@ def scaled_dot_product_attention(
   Raises:
     TypeError: non-float query/key/value/bias, a mask that is neither a
       ``Mask``, a ``BlockMask`` nor a bool/integer array, non-integer
-      lengths or segment ids.
+      lengths or segment ids, a mask rule that does not return booleans, a
+      ``score_mod`` that returns non-float scores, a non-number ``scale``.
     ValueError: ranks below 2, ``H`` or ``S`` mismatches, leading dims or
       masks/biases that do not broadcast, a dropout rate outside ``[0, 1)``
-      or a positive rate without ``dropout_rng``, an implementation that
-      cannot do what was asked.
+      or a positive rate without ``dropout_rng``, a ``scale`` that is not
+      positive and finite, a ``score_mod`` that is not elementwise, an
+      implementation that cannot do what was asked.
 
   Example:
     >>> q = jnp.ones((2, 4, 8))   # [B, T, H]

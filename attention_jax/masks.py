@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
+import numpy as np
 
 from attention_jax import _checks
 from attention_jax import _numerics
@@ -53,8 +54,10 @@ def padding_mask(lengths: ArrayLike, max_len: int) -> jax.Array:
   """Marks the valid (non-padding) positions of right-padded sequences.
 
   Args:
-    lengths: integer ``[B]``, the number of valid tokens in each sequence.
-      Lengths above ``max_len`` mark every position valid; 0 marks none.
+    lengths: integer ``[B]``, the number of valid tokens in each sequence,
+      in ``[0, max_len]`` (a concrete length outside it is refused: it
+      would be a sequence longer than the padded one; traced lengths above
+      ``max_len`` mark every position valid).
     max_len: the padded length (positive int).
 
   Returns:
@@ -66,11 +69,17 @@ def padding_mask(lengths: ArrayLike, max_len: int) -> jax.Array:
            [1, 1, 1]], dtype=int32)
   """
   _checks.check_positive_int("max_len", max_len)
+  if isinstance(lengths, (list, tuple)):
+    lengths = np.asarray(lengths)
   dtype = jnp.result_type(lengths)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(f"lengths must be an integer array, got dtype {dtype} "
                     f"with shape {_checks.shape_of(lengths)}.")
   _checks.check_rank("lengths", lengths, (1,), "[B]")
+  _checks.check_concrete_range(
+      "lengths", lengths, max_len,
+      f": a length past max_len={max_len} would be clipped silently; pass "
+      "max_len >= the longest sequence")
   lengths = jnp.asarray(lengths)
   return jnp.arange(max_len)[None, :] < lengths[:, None]  # [B, max_len]
 

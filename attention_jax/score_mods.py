@@ -7,7 +7,11 @@ float32 scores after scale and bias (``[T, S]`` in the dense kernel, one
 visited ``[bq, bk]`` block in the blockwise ones), the int32 batch and
 query-head indices of this head (scalars), and broadcast integer query and
 key indices (``[T, 1]``/``[1, S]``, or the block's). It returns the
-modified scores; ``-inf`` blocks an entry. Every implementation applies it
+modified scores, float and of the score's shape; ``-inf`` blocks an entry.
+It must be elementwise: entry ``(i, j)`` reads ``score[i, j]``, ``b``,
+``h``, ``q_idx[i]``, ``kv_idx[j]`` and arrays indexed by them, never other
+scores (the kernels hold different scores at once); every call checks
+this (``_checks.check_score_mod``). Every implementation applies it
 alike and differentiates the arrays it uses.
 
 Arrays travel with the function as one value: ``ScoreMod(fn, params)`` is a

@@ -3,6 +3,7 @@
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,10 +34,21 @@ class CausalMaskTest(parameterized.TestCase):
 class PaddingMaskTest(parameterized.TestCase):
 
   def test_marks_valid_prefix(self):
-    got = aj.padding_mask(jnp.array([0, 2, 4, 7]), 4)
-    expected = np.array([[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1],
-                         [1, 1, 1, 1]], bool)
+    got = aj.padding_mask([0, 2, 4], 4)  # a list works like an array
+    expected = np.array([[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]], bool)
     np.testing.assert_array_equal(got, expected)
+
+  def test_concrete_length_past_max_len_is_refused(self):
+    # A length past max_len would be clipped: a sequence longer than the
+    # padded one is a caller's bug, not a full row.
+    with self.assertRaisesRegex(ValueError, r"lengths must lie in \[0, 7\].*"
+                                r"max_len >= the longest"):
+      aj.padding_mask([9, 3], 7)
+    with self.assertRaisesRegex(ValueError, r"lengths must lie in"):
+      aj.padding_mask(jnp.array([-1, 3]), 7)
+    # Traced lengths cannot be checked; they clip, as documented.
+    got = jax.jit(aj.padding_mask, static_argnums=1)(jnp.array([9, 0]), 4)
+    np.testing.assert_array_equal(got, np.array([[1] * 4, [0] * 4], bool))
 
   def test_make_attention_mask_is_outer_and(self):
     q_valid = aj.padding_mask(jnp.array([1, 3]), 3)

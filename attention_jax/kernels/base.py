@@ -103,6 +103,7 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
                                    bias, sinks=sinks, score_mod=score_mod,
                                    rule_lengths=rule_lengths)
   _checks.check_dropout(dropout_rate, dropout_rng)
+  _checks.check_call_scale(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
