@@ -144,17 +144,17 @@ def scaled_dot_product_attention(
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
     implementation: ``None`` (automatic), a kernel name (``"dense"``,
-      ``"blockwise"``, ``"cudnn"``), an ``aj.kernels`` kernel
-      (``aj.kernels.Flash(block_q=512)``, ``aj.kernels.Ring("seq")``) or a
-      sequence of them to try in order. ``None`` walks
-      ``aj.kernels.REGISTRY``: cuDNN (GPU, float16/bfloat16, ``[B, N, T,
-      H]``, H <= 128 and a multiple of 8, one length per example, causal
-      windows with ``T == S``; no lse, segment ids, sinks, ``score_mod`` or
-      rules), then blockwise (O(T + S) memory; no weights, dropout or
-      float64), then dense (everything; the ``[T, S]`` scores), skipping
-      the first two below ``T * S`` = 1024 * 1024 scores. When nothing
-      fits, the error lists each kernel's reason. Every kernel gives the
-      same numbers within float32 rounding (tested).
+      ``"flash"`` — also called ``"blockwise"`` —, ``"cudnn"``,
+      ``"splash"``, ``"pallas_gpu"``), an ``aj.kernels`` kernel
+      (``aj.kernels.Flash(block_q=512)``, ``aj.kernels.Ring("seq")``, one
+      of your own) or a sequence of them to try in order. ``None`` walks
+      ``aj.kernels.REGISTRY``: cuDNN (GPU), splash (TPU), Pallas GPU, the
+      flash core (O(T + S) memory; no weights, dropout or float64), then
+      dense (everything; the ``[T, S]`` scores), the others skipped below
+      ``T * S`` = 1024 * 1024 scores; each kernel's ``supports`` says what
+      it refuses. When nothing fits, the error lists each kernel's reason;
+      ``aj.explain(...)`` shows the choice without running it. Every kernel
+      gives the same numbers within float32 rounding (tested).
     return_weights: also return the attention weights (dense only).
     return_lse: also return the log-sum-exp of each row's allowed logits.
     return_max_logits: also return each row's largest raw logit (what

@@ -742,7 +742,7 @@ PATTERNS = ("plain", "causal", "window", "segments", "sinks", "softcap",
             "alibi", "t5")
 # The timed peers: the default choice, each accelerator kernel, the flash
 # core (pure JAX, the ratios' denominator) and jax.nn.
-PATTERN_IMPLS = (AUTO, "cudnn", "splash", "pallas_gpu", "blockwise", JAX_NN)
+PATTERN_IMPLS = (AUTO, "cudnn", "splash", "pallas_gpu", "flash", JAX_NN)
 
 
 def pattern_sizes(quick: bool) -> tuple[tuple[int, ...], int, int, int]:
@@ -826,7 +826,7 @@ def patterns_table(rows: list[dict]) -> str:
         r["impl"]] = r
   notes = {}
   for (pattern, shape, mode), by_impl in groups.items():
-    base = (by_impl.get("blockwise") or {}).get("ms")
+    base = (by_impl.get("flash") or {}).get("ms")
     cells = []
     for impl in impls:
       r = by_impl.get(impl)

@@ -17,7 +17,9 @@ with no gradient through them); where it does not, it must refuse with a
 ``RING_DEVICES`` of the 8 simulated devices. A kernel added to the registry
 is a new column by itself; it must say here what it refuses (``REFUSES``;
 the suite fails until it does) and, if it has block sizes, how to run it on
-these tiny shapes (``CONFIGURED``).
+these tiny shapes (``CONFIGURED``). A kernel outside the registry (written
+outside the library) runs the same cases through ``outside_suite(kernel,
+refuses, cases)``.
 
 Shape glossary: B batch, N query heads, K key/value heads, T query length,
 S key/value length, H head dim.
@@ -26,6 +28,7 @@ S key/value length, H head dim.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from absl.testing import parameterized
 import chex
@@ -47,7 +50,7 @@ RING_DEVICES = 4
 # Kernels with block sizes run odd ones, so that causal offsets, lengths and
 # rules straddle block edges.
 CONFIGURED = {
-    "blockwise": aj.kernels.Flash(block_q=5, block_k=7),
+    "flash": aj.kernels.Flash(block_q=5, block_k=7),
     "ring": aj.kernels.Ring("seq", block_q=4, block_k=3),
     # Accelerator kernels run in Pallas's interpreter here.
     # Triton's smallest tiles (powers of two >= 16: what a GPU would run,
@@ -60,7 +63,7 @@ CONFIGURED = {
 # The case features each kernel refuses (its ``supports`` must say so).
 REFUSES = {
     "dense": frozenset(),
-    "blockwise": frozenset({"float64"}),
+    "flash": frozenset({"float64"}),
     "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
                         "softcap", "segments", "sinks", "alibi", "t5",
                         "rule", "max_logits"}),
@@ -122,9 +125,7 @@ def _ring(query, key, value, mask_parts, **kw):
   like the sequence, lengths replicated); its structure and rule stay
   closed over (concrete).
   """
-  mesh = jax.make_mesh((RING_DEVICES,), ("seq",),
-                       devices=jax.devices()[:RING_DEVICES],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = _ring_mesh()
   seq = P(None, None, "seq")  # also [B, N, T] lse and max logits
   return_lse = kw.pop("return_lse", False)
   return_max_logits = kw.pop("return_max_logits", False)
@@ -146,6 +147,46 @@ def _ring(query, key, value, mask_parts, **kw):
   return jax.shard_map(local, mesh=mesh,
                        in_specs=(seq, seq, seq, specs, {n: P() for n in kw}),
                        out_specs=out_specs)(query, key, value, arrays, kw)
+
+
+def _ring_mesh():
+  return jax.make_mesh((RING_DEVICES,), ("seq",),
+                       devices=jax.devices()[:RING_DEVICES],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+# User callables that no kernel may run, since their answer would depend
+# on the kernel (the dense one sees a head's [T, S] scores, the blockwise
+# ones a block): every kernel refuses them at the call, with one message.
+NOT_ELEMENTWISE = {
+    "summed_score_mod": dict(score_mod=lambda s, b, h, q, k: s.sum()),
+    "row_wise_score_mod": dict(
+        score_mod=lambda s, b, h, q, k: s / s.std(-1, keepdims=True)),
+    "integer_rule": dict(mask=aj.Mask(
+        causal=True, rule=lambda b, h, q, k: (k < PREFIX).astype(jnp.int32))),
+    "integer_rule_in_union": dict(mask=aj.Mask(causal=True) | aj.Mask(
+        rule=lambda b, h, q, k: jnp.int32(2) * (k < PREFIX))),
+}
+
+
+def _call_refused(name, kernel, q, k, v, call) -> str:
+  """The message of the error that ``kernel`` (``None``: the automatic
+  choice) raises for ``call``, under jit; ring on its devices."""
+  mask, score_mod = call.get("mask"), call.get("score_mod")
+
+  def attend(q, k, v):
+    return aj.scaled_dot_product_attention(
+        q, k, v, mask, score_mod=score_mod, implementation=kernel)
+
+  if name == "ring":
+    seq = P(None, None, "seq")
+    attend = jax.shard_map(attend, mesh=_ring_mesh(), in_specs=(seq,) * 3,
+                           out_specs=seq)
+  try:
+    jax.jit(attend)(q, k, v)
+  except (ValueError, TypeError) as e:
+    return type(e).__name__ + ": " + str(e)
+  raise AssertionError(f"kernel {name!r} ran a call it must refuse")
 
 
 def _mask(parts):
@@ -408,17 +449,42 @@ def _loss(out, lse, cot, cot_lse):
   return total
 
 
-def suite(names):
-  """A ``chex.TestCase`` running every case on each named kernel."""
+def suite(names, *, kernels=None, refuses=None, cases=None):
+  """A ``chex.TestCase`` running every case on each named kernel.
+
+  ``kernels`` (name -> kernel), ``refuses`` (name -> features) and
+  ``cases`` (case names) stand in for ``CONFIGURED``, ``REFUSES`` and
+  ``SUBSETS`` where given (``outside_suite``).
+  """
+  kernels = dict(kernels or {})
+  refuses = {**REFUSES, **(refuses or {})}
   params = [(f"{name}__{case_name}", name, case_name)
-            for name in names for case_name in case_names(name)]
+            for name in names
+            for case_name in (case_names(name) if cases is None else cases)]
 
   class ContractTest(chex.TestCase):
 
     def test_every_kernel_states_what_it_refuses(self):
       for name in names:
-        self.assertIn(name, REFUSES, f"kernel {name!r}: add what it refuses "
+        self.assertIn(name, refuses, f"kernel {name!r}: add what it refuses "
                       "to REFUSES in tests/contract.py")
+
+    @parameterized.named_parameters(*[
+        (f"{name}__{bad}", name, bad) for name in names
+        for bad in NOT_ELEMENTWISE])
+    def test_refuses_what_is_not_elementwise(self, name, bad):
+      if name in NEEDS_GPU and jax.default_backend() != "gpu":
+        self.skipTest("needs a GPU")
+      t = 4 * RING_DEVICES  # a few rows per ring device
+      q, k, v = (_data.normal(30 + i, (B, N, t, H)) for i in range(3))
+      call = NOT_ELEMENTWISE[bad]
+      got = _call_refused(name, kernels.get(name) or _kernel(name), q, k, v,
+                          call)
+      automatic = _call_refused(None, None, q, k, v, call)
+      # Ring names its device's [T / devices, S / devices] blocks: the
+      # message is compared with the shapes left out.
+      unshaped = lambda m: re.sub(r"\[\d+(, \d+)*\]", "[...]", m)
+      self.assertEqual(unshaped(got), unshaped(automatic))
 
     @parameterized.named_parameters(*params)
     def test_contract(self, name, case_name):
@@ -466,13 +532,14 @@ def suite(names):
           result = _ring(q, k, v, parts, **kw)
         else:
           result = aj.scaled_dot_product_attention(
-              q, k, v, _mask(parts), implementation=_kernel(name), **kw)
+              q, k, v, _mask(parts),
+              implementation=kernels.get(name) or _kernel(name), **kw)
         result = list(result) if isinstance(result, tuple) else [result]
         out = result.pop(0)
         lse = result.pop(0) if case.lse else None
         return out, lse, (result.pop(0) if case.max_logits else None)
 
-      if case.features() & REFUSES.get(name, frozenset()):
+      if case.features() & refuses.get(name, frozenset()):
         with self.assertRaises((ValueError, TypeError)):
           jax.jit(ours)(q, k, v, bias, diff)
         return
@@ -553,3 +620,38 @@ def suite(names):
       np.testing.assert_array_equal(np.asarray(grads[0])[empty], 0.0)
 
   return ContractTest
+
+
+def outside_suite(kernel, refuses, cases=None):
+  """The contract for one kernel instance, e.g. one written outside the
+  library (``docs/usage.md``, "Writing a kernel").
+
+  Args:
+    kernel: an ``aj.kernels.Kernel`` instance, run as ``implementation=``
+      (registered or not).
+    refuses: the case features it refuses (its ``supports`` must refuse
+      every case with one of them, with a ValueError): a subset of
+      ``FEATURES``.
+    cases: names of ``CASES`` to run (None: all).
+
+  Returns:
+    A ``chex.TestCase`` class; assign it to a module-level name of a test
+    file for pytest to collect.
+  """
+  if not isinstance(kernel, aj.kernels.Kernel):
+    raise TypeError(f"kernel must be an aj.kernels.Kernel instance, got "
+                    f"{kernel!r}.")
+  unknown = set(refuses) - FEATURES
+  if unknown:
+    raise ValueError(f"refuses names no case feature: {sorted(unknown)}; "
+                     f"the features are {sorted(FEATURES)}.")
+  missing = set(cases or ()) - set(CASES)
+  if missing:
+    raise ValueError(f"no such contract cases: {sorted(missing)}.")
+  return suite([kernel.name], kernels={kernel.name: kernel},
+               refuses={kernel.name: frozenset(refuses)},
+               cases=None if cases is None else tuple(cases))
+
+
+# Every feature a case can have (what REFUSES and outside_suite name).
+FEATURES = frozenset(TOLERANCES).union(*(c.features() for c in CASES.values()))

@@ -94,35 +94,35 @@ class GpuCheckSmokeTest(absltest.TestCase):
     # dense is left out: "auto" runs it at these sizes (without the lse).
     results = gpu_check.run_check(
         quick=True, cases=("segments",), repeats=1, dtypes=("float32",),
-        impls=("auto", "blockwise", "cudnn", "ring"),
+        impls=("auto", "flash", "cudnn", "ring"),
         out=str(pathlib.Path(out) / "r.json"))
     self.assertEqual(results["failed"], 0)
     rows = {(r["level"], r["case"], r["impl"]): r for r in results["checks"]}
-    for impl in ("auto", "blockwise"):
+    for impl in ("auto", "flash"):
       for level in ("sdpa", "mha"):
         self.assertEqual(rows[level, "segments", impl]["status"], "PASS")
-    self.assertIsNotNone(rows["sdpa", "segments", "blockwise"]["lse_err"])
+    self.assertIsNotNone(rows["sdpa", "segments", "flash"]["lse_err"])
     if jax.default_backend() != "gpu":
       self.assertIn("needs a GPU", rows["sdpa", "segments", "cudnn"]["reason"])
     if len(jax.devices()) == 1:
       self.assertIn("device", rows["sdpa", "segments", "ring"]["reason"])
     timed = {(r["impl"], r["mode"]) for r in results["timings"] if r["ms"]}
     self.assertContainsSubset(
-        {("auto", "fwd"), ("blockwise", "fwd+bwd")}, timed)
+        {("auto", "fwd"), ("flash", "fwd+bwd")}, timed)
     self.assertTrue((pathlib.Path(out) / "r.json").exists())
 
   def test_pattern_timings_run_or_say_why(self):
     rows = gpu_check.time_patterns(quick=True, repeats=1,
-                                   impls=("blockwise", "jax.nn"),
+                                   impls=("flash", "jax.nn"),
                                    patterns=("causal", "sinks"))
     by = {(r["pattern"], r["impl"], r["mode"]): r for r in rows}
-    for impl in ("blockwise", "jax.nn"):
+    for impl in ("flash", "jax.nn"):
       self.assertGreater(by["causal", impl, "fwd+bwd"]["ms"], 0)
     self.assertIsNone(by["sinks", "jax.nn", "fwd"]["ms"])
     self.assertIn("sinks", by["sinks", "jax.nn", "fwd"]["reason"])
     self.assertIn("(1.00x)", gpu_check.patterns_table(rows))
     late = gpu_check.time_patterns(quick=True, repeats=1,
-                                   impls=("blockwise",), budget_s=0.0,
+                                   impls=("flash",), budget_s=0.0,
                                    patterns=("causal",))
     self.assertTrue(all("budget" in r["reason"] for r in late))
 

@@ -47,23 +47,23 @@ EXPECTED = {
     "gpu": {"causal": "cudnn", "segments": "pallas_gpu",
             "sinks": "pallas_gpu", "softcap": "pallas_gpu",
             # ALiBi reads slopes[h]: no Triton lowering, the flash core.
-            "alibi": "blockwise", "bias": "cudnn",
+            "alibi": "flash", "bias": "cudnn",
             "float32_causal": "pallas_gpu", "small": "dense",
             "weights": "dense", "prefix_rule": "pallas_gpu",
-            "per_example_rule": "blockwise"},
+            "per_example_rule": "flash"},
     "tpu": {"causal": "splash", "segments": "splash", "sinks": "splash",
             "softcap": "splash",
             # Splash's only modifier is a soft cap, and it has no bias.
-            "alibi": "blockwise", "bias": "blockwise",
+            "alibi": "flash", "bias": "flash",
             "float32_causal": "splash", "small": "dense", "weights": "dense",
             # Concrete rules become splash's (static) NumPy masks.
             "prefix_rule": "splash", "per_example_rule": "splash"},
-    "cpu": {"causal": "blockwise", "segments": "blockwise",
-            "sinks": "blockwise", "softcap": "blockwise",
-            "alibi": "blockwise", "bias": "blockwise",
-            "float32_causal": "blockwise", "small": "dense",
-            "weights": "dense", "prefix_rule": "blockwise",
-            "per_example_rule": "blockwise"},
+    "cpu": {"causal": "flash", "segments": "flash",
+            "sinks": "flash", "softcap": "flash",
+            "alibi": "flash", "bias": "flash",
+            "float32_causal": "flash", "small": "dense",
+            "weights": "dense", "prefix_rule": "flash",
+            "per_example_rule": "flash"},
 }
 
 

@@ -251,12 +251,12 @@ class KernelInterfaceTest(absltest.TestCase):
     q, k, v = _qkv()
     with self.assertRaisesRegex(
         ValueError, r"no implementation takes this call \(cudnn: .*; "
-        r"blockwise: it never forms the attention weights"):
+        r"flash: it never forms the attention weights"):
       aj.scaled_dot_product_attention(q, k, v, implementation=(
           "cudnn", "blockwise"), return_weights=True)
     with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'splash', "
-                                "'pallas_gpu', 'blockwise', 'dense'\\]"):
-      aj.scaled_dot_product_attention(q, k, v, implementation="flash")
+                                "'pallas_gpu', 'flash', 'dense'\\]"):
+      aj.scaled_dot_product_attention(q, k, v, implementation="flashy")
 
   def test_a_list_runs_the_first_kernel_that_fits(self):
     q, k, v = _qkv()

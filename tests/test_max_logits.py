@@ -228,7 +228,7 @@ class MaxLogitsTest(chex.TestCase):
       self.assertIsNone(kernel.supports(asked))
     big = problem(1024, 1024, return_max_logits=True)  # where fused ones run
     chosen = aj.kernels.choose(aj.kernels.REGISTRY, big, automatic=True)
-    self.assertEqual(chosen.name, "blockwise")
+    self.assertEqual(chosen.name, "flash")
 
   def test_a_kernel_that_ignores_the_flag_is_an_error(self):
     class Ignoring(aj.kernels.Dense):

@@ -256,17 +256,17 @@ CASES = [
         Q, K, V, mask=jnp.ones((4, 6), bool)), ValueError,
      r"mask with shape \(4, 6\) has rank 2"),
     ("sdpa_unknown_implementation", lambda: sdpa(Q, K, V,
-                                                 implementation="flash"),
+                                                 implementation="flashy"),
      ValueError, r"implementation must be None, a kernel, a sequence of them, "
-     r"or one of \['cudnn', 'splash', 'pallas_gpu', 'blockwise', 'dense'\], "
-     r"got 'flash'"),
+     r"or one of \['cudnn', 'splash', 'pallas_gpu', 'flash', 'dense'\] "
+     r"\(or an alias: \['blockwise'\]\), got 'flashy'"),
     ("sdpa_blockwise_dropout", lambda: sdpa(
         Q, K, V, implementation="blockwise", dropout_rate=0.1,
         dropout_rng=jax.random.key(0)), ValueError,
-     r"implementation='blockwise' is not possible: it has no dropout"),
+     r"implementation='flash' is not possible: it has no dropout"),
     ("sdpa_blockwise_weights", lambda: sdpa(
         Q, K, V, implementation="blockwise", return_weights=True), ValueError,
-     r"implementation='blockwise' is not possible: it never forms the "
+     r"implementation='flash' is not possible: it never forms the "
      r"attention weights"),
     # The ring kernel refuses a dense mask or bias inside shard_map (outside
     # it the unbound axis is reported first); ring_attention has no bias.

@@ -1,28 +1,59 @@
-"""The attention kernels and their registry.
+"""The attention kernels, their registry, and what a kernel is written with.
+
+Shape glossary: T query length, S key/value length, H head dim, Hv value
+head dim; ``...`` leading dims.
 
 Each kernel is one file (``base.Kernel``: ``supports``, ``declines``,
 ``__call__`` on a validated ``base.Problem``). ``REGISTRY`` lists the ones
 the automatic choice walks, in its order: the first that supports the
 problem and does not decline it runs. ``Ring`` is not in it: it needs a
 mesh axis (``aj.ring_attention``, or ``implementation=Ring(axis_name)``
-inside ``jax.shard_map``).
+inside ``jax.shard_map``). A kernel's ``name`` is its class's, lower case
+(``Flash`` is ``"flash"``); ``"blockwise"`` stays a name of ``Flash``
+(``aj.blockwise_attention``'s kernel).
 
-Adding a kernel: one file with a ``base.Kernel`` subclass, one line here.
+A kernel written outside the library needs only the names here (see "Writing
+a kernel" in the usage docs): ``Kernel`` and ``Problem``; ``lift_heads``
+runs a single-head function over the leading dims, giving it a ``Head`` of
+that head's operands; ``allowed`` is where the head's mask lets a query see
+a key; ``zero_unseen`` keeps padding's NaN out of the products,
+``with_sink`` applies a sink, ``masked_softmax`` / ``masked_logsumexp``
+hold the fully-masked-row policy; ``no_weights_or_dropout``,
+``no_max_logits``, ``float32_only`` and ``too_small`` are the refusals the
+library's kernels share. ``register`` adds a kernel to the automatic choice
+(``with register(kernel):`` for a scope), ``unregister`` removes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax.numpy as jnp
+
+from attention_jax import _patterns
+from attention_jax._broadcast import Head
+from attention_jax._broadcast import lift_heads
+from attention_jax._checks import Operands
+from attention_jax._numerics import compute_dtype
+from attention_jax._numerics import with_sink
+from attention_jax._numerics import zero_unseen
 from attention_jax.kernels.base import Kernel
 from attention_jax.kernels.base import Problem
+from attention_jax.kernels.base import float32_only
+from attention_jax.kernels.base import no_max_logits
+from attention_jax.kernels.base import no_weights_or_dropout
+from attention_jax.kernels.base import too_small
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
 from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
 from attention_jax.kernels.splash import Splash
+from attention_jax.softmax import masked_logsumexp
+from attention_jax.softmax import masked_softmax
 
+# Rebound (never mutated) by register/unregister: a tuple read through the
+# module, so the automatic choice sees every registration.
 REGISTRY: tuple[Kernel, ...] = (
     Cudnn(),  # GPU only
     Splash(),  # TPU only
@@ -31,18 +62,32 @@ REGISTRY: tuple[Kernel, ...] = (
     Dense(),
 )
 
-__all__ = ["REGISTRY", "Cudnn", "Dense", "Flash", "Kernel", "PallasGpu",
-           "Problem", "Ring", "Splash", "by_name", "candidates", "choose"]
+# Other names ``by_name`` accepts: ``aj.blockwise_attention`` and users'
+# ``implementation="blockwise"`` predate the name ``"flash"``.
+ALIASES = {"blockwise": "flash"}
+
+__all__ = ["ALIASES", "REGISTRY", "Cudnn", "Dense", "Flash", "Head",
+           "Kernel", "Operands", "PallasGpu", "Problem", "Registration",
+           "Ring", "Splash", "allowed", "by_name", "candidates", "choose",
+           "compute_dtype", "float32_only", "lift_heads", "masked_logsumexp",
+           "masked_softmax", "no_max_logits", "no_weights_or_dropout",
+           "register", "too_small", "unregister", "verdicts", "with_sink",
+           "zero_unseen"]
+
+
+def _names() -> list[str]:
+  return [k.name for k in REGISTRY]
 
 
 def by_name(name: str) -> Kernel:
-  """The registered kernel called ``name``."""
+  """The registered kernel called ``name`` (or an alias of it, ``ALIASES``)."""
+  name = ALIASES.get(name, name)
   for kernel in REGISTRY:
     if kernel.name == name:
       return kernel
   raise ValueError(
       f"implementation must be None, a kernel, a sequence of them, or one of "
-      f"{[k.name for k in REGISTRY]}, got {name!r}.")
+      f"{_names()} (or an alias: {sorted(ALIASES)}), got {name!r}.")
 
 
 def candidates(implementation) -> tuple[tuple[Kernel, ...], bool]:
@@ -53,7 +98,7 @@ def candidates(implementation) -> tuple[tuple[Kernel, ...], bool]:
     implementation = (implementation,)
   if not isinstance(implementation, Sequence) or not implementation:
     raise ValueError(
-        f"implementation must be None, a kernel name ({[k.name for k in REGISTRY]}), "
+        f"implementation must be None, a kernel name ({_names()}), "
         f"a Kernel, or a non-empty sequence of them; got {implementation!r}.")
   kernels = []
   for item in implementation:
@@ -67,16 +112,27 @@ def candidates(implementation) -> tuple[tuple[Kernel, ...], bool]:
   return tuple(kernels), False
 
 
+def verdicts(kernels: Sequence[Kernel], problem: Problem, automatic: bool):
+  """Yields ``(kernel, verdict, reason)`` in order: ``"refuses"``
+  (``supports``' reason), ``"declines"`` (``declines``' reason, asked only
+  when automatic) or ``"takes"`` (reason None). Lazy: ``choose`` stops at
+  the first that takes the problem."""
+  for kernel in kernels:
+    reason = kernel.supports(problem)
+    if reason is not None:
+      yield kernel, "refuses", reason
+      continue
+    reason = kernel.declines(problem) if automatic else None
+    yield kernel, "takes" if reason is None else "declines", reason
+
+
 def choose(kernels: Sequence[Kernel], problem: Problem,
            automatic: bool) -> Kernel:
   """The first kernel that takes ``problem``; else a ValueError with each
   kernel's reason."""
   reasons = []
-  for kernel in kernels:
-    reason = kernel.supports(problem)
-    if reason is None and automatic:
-      reason = kernel.declines(problem)
-    if reason is None:
+  for kernel, verdict, reason in verdicts(kernels, problem, automatic):
+    if verdict == "takes":
       return kernel
     reasons.append((kernel.name, reason))
   if len(reasons) == 1:
@@ -84,3 +140,114 @@ def choose(kernels: Sequence[Kernel], problem: Problem,
     raise ValueError(f"implementation={name!r} is not possible: {reason}.")
   listed = "; ".join(f"{name}: {reason}" for name, reason in reasons)
   raise ValueError(f"no implementation takes this call ({listed}).")
+
+
+class Registration:
+  """A kernel's place in ``REGISTRY``; ``with`` unregisters it on exit."""
+
+  def __init__(self, kernel: Kernel):
+    self.kernel = kernel
+
+  def __enter__(self) -> Kernel:
+    return self.kernel
+
+  def __exit__(self, *exc) -> None:
+    unregister(self.kernel.name)
+
+  def __repr__(self):
+    return f"Registration({self.kernel!r})"
+
+
+def register(kernel: Kernel, *, before: str | None = None) -> Registration:
+  """Adds ``kernel`` to the automatic choice (``REGISTRY``).
+
+  Args:
+    kernel: an instance of a ``Kernel`` subclass whose ``name`` no
+      registered kernel (nor an alias) has.
+    before: the name of the registered kernel it is tried before; None
+      tries it first. (``"dense"`` takes every call, so a kernel after it
+      never runs automatically.)
+
+  Returns:
+    A ``Registration``: ``with register(kernel): ...`` unregisters it when
+    the block ends (what tests do); otherwise it stays until
+    ``unregister(kernel.name)``. While registered, ``implementation=`` also
+    takes its name.
+
+  Raises:
+    TypeError: ``kernel`` is not a ``Kernel`` instance (e.g. the class).
+    ValueError: its name is taken, or ``before`` names no registered
+      kernel.
+
+  Example:
+    >>> class Mine(aj.kernels.Dense):
+    ...   name = "mine"
+    >>> with aj.kernels.register(Mine(), before="dense"):
+    ...   [k.name for k in aj.kernels.REGISTRY][-2:]
+    ['mine', 'dense']
+    >>> "mine" in [k.name for k in aj.kernels.REGISTRY]
+    False
+  """
+  global REGISTRY
+  if not isinstance(kernel, Kernel):
+    hint = (" (the class: pass an instance, e.g. Mine())"
+            if isinstance(kernel, type) else "")
+    raise TypeError(f"register takes an attention_jax.kernels.Kernel "
+                    f"instance, got {kernel!r}{hint}.")
+  name = kernel.name
+  if not isinstance(name, str) or not name or name == Kernel.name:
+    raise ValueError(f"kernel {kernel!r} needs its own name (a class "
+                     f"attribute name = \"...\"), got {name!r}.")
+  if name in _names() or name in ALIASES:
+    raise ValueError(
+        f"a kernel named {name!r} is already registered (names: "
+        f"{_names()}, aliases: {sorted(ALIASES)}): give yours another name, "
+        "or unregister the other first.")
+  at = 0
+  if before is not None:
+    before = ALIASES.get(before, before)
+    if before not in _names():
+      raise ValueError(f"before must name a registered kernel, one of "
+                       f"{_names()}, got {before!r}.")
+    at = _names().index(before)
+  REGISTRY = REGISTRY[:at] + (kernel,) + REGISTRY[at:]
+  return Registration(kernel)
+
+
+def unregister(name: str | Kernel) -> Kernel:
+  """Removes the kernel called ``name`` (or that kernel) from ``REGISTRY``;
+  returns it (``register(kernel)`` puts it back, first)."""
+  global REGISTRY
+  name = name.name if isinstance(name, Kernel) else ALIASES.get(name, name)
+  if name not in _names():
+    raise ValueError(f"no registered kernel is called {name!r} (names: "
+                     f"{_names()}).")
+  kernel = REGISTRY[_names().index(name)]
+  REGISTRY = tuple(k for k in REGISTRY if k is not kernel)
+  return kernel
+
+
+def allowed(ops: Operands, head: Head, t: int, s: int):
+  """Where one head's query may see a key: bool ``[T, S]``, or None (all).
+
+  Every mask field of the call (the dense mask, causality and the window
+  bottom-right aligned, query and key lengths, segment ids, a rule at the
+  head's ``(b, h)``), as ``Dense`` evaluates it; not a bias's or score
+  modifier's ``-inf`` (a kernel adds those where it forms the logits).
+  ``ops`` is ``problem.ops``, ``head`` what ``lift_heads`` hands the
+  single-head function.
+  """
+  rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+  q_seg = None if head.q_seg is None else head.q_seg[:, None]
+  k_seg = None if head.k_seg is None else head.k_seg[None, :]
+  parts = [head.mask, _patterns.visible(
+      rows, cols, s - t, _patterns.bounds(ops.causal, ops.window),
+      head.q_length, head.length, q_seg, k_seg)]
+  if head.block_mask is not None:
+    parts.append(head.block_mask.mask_fn(*head.index, rows, cols))
+  out = None
+  for part in parts:
+    if part is not None:
+      part = jnp.broadcast_to(part, (t, s))
+      out = part if out is None else out & part
+  return out

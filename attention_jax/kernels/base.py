@@ -142,7 +142,7 @@ def no_max_logits(problem: Problem) -> str | None:
   """The reason a kernel without the raw row maxima refuses, or None."""
   if problem.return_max_logits:
     return ("it does not return max logits (return_max_logits=True); use "
-            "'dense', 'blockwise' or ring attention")
+            "'dense', 'flash' or ring attention")
   return None
 
 

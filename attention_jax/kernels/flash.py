@@ -35,7 +35,7 @@ class Flash(base.Kernel):
   (``flash_core.block_sizes``)."""
   block_q: int | None = None
   block_k: int | None = None
-  name = "blockwise"
+  name = "flash"
 
   def __post_init__(self):
     base.check_block_size("block_q", self.block_q)

@@ -139,7 +139,7 @@ def _soft_cap(score_mod) -> tuple[float | None, str | None]:
     return cap, None
   return None, ("its only score modifier is one aj.soft_cap(c) (splash's "
                 "attn_logits_soft_cap); other modifiers, chains included, "
-                "need 'blockwise' or 'dense'")
+                "need 'flash' or 'dense'")
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -186,14 +186,14 @@ def _static_mask(ops, t: int, s: int) -> tuple[np.ndarray | None, str | None]:
       return None, ("its mask is static (block tables built on the host), "
                     "and this dense mask is traced (under jax.jit every mask "
                     "array is): express it as lengths, segment ids or a "
-                    "rule, or use 'blockwise'")
+                    "rule, or use 'flash'")
     mask = mask.astype(bool)
   if ops.block_mask is not None:
     rule = _rule_mask(ops, t, s)
     if rule is None:
       return None, ("its mask is static (block tables built on the host), "
                     "and this mask rule reads traced values: use "
-                    "'blockwise', which builds its tables on device")
+                    "'flash', which builds its tables on device")
     if mask is None:
       mask = rule
     else:
@@ -241,7 +241,7 @@ class Splash(base.Kernel):
       return reason
     ops = problem.ops
     if ops.bias is not None:
-      return ("splash takes no additive bias (use 'blockwise' or 'dense', "
+      return ("splash takes no additive bias (use 'flash' or 'dense', "
               "or a mask for -inf entries)")
     _, reason = _soft_cap(ops.score_mod)
     if reason:
@@ -256,7 +256,7 @@ class Splash(base.Kernel):
         return (f"its mask is static: this rule would be evaluated on the "
                 f"host into {cells} booleans ({math.prod(batch)} slices of "
                 f"T x S = {t} x {s}), over its limit of {HOST_MASK_LIMIT}; "
-                "'blockwise' builds the rule's tables on device")
+                "'flash' builds the rule's tables on device")
     _, reason = _static_mask(ops, t, s)
     return reason or _backward_problem()
 
