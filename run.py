@@ -2,16 +2,19 @@
 
 With no flags: the copy task, a GRU encoder-decoder without attention
 (``none``) against one with Bahdanau attention, the same step budget each;
-about 3 minutes on 2 CPU cores. ``--experiment=logit_scale`` measures the
-1/sqrt(d_k) logit scale instead; ``--experiment=lm`` trains a character-level
-causal language model on Python's help topics and generates with the KV
-cache; ``--experiment=dates`` translates dates written out by Babel in 8
-locales into ISO (and ISO into Vietnamese), with the copy task's models.
+4-9 minutes on 2 CPU cores (270-335 s of CPU time on the machines measured,
+docs/experiments.md). ``--experiment=logit_scale`` measures the 1/sqrt(d_k)
+logit scale instead; ``--experiment=lm`` trains a character-level causal
+language model on Python's help topics and generates with the KV cache;
+``--experiment=dates`` translates dates written out by Babel in 8 locales
+into ISO (and ISO into Vietnamese), with the copy task's models.
 
 The flags are generated from the experiments' config dataclasses
 (``experiments/config_flags.py``): names, defaults, help and bounds are
 declared once, on the config fields. Flags become the chosen experiment's
-config and its ``run(config)`` does the rest; nothing else reads flags.
+config and its ``run(config)`` does the rest; nothing else reads flags. A
+flag given that the chosen experiment does not read (``--steps`` with
+``--experiment=lm``, whose budget is ``--lm_steps``) is refused.
 """
 
 import sys
@@ -48,9 +51,26 @@ config_flags.define_flags(
 flags.adopt_module_key_flags(config_flags)  # --help lists them
 
 
+def check_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Refuses, before anything runs, a flag given that --experiment ignores.
+
+  Raises:
+    app.UsageError: e.g. ``--steps`` (the copy task's budget) with
+      ``--experiment=lm``, whose budget is ``--lm_steps``.
+  """
+  try:
+    config_flags.check_flags_read(
+        flag_values["experiment"].value,
+        {name: config for name, (config, _) in EXPERIMENTS.items()},
+        flag_values, shared=[parallel.DistributedConfig])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  check_flags()
   logging.set_verbosity(logging.WARNING)  # hide JAX's backend probing
   parallel.initialize_distributed(
       config_flags.from_flags(parallel.DistributedConfig, flags.FLAGS))

@@ -15,6 +15,9 @@ Several experiments share one command line: ``define_flags`` defines each
 name once and refuses two fields that would give one flag different
 defaults, help or bounds, so no flag can mean two things.
 
+All of them parse whichever experiment runs; ``check_flags_read`` refuses
+a flag given on the command line that the chosen experiment would ignore.
+
 This is the only module that touches absl flags; ``run.py`` hands it
 ``absl.flags.FLAGS``. Experiments themselves only ever see configs.
 """
@@ -290,6 +293,60 @@ def _replace(config: Any, path: tuple[str, ...], value: Any) -> Any:
     return dataclasses.replace(config, **{path[0]: value})
   inner = _replace(getattr(config, path[0]), path[1:], value)
   return dataclasses.replace(config, **{path[0]: inner})
+
+
+def check_flags_read(chosen: str, experiments: Mapping[str, type],
+                     flag_values: flags.FlagValues,
+                     shared: Sequence[type] = ()) -> None:
+  """Refuses a flag set on the command line that ``chosen`` would ignore.
+
+  Every experiment's flags are defined on one command line, so
+  ``--experiment=lm --steps=10`` parses, yet the LM reads ``--lm_steps`` and
+  would silently train its own default budget. A flag of some experiment's
+  config that was given explicitly (absl's ``present``) and that neither
+  ``chosen``'s config nor a ``shared`` config reads is refused. Flags of no
+  config (``--experiment``, absl's ``--help``, ``--verbosity``) are not
+  looked at.
+
+  Args:
+    chosen: the ``--experiment`` value, a key of ``experiments``.
+    experiments: experiment name -> its config dataclass.
+    flag_values: the parsed flags (``absl.flags.FLAGS``).
+    shared: configs every experiment reads (``DistributedConfig``).
+
+  Raises:
+    ValueError: naming each such flag, the experiment(s) whose flag it is,
+      and the flag at the same config field in ``chosen``, where there is
+      one (``--steps`` -> ``--lm_steps``).
+  """
+  if chosen not in experiments:
+    raise ValueError(f"chosen={chosen!r} is not one of the experiments "
+                     f"{list(experiments)}.")
+  specs = {name: flag_specs(cls) for name, cls in experiments.items()}
+  read = {s.name for s in specs[chosen]}
+  read |= {s.name for cls in shared for s in flag_specs(cls)}
+  by_path = {s.path: s.name for s in specs[chosen]}
+  owners, paths = {}, {}  # unread flag name -> its experiments, its field
+  for name, experiment_specs in specs.items():
+    for s in experiment_specs:
+      if s.name not in read:
+        owners.setdefault(s.name, []).append(name)
+        paths.setdefault(s.name, s.path)
+  problems = []
+  for name, names in owners.items():
+    if name not in flag_values or not flag_values[name].present:
+      continue
+    whose = (f"the {names[0]} experiment's" if len(names) == 1 else
+             f"the {', '.join(names[:-1])} and {names[-1]} experiments'")
+    equivalent = by_path.get(paths[name])
+    reads = (f"--experiment={chosen} reads --{equivalent} instead"
+             if equivalent else f"--experiment={chosen} has no such flag")
+    problems.append(f"  --{name} is {whose}; {reads}.\n")
+  if problems:
+    raise ValueError(
+        f"--experiment={chosen} would ignore flags given on the command "
+        f"line:\n{''.join(problems)}Drop them, or choose the experiment they "
+        "belong to.")
 
 
 def from_flags(config_cls: type, flag_values: flags.FlagValues) -> Any:

@@ -1,5 +1,6 @@
 """Flags generated from config dataclasses (experiments/config_flags.py),
-on a private FlagValues: kinds, nesting, shared names, cross-field rules."""
+on a private FlagValues: kinds, nesting, shared names, cross-field rules, and
+refusing a flag given that the chosen experiment does not read."""
 
 from __future__ import annotations
 
@@ -109,6 +110,86 @@ class ConfigFlagsTest(absltest.TestCase):
 
     with self.assertRaisesRegex(TypeError, "Listy.items: no flag type"):
       config_flags.flag_specs(Listy)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Train:
+  steps: int = config_flags.field(10, "Steps.", lower_bound=1)
+  seed: int = config_flags.field(0, "Seed.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExperimentA:
+  train: _Train = _Train()
+  only_a: int = config_flags.field(1, "A's own.")
+  both: int = config_flags.field(2, "A's and C's.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExperimentB:
+  """A's ``train.steps`` under another name; ``seed`` shared."""
+  train: _Train = config_flags.nested(_Train(steps=20), expose={
+      "steps": config_flags.Flag("B steps.", name="b_steps", lower_bound=1),
+      "seed": None})
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExperimentC:
+  both: int = config_flags.field(2, "A's and C's.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+  hosts: int = config_flags.field(1, "Hosts.")
+
+
+_EXPERIMENTS = {"a": _ExperimentA, "b": _ExperimentB, "c": _ExperimentC}
+
+
+class FlagsReadTest(absltest.TestCase):
+  """check_flags_read: a flag given that the chosen experiment ignores."""
+
+  def _check(self, chosen, argv):
+    values = flags.FlagValues()
+    flags.DEFINE_string("other", "", "Of no config.", flag_values=values)
+    config_flags.define_flags([_Shared, *_EXPERIMENTS.values()], values)
+    values(["prog", *argv])
+    config_flags.check_flags_read(chosen, _EXPERIMENTS, values,
+                                  shared=[_Shared])
+
+  def test_another_experiments_flag_names_owner_and_equivalent(self):
+    with self.assertRaisesRegex(ValueError, re.escape(
+        "--experiment=b would ignore flags given on the command line:\n"
+        "  --steps is the a experiment's; --experiment=b reads --b_steps "
+        "instead.\n")):
+      self._check("b", ["--steps=3"])
+    with self.assertRaisesRegex(ValueError, re.escape(
+        "--b_steps is the b experiment's; --experiment=a reads --steps "
+        "instead.")):
+      self._check("a", ["--b_steps=3"])
+
+  def test_no_equivalent_and_several_owners(self):
+    with self.assertRaisesRegex(ValueError, re.escape(
+        "  --only_a is the a experiment's; --experiment=b has no such flag.\n"
+        "  --both is the a and c experiments'; --experiment=b has no such "
+        "flag.\n")):
+      self._check("b", ["--both=5", "--only_a=4"])
+
+  def test_given_even_at_its_default_value(self):
+    # Explicit on the command line is what counts, not a changed value.
+    with self.assertRaisesRegex(ValueError, "--steps is the a experiment's"):
+      self._check("b", ["--steps=10"])
+
+  def test_read_shared_and_configless_flags_are_accepted(self):
+    self._check("b", ["--b_steps=3", "--seed=2", "--hosts=4", "--other=x"])
+    self._check("a", ["--steps=3", "--seed=2", "--both=1", "--hosts=4"])
+    self._check("c", ["--both=1"])
+    self._check("b", [])  # every flag at its default, none given
+
+  def test_unknown_experiment(self):
+    with self.assertRaisesRegex(ValueError, r"chosen='d' is not one of the "
+                                r"experiments \['a', 'b', 'c'\]"):
+      self._check("d", [])
 
 
 if __name__ == "__main__":
