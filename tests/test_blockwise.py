@@ -175,8 +175,8 @@ class DispatchTest(chex.TestCase):
       ("weights_needed", 1024, True, 0.0, None, "dense"),
       ("small", 512, False, 0.0, None, "dense"),
       ("dropout", 1024, False, 0.1, None, "dense"),
-      ("long_no_weights", 1024, False, 0.0, None, "blockwise"),
-      ("explicit", 8, False, 0.0, "blockwise", "blockwise"),
+      ("long_no_weights", 1024, False, 0.0, None, "flash"),
+      ("explicit", 8, False, 0.0, "blockwise", "flash"),  # the alias
   )
   def test_choice(self, t, return_weights, rate, asked, expected):
     q = jnp.zeros((1, 2, t, 8), jnp.float32)
@@ -193,15 +193,15 @@ class DispatchTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, r"implementation='cudnn' is not "
                                 r"possible: it needs a GPU"):
       aj.scaled_dot_product_attention(q, k, v, implementation="cudnn")
-    with self.assertRaisesRegex(ValueError, r"implementation='blockwise' is "
+    with self.assertRaisesRegex(ValueError, r"implementation='flash' is "
                                 r"not possible: it has no dropout"):
       aj.scaled_dot_product_attention(q, k, v, implementation="blockwise",
                                       dropout_rate=0.1,
                                       dropout_rng=jax.random.key(0))
     with self.assertRaisesRegex(ValueError, r"implementation must be None, a "
                                 r"kernel, a sequence of them, or one of"):
-      aj.scaled_dot_product_attention(q, k, v, implementation="flash")
-    for implementation in ("blockwise", "cudnn"):
+      aj.scaled_dot_product_attention(q, k, v, implementation="flashy")
+    for implementation in ("flash", "cudnn"):
       with self.assertRaisesRegex(
           ValueError, rf"implementation='{implementation}' is not possible: "
           r"it never forms the attention weights"):
