@@ -22,7 +22,10 @@ from attention_jax.blockwise import blockwise_attention
 from attention_jax.checkpoints import LoadedAttention
 from attention_jax.checkpoints import load_attention_weights
 from attention_jax.dot_product import scaled_dot_product_attention
+from attention_jax.explain import Explanation
+from attention_jax.explain import explain
 from attention_jax.flax_fn import flax_attention_fn
+from attention_jax.generate import generate
 from attention_jax.jax_nn import dot_product_attention
 from attention_jax.kv_cache import cache_overflow
 from attention_jax.kv_cache import ring_slot_positions
@@ -101,7 +104,10 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "dot_product_attention",
+    "explain",
+    "Explanation",
     "flax_attention_fn",
+    "generate",
     "from_torch_multihead_attention",
     "init_additive_params",
     "init_latent_cache",

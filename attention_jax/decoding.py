@@ -11,6 +11,19 @@ updates) and returns what the queries attend over, with the call's
 per-example visibility mask over absolute positions, a rule is evaluated
 at those positions, and a score modifier sees them as ``q_idx``/``kv_idx``,
 so cached decoding equals the full forward.
+
+Left padding: a cache with ``left_padding [B]`` (each example's leading pad
+tokens) never shows a key below it, and masks, rules and score modifiers
+see positions counted from each example's first real token, so a
+left-padded example decodes as the same tokens alone, in a linear cache or
+a ring buffer.
+
+Right padding needs the mask's ``q_lengths`` (each example's real new
+tokens). A prefill without it caches every token; when the call's mask
+hides the last new token from its own query (``kv_lengths`` or a dense
+key-padding mask over the pads), pads are being cached: a ValueError at
+trace time when the values are concrete, else the sticky ``pad_written``
+flag that ``MultiHeadAttention.check_cache()`` raises from.
 """
 
 from __future__ import annotations
@@ -36,13 +49,19 @@ class KVCache(NamedTuple):
   per example (``[B]``, or a scalar for all). ``overflow`` (bool ``[B]``,
   sticky) marks examples whose write did not fit a linear cache: it is an
   error value, checked outside the step (``MultiHeadAttention.check_cache``)
-  so decoding pays no host callback.
+  so decoding pays no host callback. ``left_padding`` (int32 ``[B]`` or
+  None) counts each example's leading pad tokens: keys below it are never
+  visible. ``pad_written`` (bool ``[B]``, sticky, or None) marks examples
+  whose prefill without ``q_lengths`` cached a token its own query was
+  masked from (right padding cached as tokens).
   """
   key: jax.Array
   value: jax.Array
   index: jax.Array
   overflow: jax.Array | None = None
   window: int | None = None
+  left_padding: jax.Array | None = None
+  pad_written: jax.Array | None = None
 
 
 def new_lengths(mask: mask_lib.Mask | None, b: int, t: int):
@@ -108,21 +127,89 @@ def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
   return out, score_mod
 
 
+def _right_padding_hint(t: int, rows) -> str:
+  return (
+      f"a prefill of T={t} tokens without the mask's q_lengths caches all "
+      f"T tokens of every example, but this call's mask hides the last of "
+      f"them from its own query in examples {rows} (the mask's kv_lengths "
+      "or a dense key-padding mask marks them as padding): right-padded "
+      "prompts would put their pad tokens into the cache, each example's "
+      "cache_index would advance by T, and later steps would attend to the "
+      "pads. Pass the real lengths as mask=aj.Mask(q_lengths=lengths) (while "
+      "decoding, each example's number of new tokens: only those are "
+      "cached), or left-pad the prompts and give "
+      "init_cache(..., left_padding=pads)")
+
+
+def _last_token_hidden(mask: mask_lib.Mask, index, t: int,
+                       num_slots: int) -> jax.Array:
+  """bool ``[B]``: no head lets the last new query see its own slot.
+
+  ``mask`` is over the linear cache's slots (``dense [B, N|1, T, L]``, the
+  causal visibility included); causality shows every query its own slot,
+  so only the call's padding can hide it.
+  """
+  slot = jnp.minimum(index + t - 1, num_slots - 1)  # [B]
+  last = jnp.asarray(mask.dense)[:, :, -1, :]  # [B, N|1, L]
+  seen = jnp.take_along_axis(last, slot[:, None, None], axis=2)[..., 0]
+  if mask.kv_lengths is not None:  # scalar, [B] or [B, N]
+    lengths = jnp.asarray(mask.kv_lengths)
+    lengths = lengths.reshape(lengths.shape + (1,) * (2 - lengths.ndim))
+    seen = seen & (slot[:, None] < lengths)  # [B, N|1]
+  return ~jnp.any(seen, axis=1)
+
+
+def _check_right_padding(mask: mask_lib.Mask, index, t: int, num_slots: int,
+                         overflow, pads) -> jax.Array:
+  """``pad_written [B]`` of this call; raises when it is concrete and set.
+
+  Concrete ``kv_lengths`` below ``T`` hide the last token whatever the
+  (possibly traced) index, since its slot is at least ``T - 1``.
+  """
+  b = index.shape[0]
+  if mask.kv_lengths is not None:
+    try:
+      lengths = np.asarray(mask.kv_lengths)
+    except jax.errors.TracerArrayConversionError:
+      lengths = None
+    if lengths is not None:  # scalar, [B] or [B, N]: the most over heads
+      most = lengths.reshape(lengths.shape[:1] + (-1,)).max(axis=1) if (
+          lengths.ndim) else lengths
+      short = np.flatnonzero(np.broadcast_to(most, (b,)) < t)
+      if short.size:
+        raise ValueError(_right_padding_hint(t, short.tolist()) + ".")
+  hidden = _last_token_hidden(mask, index, t, num_slots) & ~overflow
+  if pads is not None:  # a left pad is hidden by design
+    hidden = hidden & (index + t - 1 >= pads)
+  if not isinstance(hidden, jax.core.Tracer) and np.asarray(hidden).any():
+    raise ValueError(_right_padding_hint(
+        t, np.flatnonzero(np.asarray(hidden)).tolist()) + ".")
+  return hidden
+
+
 def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
           score_mod: Any, index, lengths, q_pos, num_heads: int):
   """Writes this call's keys/values; what the queries attend over.
 
   ``lengths`` are the real new tokens per example (``new_lengths``) or
-  None. Returns ``(keys, values, mask, score_mod, new cache)`` with keys
-  and values ``[B, K, S', H]``: ``L`` slots of a linear cache, ``W + T``
-  for a ring buffer (its old slots, then the new keys).
+  None. ``q_pos [B, T]`` are the queries' slot positions (``index + i``);
+  with ``cache.left_padding`` the masks and score modifiers see them, and
+  the keys', counted from each example's first real token. Returns
+  ``(keys, values, mask, score_mod, new cache)`` with keys and values
+  ``[B, K, S', H]``: ``L`` slots of a linear cache, ``W + T`` for a ring
+  buffer (its old slots, then the new keys).
+
+  Raises:
+    ValueError: a right-padded prefill without ``q_lengths`` whose mask
+      shows it (concrete values; see ``_check_right_padding``).
   """
   t = k.shape[2]
   count = t if lengths is None else lengths
+  pads = cache.left_padding
   if cache.window is None:
     ck, cv, visible = kv_cache.update_kv_cache(
-        cache.key, cache.value, index, k, v,
-        new_lengths=lengths)  # [B, K, L, H]; visible [B, T, L]
+        cache.key, cache.value, index, k, v, new_lengths=lengths,
+        left_padding=pads)  # [B, K, L, H]; visible [B, T, L]
     keys, values = ck, cv
     key_pos = jnp.arange(ck.shape[2])[None, :]  # [1, L]
     overflow = kv_cache.cache_overflow(index, count, ck.shape[2])
@@ -135,16 +222,33 @@ def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
         raise ValueError(
             f"{name} is not supported with a ring-buffer (sliding-window) "
             "cache, whose slots hold changing positions: the window and "
-            "the per-example positions already say what each query sees.")
+            "the per-example positions already say what each query sees. "
+            "For left-padded prompts give the pad counts once, "
+            "init_cache(..., left_padding=pads); for right-padded ones "
+            "the mask's q_lengths.")
     keys, values, visible, key_pos, ck, cv = kv_cache.update_ring_cache(
         cache.key, cache.value, index, k, v, window=cache.window,
-        new_lengths=lengths)  # [B, K, W + T, H]; visible [B, T, W + T]
+        new_lengths=lengths,
+        left_padding=pads)  # [B, K, W + T, H]; visible [B, T, W + T]
     overflow = jnp.zeros(index.shape, bool)
   if cache.overflow is not None:
     overflow = overflow | cache.overflow
+  # A right-padded prefill shows itself by masking the pads as keys.
+  check_padding = (cache.window is None and lengths is None and t > 1
+                   and mask is not None and (mask.kv_lengths is not None
+                                             or mask.dense is not None))
+  if pads is not None:  # positions from each example's first real token
+    shift = jnp.asarray(pads, jnp.int32)[:, None]  # [B, 1]
+    q_pos, key_pos = q_pos - shift, key_pos - shift  # [B, T], [B, S']
   mask, score_mod = _over_slots(mask, score_mod, visible, q_pos, key_pos,
                                 num_heads)
-  new_cache = KVCache(ck, cv, index + count, overflow, cache.window)
+  pad_written = cache.pad_written
+  if check_padding:
+    hidden = _check_right_padding(mask, index, t, ck.shape[2], overflow,
+                                  pads)
+    pad_written = hidden if pad_written is None else pad_written | hidden
+  new_cache = KVCache(ck, cv, index + count, overflow, cache.window, pads,
+                      pad_written)
   return keys, values, mask, score_mod, new_cache
 
 
@@ -205,3 +309,19 @@ def raise_if_overflowed(overflow, index, capacity: int, what: str,
         f"{reached}, but max_length is {capacity}; the tokens past it were "
         "not cached and those examples' outputs are not meaningful. Call "
         f"init_cache with a larger max_length{hint}.")
+
+
+def raise_if_pads_written(pad_written) -> None:
+  """``check_cache``'s second half: a ValueError naming the examples whose
+  right-padded prefill cached its pads (``pad_written [B]``, sticky)."""
+  written = np.asarray(pad_written)
+  if written.any():
+    raise ValueError(
+        f"examples {np.flatnonzero(written).tolist()} cached pad tokens: a "
+        "prefill without the mask's q_lengths wrote every token, but its "
+        "mask hid the last ones from their own queries (kv_lengths or a "
+        "key-padding mask shorter than the call), as right padding does. "
+        "Those pads now count as cached tokens and later steps attend to "
+        "them. Pass the real lengths as mask=aj.Mask(q_lengths=lengths) in "
+        "the prefill (only those tokens are cached, each example advances "
+        "by its own length), then init_cache again.")

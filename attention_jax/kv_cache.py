@@ -17,6 +17,11 @@ different lengths are right-padded to ``T`` and given as ``new_lengths``.
 A ring buffer (``update_ring_cache``) serves a sliding-window layer with
 ``W`` slots whatever the length: position ``p`` lives in slot ``p % W``.
 
+Left-padded prompts give ``left_padding [B]``, each example's number of
+leading pad tokens: the pads are written like any token (every example
+advances by ``T``), but a key at a position below the example's
+``left_padding`` is never visible, in either cache, now or in a later call.
+
 The writes are scatters with ``mode="drop"``: a write that does not fit is
 dropped, never clamped onto earlier slots as ``dynamic_update_slice`` would.
 Concrete misfits raise at trace time; traced ones are reported as a value
@@ -121,6 +126,27 @@ def _check_new_lengths(new_lengths, batch: int, t: int):
   return jnp.asarray(new_lengths, jnp.int32)
 
 
+def check_left_padding(left_padding, batch: int):
+  """``[B]`` (or scalar) counts of leading pad tokens as int32 ``[B]``, or
+  None; a ValueError for another dtype or shape, or a concrete negative."""
+  if left_padding is None:
+    return None
+  if isinstance(left_padding, (list, tuple)):
+    left_padding = np.asarray(left_padding)
+  dtype = jnp.result_type(left_padding)
+  shape = _checks.shape_of(left_padding)
+  if not jnp.issubdtype(dtype, jnp.integer) or shape not in ((), (batch,)):
+    raise ValueError(
+        f"left_padding must be integer [B] = [{batch}] (leading pad tokens "
+        f"per example, left-padded prompts), got dtype {dtype} with shape "
+        f"{shape}.")
+  if _concrete(left_padding) and np.asarray(left_padding).min() < 0:
+    raise ValueError(
+        f"left_padding must be non-negative (leading pad tokens per "
+        f"example), got {np.asarray(left_padding).min()}.")
+  return jnp.broadcast_to(jnp.asarray(left_padding, jnp.int32), (batch,))
+
+
 def _check_operands(cached_key, cached_value, index, key, value,
                     ring: bool = False) -> None:
   """The checks of ``update_kv_cache``, all at trace time but the index's."""
@@ -186,6 +212,7 @@ def update_kv_cache(
     value: jax.Array,
     *,
     new_lengths: ArrayLike | None = None,
+    left_padding: ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Writes new keys/values at ``index`` and says what each query may see.
 
@@ -202,13 +229,20 @@ def update_kv_cache(
     new_lengths: optional integer ``[B]``: how many of the ``T`` new tokens
       are real in each example (prompts right-padded to ``T``). Tokens past
       it are not written and their rows see nothing; the caller advances
-      each example's index by its length. None means all ``T``.
+      each example's index by its length. None means all ``T``. A
+      right-padded prefill needs it: without it the pads are cached as
+      tokens.
+    left_padding: optional integer ``[B]``: leading pad tokens per example
+      (left-padded prompts). Slots below it are never visible (the pads are
+      written, and the index counts them); pass the same value at every
+      call.
 
   Returns:
     ``(cached_key, cached_value, visible)``: the updated buffers and a bool
     mask, True where new query ``i`` may attend to cache slot ``j``
-    (``j <= index + i``, and ``i < new_lengths``): ``[T, L]`` for a scalar
-    index without ``new_lengths``, else ``[B, T, L]``.
+    (``left_padding <= j <= index + i``, and ``i < new_lengths``): ``[T,
+    L]`` for a scalar index without ``new_lengths`` or ``left_padding``,
+    else ``[B, T, L]``.
 
   Raises:
     TypeError: a non-float array or a non-integer ``index``.
@@ -233,8 +267,10 @@ def update_kv_cache(
   _check_operands(cached_key, cached_value, index, key, value)
   b, t, max_length = key.shape[0], key.shape[2], cached_key.shape[2]
   lengths = _check_new_lengths(new_lengths, b, t)
+  pads = check_left_padding(left_padding, b)
   check_room(index, t if lengths is None else new_lengths, max_length)
-  per_example = np.ndim(index) == 1 or lengths is not None
+  per_example = (np.ndim(index) == 1 or lengths is not None
+                 or pads is not None)
   start = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))[:, None]
   new = jnp.arange(t)[None, :]  # [1, T]
   real = new < (t if lengths is None else lengths[:, None])  # [B|1, T]
@@ -246,6 +282,8 @@ def update_kv_cache(
   cached_value = _scatter(cached_value, value, slots)
   positions = jnp.arange(max_length)[None, None, :]  # [1, 1, L]
   visible = (positions <= (start + new)[:, :, None]) & real[:, :, None]
+  if pads is not None:  # pad slots stay hidden whatever the query
+    visible = visible & (positions >= pads[:, None, None])
   if not per_example:
     visible = visible[0]  # [T, L], the same for every example
   return cached_key, cached_value, visible
@@ -284,6 +322,7 @@ def update_ring_cache(
     *,
     window: int,
     new_lengths: ArrayLike | None = None,
+    left_padding: ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
   """A sliding-window cache: a ring buffer of ``W`` slots, any ``T`` per call.
 
@@ -305,6 +344,10 @@ def update_ring_cache(
       layer mask's window).
     new_lengths: optional integer ``[B]``: real new tokens per example
       (right-padded), as in ``update_kv_cache``.
+    left_padding: optional integer ``[B]``: leading pad tokens per example
+      (left-padded prompts), as in ``update_kv_cache``: keys at positions
+      below it are never visible, however the slots wrap. Pass the same
+      value at every call.
 
   Returns:
     ``(keys [B, K, W + T, H], values [B, K, W + T, Hv], visible bool [B, T,
@@ -329,6 +372,7 @@ def update_ring_cache(
         f"of W = {slots_n} slots, got {window!r}: a key must stay in the "
         "buffer until the last query that may see it.")
   lengths = _check_new_lengths(new_lengths, b, t)
+  pads = check_left_padding(left_padding, b)
   check_room(index, 0, np.iinfo(np.int32).max)  # refuses a negative index
   start = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]
   count = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
@@ -341,6 +385,8 @@ def update_ring_cache(
   k_pos = key_pos[:, None, :]  # [B, 1, W + T]
   visible = ((k_pos >= 0) & (k_pos <= q_pos) & (k_pos >= q_pos - window)
              & real[:, :, None])  # [B, T, W + T]
+  if pads is not None:  # pads hold positions below it, in whichever slot
+    visible = visible & (k_pos >= pads[:, None, None])
   keys = jnp.concatenate([cached_key, key.astype(cached_key.dtype)], 2)
   values = jnp.concatenate([cached_value, value.astype(cached_value.dtype)], 2)
   # Only the last W real tokens are written: two of them never share a slot.

@@ -456,8 +456,11 @@ def _rotary_positions(positions, kv_positions, t: int, s: int, b: int,
           "kv_positions is for attention over keys other than this call's "
           "tokens; while decoding the cached keys are this call's tokens, "
           "at `positions`.")
-    if positions is None:
-      rot = q_pos[:, None, :]  # [B, 1, T]: each example's cache position
+    if positions is None:  # each example's cache position, counted from
+      # its first real token when it is left-padded
+      rot = q_pos if cache.left_padding is None else (
+          q_pos - jnp.asarray(cache.left_padding, jnp.int32)[:, None])
+      rot = rot[:, None, :]  # [B, 1, T]
     else:
       rot = _as_positions("positions", positions, b, t, "T")
     return rot, rot

@@ -1,8 +1,11 @@
-"""aj.update_kv_cache: bad operands are refused, good ones match NumPy."""
+"""aj.update_kv_cache: bad operands are refused, good ones match NumPy;
+left-padded batches in either cache; right-padded prefills without
+q_lengths are reported."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,6 +92,12 @@ CASES = [
     ("overflow", _with(index=jnp.int32(6)), ValueError,
      r"KV cache overflow: 6 positions are filled and this call brings 3 "
      r"more, but max_length is 8"),
+    ("left_padding_shape", _with(left_padding=jnp.array([1, 2, 0])),
+     ValueError, r"left_padding must be integer \[B\] = \[2\].*\(3,\)"),
+    ("left_padding_float", _with(left_padding=jnp.array([1.0, 0.0])),
+     ValueError, r"left_padding must be integer .*float32"),
+    ("left_padding_negative", _with(left_padding=jnp.array([-1, 0])),
+     ValueError, r"left_padding must be non-negative .*got -1"),
 ]
 
 
@@ -233,11 +242,160 @@ class MatchesNumpyTest(parameterized.TestCase):
       np.testing.assert_array_equal(
           np.asarray(ck[b, 0, :, 0])[[p % slots for p in filled]], filled)
 
+  def test_left_padding_hides_the_pad_positions_in_either_cache(self):
+    # Example 1 starts with 3 pads: no query ever sees positions 0..2, in a
+    # linear cache or in a ring buffer whose slots they keep until wrapped.
+    pads, slots, window = np.array([0, 3]), 4, 2
+    ring = lin = jnp.zeros((B, 1, slots, 1))
+    lin = jnp.zeros((B, 1, L, 1))
+    index = jnp.zeros((B,), jnp.int32)
+    for t in (5, 1, 1, 1):
+      pos = (index[:, None] + jnp.arange(t)[None, :]).astype(jnp.float32)
+      new = pos[:, None, :, None]  # a key's value is its position
+      keys, _, visible, key_pos, ring, _ = aj.update_ring_cache(
+          ring, ring, index, new, new, window=window,
+          left_padding=jnp.asarray(pads))
+      lin, _, lin_visible = aj.update_kv_cache(
+          lin, lin, index, new, new, left_padding=jnp.asarray(pads))
+      for b in range(B):
+        for i in range(t):
+          q = int(index[b]) + i
+          want = {p for p in range(q - window, q + 1) if p >= pads[b]}
+          got = np.asarray(keys[b, 0, :, 0])[np.asarray(visible[b, i])]
+          self.assertEqual(set(got.tolist()), want)
+          self.assertEqual(
+              set(np.flatnonzero(np.asarray(lin_visible[b, i])).tolist()),
+              set(range(pads[b], q + 1)))
+      index = index + t
+
   def test_new_values_are_cast_to_the_cache_dtype(self):
     ck = jnp.zeros((B, K, L, H), jnp.bfloat16)
     new_k, new_v, _ = aj.update_kv_cache(ck, CV, 0, NEW_K, NEW_V)
     self.assertEqual(new_k.dtype, jnp.bfloat16)
     self.assertEqual(new_v.dtype, CV.dtype)
+
+
+def _module(**kwargs):
+  return aj.MultiHeadAttention(16, 4, num_kv_heads=2, rngs=nnx.Rngs(0),
+                               **kwargs)
+
+
+def _x(seed=0, b=2, t=6):
+  return jax.random.normal(jax.random.key(seed), (b, t, 16))
+
+
+@nnx.jit
+def _decode(mha, x):
+  return mha(x, decode=True)
+
+
+def _absolute_key_bias(score, b, h, q_idx, kv_idx):
+  # Depends on absolute key positions, not their differences: it sees
+  # positions counted from each example's first real token or the test
+  # below fails.
+  del b, h, q_idx
+  return score + 0.5 * jnp.cos(kv_idx.astype(score.dtype))
+
+
+# Decoding against the full forward, both float32, the same maths over
+# other shapes: only reduction order differs (as in test_modules_multi_head).
+STEP_TOL = dict(atol=3e-6, rtol=3e-6)
+
+
+class LeftPaddingTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(("ring_buffer", None), ("linear", 12))
+  def test_a_left_padded_example_decodes_as_its_tokens_alone(
+      self, max_length):
+    # Example 1 is 2 pads (NaN: pads may hold anything) then the 10 tokens
+    # of `alone`. Prefill of 5 (longer than the 4-slot ring), then 7 steps,
+    # so the ring wraps twice; rotary positions and a score modifier of
+    # absolute positions count from the first real token.
+    mha = _module(rope=aj.Rope(base=100.0),
+                  mask=aj.Mask(causal=True, window=(3, 0)),
+                  score_mod=_absolute_key_bias)
+    x = _x(seed=3, t=12)
+    alone = x[1:, 2:]
+    padded = x.at[1, :2].set(jnp.nan)
+    mha.init_cache(2, max_length, left_padding=jnp.array([0, 2]))
+    if max_length is None:
+      self.assertEqual(mha.cached_key.shape[2], 4)  # W = window + 1 slots
+    pieces = [_decode(mha, padded[:, :5])]
+    pieces += [_decode(mha, padded[:, i:i + 1]) for i in range(5, 12)]
+    got = jnp.concatenate(pieces, 1)
+    chex.assert_trees_all_close(got[1, 2:], mha(alone, is_causal=True)[0],
+                                **STEP_TOL)
+    chex.assert_trees_all_close(got[0], mha(x[:1], is_causal=True)[0],
+                                **STEP_TOL)
+    np.testing.assert_array_equal(got[1, :2], 0.0)  # pad rows see nothing
+    np.testing.assert_array_equal(mha.cache_index[...], [12, 12])
+    mha.check_cache()
+
+  def test_a_ring_buffer_points_dense_masks_to_left_padding(self):
+    mha = _module(mask=aj.Mask(causal=True, window=(3, 0)))
+    mha.init_cache(2)
+    keep = jnp.ones((2, 1, 1, 4), bool)  # over the 4 slots
+    with self.assertRaisesRegex(ValueError, r"a dense mask is not supported "
+                                r"with a ring-buffer.*init_cache\(\.\.\., "
+                                r"left_padding=pads\)"):
+      mha(_x(t=5), mask=keep, decode=True)
+
+
+_KV_LENGTHS = aj.Mask(kv_lengths=jnp.array([5, 3]))
+_KEY_PADDING = jnp.array(  # [B, 1, 1, L] over the 8 slots
+    [[True] * 8, [True] * 3 + [False] * 5])[:, None, None, :]
+_HINT = (r"prefill of T=5 tokens without the mask's q_lengths .* in "
+         r"examples \[1\] .*mask=aj.Mask\(q_lengths=lengths\)")
+
+
+class RightPaddedPrefillTest(parameterized.TestCase):
+  # Prompts of 5 and 3 tokens right-padded to T = 5, prefilled with a mask
+  # that hides the pads as keys but no q_lengths: every token, pads too,
+  # would be cached (cache_index [5, 5]).
+
+  @parameterized.named_parameters(("kv_lengths", _KV_LENGTHS),
+                                  ("key_padding_mask", _KEY_PADDING))
+  def test_raises_with_the_fix_when_the_values_are_concrete(self, mask):
+    mha = _module()
+    mha.init_cache(2, 8)
+    with self.assertRaisesRegex(ValueError, _HINT):
+      mha(_x(t=5), mask=mask, decode=True)
+
+  def test_concrete_kv_lengths_raise_under_jit_whatever_the_index(self):
+    # The cache index is traced under jit, but a kv_length below T hides the
+    # last token from any start.
+    mha = _module()
+    mha.init_cache(2, 8)
+    with self.assertRaisesRegex(ValueError, _HINT):
+      nnx.jit(lambda m, x: m(x, mask=_KV_LENGTHS, decode=True))(mha, _x(t=5))
+
+  @parameterized.named_parameters(
+      ("traced_kv_lengths", lambda n: aj.Mask(kv_lengths=n)),
+      ("key_padding_mask", lambda n: _KEY_PADDING))  # traced index
+  def test_under_jit_check_cache_reports_it(self, mask):
+    mha = _module()
+    mha.init_cache(2, 8)
+    prefill = nnx.jit(lambda m, x, n: m(x, mask=mask(n), decode=True))
+    prefill(mha, _x(t=5), jnp.array([5, 3]))
+    np.testing.assert_array_equal(mha.cache_index[...], [5, 5])
+    np.testing.assert_array_equal(mha.cache_pad_written[...], [False, True])
+    _decode(mha, _x(t=1))  # single steps keep the flag
+    with self.assertRaisesRegex(ValueError, r"examples \[1\] cached pad "
+                                r"tokens.*mask=aj.Mask\(q_lengths=lengths\)"):
+      mha.check_cache()
+
+  def test_q_lengths_and_left_padding_are_not_flagged(self):
+    mha = _module()
+    mha.init_cache(2, 8)
+    lengths = jnp.array([5, 3])
+    mha(_x(t=5), mask=aj.Mask(q_lengths=lengths, kv_lengths=lengths),
+        decode=True)
+    np.testing.assert_array_equal(mha.cache_index[...], [5, 3])
+    # Left padding hides the first slots, not the last token.
+    mha.init_cache(2, 8)
+    keep = jnp.array([[True] * 8, [False] * 2 + [True] * 6])
+    mha(_x(t=5), mask=keep[:, None, None, :], decode=True)
+    mha.check_cache()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from jax.typing import ArrayLike
 
 from attention_jax import _checks
 from attention_jax import decoding
+from attention_jax import kv_cache
 from attention_jax import mask as mask_lib
 from attention_jax import multi_head
 from attention_jax import multi_head_params
@@ -350,6 +351,8 @@ class MultiHeadAttention(nnx.Module):
     self.cached_value: nnx.Cache | None = nnx.data(None)
     self.cache_index: nnx.Cache | None = nnx.data(None)
     self.cache_overflow: nnx.Cache | None = nnx.data(None)
+    self.cache_pad_written: nnx.Cache | None = nnx.data(None)
+    self.cache_left_padding: nnx.Cache | None = nnx.data(None)
     self.cache_window: int | None = None
     self.memory_key: nnx.Cache | None = nnx.data(None)
     self.memory_value: nnx.Cache | None = nnx.data(None)
@@ -408,13 +411,15 @@ class MultiHeadAttention(nnx.Module):
 
   def init_cache(self, batch_size: int, max_length: int | None = None, *,
                  window: int | None = None,
-                 dtype: jnp.dtype | None = None) -> None:
+                 dtype: jnp.dtype | None = None,
+                 left_padding: ArrayLike | None = None) -> None:
     """Creates an empty KV cache: linear, or a ring buffer for a window.
 
     Every example of the batch has its own position (``cache_index [B]``):
     a ragged prefill (``mask=aj.Mask(q_lengths=`` the prompt lengths``)``,
     prompts right-padded) leaves each example where its prompt ended, and each
-    then decodes from there.
+    then decodes from there. Left-padded prompts give ``left_padding``
+    instead.
 
     Args:
       batch_size: ``B``.
@@ -428,9 +433,20 @@ class MultiHeadAttention(nnx.Module):
         when neither ``max_length`` nor ``window`` is given.
       dtype: cache dtype; defaults to the module's ``dtype`` or
         ``param_dtype``.
+      left_padding: optional integer ``[B]``: each example's leading pad
+        tokens, for prompts left-padded to one length ``T`` and prefilled
+        with ``decode=True`` (pads included: every example advances by
+        ``T``). The cache never shows those positions to any query, rotary
+        positions (unless ``positions=`` is given), masks and score
+        modifiers count from each example's first real token, so a
+        left-padded example decodes as its tokens alone; in a linear cache
+        or a ring buffer (which refuses a dense padding mask). Stored as
+        ``cache_left_padding``.
     """
     _checks.check_positive_int("batch_size", batch_size)
     length, window = decoding.cache_slots(self.mask, max_length, window)
+    if left_padding is not None:
+      left_padding = kv_cache.check_left_padding(left_padding, batch_size)
     dtype = dtype or self.dtype or self.param_dtype
     shape = (batch_size, self.num_kv_heads, length, self.head_dim)
     meta = {}
@@ -440,6 +456,9 @@ class MultiHeadAttention(nnx.Module):
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype), **meta)
     self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))  # [B]
     self.cache_overflow = nnx.Cache(jnp.zeros((batch_size,), bool))  # [B]
+    self.cache_pad_written = nnx.Cache(jnp.zeros((batch_size,), bool))  # [B]
+    self.cache_left_padding = (None if left_padding is None
+                               else nnx.Cache(left_padding))  # [B]
     self.cache_window = window
     self.memory_key = self.memory_value = None  # one cache at a time
 
@@ -486,16 +505,23 @@ class MultiHeadAttention(nnx.Module):
     self.memory_value = nnx.Cache(projected.value.astype(dtype))
     self.cached_key = self.cached_value = None
     self.cache_index = self.cache_overflow = None
+    self.cache_pad_written = self.cache_left_padding = None
     self.cache_window = None
 
   def check_cache(self) -> None:
-    """Raises ``ValueError`` if a decoding call overflowed the cache.
+    """Raises ``ValueError`` if a decoding call overflowed the cache, or
+    cached right padding.
 
     The step itself records overflow as a value (``cache_overflow [B]``,
     sticky) instead of a host callback; call this where a host sync is
     cheap (after generating, or every n steps). An example that overflowed
     did not write the tokens that did not fit, and its outputs since then
-    are not meaningful.
+    are not meaningful. ``cache_pad_written [B]`` (sticky) marks examples
+    whose prefill (``T > 1``) had no ``q_lengths`` but a mask hiding its
+    last token from its own query (``kv_lengths`` or a key-padding mask
+    shorter than ``T``): right-padded prompts whose pads were cached as
+    tokens. That raises at trace time when the values are concrete; under
+    ``jit`` this reports it.
     """
     if self.cache_overflow is None:
       decoding.raise_if_overflowed(None, None, 0, "KV cache")
@@ -503,6 +529,8 @@ class MultiHeadAttention(nnx.Module):
         self.cache_overflow[...], self.cache_index[...],
         self.cached_key.shape[2], "KV cache",
         " (or use a ring buffer: a layer mask with a causal window)")
+    if self.cache_pad_written is not None:
+      decoding.raise_if_pads_written(self.cache_pad_written[...])
 
   def __call__(
       self,
@@ -538,7 +566,11 @@ class MultiHeadAttention(nnx.Module):
         and the mask's ``q_lengths [B]`` is each example's number of real
         new tokens (a ragged prefill of right-padded prompts: only those
         are cached, and each example's position advances by its own
-        length). Intersected with the layer's ``mask``.
+        length). A right-padded prefill needs that ``q_lengths``: a mask
+        that only hides the pads (``kv_lengths``, a key-padding mask) would
+        cache them as tokens, which raises (concrete values) or is reported
+        by ``check_cache()`` (under ``jit``). Intersected with the layer's
+        ``mask``.
       bias: float of rank 4, broadcastable like a dense mask, added to the
         logits.
       is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (implied by
@@ -567,6 +599,7 @@ class MultiHeadAttention(nnx.Module):
         attention over the sequence. Each example writes at its own
         position (``cache_index [B]``). Overflow of a linear cache is
         recorded, not raised, inside the step: ``check_cache()`` raises it.
+        Left-padded prompts: ``init_cache(..., left_padding=)``.
         With a cross-attention cache (``init_cross_cache``): attend to the
         stored memory (``key``/``value`` not given).
 
@@ -610,10 +643,12 @@ class MultiHeadAttention(nnx.Module):
                          "init_cache(batch_size, max_length) first (causal "
                          "self-attention), or init_cross_cache(memory) "
                          "(cross-attention).")
-      cache = decoding.KVCache(self.cached_key[...],
-                                 self.cached_value[...],
-                                 self.cache_index[...],
-                                 self.cache_overflow[...], self.cache_window)
+      pads = (None if self.cache_left_padding is None
+              else self.cache_left_padding[...])
+      cache = decoding.KVCache(
+          self.cached_key[...], self.cached_value[...],
+          self.cache_index[...], self.cache_overflow[...], self.cache_window,
+          pads, self.cache_pad_written[...])
     _checks.check_static_bool("is_causal", is_causal)
     call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)
     if self.mask is not None:
@@ -635,4 +670,5 @@ class MultiHeadAttention(nnx.Module):
       self.cached_value[...] = cache.value
       self.cache_index[...] = cache.index
       self.cache_overflow[...] = cache.overflow
+      self.cache_pad_written[...] = cache.pad_written
     return result.returned(return_weights, return_lse, return_max_logits)
