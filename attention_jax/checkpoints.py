@@ -33,6 +33,16 @@ and the options the family's modeling code applies to that layer (its
 A sliding window of ``W`` (HF's mask: ``q_idx - kv_idx < W``) is
 ``aj.Mask(causal=True, window=(W - 1, 0))``. torch is never imported:
 tensors are converted through their ``.detach().cpu()`` NumPy view.
+
+Nothing is mapped by a guess: a config of another model type is refused (a
+look-alike family can differ where the weights do not show it, e.g.
+Cohere's interleaved rotary pairs), and so is a config without
+``model_type`` that carries another family's keys, a fused q/k/v weight
+(``qkv_proj``, ``query_key_value``, ``Wqkv``, ...), a size whose default
+differs between config classes, and rope parameters the layer's type has no
+entry for. ``overrides=`` replaces what the loader inferred (``rope``,
+``mask``, ``scale``, ``logits_soft_cap``, ``normalize_qk``,
+``attention_sinks``) for a port that knows better.
 """
 
 from __future__ import annotations
@@ -62,6 +72,77 @@ _MODEL_TYPES = {
     "gemma3": ("gemma3_text", "gemma3"), "gpt_oss": ("gpt_oss",),
     "gpt2": ("gpt2",),
 }
+# How to port a model no family here reads: never by relabelling its config
+# (a look-alike loads with a small error nothing here would notice).
+_BY_HAND = (
+    "port it by hand: build aj.MultiHeadAttention(d_model=, num_heads=, "
+    "num_kv_heads=, head_dim=, use_bias=, mask=, scale=, rope=aj.Rope(...), "
+    "...) with the options its modeling code applies, then "
+    "module.load_params(params) with W_q/W_k/W_v kernels [D, N|K, H] and "
+    "W_o [N, H, D] cut from its weights (docs/usage.md, Porting a model)")
+# Config keys that change some model's attention, with what they mean. A
+# config without model_type that has one (not None) which the requested
+# family's attention does not read is another model's: refused, not loaded
+# by a guess.
+_SIGNS = {
+    "sliding_window": "a sliding window",
+    "use_sliding_window": "Qwen's window switch",
+    "max_window_layers": "Qwen's window layers",
+    "layer_types": "per-layer sliding/full attention",
+    "query_pre_attn_scalar": "Gemma's attention scale",
+    "attn_logit_softcapping": "Gemma's logit soft cap",
+    "use_bidirectional_attention": "Gemma's bidirectional attention",
+    "rope_local_base_freq": "Gemma 3's local rotary base",
+    "sliding_window_pattern": "Gemma 3's layer pattern",
+    "_sliding_window_pattern": "Gemma 3's layer pattern",
+    "n_embd": "GPT-2-style sizes", "n_head": "GPT-2-style sizes",
+    "scale_attn_weights": "GPT-2's scale switch",
+    "scale_attn_by_inverse_layer_idx": "GPT-2's per-layer scale",
+    "partial_rotary_factor": "a partial rotary embedding",
+    "logit_scale": "Cohere's logit scale", "use_qk_norm": "Cohere's qk-norm",
+    "qk_layernorm": "Phi/Persimmon's qk LayerNorm",
+    "rotary_pct": "GPT-NeoX's partial rotary",
+    "rotary_emb_base": "GPT-NeoX's rotary base",
+    "rotary_dim": "GPT-J/CodeGen's partial rotary",
+    "alibi": "ALiBi (Falcon)", "multi_query": "multi-query attention",
+    "new_decoder_architecture": "Falcon's attention",
+    "parallel_attn": "Falcon's parallel attention",
+    "attention_multiplier": "Granite's attention scale",
+    "kv_lora_rank": "latent attention (DeepSeek)",
+    "q_lora_rank": "latent attention (DeepSeek)",
+    "clip_qkv": "clipped q/k/v (OLMo, DBRX)",
+    "attn_config": "DBRX/MPT attention",
+    "position_embedding_type": "an encoder's positions",
+}
+# The sign keys each family's attention reads (or its config class carries).
+_QWEN = ("sliding_window", "use_sliding_window", "max_window_layers",
+         "layer_types")
+_GEMMA = ("sliding_window", "layer_types", "query_pre_attn_scalar",
+          "attn_logit_softcapping", "use_bidirectional_attention")
+_READS = {
+    "llama": (), "mistral": ("sliding_window",), "qwen2": _QWEN,
+    "qwen3": _QWEN, "gemma2": _GEMMA,
+    "gemma3": (*_GEMMA, "rope_local_base_freq", "sliding_window_pattern",
+               "_sliding_window_pattern"),
+    "gpt_oss": ("sliding_window", "layer_types"),
+    "gpt2": ("n_embd", "n_head", "scale_attn_weights",
+             "scale_attn_by_inverse_layer_idx"),
+}
+# Fused q/k/v weights no family loader here reads, and whose layout they are.
+_FUSED = {
+    "qkv_proj": "Phi-3's layout: rows q [N * H], then k [K * H], then v "
+                "[K * H]",
+    "query_key_value": "GPT-NeoX / Falcon / BLOOM: rows grouped per head, "
+                       "in an order each model defines",
+    "c_attn": "GPT-2's Conv1D [D, 3D] is family='gpt2'; other models' "
+              "c_attn (GPT-BigCode, Qwen 1) have layouts of their own",
+    "Wqkv": "MPT / DBRX / ModernBERT: rows q, k, v",
+    "W_pack": "Baichuan: rows q, k, v",
+}
+# The inferred MultiHeadAttention options a port may replace (overrides=);
+# sizes and use_bias follow the weights' shapes and the config.
+OVERRIDABLE = ("rope", "mask", "scale", "logits_soft_cap", "normalize_qk",
+               "attention_sinks")
 # HF's default rotary base per family when a config gives none
 # (``default_theta`` of the config class; Gemma 3: global, local).
 _DEFAULT_THETA = {"gpt_oss": 150000.0, "gemma3": (1e6, 10000.0)}
@@ -123,18 +204,21 @@ class LoadedAttention:
         ``param_dtype``, ``attention_fn``, ``precision``, ``head_axis``,
         ``dropout_rate``, ...). The options that make up the checkpoint's
         attention (``_FIXED``: sizes, mask, scale, soft cap, sinks, rope)
-        are refused here.
+        are refused here: ``load_attention_weights(..., overrides=)``
+        replaces those it infers.
 
     Raises:
       ValueError: an override of a checkpoint option.
     """
     fixed = sorted(set(overrides) & set(_FIXED))
     if fixed:
+      have = ", ".join(f"{k}={self.options.get(k)!r}" for k in fixed)
       raise ValueError(
           f"module() options {fixed} are the checkpoint's (this {self.family} "
-          f"layer has {', '.join(f'{k}={self.options[k]!r}' for k in fixed)});"
-          f" build aj.MultiHeadAttention(**{{**loaded.options, ...}}) and "
-          f"load_params(loaded.params) yourself to change them.")
+          f"layer has {have});"
+          f" pass overrides= to load_attention_weights to change "
+          f"{[k for k in fixed if k in OVERRIDABLE] or list(OVERRIDABLE)} "
+          "(sizes and use_bias follow the weights).")
     options = {**self.options, **overrides}
     mha = MultiHeadAttention(**options,
                              rngs=nnx.Rngs(0) if rngs is None else rngs)
@@ -168,14 +252,46 @@ def _config_dict(config, family: str) -> dict[str, Any]:
   if family == "gemma3" and isinstance(text, Mapping):  # multimodal Gemma 3
     cfg = dict(text)
   model_type = cfg.get("model_type")
-  if model_type is not None and model_type not in _MODEL_TYPES[family]:
+  if model_type is None:
+    signs = sorted(k for k in _SIGNS if cfg.get(k) is not None
+                   and k not in _READS[family]
+                   and not (k == "partial_rotary_factor"
+                            and _is_number(cfg[k]) and cfg[k] >= 1))
+    if signs:
+      raise ValueError(
+          f"config has no model_type, and it has "
+          f"{', '.join(f'{k!r} ({_SIGNS[k]})' for k in signs)}, which "
+          f"{family} attention does not read: it is another model's config, "
+          f"and loading it as {family} would be a guess. Put the model's "
+          "model_type (its config.json's) in the config and pass the family "
+          f"it names (one of {list(FAMILIES)}); for any other model, "
+          f"{_BY_HAND}.")
+    return cfg
+  if model_type in _MODEL_TYPES[family]:
+    return cfg
+  owner = [f for f in FAMILIES if model_type in _MODEL_TYPES[f]]
+  if owner:
     raise ValueError(
         f"config has model_type={model_type!r}, but family={family!r} reads "
-        f"configs of model_type {list(_MODEL_TYPES[family])}: pass the "
-        f"family of this checkpoint (one of {list(FAMILIES)}). A model whose "
-        "attention is that family's under another name: drop model_type "
-        "from the config dict.")
-  return cfg
+        f"configs of model_type {list(_MODEL_TYPES[family])}: this is a "
+        f"{owner[0]} config, pass family={owner[0]!r}.")
+  hint = ""
+  if (isinstance(text, Mapping)
+      and text.get("model_type") in _MODEL_TYPES[family]):
+    hint = (f" Its text_config has model_type {text['model_type']!r}: for "
+            "the language model's layers pass config['text_config'].")
+  raise ValueError(
+      f"config has model_type={model_type!r}, which load_attention_weights "
+      f"does not read: it maps the families {list(FAMILIES)} (model types "
+      f"{sorted(t for f in FAMILIES for t in _MODEL_TYPES[f])}) and no other "
+      "model by a guess, since a look-alike can differ where the weights "
+      f"do not show it (e.g. interleaved rotary pairs).{hint} To use this "
+      f"model, {_BY_HAND}.")
+
+
+def _is_number(value) -> bool:
+  return (isinstance(value, (int, float, np.integer, np.floating))
+          and not isinstance(value, bool))
 
 
 def _require(cfg: Mapping[str, Any], name: str, family: str):
@@ -187,8 +303,10 @@ def _require(cfg: Mapping[str, Any], name: str, family: str):
 
 def _int(cfg: Mapping[str, Any], name: str, family: str) -> int:
   value = _require(cfg, name, family)
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f"config[{name!r}] must be an int, got {value!r}.")
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+      or value < 1):
+    raise ValueError(f"config[{name!r}] must be a positive int, got "
+                     f"{value!r}.")
   return int(value)
 
 
@@ -256,8 +374,16 @@ def _rope_parameters(cfg: Mapping[str, Any], family: str,
   params = cfg.get("rope_parameters")
   if family == "gemma3":
     global_theta, local_theta = theta
-    if isinstance(params, Mapping) and kind in params:  # nested by layer type
-      params = dict(params[kind] or {})
+    if isinstance(params, Mapping):  # Gemma 3's are nested by layer type
+      if not isinstance(params.get(kind), Mapping):
+        raise ValueError(
+            f"config['rope_parameters'] has no {kind!r} entry (layer {layer} "
+            f"is {kind}; keys {sorted(params)}): Gemma 3's rope_parameters "
+            "are nested by layer type ({'sliding_attention': {...}, "
+            "'full_attention': {...}}), and the loader does not guess which "
+            "applies. Nest them, or use the old rope_theta / "
+            "rope_local_base_freq / rope_scaling keys.")
+      params = dict(params[kind])
     elif kind == "sliding_attention":  # old format: a local base, no scaling
       params = {"rope_type": "default",
                 "rope_theta": cfg.get("rope_local_base_freq", local_theta)}
@@ -272,7 +398,13 @@ def _rope_parameters(cfg: Mapping[str, Any], family: str,
   if family == "gpt_oss" and scaling is None and params is None:
     params = _GPT_OSS_ROPE  # GptOssConfig's default: YaRN, not plain rope
   params = dict(scaling or params or {})
-  if kind in params and isinstance(params[kind], Mapping):
+  nested = sorted({"sliding_attention", "full_attention"} & set(params))
+  if nested:  # per layer type: the layer's own entry, never another's
+    if not isinstance(params.get(kind), Mapping):
+      raise ValueError(
+          f"config's rope parameters are nested by layer type ({nested}) "
+          f"but have no {kind!r} entry for layer {layer}, which is {kind}: "
+          "the loader does not guess which applies; add it.")
     params = dict(params[kind])
   params.setdefault("rope_theta", cfg.get("rope_theta", theta))
   return params
@@ -348,6 +480,8 @@ def _find_prefix(state: Mapping[str, Any], family: str, layer: int) -> str:
   found = sorted(k[:-len(tail.split(".", 3)[-1])] for k in state
                  if (k == tail or k.endswith("." + tail))
                  and "vision" not in k)  # a multimodal model's image tower
+  if not found:
+    _refuse_fused(state, family, layer, prefix=None)
   if len(found) != 1:
     example = "transformer." if family == "gpt2" else "model."
     raise ValueError(
@@ -356,6 +490,40 @@ def _find_prefix(state: Mapping[str, Any], family: str, layer: int) -> str:
         f"prefix= (the layer's attention prefix, e.g. "
         f"{example + tail.rsplit('.', 2)[0] + '.'!r}).")
   return found[0]
+
+
+def _refuse_fused(state: Mapping[str, Any], family: str, layer: int, *,
+                  prefix: str | None) -> None:
+  """Raises if the layer's q/k/v are one fused weight (not a prefix problem).
+
+  Looks under ``prefix`` if given, else at keys of layer ``layer``: a key
+  ``... .<layer>. ... .<fused name>.weight`` outside a vision tower.
+  """
+  own = ("c_attn",) if family == "gpt2" else ()
+  hits = []
+  for key in state:
+    parts = key.split(".")
+    if (len(parts) < 2 or parts[-1] != "weight" or parts[-2] not in _FUSED
+        or parts[-2] in own or "vision" in key or "visual" in key):
+      continue
+    if (key.startswith(prefix) if prefix is not None
+        else str(layer) in parts[:-2]):
+      hits.append(key)
+  if not hits:
+    return
+  key = sorted(hits)[0]
+  name = key.split(".")[-2]
+  reads = ("c_attn (GPT-2's Conv1D)" if family == "gpt2"
+           else "separate q_proj, k_proj and v_proj weights")
+  raise ValueError(
+      f"state_dict has {key!r}: a fused q/k/v projection ({_FUSED[name]}). "
+      f"The {family} loader does not read this layout (it reads {reads}), "
+      "and no prefix= changes that. To proceed: load it with the family it "
+      f"belongs to if that is one of {list(FAMILIES)}; or split it by hand "
+      "into q_proj.weight [N * H, D], k_proj.weight [K * H, D] and "
+      "v_proj.weight [K * H, D] (in the row order its modeling code uses) "
+      "and pass that state dict; or "
+      f"{_BY_HAND}.")
 
 
 class _Reader:
@@ -373,6 +541,7 @@ class _Reader:
   def get(self, name: str, shape: tuple[int, ...], why: str) -> np.ndarray:
     key = self.prefix + name
     if key not in self.state:
+      _refuse_fused(self.state, self.family, self.layer, prefix=self.prefix)
       raise ValueError(
           f"state_dict has no {key!r} ({self.family} layer {self.layer}, "
           f"prefix {self.prefix!r}; {why}). Keys under that prefix: "
@@ -409,13 +578,36 @@ def _dtype(arrays: Mapping[str, np.ndarray], dtype) -> jnp.dtype:
   return jnp.dtype(first.dtype)
 
 
-def _decoder(cfg, family: str, layer: int, read: _Reader) -> tuple[
-    dict[str, np.ndarray], dict[str, Any], np.ndarray | None, str]:
+def _size(cfg: Mapping[str, Any], name: str, family: str, derived: int,
+          derives: tuple[str, ...], how: str) -> int:
+  """A size key, or ``derived`` where the family's config class derives it.
+
+  Other config classes default a missing key to a fixed number of their own
+  (not ``derived``); there a missing key is refused rather than guessed.
+  """
+  if cfg.get(name) is not None:
+    return _int(cfg, name, family)
+  if family in derives:
+    return derived
+  raise ValueError(
+      f"config has no {name!r}: {family}'s config class gives it a default "
+      f"of its own, not necessarily {how}={derived}, so the loader does not "
+      f"guess it; add it to the config (its config.json has it).")
+
+
+def _decoder(cfg, family: str, layer: int, read: _Reader,
+             overrides: Mapping[str, Any]) -> tuple[
+                 dict[str, np.ndarray], dict[str, Any], np.ndarray | None,
+                 str]:
   """llama-style layers: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``."""
   d = _int(cfg, "hidden_size", family)
   n = _int(cfg, "num_attention_heads", family)
-  k = int(cfg.get("num_key_value_heads") or n)
-  h = int(cfg.get("head_dim") or d // n)
+  # LlamaConfig maps a missing num_key_value_heads to the head count, and
+  # Llama/Mistral/Qwen 2 a missing head_dim to hidden_size // heads.
+  k = _size(cfg, "num_key_value_heads", family, n, ("llama",),
+            "num_attention_heads")
+  h = _size(cfg, "head_dim", family, d // n, ("llama", "mistral", "qwen2"),
+            "hidden_size // num_attention_heads")
   if family == "qwen2":  # fixed in Qwen2Attention
     biases, bias_note = ("q", "k", "v"), "Qwen2: q/k/v biases, none on o_proj"
   elif family == "mistral":
@@ -445,13 +637,51 @@ def _decoder(cfg, family: str, layer: int, read: _Reader) -> tuple[
   options: dict[str, Any] = dict(d_model=d, num_heads=n, num_kv_heads=k,
                                  head_dim=h, use_bias=use_bias)
   notes = [bias_note]
-  if family in ("qwen3", "gemma3"):
+  if family in ("qwen3", "gemma3") and overrides.get("normalize_qk", True):
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     if not math.isclose(eps, multi_head.QK_NORM_EPSILON, rel_tol=1e-9):
       raise ValueError(
           f"config rms_norm_eps={eps}, but aj.MultiHeadAttention's qk-norm "
           f"adds epsilon={multi_head.QK_NORM_EPSILON} (fixed): this "
           f"checkpoint's {family} q_norm/k_norm would not be reproduced.")
+  if family in ("gemma2", "gemma3"):
+    if cfg.get("use_bidirectional_attention") and "mask" not in overrides:
+      raise ValueError(
+          "config use_bidirectional_attention=True (Gemma's encoder use, no "
+          "causal mask) is not supported: load_attention_weights builds "
+          "causal decoder layers (overrides={'mask': ...} sets the mask).")
+    if "scale" not in overrides:
+      options["scale"] = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+  if family == "gemma2" and "logits_soft_cap" not in overrides:
+    cap = cfg.get("attn_logit_softcapping", 50.0)  # HF's default
+    if cap is not None:
+      options["logits_soft_cap"] = float(cap)
+  if (family == "gemma3" and cfg.get("attn_logit_softcapping") is not None
+      and "logits_soft_cap" not in overrides):
+    raise ValueError(
+        f"config attn_logit_softcapping={cfg['attn_logit_softcapping']}, but "
+        "HF's Gemma 3 attention does not apply it (only Gemma 2 does): "
+        "remove it from the config, or, if this model does cap its logits, "
+        "pass overrides={'logits_soft_cap': cap}.")
+  if "mask" not in overrides:
+    window = _window(cfg, family, layer)
+    options["mask"] = Mask(causal=True, window=None if window is None
+                           else (window - 1, 0))
+  if "rope" not in overrides:
+    options["rope"] = _rope(cfg, family, layer)
+  sinks = _norms_and_sinks(
+      family, read, params, options, notes, h=h, n=n,
+      qk_norm=overrides.get("normalize_qk", family in ("qwen3", "gemma3")),
+      with_sinks=overrides.get("attention_sinks", family == "gpt_oss"))
+  return params, options, sinks, "; ".join(notes)
+
+
+def _norms_and_sinks(family: str, read: _Reader, params: dict[str, Any],
+                     options: dict[str, Any], notes: list[str], *, h: int,
+                     n: int, qk_norm: bool, with_sinks: bool
+                     ) -> np.ndarray | None:
+  """Reads qk-norm scales ``[H]`` and sinks ``[N]`` where the layer has them."""
+  if qk_norm:
     for name in ("q", "k"):
       w = read.get(f"{name}_norm.weight", (h,), "qk-norm scale [head_dim]")
       if family == "gemma3":  # Gemma3RMSNorm multiplies by (1 + weight)
@@ -459,36 +689,16 @@ def _decoder(cfg, family: str, layer: int, read: _Reader) -> tuple[
       params[f"{name}_norm"] = {"scale": w}
     options["normalize_qk"] = True
     notes.append("qk-norm")
-  if family in ("gemma2", "gemma3"):
-    if cfg.get("use_bidirectional_attention"):
-      raise ValueError(
-          "config use_bidirectional_attention=True (Gemma's encoder use, no "
-          "causal mask) is not supported: load_attention_weights builds "
-          "causal decoder layers.")
-    options["scale"] = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
-  if family == "gemma2":
-    cap = cfg.get("attn_logit_softcapping", 50.0)  # HF's default
-    if cap is not None:
-      options["logits_soft_cap"] = float(cap)
-  if family == "gemma3" and cfg.get("attn_logit_softcapping") is not None:
-    raise ValueError(
-        f"config attn_logit_softcapping={cfg['attn_logit_softcapping']}, but "
-        "HF's Gemma 3 attention does not apply it (only Gemma 2 does): "
-        "remove it from the config, or load as family='gemma2' if the model "
-        "caps its logits.")
-  window = _window(cfg, family, layer)
-  options["mask"] = Mask(causal=True, window=None if window is None
-                         else (window - 1, 0))
-  sinks = None
-  if family == "gpt_oss":
-    sinks = read.get("sinks", (n,), "gpt-oss attention sinks [heads]")
-    options["attention_sinks"] = True
-  options["rope"] = _rope(cfg, family, layer)
-  return params, options, sinks, "; ".join(notes)
+  if not with_sinks:
+    return None
+  options["attention_sinks"] = True
+  notes.append("sinks")
+  return read.get("sinks", (n,), "attention sinks [heads]")
 
 
-def _gpt2(cfg, layer: int, read: _Reader) -> tuple[
-    dict[str, np.ndarray], dict[str, Any], None, str]:
+def _gpt2(cfg, layer: int, read: _Reader, overrides: Mapping[str, Any]
+          ) -> tuple[dict[str, np.ndarray], dict[str, Any], np.ndarray | None,
+                     str]:
   """GPT-2: Conv1D ``c_attn [D, 3D]`` (columns q, k, v) and ``c_proj``."""
   d = int(cfg.get("n_embd") or _int(cfg, "hidden_size", "gpt2"))
   n = int(cfg.get("n_head") or _int(cfg, "num_attention_heads", "gpt2"))
@@ -512,7 +722,42 @@ def _gpt2(cfg, layer: int, read: _Reader) -> tuple[
                  use_bias=True, mask=Mask(causal=True),
                  scale=None if scale == h ** -0.5 else scale)
   # reorder_and_upcast_attn computes the same scores in float32, as we do.
-  return params, options, None, "GPT-2: biases on c_attn and c_proj"
+  notes = ["GPT-2: biases on c_attn and c_proj"]
+  sinks = _norms_and_sinks(
+      "gpt2", read, params, options, notes, h=h, n=n,
+      qk_norm=overrides.get("normalize_qk", False),
+      with_sinks=overrides.get("attention_sinks", False))
+  return params, options, sinks, "; ".join(notes)
+
+
+def _overrides(overrides) -> dict[str, Any]:
+  """``overrides=`` checked: known names; bools bools; rope as an aj.Rope."""
+  if overrides is None:
+    return {}
+  if not isinstance(overrides, Mapping):
+    raise TypeError(f"overrides must be a dict of aj.MultiHeadAttention "
+                    f"options (names {list(OVERRIDABLE)}), got "
+                    f"{type(overrides).__name__}.")
+  unknown = sorted(str(k) for k in overrides if k not in OVERRIDABLE)
+  if unknown:
+    window = (" (a window W is mask=aj.Mask(causal=True, window=(W - 1, "
+              "0)))" if "window" in unknown else "")
+    raise ValueError(
+        f"overrides has {unknown}, which load_attention_weights does not "
+        f"infer: the options it can override are {list(OVERRIDABLE)}"
+        f"{window}. Sizes and use_bias follow the weights' shapes and the "
+        "config; other options (dtype, precision, attention_fn, score_mod, "
+        "...) go to .module().")
+  out = dict(overrides)
+  for name in ("normalize_qk", "attention_sinks"):
+    if name in out and not isinstance(out[name], (bool, np.bool_)):
+      raise TypeError(f"overrides[{name!r}] must be a bool (whether the "
+                      f"layer has it), got {out[name]!r}.")
+    if name in out:
+      out[name] = bool(out[name])
+  if "rope" in out:
+    out["rope"] = rope_lib.as_rope(out["rope"])
+  return out
 
 
 def load_attention_weights(
@@ -523,6 +768,7 @@ def load_attention_weights(
     layer: int,
     prefix: str | None = None,
     dtype: jnp.dtype | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> LoadedAttention:
   """One layer's attention of an HF checkpoint, as our layer's options and params.
 
@@ -548,6 +794,18 @@ def load_attention_weights(
       ``model.language_model.`` and base-model (no prefix) checkpoints.
     dtype: the params' dtype; None keeps the checkpoint's (bfloat16 stays
       bfloat16). Also the module's ``param_dtype``.
+    overrides: ``aj.MultiHeadAttention`` options that replace what the
+      loader infers from the config, by name (``OVERRIDABLE``): ``rope``
+      (an ``aj.Rope``, a base, or None; the config's rope is then not read,
+      so an unsupported rope type there is no obstacle), ``mask`` (an
+      ``aj.Mask``: a window ``W`` is ``aj.Mask(causal=True, window=(W - 1,
+      0))``), ``scale``, ``logits_soft_cap``, ``normalize_qk`` (True reads
+      ``q_norm.weight``/``k_norm.weight [H]`` under the prefix, as the
+      module's RMSNorm with epsilon ``1e-6``) and ``attention_sinks`` (True
+      reads ``sinks [N]``). For a port whose modeling code differs from the
+      family's in these only, e.g. ``{"rope": aj.Rope(base=1e4,
+      interleaved=True)}``. Sizes and ``use_bias`` follow the weights and
+      the config.
 
   Returns:
     A ``LoadedAttention``: ``.params`` (``aj.multi_head_attention``'s
@@ -556,13 +814,16 @@ def load_attention_weights(
 
   Raises:
     ValueError: an unknown family (the known ones listed); a config of
-      another model type, a missing config key, an option we cannot
+      another model type (or without one, with another family's keys), a
+      fused q/k/v weight, an unknown ``overrides`` name (the valid ones
+      listed), a missing config key, an option we cannot
       reproduce (a rope type without an ``aj.Rope`` scaling, a qk-norm
       epsilon other than ``1e-6``, bidirectional Gemma); a missing or
       unused state-dict key (named with the prefix); a wrong shape (named,
       with the expected one).
     TypeError: ``config`` neither a dict nor a config object; ``layer`` not
-      an int.
+      an int; ``overrides`` not a mapping, or a bool override that is not a
+      bool.
 
   Example:
     >>> D, N, K, H = 8, 2, 1, 4
@@ -590,6 +851,7 @@ def load_attention_weights(
   if not isinstance(state_dict, Mapping):
     raise TypeError(f"state_dict must be a mapping of HF names to arrays "
                     f"(model.state_dict()), got {type(state_dict).__name__}.")
+  overrides = _overrides(overrides)
   cfg = _config_dict(config, family)
   count = cfg.get("n_layer" if family == "gpt2" else "num_hidden_layers")
   if layer < 0 or (count is not None and layer >= count):
@@ -604,10 +866,12 @@ def load_attention_weights(
     prefix += "."
   read = _Reader(state_dict, prefix, family, layer)
   if family == "gpt2":
-    arrays, options, sinks, notes = _gpt2(cfg, layer, read)
+    arrays, options, sinks, notes = _gpt2(cfg, layer, read, overrides)
   else:
-    arrays, options, sinks, notes = _decoder(cfg, family, layer, read)
+    arrays, options, sinks, notes = _decoder(cfg, family, layer, read,
+                                             overrides)
   read.check_all_taken(notes)
+  options.update(overrides)
   param_dtype = _dtype(arrays["W_q"], dtype)
   params = {name: {entry: jnp.asarray(value, param_dtype)
                    for entry, value in entries.items()}

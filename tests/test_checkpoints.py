@@ -383,5 +383,338 @@ class RefusalTest(parameterized.TestCase):
     np.testing.assert_array_equal(mha.W_o.bias[...], 0.0)  # Qwen2: no o bias
 
 
+
+class NoGuessTest(parameterized.TestCase):
+  """A config or state dict the loader cannot place is refused, not guessed."""
+
+  def load(self, family, cfg, sd=None, layer=0, **kwargs):
+    if sd is None:
+      _, sd, _ = _golden(family)
+    return checkpoints.load_attention_weights(sd, family=family, config=cfg,
+                                              layer=layer, **kwargs)
+
+  def test_unknown_model_type_says_how_to_port_by_hand(self):
+    # Cohere's attention is llama's but for interleaved rotary pairs: loaded
+    # as llama it is 0.8% off, nothing the loader could notice.
+    _, sd, cfg = _golden("llama")
+    cohere = {**cfg, "model_type": "cohere", "logit_scale": 0.0625,
+              "use_qk_norm": False}
+    with self.assertRaises(ValueError) as caught:
+      self.load("llama", cohere, sd)
+    message = str(caught.exception)
+    self.assertRegex(message, r"model_type='cohere', which load_attention_"
+                     r"weights does not read: it maps the families \['llama'"
+                     r".*'gpt2'\].*no other model by a guess")
+    self.assertRegex(message, r"port it by hand: build aj.MultiHeadAttention"
+                     r"\(.*rope=aj.Rope.*load_params")
+    self.assertNotIn("drop", message)  # never: relabel the config
+    # A known model type of another family names that family.
+    with self.assertRaisesRegex(ValueError, r"model_type='qwen2', but family="
+                                r"'llama' .* this is a qwen2 config, pass "
+                                r"family='qwen2'"):
+      self.load("llama", _golden("qwen2")[2], sd)
+    # A multimodal wrapper whose text model is the family's: its text_config.
+    with self.assertRaisesRegex(ValueError, r"model_type='llava'.* Its "
+                                r"text_config has model_type 'llama': for the "
+                                r"language model's layers pass "
+                                r"config\['text_config'\]"):
+      self.load("llama", {"model_type": "llava", "text_config": cfg}, sd)
+
+  def test_no_model_type_is_refused_when_the_config_is_another_familys(self):
+    untyped = lambda family: {k: v for k, v in _golden(family)[2].items()
+                              if k != "model_type"}
+    _, llama_sd, _ = _golden("llama")
+    cases = {  # (family asked, config) -> the keys that give it away
+        "qwen2_as_llama": ("llama", untyped("qwen2"),
+                           r"'layer_types' .*'max_window_layers' .*"
+                           r"'sliding_window' .*'use_sliding_window'"),
+        "qwen2_as_mistral": ("mistral", untyped("qwen2"),
+                             r"'layer_types' .*'max_window_layers'"),
+        "mistral_as_llama": ("llama", untyped("mistral"),
+                             r"'sliding_window' \(a sliding window\)"),
+        "gemma2_as_llama": ("llama", untyped("gemma2"),
+                            r"'attn_logit_softcapping'.*'query_pre_attn_"
+                            r"scalar'"),
+        "cohere_as_llama": ("llama", {**untyped("llama"), "logit_scale":
+                                      0.0625}, r"'logit_scale' \(Cohere's"),
+        "partial_rotary": ("llama", {**untyped("llama"),
+                                     "partial_rotary_factor": 0.5},
+                           r"'partial_rotary_factor' \(a partial rotary"),
+    }
+    for name, (family, cfg, keys) in cases.items():
+      with self.subTest(name), self.assertRaisesRegex(
+          ValueError, r"config has no model_type, and it has " + keys +
+          r".*which " + family + r" attention does not read: it is another"
+          r" model's config.*port it by hand"):
+        self.load(family, cfg, llama_sd)
+    # Nothing that contradicts the family: loaded as with its model_type.
+    for family in FAMILIES:
+      with self.subTest(accepted=family):
+        z, sd, cfg = _golden(family)
+        got, want = (self.load(family, c, sd, layer=1).options
+                     for c in (untyped(family), cfg))
+        self.assertEqual(got["mask"].window, want["mask"].window)
+        self.assertEqual({k: v for k, v in got.items() if k != "mask"},
+                         {k: v for k, v in want.items() if k != "mask"})
+    loaded = self.load("llama", {**untyped("llama"),
+                                 "partial_rotary_factor": 1.0}, llama_sd)
+    self.assertEqual(loaded.options["rope"].fraction, 1.0)
+
+  def test_sizes_whose_default_differs_are_not_guessed(self):
+    def without(family, key):
+      return {k: v for k, v in _golden(family)[2].items() if k != key}
+    for family in ("qwen3", "gemma2", "gemma3", "gpt_oss"):
+      with self.subTest(family), self.assertRaisesRegex(
+          ValueError, r"config has no 'head_dim': " + family +
+          r"'s config class gives it a default of its own"):
+        self.load(family, without(family, "head_dim"))
+    for family in ("mistral", "qwen2", "qwen3"):
+      with self.subTest(family), self.assertRaisesRegex(
+          ValueError, r"config has no 'num_key_value_heads'"):
+        self.load(family, without(family, "num_key_value_heads"))
+    # Llama's config class derives both (hidden_size // heads; the heads).
+    loaded = self.load("llama", without("llama", "head_dim"))
+    self.assertEqual(loaded.options["head_dim"], 16)
+    with self.assertRaisesRegex(ValueError, r"must be a positive int, got 0"):
+      self.load("llama", {**_golden("llama")[2], "num_attention_heads": 0})
+
+  def test_rope_parameters_without_the_layers_entry_are_refused(self):
+    _, sd, cfg = _golden("gemma3")
+    flat = {**cfg, "rope_parameters": {"rope_type": "default",
+                                       "rope_theta": 1e6}}
+    with self.assertRaisesRegex(ValueError, r"rope_parameters'\] has no "
+                                r"'sliding_attention' entry .*nested by layer "
+                                r"type"):
+      self.load("gemma3", flat, sd, layer=0)
+    _, sd, cfg = _golden("gpt_oss")  # layer 0 slides, layer 1 is global
+    nested = {**cfg, "rope_parameters": {"full_attention": cfg[
+        "rope_parameters"]}}
+    self.assertEqual(self.load("gpt_oss", nested, sd, layer=1).options[
+        "rope"], self.load("gpt_oss", cfg, sd, layer=1).options["rope"])
+    with self.assertRaisesRegex(ValueError, r"nested by layer type "
+                                r"\(\['full_attention'\]\) but have no "
+                                r"'sliding_attention' entry for layer 0"):
+      self.load("gpt_oss", nested, sd, layer=0)
+
+  def test_fused_qkv_is_named_not_blamed_on_the_prefix(self):
+    # A tiny Phi-3 layer: qkv_proj [(N + 2K) * H, D] rows q, k, v.
+    d, n, k, h = 8, 2, 1, 4
+    rng = np.random.default_rng(0)
+    w = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    p = "model.layers.0.self_attn."
+    phi3 = {p + "qkv_proj.weight": w((n + 2 * k) * h, d),
+            p + "o_proj.weight": w(d, n * h)}
+    cfg = dict(hidden_size=d, num_attention_heads=n, num_key_value_heads=k,
+               head_dim=h, num_hidden_layers=1, rope_theta=10000.0)
+    fused = (r"state_dict has 'model.layers.0.self_attn.qkv_proj.weight': a "
+             r"fused q/k/v projection \(Phi-3's layout: rows q \[N \* H\], "
+             r"then k \[K \* H\], then v \[K \* H\]\)\. The llama loader does "
+             r"not read this layout .*no prefix= changes that.*split it by "
+             r"hand into q_proj.weight \[N \* H, D\]")
+    for prefix in (None, p):
+      with self.subTest(prefix=prefix):
+        with self.assertRaises(ValueError) as caught:
+          self.load("llama", cfg, phi3, prefix=prefix)
+        self.assertRegex(str(caught.exception), fused)
+        self.assertNotIn("pass prefix=", str(caught.exception))
+    # Phi-3's own config is an unknown model type (and has a window).
+    with self.assertRaisesRegex(ValueError, r"model_type='phi3', which"):
+      self.load("llama", {**cfg, "model_type": "phi3",
+                          "sliding_window": 2047}, phi3)
+    others = {  # other models' fused names, as their state dicts spell them
+        "gpt_neox.layers.0.attention.query_key_value.weight": "GPT-NeoX",
+        "transformer.blocks.0.attn.Wqkv.weight": "MPT",
+        "model.layers.0.self_attn.W_pack.weight": "Baichuan",
+        "transformer.h.0.attn.c_attn.weight": "family='gpt2'",
+    }
+    for key, says in others.items():
+      with self.subTest(key), self.assertRaisesRegex(
+          ValueError, f"state_dict has '{key}': a fused q/k/v projection.*"
+          f"{says}"):
+        self.load("qwen2", cfg, {key: w(3 * d, d)})
+
+
+def _rotate(x, base, interleaved):
+  """RoPE at positions 0..T-1, float64: ``x [T, heads, H]``."""
+  t, _, h = x.shape
+  angle = np.arange(t)[:, None] * base ** (-np.arange(0, h, 2) / h)  # [T, H/2]
+  cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]  # [T, 1, H/2]
+  if interleaved:  # pairs (x[2i], x[2i + 1])
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * cos - b * sin, b * cos + a * sin
+    return out
+  a, b = x[..., :h // 2], x[..., h // 2:]  # pairs (x[i], x[i + H/2])
+  return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+def _llama_reference(sd, p, x, *, n, k, base, interleaved=False, scale=None,
+                     window=None, cap=None, norm=False, sinks=False):
+  """A llama-style layer on ``x [T, D]`` in float64, from the HF weights."""
+  x = x.astype(np.float64)
+  t = x.shape[0]
+  w = lambda name: sd[p + name].astype(np.float64)
+  h = w("q_proj.weight").shape[0] // n
+  q = (x @ w("q_proj.weight").T).reshape(t, n, h)
+  key = (x @ w("k_proj.weight").T).reshape(t, k, h)
+  v = (x @ w("v_proj.weight").T).reshape(t, k, h)
+  if norm:  # RMSNorm per head, epsilon 1e-6, before the rotation
+    rms = lambda a, g: a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * g
+    q, key = rms(q, w("q_norm.weight")), rms(key, w("k_norm.weight"))
+  q, key = _rotate(q, base, interleaved), _rotate(key, base, interleaved)
+  key = np.repeat(key, n // k, axis=1)  # query head i reads kv head i // G
+  v = np.repeat(v, n // k, axis=1)
+  logits = np.einsum("tnh,snh->nts", q, key) * (h ** -0.5 if scale is None
+                                                else scale)
+  if cap is not None:
+    logits = cap * np.tanh(logits / cap)
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  seen = (j <= i) & ((i - j <= window) if window is not None else True)
+  logits = np.where(seen, logits, -np.inf)
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  total = e.sum(-1, keepdims=True)
+  if sinks:  # exp(sink) joins each row's denominator
+    total = total + np.exp(w("sinks")[:, None, None]
+                           - logits.max(-1, keepdims=True))
+  out = np.einsum("nts,snh->tnh", e / total, v).reshape(t, n * h)
+  return out @ w("o_proj.weight").T
+
+
+class OverridesTest(parameterized.TestCase):
+  """overrides= replaces inferred options; unknown names are refused."""
+
+  D, N, K, H, T = 8, 2, 1, 4, 6
+  P = "model.layers.0.self_attn."
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(1)
+    w = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    d, n, k, h = self.D, self.N, self.K, self.H
+    self.sd = {self.P + "q_proj.weight": w(n * h, d),
+               self.P + "k_proj.weight": w(k * h, d),
+               self.P + "v_proj.weight": w(k * h, d),
+               self.P + "o_proj.weight": w(d, n * h)}
+    self.extra = {self.P + "q_norm.weight": 1 + 0.3 * w(h),
+                  self.P + "k_norm.weight": 1 + 0.3 * w(h),
+                  self.P + "sinks": w(n)}
+    self.cfg = dict(model_type="llama", hidden_size=d, num_attention_heads=n,
+                    num_key_value_heads=k, num_hidden_layers=1,
+                    rope_theta=100.0)
+    self.x = w(self.T, d)
+
+  def compare(self, loaded, sd, **reference):
+    got = np.asarray(loaded.module()(jnp.asarray(self.x[None])))[0]
+    want = _llama_reference(sd, self.P, self.x, n=self.N, k=self.K,
+                            **reference)
+    # float32 against float64: sums of 8 products, a softmax over <= 6 keys
+    # (~1e-6 of the output's scale); every override below moves the output
+    # by > 1e-2 of it.
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
+    return want
+
+  def test_rope_override_changes_the_rotation(self):
+    load = lambda **kw: checkpoints.load_attention_weights(
+        self.sd, family="llama", config=self.cfg, layer=0, **kw)
+    half = self.compare(load(), self.sd, base=100.0)
+    rope = aj.Rope(base=100.0, interleaved=True)  # Cohere's / GPT-J's pairs
+    loaded = load(overrides={"rope": rope})
+    self.assertEqual(loaded.options["rope"], rope)
+    pairs = self.compare(loaded, self.sd, base=100.0, interleaved=True)
+    self.assertGreater(np.abs(pairs - half).max(), 1e-2 * np.abs(half).max())
+    # A base number is a plain Rope; the config's rope is then not read, so
+    # a rope type the loader does not map is no obstacle.
+    longrope = {**self.cfg, "rope_scaling": {"rope_type": "longrope"}}
+    loaded = checkpoints.load_attention_weights(
+        self.sd, family="llama", config=longrope, layer=0,
+        overrides={"rope": 1000.0})
+    self.assertEqual(loaded.options["rope"], aj.Rope(base=1000.0))
+    self.compare(loaded, self.sd, base=1000.0)
+
+  def test_mask_scale_and_soft_cap_overrides(self):
+    overrides = {"mask": aj.Mask(causal=True, window=(1, 0)), "scale": 0.9,
+                 "logits_soft_cap": 1.5}
+    loaded = checkpoints.load_attention_weights(
+        self.sd, family="llama", config=self.cfg, layer=0,
+        overrides=overrides)
+    self.assertEqual({k: loaded.options[k] for k in overrides}, overrides)
+    self.compare(loaded, self.sd, base=100.0, window=1, scale=0.9, cap=1.5)
+    # Gemma 3's refused soft cap becomes the port's choice.
+    _, sd, cfg = _golden("gemma3")
+    capped = checkpoints.load_attention_weights(
+        sd, family="gemma3", config={**cfg, "attn_logit_softcapping": 50.0},
+        layer=0, overrides={"logits_soft_cap": 50.0})
+    self.assertEqual(capped.options["logits_soft_cap"], 50.0)
+
+  def test_qk_norm_and_sinks_overrides_read_their_weights(self):
+    sd = {**self.sd, **self.extra}
+    with self.assertRaisesRegex(ValueError, r"k_norm.weight.*does not use"):
+      checkpoints.load_attention_weights(sd, family="llama", config=self.cfg,
+                                         layer=0)
+    loaded = checkpoints.load_attention_weights(
+        sd, family="llama", config=self.cfg, layer=0,
+        overrides={"normalize_qk": True, "attention_sinks": True})
+    self.assertTrue(loaded.options["normalize_qk"])
+    np.testing.assert_array_equal(loaded.sinks, self.extra[self.P + "sinks"])
+    self.compare(loaded, sd, base=100.0, norm=True, sinks=True)
+
+  def test_bad_overrides_are_refused(self):
+    load = lambda overrides: checkpoints.load_attention_weights(
+        self.sd, family="llama", config=self.cfg, layer=0,
+        overrides=overrides)
+    valid = (r"\['rope', 'mask', 'scale', 'logits_soft_cap', 'normalize_qk', "
+             r"'attention_sinks'\]")
+    with self.assertRaisesRegex(ValueError, r"overrides has \['window'\], "
+                                r"which load_attention_weights does not infer:"
+                                r" the options it can override are " + valid +
+                                r" \(a window W is mask=aj.Mask\(causal=True, "
+                                r"window=\(W - 1, 0\)\)\)"):
+      load({"window": 4})
+    with self.assertRaisesRegex(ValueError, r"overrides has \['d_model', "
+                                r"'dtype'\].*" + valid + r".*Sizes and "
+                                r"use_bias follow the weights"):
+      load({"d_model": 16, "dtype": jnp.float16})
+    with self.assertRaisesRegex(TypeError, r"overrides must be a dict"):
+      load([("rope", None)])
+    with self.assertRaisesRegex(TypeError, r"overrides\['normalize_qk'\] must "
+                                r"be a bool"):
+      load({"normalize_qk": 1})
+    with self.assertRaisesRegex(TypeError, r"rope='x'"):
+      load({"rope": "x"})
+    # module() keeps the checkpoint's options, and says where to change them.
+    with self.assertRaisesRegex(ValueError, r"module\(\) options \['rope'\] "
+                                r".*pass overrides= to load_attention_weights"):
+      load(None).module(rope=None)
+
+
+class QwenWindowLayersTest(parameterized.TestCase):
+  """Qwen's window rule on its own: layers >= max_window_layers slide."""
+
+  @parameterized.named_parameters(
+      ("all", 0, [(3, 0), (3, 0)]), ("from_1", 1, [None, (3, 0)]),
+      ("none", 2, [None, None]), ("default_28", None, [None, None]))
+  def test_boundary(self, max_window_layers, want):
+    for family in ("qwen2", "qwen3"):
+      z, sd, cfg = _golden(family)
+      # Without layer_types the loader derives them, as Qwen's config does.
+      cfg = {k: v for k, v in cfg.items()
+             if k not in ("layer_types", "max_window_layers")}
+      cfg.update(use_sliding_window=True, sliding_window=4)
+      if max_window_layers is not None:
+        cfg["max_window_layers"] = max_window_layers
+      got = [checkpoints.load_attention_weights(
+          sd, family=family, config=cfg, layer=layer).options["mask"].window
+             for layer in (0, 1)]
+      self.assertEqual(got, want, family)
+      if family == "qwen2" and max_window_layers == 1:  # the golden's rule
+        for layer in (0, 1):
+          loaded = checkpoints.load_attention_weights(
+              sd, family=family, config=cfg, layer=layer)
+          want_out = z[f"out/{layer}"]
+          np.testing.assert_allclose(
+              _run(loaded, z[f"in/{layer}"]), want_out,
+              atol=REL_TOL * np.abs(want_out).max())
+
+
 if __name__ == "__main__":
   absltest.main()
