@@ -4,6 +4,7 @@ runs, and landing in ``lm.LMConfig``."""
 import dataclasses
 import re
 
+from absl import app as absl_app
 from absl import flags as absl_flags
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -45,6 +46,9 @@ class LMFlagsTest(parameterized.TestCase):
         "--lm_variants=naive,window", "--window=8", "--qk_norm",
         "--lm_heads=8", "--lm_batch_size=4", "--workdir=/w",
         "--mesh=data:1", "--gen_tokens=9", "--steps=5"])
+    # --steps is the copy task's: run.py refuses it with --experiment=lm.
+    with self.assertRaisesRegex(absl_app.UsageError, "--lm_steps instead"):
+      run.check_flags()
     got = config_flags.from_flags(lm.LMConfig, run.flags.FLAGS)
     want = lm.LMConfig()
     self.assertEqual(got, dataclasses.replace(
@@ -52,7 +56,7 @@ class LMFlagsTest(parameterized.TestCase):
         gen_tokens=9,
         model=dataclasses.replace(want.model, normalize_qk=True,
                                   num_heads=8),
-        # --steps is the copy task's; the LM's budget is --lm_steps.
+        # The LM's budget is --lm_steps.
         train=dataclasses.replace(want.train, steps=7, seed=3, batch_size=4,
                                   mesh="data:1")))
 
