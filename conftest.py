@@ -1,6 +1,9 @@
-"""Repository-wide pytest set-up: doctest namespace and strict broadcasting."""
+"""Repository-wide pytest set-up: doctest namespace, strict broadcasting, and
+the ``slow`` marker (``python -m pytest -m "not slow"`` is the quick subset).
+"""
 
 import os
+import pathlib
 
 # The tests run thousands of tiny programs: XLA compile time, most of it
 # LLVM's optimiser, dominates the suite. -O0 code computes the same IEEE
@@ -28,3 +31,50 @@ def _doctest_namespace(doctest_namespace):
   doctest_namespace.update(jax=jax, jnp=jnp, np=np, nnx=nnx,
                            aj=attention_jax)
 
+
+
+# The quick subset, `python -m pytest -m "not slow"` (under 2 minutes on 2
+# cores), runs only these files; every other test, doctest and README/docs
+# example run is marked slow (as is anything marked @pytest.mark.slow), so a
+# new test file is slow until it is listed here. Plain `python -m pytest`
+# runs everything. The suite's time is spread over many tests of about a
+# second each (mostly XLA compiles), so files are chosen whole: the core API
+# and its errors, and checks that compile little.
+QUICK_FILES = frozenset({
+    # scaled_dot_product_attention vs float64 references, every option.
+    "tests/test_dot_product.py",
+    # Bad input: the error names the argument, eagerly and under jit.
+    "tests/test_validation.py",
+    # aj.Mask and the dense mask helpers; which kernel runs.
+    "tests/test_mask.py",
+    "tests/test_masks.py",
+    "tests/test_kernel_choice.py",
+    # Numerics at the edges: extreme logits, return_max_logits, Rope.
+    "tests/test_extremes.py",
+    "tests/test_max_logits.py",
+    "tests/test_rope_variants.py",
+    "tests/test_ring_steps.py",
+    "tests/test_torch_convert.py",
+    # No compiles: imports, pages (not their examples), flags, data.
+    "tests/test_architecture.py",
+    "tests/test_readme.py",
+    "tests/test_docs_offline.py",
+    "tests/test_experiment_config_flags.py",
+    "tests/test_experiment_data_metrics.py",
+    "tests/test_lm_data.py",
+    "tests/test_lm_flags.py",
+    "tests/test_run_flags_read.py",
+})
+
+
+_ROOT = pathlib.Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+  del config  # the files are named from this repository's root, not rootdir
+  for item in items:
+    path = pathlib.Path(item.path).resolve()
+    name = path.relative_to(_ROOT).as_posix() if path.is_relative_to(
+        _ROOT) else None
+    if name not in QUICK_FILES:
+      item.add_marker(pytest.mark.slow)

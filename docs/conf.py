@@ -3,9 +3,10 @@
 Sphinx because autodoc imports the package and documents exactly the objects
 ``attention_jax.__all__`` exports, napoleon reads their Google-style
 docstrings, and myst-parser renders these Markdown pages; the bundled
-alabaster theme needs no network.
+alabaster theme and the MathJax copied into ``_static`` need no network.
 """
 
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -49,7 +50,30 @@ autodoc_default_options = {"members": True, "special-members": "__call__"}
 
 html_theme = "alabaster"  # bundled with Sphinx: no remote assets
 html_theme_options = {"nosidebar": False}
-html_static_path = []
+
+# Formulas render offline. Sphinx's default mathjax_path loads MathJax from a
+# CDN, so with no network the pages showed raw TeX. MathJax 3.2.2 ships inside
+# the sphinx-mathjax-offline wheel (pinned in requirements.txt); its one-file
+# TeX-to-SVG bundle is copied into _static and loaded from there. The SVG
+# output draws glyphs as paths (no web-font files to load) and the -full
+# bundle has every TeX extension built in (nothing autoloaded at view time),
+# so the page needs no other file. Not that package's own Sphinx extension: it
+# copies all 24 MB of MathJax into every build. Not imgmath: it needs LaTeX and
+# dvipng from apt on every CI machine. Not KaTeX prerendering: it needs node.
+_MATHJAX_DIST = "sphinx-mathjax-offline"
+_MATHJAX_FILE = "sphinx-mathjax-offline/static/mathjax/tex-svg-full.js"
+try:
+  _mathjax = pathlib.Path(
+      importlib.metadata.distribution(_MATHJAX_DIST).locate_file(_MATHJAX_FILE))
+except importlib.metadata.PackageNotFoundError:
+  _mathjax = None
+if _mathjax is None or not _mathjax.is_file():
+  raise RuntimeError(
+      f"docs/conf.py: MathJax for offline formulas not found ({_MATHJAX_FILE} "
+      f"of the {_MATHJAX_DIST} package); install it with "
+      "`python -m pip install -r requirements.txt`")
+html_static_path = [str(_mathjax)]  # a file entry lands in _static/ itself
+mathjax_path = _mathjax.name  # relative: resolved inside the build's _static
 html_title = "attention_jax"
 
 

@@ -38,6 +38,7 @@ def _name(page: pathlib.Path) -> str:
   return str(page.relative_to(ROOT))
 
 
+@pytest.mark.slow  # seconds of compiles per page: not in the quick subset
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)],
                          ids=_name)
 def test_python_examples_run(page):
@@ -56,6 +57,17 @@ def test_readme_starts_with_the_fresh_machine_commands():
   install = "python -m pip install -r requirements.txt"
   assert commands[:2] == [f"{install} && python run.py",
                           f"{install} && python -m pytest"], commands
+
+
+def test_readme_gives_the_quick_subset_command():
+  # The line after the two commands; pyproject registers the marker it uses
+  # (an unregistered one would select nothing and only warn).
+  body = re.search(r"```bash\n(.*?)```", README.read_text(), re.DOTALL).group(1)
+  commands = [line.split("#")[0].strip() for line in body.splitlines()
+              if line.strip()]
+  assert commands[2] == 'python -m pytest -m "not slow"', commands
+  pyproject = (ROOT / "pyproject.toml").read_text()
+  assert re.search(r'^markers = \[\s*"slow:', pyproject, re.MULTILINE)
 
 
 def test_first_command_installs_this_checkout():
