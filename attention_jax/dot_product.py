@@ -39,15 +39,12 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
   """``scaled_dot_product_attention`` returning ``(out, weights, lse,
   max_logits)`` (None unless asked for): the path every entry point
   shares."""
-  _checks.check_static_bool("is_causal", is_causal)
-  mask = mask_lib.as_mask(mask, is_causal=is_causal)
-  candidates, automatic = kernels.candidates(implementation)
-  rule_lengths = _rule_lengths(candidates, query, key)
-  problem = base.canonicalize(
-      query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
-      sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+  problem, candidates, automatic = prepare(
+      query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
+      score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, implementation=implementation,
       return_weights=return_weights, return_lse=return_lse,
-      return_max_logits=return_max_logits, rule_lengths=rule_lengths)
+      return_max_logits=return_max_logits)
   kernel = kernels.choose(candidates, problem, automatic)
   result = kernel(problem)
   out, weights, lse = result[:3]
@@ -62,6 +59,25 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
     max_logits = result[3]
   return (out, weights if return_weights else None,
           lse if return_lse else None, max_logits)
+
+
+def prepare(query, key, value, mask=None, *, bias=None, scale=None,
+            is_causal: bool = False, score_mod=None, sinks=None,
+            dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
+            return_weights: bool = False, return_lse: bool = False,
+            return_max_logits: bool = False):
+  """A call normalised once: ``(problem, kernels to try, automatic)``
+  (what ``run`` runs and ``aj.explain`` reports)."""
+  _checks.check_static_bool("is_causal", is_causal)
+  mask = mask_lib.as_mask(mask, is_causal=is_causal)
+  candidates, automatic = kernels.candidates(implementation)
+  problem = base.canonicalize(
+      query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
+      sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      return_weights=return_weights, return_lse=return_lse,
+      return_max_logits=return_max_logits,
+      rule_lengths=_rule_lengths(candidates, query, key))
+  return problem, candidates, automatic
 
 
 def _rule_lengths(candidates, query, key):

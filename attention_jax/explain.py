@@ -6,8 +6,8 @@ ceil(S / bk) blocks; ``...`` leading dims.
 
 ``explain(q, k, v, mask, **kwargs)`` takes what
 ``scaled_dot_product_attention`` takes and runs nothing: it normalises the
-call as ``dot_product.run`` does (``mask.as_mask``, ``kernels.candidates``,
-``kernels.base.canonicalize``), asks every candidate kernel what it makes
+call with ``dot_product.run``'s own ``dot_product.prepare`` (``mask.as_mask``,
+``kernels.candidates``, ``kernels.base.canonicalize``), asks every candidate kernel what it makes
 of the problem (``kernels.verdicts``, the walk ``kernels.choose`` makes),
 and for the flash kernel counts the (query block, key block) pairs of every
 head the way its walk classifies them (``flash_core.key_ranges``, or a
@@ -29,9 +29,8 @@ import numpy as np
 from attention_jax import _broadcast
 from attention_jax import _checks
 from attention_jax import _patterns
+from attention_jax import dot_product
 from attention_jax import kernels
-from attention_jax import mask as mask_lib
-from attention_jax.kernels import base
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
 
@@ -194,35 +193,15 @@ def explain(query, key, value, mask=None, *, bias=None, scale=None,
   return found[0]
 
 
-def _rule_lengths(candidates, query, key):
-  """``dot_product.run``'s ``(T, S)`` a rule's indices refer to (the same
-  for every candidate), or None for the operands' own."""
-  q_shape, k_shape = _checks.shape_of(query), _checks.shape_of(key)
-  if len(q_shape) < 2 or len(k_shape) < 2:
-    return None  # the operand checks say what is wrong
-  t, s = q_shape[-2], k_shape[-2]
-  lengths = {kernel.lengths(t, s) for kernel in candidates}
-  if len(lengths) > 1:
-    raise ValueError(
-        f"implementation mixes kernels whose mask rules index different "
-        f"sequences ({sorted(lengths)}): try ring attention on its own.")
-  only = lengths.pop()
-  return None if only == (t, s) else only
-
-
 def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
              sinks, dropout_rate, dropout_rng, implementation,
              return_weights, return_lse, return_max_logits) -> Explanation:
-  # The normalisation of dot_product.run, step for step.
-  _checks.check_static_bool("is_causal", is_causal)
-  mask = mask_lib.as_mask(mask, is_causal=is_causal)
-  candidates, automatic = kernels.candidates(implementation)
-  problem = base.canonicalize(
-      query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
-      sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+  problem, candidates, automatic = dot_product.prepare(
+      query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
+      score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, implementation=implementation,
       return_weights=return_weights, return_lse=return_lse,
-      return_max_logits=return_max_logits,
-      rule_lengths=_rule_lengths(candidates, query, key))
+      return_max_logits=return_max_logits)
   chosen = None
   verdicts = []
   for kernel, verdict, reason in kernels.verdicts(candidates, problem,
