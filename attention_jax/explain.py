@@ -6,9 +6,10 @@ ceil(S / bk) blocks; ``...`` leading dims.
 
 ``explain(q, k, v, mask, **kwargs)`` takes what
 ``scaled_dot_product_attention`` takes and runs nothing: it normalises the
-call with ``dot_product.run``'s own ``dot_product.prepare`` (``mask.as_mask``,
-``kernels.candidates``, ``kernels.base.canonicalize``), asks every candidate kernel what it makes
-of the problem (``kernels.verdicts``, the walk ``kernels.choose`` makes),
+call with ``dot_product.run``'s own ``dot_product.prepare``
+(``mask.as_mask``, ``kernels.candidates``, ``kernels.base.canonicalize``),
+asks every candidate kernel what it makes of the problem
+(``kernels.verdicts``, the walk ``kernels.choose`` makes),
 and for the flash kernel counts the (query block, key block) pairs of every
 head the way its walk classifies them (``flash_core.key_ranges``, or a
 block mask's tables): *empty* (skipped), *full* (run without a mask pass)
