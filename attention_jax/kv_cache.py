@@ -110,18 +110,27 @@ def _check_index(index, batch: int) -> None:
         f"example [B] = [{batch}], got shape {shape}.")
 
 
+def _per_example_counts(name: str, x, batch: int, meaning: str):
+  """Integer counts, a scalar or one per example ``[B]`` (lists become
+  arrays); a ValueError naming ``meaning`` for another dtype or shape."""
+  if isinstance(x, (list, tuple)):
+    x = np.asarray(x)
+  dtype = jnp.result_type(x)
+  shape = _checks.shape_of(x)
+  if not jnp.issubdtype(dtype, jnp.integer) or shape not in ((), (batch,)):
+    raise ValueError(
+        f"{name} must be integer [B] = [{batch}] ({meaning}), got dtype "
+        f"{dtype} with shape {shape}.")
+  return x
+
+
 def _check_new_lengths(new_lengths, batch: int, t: int):
   """``[B]`` counts of real new tokens (right-padded), or None."""
   if new_lengths is None:
     return None
-  if isinstance(new_lengths, (list, tuple)):
-    new_lengths = np.asarray(new_lengths)
-  dtype = jnp.result_type(new_lengths)
-  shape = _checks.shape_of(new_lengths)
-  if not jnp.issubdtype(dtype, jnp.integer) or shape not in ((), (batch,)):
-    raise ValueError(
-        f"new_lengths must be integer [B] = [{batch}] (real new tokens per "
-        f"example, right-padded), got dtype {dtype} with shape {shape}.")
+  new_lengths = _per_example_counts(
+      "new_lengths", new_lengths, batch,
+      "real new tokens per example, right-padded")
   _checks.check_concrete_range("new_lengths", new_lengths, t)
   return jnp.asarray(new_lengths, jnp.int32)
 
@@ -131,15 +140,9 @@ def check_left_padding(left_padding, batch: int):
   None; a ValueError for another dtype or shape, or a concrete negative."""
   if left_padding is None:
     return None
-  if isinstance(left_padding, (list, tuple)):
-    left_padding = np.asarray(left_padding)
-  dtype = jnp.result_type(left_padding)
-  shape = _checks.shape_of(left_padding)
-  if not jnp.issubdtype(dtype, jnp.integer) or shape not in ((), (batch,)):
-    raise ValueError(
-        f"left_padding must be integer [B] = [{batch}] (leading pad tokens "
-        f"per example, left-padded prompts), got dtype {dtype} with shape "
-        f"{shape}.")
+  left_padding = _per_example_counts(
+      "left_padding", left_padding, batch,
+      "leading pad tokens per example, left-padded prompts")
   if _concrete(left_padding) and np.asarray(left_padding).min() < 0:
     raise ValueError(
         f"left_padding must be non-negative (leading pad tokens per "
