@@ -82,6 +82,18 @@ class Head(NamedTuple):
   sink: jax.Array | None  # float scalar
   index: tuple | None  # int32 scalars (b, h) for score_mod, or None
   block_mask: Any  # a BlockMask (this head's [nq, nk] tables) or None
+  # int32 scalars: positions of query row 0 and key column 0 (the mask's
+  # q_offset/kv_offset), or None for the bottom-right alignment
+  q_offset: jax.Array | None = None
+  kv_offset: jax.Array | None = None
+
+  def offsets(self, t: int, s: int):
+    """``(offset, q_start, kv_start)``: query row ``r`` stands at key column
+    ``r + offset`` (causality, windows); rules and score modifiers see
+    ``q_start + r`` and ``kv_start + c``."""
+    if self.q_offset is None:
+      return s - t, 0, 0
+    return self.q_offset - self.kv_offset, self.q_offset, self.kv_offset
 
 
 def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
@@ -101,22 +113,24 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   bm = ops.block_mask
   per_head_tables = bm is not None and bm.batch_shape
   tables = bm.tables if per_head_tables else ()
-  operands = (ops.query, ops.key, ops.value, ops.mask, ops.bias,
-              ops.lengths, ops.q_lengths, ops.q_seg, ops.k_seg, ops.sinks,
-              b, h, *tables, *extra)
-  core = (2, 2, 2, 2, 2, 0, 0, 1, 1, 0, 0, 0, *(2,) * len(tables),
-          *extra_core_ndims)
+  # (operand, its core ndims): what one head sees of each
+  fixed = ((ops.query, 2), (ops.key, 2), (ops.value, 2), (ops.mask, 2),
+           (ops.bias, 2), (ops.lengths, 0), (ops.q_lengths, 0),
+           (ops.q_seg, 1), (ops.k_seg, 1), (ops.sinks, 0), (b, 0), (h, 0),
+           (ops.q_offset, 0), (ops.kv_offset, 0))
+  operands = (*(x for x, _ in fixed), *tables, *extra)
+  core = (*(c for _, c in fixed), *(2,) * len(tables), *extra_core_ndims)
 
   def per_head(q, k, v, mask, bias, length, q_length, q_seg, k_seg, sink,
-               b, h, *rest):
+               b, h, q_offset, kv_offset, *rest):
     head_bm = bm
     if per_head_tables:
       head_bm = bm.with_tables(rest[:len(tables)])
     head = Head(mask, bias, length, q_length, q_seg, k_seg, sink,
-                None if b is None else (b, h), head_bm)
+                None if b is None else (b, h), head_bm, q_offset, kv_offset)
     return head_fn(q, k, v, head, *rest[len(tables):])
 
-  first_table = 12  # the index of the tables among the operands
+  first_table = len(fixed)  # the index of the tables among the operands
   out, weights, *rows = broadcast_vmap(
       per_head, core, operands,
       sequential=range(first_table, first_table + len(tables)))

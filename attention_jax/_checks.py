@@ -187,6 +187,14 @@ class Operands(NamedTuple):
   block_mask: Any = None  # a BlockMask (kinds None: tables to build)
   causal: bool = False
   leading: tuple[int, ...] = ()  # the caller's broadcast leading dims
+  # int32 [...] positions of query row 0 / key column 0 (Mask.q_offset,
+  # kv_offset), or None for the bottom-right alignment.
+  q_offset: jax.Array | None = None
+  kv_offset: jax.Array | None = None
+
+  @property
+  def positioned(self) -> bool:
+    return self.q_offset is not None
 
 
 def _logits_layout(rank: int) -> str:
@@ -368,10 +376,13 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   leading = {"query": q_shape[:-2], "key": as_query_heads(k_shape)[:-2],
              "value": as_query_heads(v_shape)[:-2]}
   leading_rank = max(len(q_shape), len(k_shape), len(v_shape)) - 2
-  key_value_seq_lengths, query_seq_lengths = (
+  q_offset, kv_offset = (None, None) if not m.positioned else (
+      m.offsets(t, s))
+  key_value_seq_lengths, query_seq_lengths, q_offset, kv_offset = (
       _left_aligned(f"Mask's {n}", x, 0, leading_rank, "a scalar or [B]")
       for n, x in (("kv_lengths", key_value_seq_lengths),
-                   ("q_lengths", query_seq_lengths)))
+                   ("q_lengths", query_seq_lengths),
+                   ("q_offset", q_offset), ("kv_offset", kv_offset)))
   if query_segment_ids is not None and np.ndim(query_segment_ids) > 1:
     query_segment_ids = _left_aligned("Mask's q_segment_ids",
                                       query_segment_ids, 1, leading_rank,
@@ -459,6 +470,19 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
           f"to the left of the leading dims) or [B, N] per head.")
     check_concrete_range(name, given, upper)
     leading[name] = lengths.shape
+  offsets = []
+  for name, given in (("the mask's q_offset", q_offset),
+                      ("the mask's kv_offset", kv_offset)):
+    offset = check_lengths(name, given)
+    if offset is not None and offset.ndim not in (0, len(batch_shape)):
+      raise ValueError(
+          f"{name} with shape {offset.shape} does not fit the leading dims "
+          f"{batch_shape}: positions are a scalar, [B] per example (aligned "
+          f"to the left of the leading dims) or [B, N] per head.")
+    if offset is not None:
+      leading[name] = offset.shape
+    offsets.append(offset)
+  q_offset, kv_offset = offsets
   if (query_segment_ids is None) != (key_segment_ids is None):
     raise ValueError("segment ids come in pairs: pass q_segment_ids with "
                      "kv_segment_ids (or q_segment_ids alone for packed "
@@ -493,12 +517,15 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                         for x in all_lengths.values())
   q_seg, k_seg = (_grouping.split(x, groups, -2) for x in (q_seg, k_seg))
   sinks = _grouping.split(sinks, groups, -1)
+  q_offset, kv_offset = (_grouping.split(x, groups, -1)
+                         for x in (q_offset, kv_offset))
   if groups is not None:
     batch_shape = batch_shape[:-1] + (groups.num_kv_heads,
                                       groups.num_heads // groups.num_kv_heads)
   return Operands(query, key, value, mask, bias, lengths, q_lengths, q_seg,
                   k_seg, sinks, head_index, groups, batch_shape, window,
-                  score_mod, block_mask, bool(is_causal), caller_leading)
+                  score_mod, block_mask, bool(is_causal), caller_leading,
+                  q_offset, kv_offset)
 
 
 def check_rule(mask_fn, leading, t: int, s: int) -> None:

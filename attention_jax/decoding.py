@@ -7,10 +7,15 @@ attends over (``L``, or ``W + T`` for a ring buffer), H head dim.
 ``KVCache`` is what ``multi_head.forward`` threads through a decoding step;
 ``write`` appends this call's keys and values (``kv_cache``'s pure
 updates) and returns what the queries attend over, with the call's
-``Mask`` restated over cache slots: the causal band and window become a
-per-example visibility mask over absolute positions, a rule is evaluated
-at those positions, and a score modifier sees them as ``q_idx``/``kv_idx``,
-so cached decoding equals the full forward.
+``Mask`` over the cache slots, so cached decoding equals the full forward.
+A linear cache's slot ``j`` holds position ``j``: the mask stays the
+layer's, causal, with the queries placed at ``q_offset = index`` (windows,
+rules and score modifiers at those positions; no array over the slots, so
+a chunked prefill into a long cache skips every block outside the band). A
+ring buffer's slots hold changing positions: its causal band and window
+become a per-example visibility mask over its ``W + T`` slots, a rule is
+evaluated at their positions, and a score modifier sees them as
+``q_idx``/``kv_idx``.
 
 Left padding: a cache with ``left_padding [B]`` (each example's leading pad
 tokens) never shows a key below it, and masks, rules and score modifiers
@@ -87,11 +92,7 @@ def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
   over [B, N|1, T, S'], score_mod over absolute positions)``.
   """
   mask = mask_lib.Mask() if mask is None else mask
-  if mask.q_segment_ids is not None:
-    raise ValueError(
-        "segment ids are not supported while decoding with a KV cache (the "
-        "cache holds no segment ids): mask cache slots with a dense mask "
-        "instead.")
+  _check_unplaced(mask)
   qp, kp = q_pos[:, :, None], key_pos[:, None, :]  # [B, T, 1], [B|1, 1, S']
   if mask.window is not None:
     left, right = mask.window
@@ -100,13 +101,7 @@ def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
   if mask.rule is not None:  # a rule at absolute positions, per (b, h)
     b = jnp.arange(q_pos.shape[0])[:, None, None, None]  # [B, 1, 1, 1]
     h = jnp.arange(num_heads)[None, :, None, None]  # [1, N, 1, 1]
-    rule = mask.rule
-    if isinstance(rule, mask_lib.Union):
-      raise ValueError("a union (|) of masks is not supported while "
-                       "decoding (cache slots hold other positions than "
-                       "its members' arrays): write it as one rule, "
-                       "aj.MaskRule(fn, params).")
-    fn = mask_lib.rule_function(rule)
+    fn = mask_lib.rule_function(mask.rule)
     visible = visible & jnp.asarray(fn(b, h, qp[:, None], kp[:, None]))
   dense = visible if mask.dense is None else (
       visible & (jnp.asarray(mask.dense) != 0))
@@ -127,6 +122,53 @@ def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
   return out, score_mod
 
 
+def _check_unplaced(mask: mask_lib.Mask) -> None:
+  """What a cache's slots cannot carry: segment ids, unions, positions."""
+  if mask.q_segment_ids is not None:
+    raise ValueError(
+        "segment ids are not supported while decoding with a KV cache (the "
+        "cache holds no segment ids): mask cache slots with a dense mask "
+        "instead.")
+  if isinstance(mask.rule, mask_lib.Union):
+    raise ValueError("a union (|) of masks is not supported while "
+                     "decoding (cache slots hold other positions than "
+                     "its members' arrays): write it as one rule, "
+                     "aj.MaskRule(fn, params).")
+  if mask.positioned:
+    raise ValueError(
+        "the mask gives positions (q_offset/kv_offset), but while decoding "
+        "the cache places the queries and keys (each example's tokens so "
+        "far; init_cache(left_padding=) for left-padded prompts): drop them "
+        "from the mask.")
+
+
+def _at_positions(mask: mask_lib.Mask | None, index, pads, num_slots: int):
+  """The call's mask over a linear cache's ``L`` slots, kept analytic.
+
+  Slot ``j`` holds position ``j``: the queries stand at ``index + i``
+  (``q_offset = index``), causality hides the slots not written yet, and
+  the window and a rule compare and see those positions, so no ``[T, L]``
+  array is built and the blockwise kernels skip every block outside the
+  band. With ``left_padding`` positions count from each example's first
+  real token (both offsets shifted by the pads) and the pad slots are
+  hidden by a key-padding mask ``[B, 1, 1, L]``.
+  """
+  mask = mask_lib.Mask() if mask is None else mask
+  _check_unplaced(mask)
+  q_offset, kv_offset, dense = index, None, mask.dense
+  if pads is not None:
+    shift = jnp.asarray(pads, jnp.int32)  # [B]
+    q_offset, kv_offset = index - shift, -shift
+    real = jnp.arange(num_slots)[None, :] >= shift[:, None]  # [B, L]
+    real = real[:, None, None, :]  # [B, 1, 1, L]
+    dense = real if dense is None else (jnp.asarray(dense) != 0) & real
+  return mask_lib.Mask(
+      causal=True, window=mask.window, q_lengths=mask.q_lengths,
+      kv_lengths=mask.kv_lengths, dense=dense,
+      rule=mask_lib.rule_function(mask.rule), q_offset=q_offset,
+      kv_offset=kv_offset)
+
+
 def _right_padding_hint(t: int, rows) -> str:
   return (
       f"a prefill of T={t} tokens without the mask's q_lengths caches all "
@@ -141,26 +183,41 @@ def _right_padding_hint(t: int, rows) -> str:
       "init_cache(..., left_padding=pads)")
 
 
-def _last_token_hidden(mask: mask_lib.Mask, index, t: int,
-                       num_slots: int) -> jax.Array:
+def _last_token_hidden(mask: mask_lib.Mask, index, t: int, num_slots: int,
+                       pads, num_heads: int) -> jax.Array:
   """bool ``[B]``: no head lets the last new query see its own slot.
 
-  ``mask`` is over the linear cache's slots (``dense [B, N|1, T, L]``, the
-  causal visibility included); causality shows every query its own slot,
-  so only the call's padding can hide it.
+  ``mask`` is the call's (over the linear cache's slots: a dense part
+  ``[B|1, N|1, T|1, L|1]``, ``kv_lengths``, a rule at positions);
+  causality and windows show every query its own slot, so only the call's
+  padding (or a rule) can hide it.
   """
+  b = index.shape[0]
   slot = jnp.minimum(index + t - 1, num_slots - 1)  # [B]
-  last = jnp.asarray(mask.dense)[:, :, -1, :]  # [B, N|1, L]
-  seen = jnp.take_along_axis(last, slot[:, None, None], axis=2)[..., 0]
+  seen = jnp.ones((b, 1), bool)  # [B, N|1]
+  if mask.dense is not None:
+    dense = jnp.asarray(mask.dense) != 0
+    dense = dense.reshape((1,) * (4 - dense.ndim) + dense.shape)
+    last = dense[:, :, -1, :]  # [B|1, N|1, L|1]
+    last = jnp.broadcast_to(last, (b, last.shape[1], num_slots))
+    seen = seen & jnp.take_along_axis(last, slot[:, None, None],
+                                      axis=2)[..., 0]
   if mask.kv_lengths is not None:  # scalar, [B] or [B, N]
     lengths = jnp.asarray(mask.kv_lengths)
     lengths = lengths.reshape(lengths.shape + (1,) * (2 - lengths.ndim))
     seen = seen & (slot[:, None] < lengths)  # [B, N|1]
+  fn = mask_lib.rule_function(mask.rule)
+  if fn is not None:  # at positions, per (b, h)
+    shift = 0 if pads is None else jnp.asarray(pads, jnp.int32)
+    q_at = (index + t - 1 - shift)[:, None]  # [B, 1]
+    kv_at = (slot - shift)[:, None]
+    seen = seen & jnp.asarray(fn(jnp.arange(b)[:, None],
+                                 jnp.arange(num_heads)[None, :], q_at, kv_at))
   return ~jnp.any(seen, axis=1)
 
 
 def _check_right_padding(mask: mask_lib.Mask, index, t: int, num_slots: int,
-                         overflow, pads) -> jax.Array:
+                         overflow, pads, num_heads: int) -> jax.Array:
   """``pad_written [B]`` of this call; raises when it is concrete and set.
 
   Concrete ``kv_lengths`` below ``T`` hide the last token whatever the
@@ -178,7 +235,8 @@ def _check_right_padding(mask: mask_lib.Mask, index, t: int, num_slots: int,
       short = np.flatnonzero(np.broadcast_to(most, (b,)) < t)
       if short.size:
         raise ValueError(_right_padding_hint(t, short.tolist()) + ".")
-  hidden = _last_token_hidden(mask, index, t, num_slots) & ~overflow
+  hidden = _last_token_hidden(mask, index, t, num_slots, pads,
+                              num_heads) & ~overflow
   if pads is not None:  # a left pad is hidden by design
     hidden = hidden & (index + t - 1 >= pads)
   if not isinstance(hidden, jax.core.Tracer) and np.asarray(hidden).any():
@@ -207,11 +265,10 @@ def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
   count = t if lengths is None else lengths
   pads = cache.left_padding
   if cache.window is None:
-    ck, cv, visible = kv_cache.update_kv_cache(
+    ck, cv, _ = kv_cache.update_kv_cache(
         cache.key, cache.value, index, k, v, new_lengths=lengths,
-        left_padding=pads)  # [B, K, L, H]; visible [B, T, L]
+        left_padding=pads)  # [B, K, L, H]
     keys, values = ck, cv
-    key_pos = jnp.arange(ck.shape[2])[None, :]  # [1, L]
     overflow = kv_cache.cache_overflow(index, count, ck.shape[2])
   else:
     for name, x in (("a dense mask", None if mask is None else mask.dense),
@@ -237,16 +294,19 @@ def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
   check_padding = (cache.window is None and lengths is None and t > 1
                    and mask is not None and (mask.kv_lengths is not None
                                              or mask.dense is not None))
-  if pads is not None:  # positions from each example's first real token
-    shift = jnp.asarray(pads, jnp.int32)[:, None]  # [B, 1]
-    q_pos, key_pos = q_pos - shift, key_pos - shift  # [B, T], [B, S']
-  mask, score_mod = _over_slots(mask, score_mod, visible, q_pos, key_pos,
-                                num_heads)
   pad_written = cache.pad_written
   if check_padding:
     hidden = _check_right_padding(mask, index, t, ck.shape[2], overflow,
-                                  pads)
+                                  pads, num_heads)
     pad_written = hidden if pad_written is None else pad_written | hidden
+  if cache.window is None:  # slots are positions: the mask stays analytic
+    mask = _at_positions(mask, index, pads, ck.shape[2])
+  else:  # a ring buffer's slots hold changing positions: restate them
+    if pads is not None:  # positions from each example's first real token
+      shift = jnp.asarray(pads, jnp.int32)[:, None]  # [B, 1]
+      q_pos, key_pos = q_pos - shift, key_pos - shift  # [B, T], [B, S']
+    mask, score_mod = _over_slots(mask, score_mod, visible, q_pos, key_pos,
+                                  num_heads)
   new_cache = KVCache(ck, cv, index + count, overflow, cache.window, pads,
                       pad_written)
   return keys, values, mask, score_mod, new_cache

@@ -8,7 +8,12 @@ position ``i + S - T`` (bottom-right: the last query meets the last key, so
 a query over a longer cache of keys sees all of its past). Causality and
 windows are written against that position; lengths and segment ids count
 absolute positions ``0..T-1`` and ``0..S-1``; a rule sees the raw indices
-``q_idx`` and ``kv_idx``.
+``q_idx`` and ``kv_idx``. Positions given in the mask (``q_offset``,
+``kv_offset``: query row ``i`` at ``q_offset + i``, key column ``j`` at
+``kv_offset + j``) replace that alignment: causality, windows, rules and
+score modifiers then compare and see positions (a decoding step's queries
+over its cache slots), while lengths, segment ids and a dense array still
+count rows and columns.
 
 A ``Mask`` is a pytree: the structure (``causal``, ``window``, a rule's
 function) is static auxiliary data, the arrays (lengths, segment ids, a
@@ -40,8 +45,15 @@ from attention_jax import _patterns
 
 MaskFn = Callable[..., jax.Array]  # mask_fn(b, h, q_idx, kv_idx) -> bool
 
+_POSITIONED_RULE = (
+    "a mask that gives positions (q_offset/kv_offset) cannot hold a union "
+    "(|) or a BlockMask: their members and block tables are built over row "
+    "and column indices, not positions. Write the rule as one "
+    "aj.MaskRule(fn, params) (kernels evaluate it at the positions) or "
+    "drop the positions.")
+
 _FIELDS = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
-           "dense")
+           "dense", "q_offset", "kv_offset")
 
 
 def _integer_array(name: str, x):
@@ -184,6 +196,21 @@ class Mask:
       prefix lengths, document boundaries), or an ``aj.BlockMask`` with its
       block tables precomputed. Kernels classify its blocks (NumPy when
       concrete, on device when traced) and skip the empty ones.
+    q_offset: integer position of query row 0, a scalar or one per example
+      (``[B]``, left-aligned; ``[B, N]`` per head): query row ``i`` stands
+      at position ``q_offset + i``. Given (with or without ``kv_offset``),
+      causality and windows compare positions (query ``i`` sees key ``j``
+      when ``kv_offset + j <= q_offset + i`` for causal, within the window
+      around it), and a rule and a score modifier see positions as
+      ``q_idx``/``kv_idx``; lengths, segment ids and ``dense`` still index
+      rows and columns. None: the bottom-right alignment above. A decoding
+      step over a cache of ``S`` slots is ``q_offset=index`` (the tokens
+      cached before it): no dense mask over the slots, and the blockwise
+      kernels skip every block outside the band.
+    kv_offset: the position of key column 0 (default 0 when ``q_offset``
+      is given; giving ``kv_offset`` alone means ``q_offset=0``); a
+      left-padded cache counts positions from each example's first real
+      token with ``kv_offset=-pads``.
 
   Example:
     >>> m = Mask(causal=True, kv_lengths=jnp.array([5, 3]))
@@ -198,7 +225,8 @@ class Mask:
   def __init__(self, *, causal: bool = False,
                window: int | tuple[int, int] | None = None,
                q_lengths=None, kv_lengths=None, q_segment_ids=None,
-               kv_segment_ids=None, dense=None, rule=None):
+               kv_segment_ids=None, dense=None, rule=None, q_offset=None,
+               kv_offset=None):
     if not isinstance(causal, (bool, np.bool_)):
       raise TypeError(f"Mask's causal must be a Python bool (static), got "
                       f"{causal!r}.")
@@ -234,6 +262,25 @@ class Mask:
           f"bool, an aj.MaskRule(fn, params) or an aj.BlockMask, got "
           f"{type(rule).__name__}.")
     self.rule = rule
+    self.q_offset = None if q_offset is None else _integer_array(
+        "q_offset", q_offset)
+    self.kv_offset = None if kv_offset is None else _integer_array(
+        "kv_offset", kv_offset)
+    if self.positioned and isinstance(rule, (Union, BlockMask)):
+      raise ValueError(_POSITIONED_RULE)
+
+  @property
+  def positioned(self) -> bool:
+    """Whether the mask gives positions (``q_offset``/``kv_offset``)."""
+    return self.q_offset is not None or self.kv_offset is not None
+
+  def offsets(self, t: int, s: int):
+    """``(q_offset, kv_offset)``: the given positions, or the bottom-right
+    alignment's ``(S - T, 0)`` (where rules see raw indices)."""
+    if not self.positioned:
+      return s - t, 0
+    return (0 if self.q_offset is None else self.q_offset,
+            0 if self.kv_offset is None else self.kv_offset)
 
   # NumPy arrays defer to Mask's & and | (instead of an object array).
   __array_ufunc__ = None
@@ -266,8 +313,18 @@ class Mask:
           "both masks hold segment ids; a Mask holds one pair: combine the "
           "ids into one numbering, or express one side as a rule "
           "(aj.MaskRule(lambda b, h, q, kv, ids: ..., ids)).")
+    if self.positioned and other.positioned:
+      raise ValueError(
+          "both masks give positions (q_offset/kv_offset): a mask holds one "
+          "placement of its rows and columns; give the positions once.")
+    if (self.positioned or other.positioned) and (
+        isinstance(self.rule, (Union, BlockMask))
+        or isinstance(other.rule, (Union, BlockMask))):
+      raise ValueError(_POSITIONED_RULE)
     return _replace(
         self,
+        q_offset=_first(self.q_offset, other.q_offset),
+        kv_offset=_first(self.kv_offset, other.kv_offset),
         causal=self.causal or other.causal,
         window=_intersect_windows(self.window, other.window),
         q_lengths=_min_lengths(self.q_lengths, other.q_lengths),
@@ -284,6 +341,8 @@ class Mask:
     if other is None:
       raise ValueError("mask | None: None allows every pair, so the union "
                        "would be no mask; pass mask=None instead.")
+    if self.positioned or other.positioned:
+      raise ValueError(_POSITIONED_RULE)
     return Mask(rule=Union(self, other))
 
   __ror__ = __or__
@@ -308,9 +367,10 @@ class Mask:
     ``[B, N, T, S]`` logits (``mask`` then in jax.nn's ``[B, N, T, S]``).
 
     jax.nn aligns causality and windows top-left; they agree with ours when
-    ``T == S`` and otherwise become an explicit band. Lengths become one
-    per example (``[B]``; a scalar needs ``batch``). Segment ids and rules
-    have no jax.nn counterpart: a ``ValueError`` says so. (A row that may
+    ``T == S`` and otherwise (or with positions) become an explicit band.
+    Lengths become one per example (``[B]``; a scalar needs ``batch``).
+    Segment ids and rules have no jax.nn counterpart: a ``ValueError`` says
+    so. (A row that may
     see no key is the mean of the values in jax.nn, 0 here.)
 
     Example:
@@ -327,9 +387,13 @@ class Mask:
             "aj.blockwise_attention).")
     out: dict[str, Any] = {}
     dense = None if self.dense is None else jnp.asarray(self.dense) != 0
+    q_off, kv_off = self.offsets(t, s)
+    if np.ndim(q_off) or np.ndim(kv_off):  # per example: [B, 1, 1, 1]
+      q_off, kv_off = (_left_aligned(x, 4) for x in (q_off, kv_off))
     band = _patterns.visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :],
-                             s - t, _patterns.bounds(self.causal, self.window))
-    if t == s:
+                             q_off - kv_off,
+                             _patterns.bounds(self.causal, self.window))
+    if t == s and not self.positioned:
       if self.causal:
         out["is_causal"] = True
       if self.window is not None:

@@ -66,13 +66,13 @@ REFUSES = {
     "flash": frozenset({"float64"}),
     "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
                         "softcap", "segments", "sinks", "alibi", "t5",
-                        "rule", "max_logits"}),
-    "ring": frozenset({"mask", "bias", "float64"}),
-    "pallas_gpu": frozenset({"float64", "max_logits"}),
+                        "rule", "max_logits", "positions"}),
+    "ring": frozenset({"mask", "bias", "float64", "positions"}),
+    "pallas_gpu": frozenset({"float64", "max_logits", "positions"}),
     # Splash has no bias, no modifier but a soft cap, and a static mask (a
     # dense mask is traced under jit).
     "splash": frozenset({"float64", "bias", "mask", "alibi", "t5",
-                         "max_logits"}),
+                         "max_logits", "positions"}),
 }
 NEEDS_GPU = frozenset({"cudnn"})
 
@@ -90,7 +90,7 @@ SUBSETS = {
         "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
         "t5_bias_bidirectional_gqa", "block_mask_prefix_lm",
         "rule_per_example_prefix_window", "everything_combined",
-        "max_logits_modified_patterned"),
+        "max_logits_modified_patterned", "positions_causal_window_rule"),
     "splash": (
         "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
         "mask_empty_rows", "bias_neg_inf", "bfloat16_causal_lengths",
@@ -98,7 +98,7 @@ SUBSETS = {
         "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
         "alibi_causal_gqa", "block_mask_prefix_lm",
         "rule_per_example_prefix_window", "union_prefix_lm_segments",
-        "max_logits_modified_patterned"),
+        "max_logits_modified_patterned", "positions_causal_window_rule"),
 }
 
 
@@ -226,11 +226,16 @@ class Case:
   dtype: str = "float32"
   # return_max_logits: each row's largest raw scale * q.k where allowed
   max_logits: bool = False
+  # Positions in the mask: (q_offset, kv_offset) per example ([B] each):
+  # query row i at q_offset + i, key column j at kv_offset + j, for
+  # causality, windows and the rule (a decoding step over cache slots).
+  positions: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
   def features(self) -> set[str]:
     used = {self.dtype}
     for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap",
-                 "segments", "sinks", "alibi", "t5", "rule", "max_logits"):
+                 "segments", "sinks", "alibi", "t5", "rule", "max_logits",
+                 "positions"):
       if getattr(self, name):
         used.add(name)
     return used
@@ -295,6 +300,13 @@ CASES = {
         t=40, s=40, causal=True, window=(9, 0), segments="sorted",
         lengths=(40, 33), q_lengths=(37, 40), softcap=2.0, sinks=True,
         alibi=True, lse=True, max_logits=True),
+    # A chunk of 16 queries at each example's own place in 40 slots (one
+    # example's keys counted from -2: left padding), a causal window and a
+    # per-example prefix rule at those positions, key lengths: rows before
+    # a key's position and past the window see nothing.
+    "positions_causal_window_rule": Case(
+        t=16, s=40, causal=True, window=(9, 0), lengths=(40, 30),
+        rule="per_example_prefix", positions=((3, 21), (0, -2)), lse=True),
 }
 
 PREFIX, CHUNK = 9, 8  # the rule cases' prefix length and chunk size
@@ -399,6 +411,9 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
   if q_seg is not None:
     allowed &= (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
   i, j = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
+  if case.positions is not None:  # [B, 1, T, 1], [B, 1, 1, S] positions
+    q_off, kv_off = (np.array(x)[:, None, None, None] for x in case.positions)
+    i, j = i + q_off, j + kv_off
   if case.rule in ("prefix_lm", "prefix_lm_rule", "union_prefix_lm"):
     allowed &= (j < PREFIX) | (j <= i)  # the prefix, then causal
   if case.rule == "per_example_prefix":
@@ -416,6 +431,8 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
                                                                     :, None]
   position = np.arange(case.t)[:, None] + (case.s - case.t)  # bottom-right
   j = np.arange(case.s)[None, :]
+  if case.positions is not None:  # query i stands at key column i + q - kv
+    position, j = i, j + kv_off  # as positions: compare them directly
   if case.causal:  # key j visible to query i iff j <= i + (S - T)
     allowed &= j <= position
   if case.window is not None:
@@ -505,6 +522,9 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
                    q_segment_ids=None if q_seg is None else jnp.asarray(q_seg),
                    kv_segment_ids=None if k_seg is None else jnp.asarray(
                        k_seg), rule=_rule(case))
+      if case.positions is not None:
+        parts["q_offset"], parts["kv_offset"] = (
+            jnp.array(x, jnp.int32) for x in case.positions)
       if case.rule == "union_prefix_lm":  # causal | the prefix, as a union
         union = aj.Mask(causal=True) | aj.Mask(
             rule=lambda b, h, q_idx, kv_idx: kv_idx < PREFIX)

@@ -34,15 +34,10 @@ CALLS = []  # names of the PlainSoftmax kernels that ran, in order
 class PlainSoftmax(aj.kernels.Kernel):
   """One head's whole ``[T, S]`` softmax, for the calls it supports."""
   name = "plain_softmax"
-
-  def supports(self, problem):
-    ops = problem.ops
-    if ops.score_mod is not None:
-      return "it takes no score_mod"
-    if ops.block_mask is not None:
-      return "it takes no mask rule"
-    return (aj.kernels.no_max_logits(problem)
-            or aj.kernels.no_weights_or_dropout(problem))
+  # What it implements; everything else (a rule, a score modifier, max
+  # logits, weights, dropout) the choice refuses by name.
+  implements = (aj.kernels.MASK_FIELDS - {"rule"}) | {"bias", "sinks",
+                                                       "return_lse"}
 
   def __call__(self, problem):
     CALLS.append(self.name)

@@ -37,12 +37,15 @@ from attention_jax._checks import Operands
 from attention_jax._numerics import compute_dtype
 from attention_jax._numerics import with_sink
 from attention_jax._numerics import zero_unseen
+from attention_jax.kernels.base import MASK_FIELDS
+from attention_jax.kernels.base import OPTIONS
 from attention_jax.kernels.base import Kernel
 from attention_jax.kernels.base import Problem
 from attention_jax.kernels.base import float32_only
 from attention_jax.kernels.base import no_max_logits
 from attention_jax.kernels.base import no_weights_or_dropout
 from attention_jax.kernels.base import too_small
+from attention_jax.kernels.base import undeclared
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
@@ -66,13 +69,13 @@ REGISTRY: tuple[Kernel, ...] = (
 # ``implementation="blockwise"`` predate the name ``"flash"``.
 ALIASES = {"blockwise": "flash"}
 
-__all__ = ["ALIASES", "REGISTRY", "Cudnn", "Dense", "Flash", "Head",
-           "Kernel", "Operands", "PallasGpu", "Problem", "Registration",
-           "Ring", "Splash", "allowed", "by_name", "candidates", "choose",
-           "compute_dtype", "float32_only", "lift_heads", "masked_logsumexp",
-           "masked_softmax", "no_max_logits", "no_weights_or_dropout",
-           "register", "too_small", "unregister", "verdicts", "with_sink",
-           "zero_unseen"]
+__all__ = ["ALIASES", "MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
+           "Flash", "Head", "Kernel", "Operands", "PallasGpu", "Problem",
+           "Registration", "Ring", "Splash", "allowed", "by_name",
+           "candidates", "choose", "compute_dtype", "float32_only",
+           "lift_heads", "masked_logsumexp", "masked_softmax",
+           "no_max_logits", "no_weights_or_dropout", "register", "too_small",
+           "undeclared", "unregister", "verdicts", "with_sink", "zero_unseen"]
 
 
 def _names() -> list[str]:
@@ -118,7 +121,9 @@ def verdicts(kernels: Sequence[Kernel], problem: Problem, automatic: bool):
   when automatic) or ``"takes"`` (reason None). Lazy: ``choose`` stops at
   the first that takes the problem."""
   for kernel in kernels:
-    reason = kernel.supports(problem)
+    # supports' reasons say most (and suggest a fix); what a kernel does not
+    # declare is refused even when its supports() does not know the feature.
+    reason = kernel.supports(problem) or undeclared(kernel, problem)
     if reason is not None:
       yield kernel, "refuses", reason
       continue
@@ -240,11 +245,13 @@ def allowed(ops: Operands, head: Head, t: int, s: int):
   rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
   q_seg = None if head.q_seg is None else head.q_seg[:, None]
   k_seg = None if head.k_seg is None else head.k_seg[None, :]
+  offset, q_start, kv_start = head.offsets(t, s)
   parts = [head.mask, _patterns.visible(
-      rows, cols, s - t, _patterns.bounds(ops.causal, ops.window),
+      rows, cols, offset, _patterns.bounds(ops.causal, ops.window),
       head.q_length, head.length, q_seg, k_seg)]
   if head.block_mask is not None:
-    parts.append(head.block_mask.mask_fn(*head.index, rows, cols))
+    parts.append(head.block_mask.mask_fn(*head.index, rows + q_start,
+                                         cols + kv_start))
   out = None
   for part in parts:
     if part is not None:

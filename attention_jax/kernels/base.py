@@ -9,6 +9,10 @@ mask's fields, the bias, sinks, score modifier and the (b, h) indices they
 see), the scale, dropout and what to return. A kernel is a ``Kernel``:
 
 * ``name``: what ``implementation=`` calls it;
+* ``implements``: the features (``Problem.features``: the mask's fields,
+  ``bias``/``sinks``/``score_mod``, the options set) it implements; a call
+  asking for any other is refused with the feature's name, so a field
+  added later can never be dropped by a kernel that does not know it;
 * ``supports(problem) -> None | reason``: whether it gives the contract's
   numbers for this problem (a reason is a phrase for an error message);
 * ``declines(problem) -> None | reason``: only for the automatic choice, a
@@ -54,6 +58,34 @@ class Problem(NamedTuple):
   return_weights: bool = False
   return_lse: bool = False
   return_max_logits: bool = False
+  mask: mask_lib.Mask | None = None  # the call's normalised mask, whole
+
+  @property
+  def features(self) -> frozenset[str]:
+    """What this call asks of a kernel, by name (``Kernel.implements``).
+
+    Every field the mask sets (its attributes, so a field added to ``Mask``
+    is a feature without a line here), ``bias``, ``sinks`` and
+    ``score_mod`` when given, and every option of this record that differs
+    from its default (``dropout_rate``, ``return_weights``, ``return_lse``,
+    ``return_max_logits``, and any option added to it later).
+    """
+    found = set()
+    if self.mask is not None:
+      found.update(name for name, x in vars(self.mask).items()
+                   if x is not None and x is not False)
+    found.update(name for name in _CALL_OPERANDS
+                 if getattr(self.ops, name) is not None)
+    for name, default in type(self)._field_defaults.items():
+      if name in _NOT_FEATURES:
+        continue
+      value = getattr(self, name)
+      if name == "dropout_rate":
+        if self.dropout_on:
+          found.add(name)
+      elif value is not default and value != default:
+        found.add(name)
+    return frozenset(found)
 
   @property
   def dropout_on(self) -> bool:
@@ -66,15 +98,37 @@ class Problem(NamedTuple):
     return self.ops.query.shape[-2] * self.ops.key.shape[-2]
 
 
+# The call's operands besides q, k, v that are features (Problem.features);
+# the record's own fields that are not (the mask is read field by field).
+_CALL_OPERANDS = ("bias", "sinks", "score_mod")
+_NOT_FEATURES = ("mask", "dropout_rng")
+
+# Every field a Mask can set, and everything a call can ask for: what a
+# kernel declares it implements (``Kernel.implements``) is a subset.
+MASK_FIELDS = frozenset({
+    "causal", "window", "q_lengths", "kv_lengths", "q_segment_ids",
+    "kv_segment_ids", "dense", "rule", "q_offset", "kv_offset"})
+OPTIONS = frozenset({
+    "bias", "sinks", "score_mod", "dropout_rate", "return_weights",
+    "return_lse", "return_max_logits"})
+
+
 class Kernel:
   """What every implementation provides (see the module docstring)."""
   name: ClassVar[str] = "kernel"
+  # The features (Problem.features) this kernel implements; the choice
+  # refuses a call asking for any other, naming it, before ``supports``
+  # is trusted (a field or option added later reaches no kernel silently).
+  implements: ClassVar[frozenset[str]] = frozenset()
 
   def lengths(self, t: int, s: int) -> tuple[int, int]:
     return t, s
 
   def supports(self, problem: Problem) -> str | None:
-    raise NotImplementedError
+    """Why this kernel cannot run a call it declares (shapes, dtypes,
+    backend), or None; what it does not declare is refused before."""
+    del problem
+    return None
 
   def declines(self, problem: Problem) -> str | None:
     del problem
@@ -109,7 +163,18 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
   return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
                  bool(return_weights), bool(return_lse),
-                 bool(return_max_logits))
+                 bool(return_max_logits),
+                 mask_lib.as_mask(mask) or mask_lib.Mask())
+
+
+def undeclared(kernel: Kernel, problem: Problem) -> str | None:
+  """The reason ``kernel`` refuses what it does not declare, or None."""
+  missing = problem.features - kernel.implements
+  if not missing:
+    return None
+  listed = ", ".join(sorted(missing))
+  return (f"it does not implement {listed} (not in {type(kernel).__name__}"
+          f".implements); a kernel runs only what it declares")
 
 
 # Below this many scores per head the dense kernel is as fast (see the

@@ -60,6 +60,10 @@ _NOT_IN_JAX_NN = {
 class Cudnn(base.Kernel):
   """jax.nn's fused GPU kernel, where it gives the contract's numbers."""
   name = "cudnn"
+  # jax.nn's arguments; positions, segment ids, rules, sinks, score
+  # modifiers and the lse have no counterpart there.
+  implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
+                          "dense", "bias"})
 
   def supports(self, problem: base.Problem) -> str | None:
     reason = (base.no_weights_or_dropout(problem)

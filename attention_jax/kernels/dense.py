@@ -31,6 +31,8 @@ from attention_jax.kernels import base
 class Dense(base.Kernel):
   """Materialises one head's ``[T, S]`` scores: every feature, O(T * S)."""
   name = "dense"
+  # Every mask field and option: the reference the others are checked by.
+  implements = base.MASK_FIELDS | base.OPTIONS
 
   def supports(self, problem: base.Problem) -> str | None:
     del problem
@@ -80,14 +82,16 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     return extra if allowed is None else allowed & extra
 
   rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+  offset, q_start, kv_start = h.offsets(t, s)
+  q_at, kv_at = rows + q_start, cols + kv_start  # what rules/score_mod see
   bounds = _patterns.bounds(is_causal, window)
   allowed = both(h.mask)
   q_seg = None if h.q_seg is None else h.q_seg[:, None]
   k_seg = None if h.k_seg is None else h.k_seg[None, :]
-  allowed = both(_patterns.visible(rows, cols, s - t, bounds, h.q_length,
+  allowed = both(_patterns.visible(rows, cols, offset, bounds, h.q_length,
                                    h.length, q_seg, k_seg))
   if h.block_mask is not None:  # the same predicate the flash core evaluates
-    allowed = both(h.block_mask.mask_fn(*h.index, rows, cols))
+    allowed = both(h.block_mask.mask_fn(*h.index, q_at, kv_at))
   # Only a structural pattern blocks (iota comparisons, lengths, segments):
   # once unseen keys and empty rows' queries are zeroed, every blocked logit
   # is finite, so the softmax may block with an additive -inf, which XLA
@@ -112,7 +116,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   if score_mod is not None:
     safe = logits if finite is None else jnp.where(finite, logits, 0.0)
     b, n = h.index
-    logits = jnp.broadcast_to(score_mod(safe, b, n, rows, cols),
+    logits = jnp.broadcast_to(score_mod(safe, b, n, q_at, kv_at),
                               (t, s)).astype(compute_dtype)
     if getattr(score_mod, "blocks", True):  # the built-ins never block
       finite = (logits > -jnp.inf) if finite is None else (
@@ -146,7 +150,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
 def _only_bounds(h) -> bool:
   """Whether the head's pattern is at most a causal bound and a window."""
   return all(x is None for x in (h.mask, h.length, h.q_length, h.q_seg,
-                                 h.k_seg, h.block_mask))
+                                 h.k_seg, h.block_mask, h.q_offset))
 
 
 def _every_key_seen(b: _patterns.Bounds, t: int, s: int) -> bool:

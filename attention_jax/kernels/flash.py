@@ -36,6 +36,8 @@ class Flash(base.Kernel):
   block_q: int | None = None
   block_k: int | None = None
   name = "flash"
+  implements = base.MASK_FIELDS | {"bias", "sinks", "score_mod",
+                                   "return_lse", "return_max_logits"}
 
   def __post_init__(self):
     base.check_block_size("block_q", self.block_q)
@@ -70,6 +72,11 @@ def with_rule_tables(ops: _checks.Operands, block_q: int, block_k: int):
   """
   bm = ops.block_mask
   if bm is None or bm.kinds is not None:
+    return ops
+  if ops.positioned:
+    # Tables classify blocks of row/column indices; at positions (a cache's
+    # per-example offsets) the rule is evaluated in each block the band,
+    # lengths and segments leave, as ring attention does.
     return ops
   t, s = bm.shape
   batch = _checks.rule_batch(bm.mask_fn, ops.leading, s)

@@ -646,7 +646,8 @@ def single_head(q, k, v, h, *, out_dtype, **blocks):
   st, q, k, v = padded(q, k, v, **blocks)
   ex = padded_extras(st, q.shape[0], k.shape[0], h)
   st, ex = hoist_score_mod(st, ex, q)
-  out, lse, max_logits = _attend(st, q, k, v, ex, Place(st.s - st.t))
+  out, lse, max_logits = _attend(st, q, k, v, ex,
+                                 Place(*h.offsets(st.t, st.s)))
   out, lse = out[:st.t], lse[:st.t]
   if h.sink is not None:
     out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)

@@ -98,6 +98,12 @@ class PallasGpu(base.Kernel):
   num_stages: int = 2
   interpret: bool = False
   name = "pallas_gpu"
+  # The flash core's features but max logits and positions (its kernels
+  # place query rows bottom-right).
+  implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
+                          "q_segment_ids", "kv_segment_ids", "dense",
+                          "rule", "bias", "score_mod", "sinks",
+                          "return_lse"})
 
   def __post_init__(self):
     base.check_block_size("block_q", self.block_q)

@@ -243,6 +243,12 @@ class Ring(base.Kernel):
   block_q: int | None = None
   block_k: int | None = None
   name = "ring"
+  # Its own global placement of each step's blocks; positions in the mask
+  # would have to travel round the ring with the keys.
+  implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
+                          "q_segment_ids", "kv_segment_ids", "rule",
+                          "score_mod", "sinks", "return_lse",
+                          "return_max_logits"})
 
   def __post_init__(self):
     if not isinstance(self.axis_name, str):

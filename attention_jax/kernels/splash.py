@@ -219,6 +219,10 @@ class Splash(base.Kernel):
   block_q: int = 128
   block_kv: int = 128
   name = "splash"
+  # Positions (q_offset/kv_offset) are not mapped onto splash's masks.
+  implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
+                          "q_segment_ids", "kv_segment_ids", "dense",
+                          "rule", "score_mod", "sinks", "return_lse"})
 
   def __post_init__(self):
     if not isinstance(self.interpret, bool):

@@ -1,0 +1,95 @@
+"""Cached decoding keeps the mask's structure: positions, not slot arrays.
+
+A linear cache's slot ``j`` holds position ``j``, so a decoding step's mask
+is the layer's own (causal, window, rule, lengths) with the queries placed
+at ``q_offset = index``: no ``[T, L]`` array over the slots, and the
+blockwise kernels skip the blocks outside the band. Checked here by what
+reaches the kernel, and by chunked prefills equal to the uncached forward
+(left padding and a rule at positions included).
+"""
+
+from __future__ import annotations
+
+from absl.testing import absltest
+import chex
+from flax import nnx
+import jax.numpy as jnp
+import numpy as np
+
+import attention_jax as aj
+from tests import _data
+
+D, N, K = 16, 4, 2
+
+
+class Recording(aj.kernels.Flash):
+  """The flash kernel, keeping the masks it was given."""
+  name = "recording_flash"
+  seen: list = []  # noqa: RUF012 - shared by the test's calls
+
+  def __call__(self, problem):
+    Recording.seen.append(problem.mask)
+    return super().__call__(problem)
+
+
+def _layer(mask, **kw):
+  return aj.MultiHeadAttention(
+      D, N, num_kv_heads=K, mask=mask, rngs=nnx.Rngs(0),
+      attention_fn=Recording(block_q=4, block_k=8), **kw)
+
+
+def _chunked(layer, x, chunk, max_length, left_padding=None):
+  layer.init_cache(x.shape[0], max_length, left_padding=left_padding)
+  outs = [layer(x[:, i:i + chunk], decode=True)
+          for i in range(0, x.shape[1], chunk)]
+  return jnp.concatenate(outs, axis=1)
+
+
+class DecodingPositionsTest(chex.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    Recording.seen = []
+
+  def test_cached_prefill_reaches_the_kernel_analytic(self):
+    layer = _layer(aj.Mask(causal=True, window=(5, 0)))
+    x = _data.normal(0, (2, 24, D))
+    got = _chunked(layer, x, 8, 64)
+    want = layer(x)  # uncached: the same weights, one call
+    # float32 rounding over <= 6 keys per row, and a different summation
+    # order (the cache's 64 slots against the call's 24 keys)
+    chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
+    cached = Recording.seen[:3]
+    for mask in cached:
+      self.assertIsNone(mask.dense)  # no [T, L] array over the slots
+      self.assertTrue(mask.causal)
+      self.assertEqual(mask.window, (5, 0))
+    np.testing.assert_array_equal(
+        [np.asarray(m.q_offset) for m in cached], [[0, 0], [8, 8], [16, 16]])
+
+  def test_left_padding_is_one_key_row_and_positions(self):
+    pads = jnp.array([0, 3])
+    rule = aj.MaskRule(lambda b, h, q, kv, p: (kv < p) | (kv <= q),
+                       jnp.int32(4))  # a prefix of 4 tokens, at positions
+    layer = _layer(aj.Mask(causal=True, rule=rule), rope=10_000.0)
+    x = _data.normal(1, (2, 16, D))
+    got = _chunked(layer, x, 8, 32, left_padding=pads)
+    dense = Recording.seen[0].dense
+    self.assertEqual(np.shape(dense), (2, 1, 1, 32))  # key padding only
+    np.testing.assert_array_equal(
+        np.asarray(Recording.seen[1].q_offset), [8, 5])
+    # Example 1 is its 13 real tokens alone (positions from its first one).
+    alone = layer(x[1:, 3:])
+    chex.assert_trees_all_close(got[1:, 3:], alone, atol=2e-6, rtol=2e-6)
+    full = layer(x[:1])
+    chex.assert_trees_all_close(got[:1], full, atol=2e-6, rtol=2e-6)
+
+  def test_positions_in_the_call_mask_are_refused_while_decoding(self):
+    layer = _layer(aj.Mask(causal=True))
+    layer.init_cache(1, 8)
+    with self.assertRaisesRegex(ValueError, "cache places the queries"):
+      layer(_data.normal(2, (1, 2, D)), mask=aj.Mask(q_offset=3), decode=True)
+
+
+if __name__ == "__main__":
+  absltest.main()
