@@ -71,6 +71,19 @@ def _map_leading(fn, depth: int, ops: tuple[Any, ...], sequential) -> Any:
   return jax.vmap(inner, in_axes=in_axes)(*ops)
 
 
+class Result(NamedTuple):
+  """What every kernel returns: named, absent values None.
+
+  ``out [..., N, T, Hv]``; ``weights [..., N, T, S]`` (only a kernel that
+  forms them, when ``return_weights``), ``lse [..., N, T]`` and
+  ``max_logits [..., N, T]`` when asked for. Heads merged again.
+  """
+  out: jax.Array
+  weights: jax.Array | None = None
+  lse: jax.Array | None = None
+  max_logits: jax.Array | None = None
+
+
 class Head(NamedTuple):
   """One head's operands besides q, k, v, as the kernels see them."""
   mask: jax.Array | None  # bool [T|1, S|1]
@@ -105,7 +118,7 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   ``(out [T, Hv], weights [T, S] or None, lse [T] or None)``, or those and
   ``max_logits [T]`` (``return_max_logits``). The results come back over
   the leading dims with grouped heads merged again (``[..., N, T, Hv]``),
-  as many as ``head_fn`` returns.
+  as the kernel's ``Result`` (what ``head_fn`` did not return is None).
   """
   b, h = (None, None) if ops.head_index is None else ops.head_index
   # A block mask with per-(b, h) tables is sliced per head like a mask;
@@ -134,7 +147,8 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   out, weights, *rows = broadcast_vmap(
       per_head, core, operands,
       sequential=range(first_table, first_table + len(tables)))
-  # lse and max_logits: one value per query row
-  return (_grouping.merge(out, ops.groups, -3),
-          _grouping.merge(weights, ops.groups, -3),
-          *(_grouping.merge(x, ops.groups, -2) for x in rows))
+  lse, max_logits = (*rows, None)[:2]  # one value per query row each
+  return Result(_grouping.merge(out, ops.groups, -3),
+                _grouping.merge(weights, ops.groups, -3),
+                _grouping.merge(lse, ops.groups, -2),
+                _grouping.merge(max_logits, ops.groups, -2))

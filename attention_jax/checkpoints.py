@@ -169,7 +169,7 @@ _FIXED = ("d_model", "num_heads", "num_kv_heads", "head_dim", "use_bias",
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoadedAttention:
-  """One checkpoint layer's attention: options, parameters and sinks.
+  """One checkpoint layer's attention: options and parameters.
 
   Attributes:
     family: the family it was read as (one of ``FAMILIES``).
@@ -177,12 +177,13 @@ class LoadedAttention:
     prefix: the state-dict prefix its weights were read under, e.g.
       ``"model.layers.3.self_attn."``.
     params: ``aj.multi_head_attention``'s params dict (``W_q``, ``W_k``,
-      ``W_v``, ``W_o``, with ``q_norm``/``k_norm`` for qk-norm), jnp arrays.
+      ``W_v``, ``W_o``, with ``q_norm``/``k_norm`` for qk-norm and
+      ``sinks`` ``{"logits": [N]}`` for learned sinks), jnp arrays: all the
+      layer's weights.
     options: ``aj.MultiHeadAttention`` keyword arguments that reproduce the
       layer (``d_model``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
       ``use_bias``, ``normalize_qk``, ``mask``, ``scale``,
       ``logits_soft_cap``, ``attention_sinks``, ``rope``, ``param_dtype``).
-    sinks: the learned sink logits ``[N]`` (gpt-oss), else None.
   """
 
   family: str
@@ -190,7 +191,12 @@ class LoadedAttention:
   prefix: str
   params: multi_head.Params
   options: Mapping[str, Any]
-  sinks: jax.Array | None = None
+
+  @property
+  def sinks(self) -> jax.Array | None:
+    """The learned sink logits ``[N]`` (gpt-oss), read from ``params``
+    (``params["sinks"]["logits"]``), else None."""
+    return self.params.get("sinks", {}).get("logits")
 
   def module(self, *, rngs: nnx.Rngs | None = None,
              **overrides) -> MultiHeadAttention:
@@ -222,9 +228,7 @@ class LoadedAttention:
     options = {**self.options, **overrides}
     mha = MultiHeadAttention(**options,
                              rngs=nnx.Rngs(0) if rngs is None else rngs)
-    mha.load_params(self.params)
-    if self.sinks is not None:
-      mha.sinks[...] = jnp.asarray(self.sinks, mha.sinks.dtype)
+    mha.load_params(self.params)  # sinks included
     return mha
 
 
@@ -597,8 +601,7 @@ def _size(cfg: Mapping[str, Any], name: str, family: str, derived: int,
 
 def _decoder(cfg, family: str, layer: int, read: _Reader,
              overrides: Mapping[str, Any]) -> tuple[
-                 dict[str, np.ndarray], dict[str, Any], np.ndarray | None,
-                 str]:
+                 dict[str, Any], dict[str, Any], str]:
   """llama-style layers: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``."""
   d = _int(cfg, "hidden_size", family)
   n = _int(cfg, "num_attention_heads", family)
@@ -669,18 +672,18 @@ def _decoder(cfg, family: str, layer: int, read: _Reader,
                            else (window - 1, 0))
   if "rope" not in overrides:
     options["rope"] = _rope(cfg, family, layer)
-  sinks = _norms_and_sinks(
+  _norms_and_sinks(
       family, read, params, options, notes, h=h, n=n,
       qk_norm=overrides.get("normalize_qk", family in ("qwen3", "gemma3")),
       with_sinks=overrides.get("attention_sinks", family == "gpt_oss"))
-  return params, options, sinks, "; ".join(notes)
+  return params, options, "; ".join(notes)
 
 
 def _norms_and_sinks(family: str, read: _Reader, params: dict[str, Any],
                      options: dict[str, Any], notes: list[str], *, h: int,
-                     n: int, qk_norm: bool, with_sinks: bool
-                     ) -> np.ndarray | None:
-  """Reads qk-norm scales ``[H]`` and sinks ``[N]`` where the layer has them."""
+                     n: int, qk_norm: bool, with_sinks: bool) -> None:
+  """Reads qk-norm scales ``[H]`` and sinks ``[N]`` into ``params`` where the
+  layer has them."""
   if qk_norm:
     for name in ("q", "k"):
       w = read.get(f"{name}_norm.weight", (h,), "qk-norm scale [head_dim]")
@@ -690,15 +693,15 @@ def _norms_and_sinks(family: str, read: _Reader, params: dict[str, Any],
     options["normalize_qk"] = True
     notes.append("qk-norm")
   if not with_sinks:
-    return None
+    return
   options["attention_sinks"] = True
   notes.append("sinks")
-  return read.get("sinks", (n,), "attention sinks [heads]")
+  params["sinks"] = {"logits": read.get("sinks", (n,),
+                                        "attention sinks [heads]")}
 
 
 def _gpt2(cfg, layer: int, read: _Reader, overrides: Mapping[str, Any]
-          ) -> tuple[dict[str, np.ndarray], dict[str, Any], np.ndarray | None,
-                     str]:
+          ) -> tuple[dict[str, Any], dict[str, Any], str]:
   """GPT-2: Conv1D ``c_attn [D, 3D]`` (columns q, k, v) and ``c_proj``."""
   d = int(cfg.get("n_embd") or _int(cfg, "hidden_size", "gpt2"))
   n = int(cfg.get("n_head") or _int(cfg, "num_attention_heads", "gpt2"))
@@ -723,11 +726,11 @@ def _gpt2(cfg, layer: int, read: _Reader, overrides: Mapping[str, Any]
                  scale=None if scale == h ** -0.5 else scale)
   # reorder_and_upcast_attn computes the same scores in float32, as we do.
   notes = ["GPT-2: biases on c_attn and c_proj"]
-  sinks = _norms_and_sinks(
+  _norms_and_sinks(
       "gpt2", read, params, options, notes, h=h, n=n,
       qk_norm=overrides.get("normalize_qk", False),
       with_sinks=overrides.get("attention_sinks", False))
-  return params, options, sinks, "; ".join(notes)
+  return params, options, "; ".join(notes)
 
 
 def _overrides(overrides) -> dict[str, Any]:
@@ -810,7 +813,8 @@ def load_attention_weights(
   Returns:
     A ``LoadedAttention``: ``.params`` (``aj.multi_head_attention``'s
     params dict), ``.options`` (``aj.MultiHeadAttention`` keywords),
-    ``.sinks`` (``[N]`` or None) and ``.module(rngs=...)``, the layer built.
+    ``.sinks`` (``[N]`` or None, from ``.params``) and
+    ``.module(rngs=...)``, the layer built.
 
   Raises:
     ValueError: an unknown family (the known ones listed); a config of
@@ -866,10 +870,9 @@ def load_attention_weights(
     prefix += "."
   read = _Reader(state_dict, prefix, family, layer)
   if family == "gpt2":
-    arrays, options, sinks, notes = _gpt2(cfg, layer, read, overrides)
+    arrays, options, notes = _gpt2(cfg, layer, read, overrides)
   else:
-    arrays, options, sinks, notes = _decoder(cfg, family, layer, read,
-                                             overrides)
+    arrays, options, notes = _decoder(cfg, family, layer, read, overrides)
   read.check_all_taken(notes)
   options.update(overrides)
   param_dtype = _dtype(arrays["W_q"], dtype)
@@ -879,5 +882,4 @@ def load_attention_weights(
   options["param_dtype"] = param_dtype
   return LoadedAttention(
       family=family, layer=layer, prefix=prefix, params=params,
-      options=options,
-      sinks=None if sinks is None else jnp.asarray(sinks, param_dtype))
+      options=options)

@@ -36,9 +36,9 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
         dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
         return_weights: bool = False, return_lse: bool = False,
         return_max_logits: bool = False):
-  """``scaled_dot_product_attention`` returning ``(out, weights, lse,
-  max_logits)`` (None unless asked for): the path every entry point
-  shares."""
+  """``scaled_dot_product_attention`` returning one ``kernels.Result``
+  (weights, lse, max_logits None unless asked for): the path every entry
+  point shares."""
   problem, candidates, automatic = prepare(
       query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
       score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
@@ -47,18 +47,21 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
       return_max_logits=return_max_logits)
   kernel = kernels.choose(candidates, problem, automatic)
   result = kernel(problem)
-  out, weights, lse = result[:3]
-  max_logits = None
-  if problem.return_max_logits:
-    if len(result) != 4:  # a kernel that accepted the flag and ignored it
-      raise TypeError(
-          f"kernel {kernel.name!r} was asked for max logits "
-          f"(return_max_logits=True) but returned {len(result)} values, "
-          "not (out, weights, lse, max_logits): its supports() must refuse "
-          "return_max_logits (kernels.base.no_max_logits).")
-    max_logits = result[3]
-  return (out, weights if return_weights else None,
-          lse if return_lse else None, max_logits)
+  if not isinstance(result, base.Result):
+    raise TypeError(
+        f"kernel {kernel.name!r} returned {type(result).__name__}, not an "
+        "aj.kernels.Result(out, weights, lse, max_logits) (absent values "
+        "None): every kernel returns one named result.")
+  for name in ("weights", "lse", "max_logits"):
+    if getattr(problem, f"return_{name}") and getattr(result, name) is None:
+      raise TypeError(  # a kernel that accepted the flag and ignored it
+          f"kernel {kernel.name!r} was asked for {name} (return_{name}="
+          f"True) but returned none: it must compute it or not declare "
+          f"return_{name} in its implements.")
+  return base.Result(result.out,
+                     result.weights if return_weights else None,
+                     result.lse if return_lse else None,
+                     result.max_logits if return_max_logits else None)
 
 
 def prepare(query, key, value, mask=None, *, bias=None, scale=None,

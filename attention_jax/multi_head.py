@@ -42,6 +42,7 @@ from attention_jax import kernels
 from attention_jax import mask as mask_lib
 from attention_jax import multi_head_params
 from attention_jax import rope as rope_lib
+from attention_jax import score_mods
 from attention_jax import sharding
 from attention_jax.decoding import KVCache
 from attention_jax.mask import Mask
@@ -115,8 +116,10 @@ def output_projection(heads: jax.Array, layer: Mapping[str, jax.Array], *,
     ...                   concat @ w_o["kernel"].reshape(12, 6)))
     True
   """
-  y = jnp.einsum("BNTH,NHD->BTD", heads, layer["kernel"],
-                 precision=precision)  # [B, T, Dout]
+  # Explicitly sharded heads: the sum over devices must name its sharding.
+  out_sharding = sharding.head_sum_sharding(heads, layer["kernel"])
+  y = jnp.einsum("BNTH,NHD->BTD", heads, layer["kernel"], precision=precision,
+                 out_sharding=out_sharding)  # [B, T, Dout]
   bias = layer.get("bias")
   return y if bias is None else y + bias[None, None, :]
 
@@ -544,6 +547,7 @@ def forward(
     is_causal: bool = False,
     score_mod: Any = None,
     sinks: ArrayLike | None = None,
+    t5_bias: score_mods.T5Bias | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     attention_fn: AttentionFn | Any = None,
@@ -574,7 +578,8 @@ def forward(
   Order per head: projection, qk-norm, rotary positions (``rope``; at
   ``positions``/``kv_positions`` if given, else ``_rope_positions``, or the
   cache positions while decoding), cache write, attention, output gate
-  (``W_g``), ``W_o``.
+  (``W_g``), ``W_o``. The learned sinks and T5 table are read from
+  ``params`` (``layer_extras``), like every other parameter.
 
   Returns:
     ``Forward(output [B, T, Dout], weights [B, N, T, S or L], cache, lse
@@ -588,6 +593,7 @@ def forward(
   """
   dims = param_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
   _check_inputs(query, key, value, cache, params, dims, memory)
+  sinks, score_mod = layer_extras(params, sinks, score_mod, t5_bias)
   _checks.check_static_bool("is_causal", is_causal)
   rope = rope_lib.as_rope(rope)
   if rope is None and (positions is not None or kv_positions is not None):
@@ -654,11 +660,17 @@ def forward(
     k, v, m, score_mod, cache = decoding.write(
         cache, k, v, m, bias, score_mod, index, lengths, q_pos,
         dims.num_heads)
-  result = attend_heads(
-      q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      attention_fn=attention_fn, return_weights=return_weights,
-      return_lse=return_lse, return_max_logits=return_max_logits)
+  def attend(q, k, v, m, bias, score_mod, sinks, dropout_rng):
+    return attend_heads(
+        q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        attention_fn=attention_fn, return_weights=return_weights,
+        return_lse=return_lse, return_max_logits=return_max_logits)
+
+  # Explicit mesh axes: the per-head attention runs with them auto, its
+  # results sharded as the queries' [B, N, T] (sharding.auto_like).
+  result = sharding.auto_like(attend, q)(q, k, v, m, bias, score_mod, sinks,
+                                         dropout_rng)
   result = result if isinstance(result, tuple) else (result,)
   asked = 1 + return_weights + return_lse + return_max_logits
   if len(result) != asked:
@@ -681,6 +693,75 @@ def forward(
   return Forward(output, weights, cache, lse, max_logits)
 
 
+def _has_t5(mod) -> bool:
+  """Whether a score modifier is (or chains) a T5 relative bias."""
+  if not isinstance(mod, score_mods.ScoreMod):
+    return False
+  if isinstance(mod.fn, score_mods.T5Bias):
+    return True
+  inner = mod.params if isinstance(mod.params, tuple) else ()
+  return any(_has_t5(m) for m in inner)  # a chain holds its modifiers
+
+
+def layer_extras(params: Params, sinks: ArrayLike | None, score_mod: Any,
+                 t5_bias: score_mods.T5Bias | None) -> tuple[Any, Any]:
+  """The call's ``(sinks, score_mod)`` with the layer's learned ones.
+
+  ``params["sinks"]["logits"] [N]`` are the sinks; ``params["t5_bias"]
+  ["table"] [R, N]`` becomes ``t5_bias.score_mod(table)``, applied before
+  ``score_mod`` (the module's order: T5 bias, score modifier, soft cap).
+  What ``params`` holds is not given again: sinks in both, or a T5 bias in
+  ``score_mod`` beside a table in ``params``, are refused rather than one
+  silently winning; a table needs ``t5_bias`` (its buckets' settings) and
+  ``t5_bias`` needs a table.
+
+  Example:
+    >>> p = init_multi_head_params(jax.random.key(0), 8, 2,
+    ...                            attention_sinks=True)
+    >>> layer_extras(p, None, None, None)[0].shape
+    (2,)
+  """
+  multi_head_params.check_t5_bias(t5_bias)
+  if "sinks" in params:
+    if sinks is not None:
+      raise ValueError(
+          f"sinks={_short(sinks)} was given, and params['sinks']['logits'] "
+          f"{_short(params['sinks']['logits'])} holds the layer's learned "
+          "sinks: give them in one place (drop the argument, or the params "
+          "entry).")
+    sinks = params["sinks"]["logits"]
+  table = params.get("t5_bias", {}).get("table")
+  if table is None and t5_bias is not None:
+    raise ValueError(
+        f"t5_bias={t5_bias!r} describes a learned table that params does "
+        f"not hold: add params['t5_bias'] = {{'table': [{t5_bias.num_buckets},"
+        f" N]}} (init_multi_head_params(..., t5_bias=...) or a module's "
+        "params_dict()), or leave t5_bias out.")
+  if table is None:
+    return sinks, score_mod
+  shape = _checks.shape_of(table)
+  if t5_bias is None:
+    raise ValueError(
+        f"params['t5_bias']['table'] {list(shape)} is a learned T5 relative "
+        f"position bias: pass t5_bias=aj.T5Bias(num_buckets={shape[0]}, "
+        "max_distance=..., bidirectional=...) (the layer's t5_bias) to say "
+        "how distances fall into its buckets.")
+  if t5_bias.num_buckets != shape[0]:
+    raise ValueError(
+        f"t5_bias={t5_bias!r} has num_buckets={t5_bias.num_buckets}, but "
+        f"params['t5_bias']['table'] has shape {shape}: [num_buckets, N] "
+        f"with {shape[0]} buckets. Pass the settings the table was learned "
+        "with.")
+  if _has_t5(score_mod):
+    raise ValueError(
+        "score_mod holds a T5 relative bias, and params['t5_bias']['table'] "
+        f"{list(shape)} is the layer's own, which the call applies: give "
+        "the table in one place (drop it from score_mod, or the params "
+        "entry and t5_bias).")
+  t5 = t5_bias.score_mod(table)
+  return sinks, t5 if score_mod is None else score_mods.chain(t5, score_mod)
+
+
 def _fields(m: Mask) -> dict[str, Any]:
   """A mask's constructor arguments (to rebuild it with one changed)."""
   return dict(causal=m.causal, window=m.window, q_lengths=m.q_lengths,
@@ -700,6 +781,7 @@ def multi_head_attention(
     is_causal: bool = False,
     score_mod: Any = None,
     sinks: ArrayLike | None = None,
+    t5_bias: score_mods.T5Bias | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     attention_fn: AttentionFn | Any = None,
@@ -717,7 +799,9 @@ def multi_head_attention(
   The head structure is read from ``params`` (see ``init_multi_head_params``
   for the layout): ``N`` and ``H`` from ``W_q``, ``K`` from ``W_k``, the
   output width from ``W_o``, qk-norm from ``q_norm``/``k_norm``, the
-  output gate from ``W_g``.
+  output gate from ``W_g``; learned sinks (``sinks``) and a T5 table
+  (``t5_bias``) are used when present, so a module's ``params_dict()``
+  gives the module's numbers.
 
   Args:
     params: from ``init_multi_head_params`` (or a converter such as
@@ -739,7 +823,12 @@ def multi_head_attention(
     is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (static).
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, e.g.
       ``aj.alibi(slopes)``; see ``scaled_dot_product_attention``.
-    sinks: optional float ``[N]``: per-head sink logits.
+    sinks: optional float ``[N]``: per-head sink logits; refused when
+      ``params`` holds them (``params["sinks"]["logits"]``, which are used).
+    t5_bias: an ``aj.T5Bias`` (static): how distances fall into the buckets
+      of ``params["t5_bias"]["table"] [R, N]``, T5's learned relative bias,
+      added before ``score_mod``; required with that table, refused
+      without it.
     dropout_rate: dropout on attention weights, in ``[0, 1)`` (static).
     dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
     attention_fn: a replacement for ``scaled_dot_product_attention`` with
@@ -799,7 +888,7 @@ def multi_head_attention(
   result = forward(
       params, query, key, value, mask, bias=bias, scale=scale,
       is_causal=is_causal, score_mod=score_mod, sinks=sinks,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      t5_bias=t5_bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       attention_fn=attention_fn, return_weights=return_weights,
       return_lse=return_lse, return_max_logits=return_max_logits, rope=rope,
       positions=positions, kv_positions=kv_positions, memory=memory,

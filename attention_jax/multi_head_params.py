@@ -1,7 +1,8 @@
 """Multi-head attention parameters: their layout, initialisation and checks.
 
 Shape glossary: N query heads, K key/value heads (K divides N), H head dim,
-D model (query) dim, Dkv key/value input features, Dout output features.
+D model (query) dim, Dkv key/value input features, Dout output features, R
+T5 relative-position buckets.
 
 Parameters follow the lesson's names, ``{"W_q", "W_k", "W_v", "W_o"}``, laid
 out per head as flax's ``LinearGeneral`` (and ``nnx.MultiHeadAttention``)
@@ -15,10 +16,17 @@ lays them out:
   gate (``G = H``: one gate per feature, "elementwise"; ``G = 1``: one per
   head, "headwise"): ``sigmoid(query @ W_g)`` multiplies each head's
   attention output before ``W_o``
+- optional ``sinks``: ``{"logits": [N]}``, learned per-head sink logits
+  (gpt-oss) joining every row's softmax denominator
+- optional ``t5_bias``: ``{"table": [R, N]}``, T5's learned relative position
+  bias (``table[bucket(kv_idx - q_idx), h]`` added to the logits); how
+  distances fall into its ``R`` buckets is an ``aj.T5Bias``, a setting the
+  call gives (``t5_bias=``), as it gives ``rope``
 
 The head structure lives in the parameters, so everything (N, K, H, D, Dkv,
 Dout, qk-norm, the gate) is read from their shapes (``param_dims``); ``multi_head``
-computes with them.
+computes with them. Everything a layer learns is in its params, so
+``aj.multi_head_attention(mha.params_dict(), ...)`` is ``mha(...)``.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import _checks
+from attention_jax import score_mods
 
 Params = dict[str, dict[str, jax.Array]]
 
@@ -44,7 +53,13 @@ LAYOUT = {
     "k_norm": "scale [H]",
     "W_g": "kernel [D, N, G], bias [N, G] with G = H (elementwise) or 1 "
            "(headwise)",
+    "sinks": "logits [N]",
+    "t5_bias": "table [num_buckets, N]",
 }
+# The entries of each parameter: (required, allowed); the rest are a
+# kernel and an optional bias.
+_ENTRIES = {"q_norm": ("scale", {"scale"}), "k_norm": ("scale", {"scale"}),
+            "sinks": ("logits", {"logits"}), "t5_bias": ("table", {"table"})}
 
 # The output gate's kinds: the gate's width G per head.
 OUTPUT_GATES = ("elementwise", "headwise")
@@ -108,6 +123,8 @@ def init_multi_head_params(
     use_bias: bool = True,
     normalize_qk: bool = False,
     output_gate: str | None = None,
+    attention_sinks: bool = False,
+    t5_bias: score_mods.T5Bias | None = None,
     dtype: jnp.dtype = jnp.float32,
 ) -> Params:
   """Initialises ``W_q``, ``W_k``, ``W_v``, ``W_o`` for ``multi_head_attention``.
@@ -131,6 +148,11 @@ def init_multi_head_params(
       from the query input: ``"elementwise"`` (``[D, N, H]``, one gate per
       feature, Qwen3-Next) or ``"headwise"`` (``[D, N, 1]``, one per
       head); its kernel is drawn like ``W_q``'s, its bias is zero.
+    attention_sinks: add ``sinks``, ``{"logits": [N]}``, zero (as
+      ``aj.MultiHeadAttention(attention_sinks=True)`` starts them).
+    t5_bias: an ``aj.T5Bias``: add ``t5_bias``, ``{"table": [num_buckets,
+      N]}``, drawn normal with std ``d_model ** -0.5`` (as the module draws
+      it); pass the same ``t5_bias=`` to the call.
     dtype: parameter dtype.
 
   Returns:
@@ -138,7 +160,9 @@ def init_multi_head_params(
     [Dkv, K, H], "bias": [K, H]}, "W_v": (as W_k), "W_o": {"kernel":
     [N, H, Dout], "bias": [Dout]}}`` (no ``"bias"`` entries when
     ``use_bias=False``), plus ``"q_norm"``/``"k_norm"``: ``{"scale": [H]}``
-    with ``normalize_qk``.
+    with ``normalize_qk``, ``"W_g"`` with ``output_gate``, ``"sinks"``:
+    ``{"logits": [N]}`` with ``attention_sinks``, ``"t5_bias"``:
+    ``{"table": [num_buckets, N]}`` with ``t5_bias``.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)
@@ -151,6 +175,8 @@ def init_multi_head_params(
       d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
       kv_features=kv_features, out_features=out_features)
   check_output_gate(output_gate)
+  _checks.check_static_bool("attention_sinks", attention_sinks)
+  check_t5_bias(t5_bias)
   init = jax.nn.initializers.lecun_normal()
   shapes = {  # name: (kernel shape, bias shape)
       "W_q": ((d, n, h), (n, h)),
@@ -174,7 +200,20 @@ def init_multi_head_params(
   if normalize_qk:
     for name in ("q_norm", "k_norm"):
       params[name] = {"scale": jnp.ones((h,), dtype)}
+  if attention_sinks:
+    params["sinks"] = {"logits": jnp.zeros((n,), dtype)}
+  if t5_bias is not None:  # its own key: the projections' draws stay
+    params["t5_bias"] = {"table": jax.random.normal(
+        jax.random.fold_in(rng, 5), (t5_bias.num_buckets, n), dtype)
+                         * d ** -0.5}
   return params
+
+
+def check_t5_bias(t5_bias) -> None:
+  """TypeError unless ``t5_bias`` is None or an ``aj.T5Bias``."""
+  if t5_bias is not None and not isinstance(t5_bias, score_mods.T5Bias):
+    raise TypeError(f"t5_bias must be an aj.T5Bias(num_buckets, "
+                    f"max_distance, bidirectional), got {t5_bias!r}.")
 
 
 def check_output_gate(output_gate) -> None:
@@ -196,8 +235,7 @@ def gate_width(output_gate: str, head_dim: int) -> int:
 
 def _layer(params, name: str) -> Mapping[str, Any]:
   layer = params.get(name)
-  allowed = {"scale"} if name.endswith("norm") else {"kernel", "bias"}
-  need = "scale" if name.endswith("norm") else "kernel"
+  need, allowed = _ENTRIES.get(name, ("kernel", {"kernel", "bias"}))
   if not isinstance(layer, Mapping) or need not in layer:
     got = (f"keys {sorted(layer)}" if isinstance(layer, Mapping)
            else type(layer).__name__)
@@ -232,7 +270,8 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
 
   Args:
     params: ``{"W_q", "W_k", "W_v", "W_o"}`` (and optionally ``"q_norm"``,
-      ``"k_norm"``, ``"W_g"``) in the layout of ``init_multi_head_params``.
+      ``"k_norm"``, ``"W_g"``, ``"sinks"``, ``"t5_bias"``) in the layout of
+      ``init_multi_head_params``.
     num_heads: when given, must equal the ``N`` of ``W_q``.
     num_kv_heads: when given, must equal the ``K`` of ``W_k``/``W_v``.
 
@@ -304,6 +343,21 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
       raise _wrong(params, "W_g", "bias", str(g_kernel[1:]))
     # H == 1 reads as elementwise: the same gate either way.
     output_gate = "elementwise" if g_kernel[2] == h else "headwise"
+  if "sinks" in params:
+    _layer(params, "sinks")
+    if param_shape(params, "sinks", "logits") != (n,):
+      raise _wrong(params, "sinks", "logits", f"({n},) = [N], one per query "
+                   "head of W_q")
+    _checks.check_float_array("params['sinks']['logits']",
+                              params["sinks"]["logits"])
+  if "t5_bias" in params:
+    _layer(params, "t5_bias")
+    table = param_shape(params, "t5_bias", "table")
+    if len(table) != 2 or table[1] != n:
+      raise _wrong(params, "t5_bias", "table", f"[num_buckets, N] with "
+                   f"N={n}, one column per query head of W_q")
+    _checks.check_float_array("params['t5_bias']['table']",
+                              params["t5_bias"]["table"])
   for arg, value, got, what, layer in (
       ("num_heads", num_heads, n, "heads", "W_q"),
       ("num_kv_heads", num_kv_heads, k, "key/value heads", "W_k")):

@@ -11,11 +11,19 @@ their heads axis (Megatron-style, whole heads per device): ``W_q`` kernels
 device then projects, attends and weights its own ``N/M`` heads with no
 communication; the only collective is the sum of the partial ``W_o``
 products (one all-reduce per attention call).
+
+On a mesh with explicit axes (``jax.sharding.AxisType.Explicit``) the
+shardings are part of the array types: ``constrain_heads`` has nothing to
+pin, the per-head attention runs with those axes auto (``auto_like``: its
+vmaps mix shardings explicit mode refuses), and the ``W_o`` head sum, which
+contracts the sharded heads axis, names its output sharding
+(``head_sum_sharding``), as explicit mode requires.
 """
 
 from __future__ import annotations
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 _FREE = PartitionSpec.UNCONSTRAINED
@@ -60,6 +68,90 @@ def check_heads_divide(num_heads: int, num_kv_heads: int,
           f"{name}={n} is not divisible by the size {size} of mesh axis "
           f"{head_axis!r}: head parallelism keeps whole heads per device. "
           "Use a smaller model axis or more heads.")
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """The mesh axis names of one ``PartitionSpec`` entry."""
+  if entry is None or entry is _FREE:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def head_sum_sharding(heads: jax.Array,
+                      kernel: jax.Array) -> NamedSharding | None:
+  """``out_sharding`` of ``[B, N, T, H] x [N, H, Dout] -> [B, T, Dout]``.
+
+  With explicit mesh axes on a contracted axis (``N`` or ``H``, e.g. heads
+  split over ``head_axis``) JAX refuses to guess the output's sharding: the
+  sum over devices is then named here, keeping the heads' ``B``/``T``
+  sharding and the kernel's ``Dout`` one (dropped if it reuses one of
+  theirs), so each device ends with its part of the summed output. None
+  when no contracted axis is explicitly sharded (no mesh, auto axes): the
+  einsum is then left as it is.
+
+  Example:
+    >>> head_sum_sharding(jnp.ones((2, 3, 5, 4)), jnp.ones((3, 4, 6))) is None
+    True
+  """
+  h_sharding, k_sharding = (jax.typeof(x).sharding for x in (heads, kernel))
+  h_spec, k_spec = tuple(h_sharding.spec), tuple(k_sharding.spec)
+  h_spec += (None,) * (4 - len(h_spec))
+  k_spec += (None,) * (3 - len(k_spec))
+  contracted = [h_spec[1], h_spec[3], k_spec[0], k_spec[1]]
+  if not any(_axes(entry) for entry in contracted):
+    return None
+  kept = [entry if _axes(entry) else None for entry in (h_spec[0], h_spec[2])]
+  used = {axis for entry in kept for axis in _axes(entry)}
+  dout = k_spec[2] if _axes(k_spec[2]) and not used & set(
+      _axes(k_spec[2])) else None
+  # The operands' (abstract) mesh: also outside a `jax.set_mesh` block.
+  mesh = h_sharding.mesh if not h_sharding.mesh.empty else k_sharding.mesh
+  return NamedSharding(mesh, PartitionSpec(*kept, dout))
+
+
+def explicit_axes() -> tuple[str, ...]:
+  """The current mesh's explicit axes (``AxisType.Explicit``), if any."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == jax.sharding.AxisType.Explicit)
+
+
+def auto_like(fn, like: jax.Array):
+  """``fn`` with the mesh's explicit axes made auto inside, outputs as ``like``.
+
+  The kernels vmap one head's function over ``[B, N]`` operands that need
+  not share a sharding (replicated sinks or a memory's keys beside queries
+  split over batch and heads), which explicit axes refuse; with auto axes
+  XLA places them, as on an auto mesh. Every output (rank >= 3, ``[B, N, T,
+  ...]``) comes back sharded as ``like``'s ``[B, N, T]``. ``fn`` itself
+  without explicit axes. The JAX arrays among the (positional) arguments'
+  leaves move to the auto axes; the rest (functions, NumPy constants) is
+  passed as it is.
+
+  Example:
+    >>> auto_like(jnp.negative, jnp.ones((1, 2, 3)))(jnp.ones(2)).tolist()
+    [-1.0, -1.0]
+  """
+  axes = explicit_axes()
+  if not axes:
+    return fn
+  spec = PartitionSpec(*tuple(jax.typeof(like).sharding.spec)[:3])
+
+  def call(*args):
+    leaves, tree = jax.tree.flatten(args)
+    moved = [isinstance(x, jax.Array) for x in leaves]
+
+    def inner(*arrays):
+      arrays = iter(arrays)
+      full = [next(arrays) if m else x for x, m in zip(leaves, moved)]
+      return fn(*jax.tree.unflatten(tree, full))
+
+    return jax.sharding.auto_axes(inner, axes=axes, out_sharding=spec)(
+        *(x for x, m in zip(leaves, moved) if m))
+
+  return call
 
 
 def constrain_heads(x: jax.Array, head_axis: str | None) -> jax.Array:

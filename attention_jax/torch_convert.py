@@ -201,7 +201,8 @@ def to_torch_multihead_attention(
   Raises:
     ImportError: PyTorch is not installed.
     ValueError: what torch's module cannot express: grouped-query heads
-      (``K < N``), ``N * H != D``, ``out_features != D``, qk-norm.
+      (``K < N``), ``N * H != D``, ``out_features != D``, qk-norm, an
+      output gate, attention sinks, a T5 table.
 
   Example:
     >>> import attention_jax as aj
@@ -229,6 +230,10 @@ def to_torch_multihead_attention(
     cannot.append("qk-norm (q_norm/k_norm)")
   if gate:
     cannot.append(f"an output gate (W_g, {gate})")
+  for name, what in (("sinks", "attention sinks"),
+                     ("t5_bias", "a T5 relative-position table")):
+    if name in params:  # a layer's own parameters: never dropped silently
+      cannot.append(f"{what} (params[{name!r}])")
   if cannot:
     raise ValueError("torch.nn.MultiheadAttention cannot express "
                      + "; ".join(cannot) + ".")

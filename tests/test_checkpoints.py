@@ -46,9 +46,10 @@ def _run(loaded: checkpoints.LoadedAttention, x, **change) -> np.ndarray:
     return np.asarray(loaded.module()(jnp.asarray(x)))
   mha = aj.MultiHeadAttention(**{**loaded.options, **change},
                               rngs=nnx.Rngs(0))
-  mha.load_params(loaded.params)
-  if loaded.sinks is not None and mha.sinks is not None:
-    mha.sinks[...] = loaded.sinks
+  params = dict(loaded.params)
+  if mha.sinks is None:  # attention_sinks=False: the layer without them
+    params.pop("sinks", None)
+  mha.load_params(params)
   return np.asarray(mha(jnp.asarray(x)))
 
 
@@ -60,8 +61,7 @@ def _error(family: str, layer: int, params=None, **change) -> tuple[float,
                                      layer=layer)
   if params is not None:
     loaded = checkpoints.LoadedAttention(
-        family, layer, loaded.prefix, params(loaded.params), loaded.options,
-        loaded.sinks)
+        family, layer, loaded.prefix, params(loaded.params), loaded.options)
   want = z[f"out/{layer}"]
   got = _run(loaded, z[f"in/{layer}"], **change)
   return float(np.abs(got - want).max()), float(np.abs(want).max())

@@ -105,6 +105,27 @@ class DeclarationTest(chex.TestCase):
         [aj.kernels.Dense(), aj.kernels.Flash()], grown, automatic=False))
     self.assertEqual([v for _, v, _ in verdicts], ["refuses", "refuses"])
 
+  def test_every_kernel_returns_one_named_result(self):
+    q, k, v = _operands()
+    problem, _, _ = dot_product.prepare(q, k, v, is_causal=True,
+                                        return_lse=True)
+    for kernel in (aj.kernels.Dense(), aj.kernels.Flash(),
+                   contract.CONFIGURED["pallas_gpu"],
+                   contract.CONFIGURED["splash"]):
+      result = kernel(problem)
+      self.assertIsInstance(result, aj.kernels.Result, kernel.name)
+      self.assertEqual(result.lse.shape, (B, N, T), kernel.name)
+      self.assertIsNone(result.max_logits, kernel.name)
+
+    class Counted(aj.kernels.Dense):  # the old convention: a bare tuple
+      name = "counted"
+
+      def __call__(self, problem):
+        return tuple(super().__call__(problem))[:3]
+
+    with self.assertRaisesRegex(TypeError, "'counted' returned tuple"):
+      aj.scaled_dot_product_attention(q, k, v, implementation=Counted())
+
   def test_positions_are_refused_where_not_implemented(self):
     q, k, v = _operands()
     mask = aj.Mask(causal=True, q_offset=jnp.array([0, 3]))

@@ -107,6 +107,9 @@ class FromStateDictTest(parameterized.TestCase):
             aj.init_multi_head_params, 0, E, N, out_features=5),
         r"qk-norm": {**params, "q_norm": {"scale": jnp.ones(H)},
                      "k_norm": {"scale": jnp.ones(H)}},
+        r"attention sinks": {**params, "sinks": {"logits": jnp.zeros(N)}},
+        r"a T5 relative-position table": {
+            **params, "t5_bias": {"table": jnp.zeros((8, N))}},
     }
     for message, bad in cases.items():
       with self.assertRaisesRegex(ValueError, "cannot express .*" + message):

@@ -41,6 +41,7 @@ from attention_jax.kernels.base import MASK_FIELDS
 from attention_jax.kernels.base import OPTIONS
 from attention_jax.kernels.base import Kernel
 from attention_jax.kernels.base import Problem
+from attention_jax.kernels.base import Result
 from attention_jax.kernels.base import float32_only
 from attention_jax.kernels.base import no_max_logits
 from attention_jax.kernels.base import no_weights_or_dropout
@@ -71,7 +72,7 @@ ALIASES = {"blockwise": "flash"}
 
 __all__ = ["ALIASES", "MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
            "Flash", "Head", "Kernel", "Operands", "PallasGpu", "Problem",
-           "Registration", "Ring", "Splash", "allowed", "by_name",
+           "Registration", "Result", "Ring", "Splash", "allowed", "by_name",
            "candidates", "choose", "compute_dtype", "float32_only",
            "lift_heads", "masked_logsumexp", "masked_softmax",
            "no_max_logits", "no_weights_or_dropout", "register", "too_small",

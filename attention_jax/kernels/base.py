@@ -19,11 +19,9 @@ see), the scale, dropout and what to return. A kernel is a ``Kernel``:
   problem it can run but should not (too small to pay off);
 * ``lengths(t, s)``: the ``(T, S)`` a mask rule's indices refer to (ring
   attention: the global sequence);
-* ``__call__(problem) -> (out [..., N, T, Hv], weights or None, lse or
-  None)``, heads merged again, and a fourth value, ``max_logits [..., N,
-  T]``, only when ``problem.return_max_logits`` (a kernel that cannot
-  compute it refuses in ``supports``: ``no_max_logits``). Kernels never
-  re-validate.
+* ``__call__(problem) -> Result``: ``out [..., N, T, Hv]``, heads merged
+  again, and ``weights``/``lse``/``max_logits`` where asked for (None
+  otherwise). Kernels never re-validate.
 
 ``max_logits`` (QK-clip, logit-growth monitoring): per query row, the
 maximum of the raw scaled logits ``scale * q . k`` over the keys the row
@@ -44,8 +42,12 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attention_jax import _broadcast
 from attention_jax import _checks
 from attention_jax import mask as mask_lib
+
+# What every kernel returns (defined beside lift_heads, which builds it).
+Result = _broadcast.Result
 
 
 class Problem(NamedTuple):

@@ -87,7 +87,7 @@ class Cudnn(base.Kernel):
     out = attention(q, k, v, mask, bias, lengths, q_lengths,
                     scale=problem.scale, is_causal=problem.ops.causal,
                     window=problem.ops.window)
-    return out, None, None
+    return base.Result(out)
 
 
 def _caller(ops: _checks.Operands):

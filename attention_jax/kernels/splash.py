@@ -317,7 +317,7 @@ class Splash(base.Kernel):
       out, lse = out[..., 0, :, :], lse[..., 0, :]
     out = _grouping.merge(out.astype(dtype), ops.groups, -3)
     lse = _grouping.merge(lse, ops.groups, -2)
-    return out, None, lse if problem.return_lse else None
+    return base.Result(out, lse=lse if problem.return_lse else None)
 
   def _split(self, q, k, v, rows, sinks, static, settings):
     """Runs one kernel per distinct slice of the static mask.

@@ -2,14 +2,16 @@
 
 Shape glossary: B batch, T query length, S key/value length, N query heads,
 K key/value heads, H head dim (``D // N`` unless chosen), D model dim, Dkv
-key/value features, Dout output features, L cache capacity.
+key/value features, Dout output features, L cache capacity, R T5
+relative-position buckets.
 
 The module owns its parameters as plain ``nnx.Param``s (``W_q``, ``W_k``,
 ``W_v``, ``W_o``, each a ``kernel`` and optional ``bias``, with qk-norm
-``q_norm``/``k_norm``, each a ``scale``, and with an output gate ``W_g``),
-laid out per head as
+``q_norm``/``k_norm``, each a ``scale``, with an output gate ``W_g``,
+learned ``sinks [N]`` and a T5 ``t5_table [R, N]``), laid out per head as
 ``aj.multi_head_attention``'s params dict (``W_q`` kernel ``[D, N, H]``,
-``W_o`` kernel ``[N, H, Dout]``, ...), and, after ``init_cache``, the cache
+``W_o`` kernel ``[N, H, Dout]``, ``sinks`` logits, ``t5_bias`` table, ...),
+and, after ``init_cache``, the cache
 variables (a KV cache for causal decoding, or a cross-attention memory
 projected once). The maths is ``attention_jax.multi_head.forward``
 (projection per head, attention of N query heads over K shared KV heads,
@@ -85,6 +87,21 @@ class Projection(nnx.Module):
     return out
 
 
+class _Lone:
+  """A lone ``nnx.Param`` of the module (``sinks``, ``t5_table``) seen as a
+  holder of one entry, as ``assign_params`` and ``params_dict`` see layers."""
+
+  def __init__(self, entry: str, variable: nnx.Param):
+    self.entry = entry
+    setattr(self, entry, variable)
+
+  def as_dict(self, dtype=None) -> dict[str, jax.Array]:
+    """``{entry: value}`` in the parameter's own dtype: sinks and the T5
+    table join the float32 logits, never the projections' ``dtype``."""
+    del dtype
+    return {self.entry: getattr(self, self.entry)[...]}
+
+
 class NormScale(nnx.Module):
   """The learned ``scale [H]`` of a per-head RMSNorm (qk-norm), initialised to 1.
 
@@ -106,17 +123,18 @@ def assign_params(layers: Mapping[str, Projection | NormScale],
                   sizes: str) -> None:
   """Assigns ``params`` to a module's parameter holders, after every check.
 
-  The same entries (``layers``' names, each's kernel/bias/scale) and shapes
-  as the module's, or a ValueError naming the entry, both shapes, its
-  ``layout`` and the module's options (``entries``, ``sizes``); values are
-  cast to each variable's dtype. Shared by the modules' ``load_params``.
+  The same entries (``layers``' names, each's kernel/bias/scale/logits/
+  table) and shapes as the module's, or a ValueError naming the entry, both
+  shapes, its ``layout`` and the module's options (``entries``, ``sizes``);
+  values are cast to each variable's dtype. Shared by the modules'
+  ``load_params``.
   """
   if set(params) != set(layers):
     raise ValueError(f"params has entries {sorted(params)}, but this module "
                      f"has {sorted(layers)} ({entries}).")
   for name, layer in layers.items():
-    have = {entry: getattr(layer, entry) for entry in ("kernel", "bias",
-                                                        "scale")
+    have = {entry: getattr(layer, entry)
+            for entry in ("kernel", "bias", "scale", "logits", "table")
             if getattr(layer, entry, None) is not None}
     if set(params[name]) != set(have):
       raise ValueError(
@@ -189,7 +207,7 @@ class MultiHeadAttention(nnx.Module):
       ``query_pre_attn_scalar ** -0.5``. Decoding honours it.
     attention_sinks: learn one sink logit per head (``sinks``, an
       ``nnx.Param [N]`` initialised to 0) joining every row's softmax
-      denominator.
+      denominator; ``params_dict()["sinks"]["logits"]``.
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` applied in every
       call, e.g. ``aj.alibi(aj.alibi_slopes(num_heads))``; an
       ``aj.ScoreMod``'s arrays are constants of the layer (a learned table is
@@ -197,7 +215,9 @@ class MultiHeadAttention(nnx.Module):
     t5_bias: an ``aj.T5Bias(num_buckets, max_distance, bidirectional)``:
       learn T5's relative position bias, a ``t5_table`` ``nnx.Param
       [num_buckets, N]`` (initialised normal, std ``d_model ** -0.5``),
-      applied before ``score_mod``; decoding uses absolute positions.
+      applied before ``score_mod``; decoding uses absolute positions;
+      ``params_dict()["t5_bias"]["table"]`` (the function then takes
+      ``t5_bias=`` these settings).
     rope: rotary position embeddings on the projected queries and keys:
       an ``aj.Rope`` (base, scaling such as Llama 3's or YaRN, partial
       rotary, interleaved layout) or a base such as ``10000.0`` (the plain
@@ -358,24 +378,36 @@ class MultiHeadAttention(nnx.Module):
     self.memory_value: nnx.Cache | None = nnx.data(None)
 
   def _score_mod(self):
-    """The layer's T5 bias (its learned table), ``score_mod``, soft cap."""
+    """The layer's ``score_mod``, then soft cap (``multi_head.forward`` puts
+    the T5 bias of ``params_dict()`` before them)."""
     mods = [self.score_mod] if self.score_mod is not None else []
-    if self.t5_bias is not None:
-      mods.insert(0, self.t5_bias.score_mod(self.t5_table[...]))
     if self.logits_soft_cap is not None:
       mods.append(score_mods.soft_cap(self.logits_soft_cap))
     if len(mods) <= 1:
       return mods[0] if mods else None
     return score_mods.chain(*mods)
 
-  def _layers(self) -> dict[str, Projection | NormScale]:
+  def _layers(self) -> dict[str, Projection | NormScale | _Lone]:
     names = ("W_q", "W_k", "W_v", "W_o") + (
         ("q_norm", "k_norm") if self.normalize_qk else ()) + (
             ("W_g",) if self.output_gate is not None else ())
-    return {name: getattr(self, name) for name in names}
+    layers = {name: getattr(self, name) for name in names}
+    if self.sinks is not None:
+      layers["sinks"] = _Lone("logits", self.sinks)
+    if self.t5_table is not None:
+      layers["t5_bias"] = _Lone("table", self.t5_table)
+    return layers
 
   def params_dict(self) -> multi_head.Params:
-    """The parameters in ``aj.multi_head_attention``'s layout, in ``dtype``."""
+    """Every parameter, in ``aj.multi_head_attention``'s layout.
+
+    Projections and qk-norm scales are cast to ``dtype`` (if set); the
+    ``sinks`` logits ``[N]`` and the ``t5_bias`` table ``[R, N]`` keep
+    ``param_dtype`` (they join the float32 logits). So
+    ``aj.multi_head_attention(mha.params_dict(), x, x, x, mha.mask,
+    scale=mha.scale, t5_bias=mha.t5_bias, rope=mha.rope, ...)`` is
+    ``mha(x)``.
+    """
     return {name: layer.as_dict(self.dtype)
             for name, layer in self._layers().items()}
 
@@ -385,8 +417,9 @@ class MultiHeadAttention(nnx.Module):
     Args:
       params: ``aj.multi_head_attention``'s layout, e.g. from
         ``aj.from_torch_multihead_attention`` or another module's
-        ``params_dict()``; the same entries (biases, qk-norm) and shapes as
-        this module's. Values are cast to ``param_dtype``.
+        ``params_dict()``; the same entries (biases, qk-norm, gate, sinks,
+        T5 table) and shapes as this module's. Values are cast to
+        ``param_dtype``.
 
     Raises:
       ValueError: naming the entry and both shapes when they differ.
@@ -403,7 +436,8 @@ class MultiHeadAttention(nnx.Module):
     assign_params(
         self._layers(), params, multi_head_params.LAYOUT,
         entries=(f"normalize_qk={self.normalize_qk}, "
-                 f"output_gate={self.output_gate!r}"),
+                 f"output_gate={self.output_gate!r}, attention_sinks="
+                 f"{self.sinks is not None}, t5_bias={self.t5_bias!r}"),
         sizes=(f"d_model={self.d_model}, num_heads={self.num_heads}, "
                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                f"kv_features={self.kv_features}, "
@@ -655,8 +689,7 @@ class MultiHeadAttention(nnx.Module):
       call_mask = self.mask if call_mask is None else self.mask & call_mask
     result = multi_head.forward(
         self.params_dict(), query, key, value, call_mask, bias=bias,
-        scale=self.scale, score_mod=self._score_mod(),
-        sinks=None if self.sinks is None else self.sinks[...],
+        scale=self.scale, score_mod=self._score_mod(), t5_bias=self.t5_bias,
         dropout_rate=rate, dropout_rng=dropout_rng,
         attention_fn=self.attention_fn, return_weights=return_weights,
         return_lse=return_lse, return_max_logits=return_max_logits,
