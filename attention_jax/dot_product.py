@@ -163,7 +163,7 @@ def scaled_dot_product_attention(
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
     implementation: ``None`` (automatic), a kernel name (``"dense"``,
-      ``"flash"`` — also called ``"blockwise"`` —, ``"cudnn"``,
+      ``"flash"``, ``"cudnn"``,
       ``"splash"``, ``"pallas_gpu"``), an ``aj.kernels`` kernel
       (``aj.kernels.Flash(block_q=512)``, ``aj.kernels.Ring("seq")``, one
       of your own) or a sequence of them to try in order. ``None`` walks
@@ -177,7 +177,7 @@ def scaled_dot_product_attention(
     return_weights: also return the attention weights (dense only).
     return_lse: also return the log-sum-exp of each row's allowed logits.
     return_max_logits: also return each row's largest raw logit (what
-      QK-clip and logit-growth monitoring read; ``dense``, ``blockwise``
+      QK-clip and logit-growth monitoring read; ``dense``, ``flash``
       and ring attention; the fused kernels refuse it and the automatic
       choice skips them).
 

@@ -833,7 +833,7 @@ def multi_head_attention(
     dropout_rng: ``jax.random.key``, required when ``dropout_rate > 0``.
     attention_fn: a replacement for ``scaled_dot_product_attention`` with
       its contract (see ``attend_heads``), e.g. ``aj.blockwise_attention``;
-      or its ``implementation`` (``"dense"``, ``"blockwise"``, ``"cudnn"``,
+      or its ``implementation`` (``"dense"``, ``"flash"``, ``"cudnn"``,
       a kernel, a list); None: automatic.
     return_weights: also return the attention weights (static).
     return_lse: also return each row's log-sum-exp ``[B, N, T]`` float32

@@ -99,7 +99,7 @@ def _define_flags():
       "3 minutes on 2 cores, nearly all of it B=8 recomputation).",
       lower_bound=1)
   _IMPLEMENTATION = flags.DEFINE_enum(
-      "implementation", None, ["dense", "blockwise", "cudnn"],
+      "implementation", None, ["dense", "flash", "cudnn"],
       "MultiHeadAttention's attention_fn= (default: automatic).")
   _CHECK_STEPS = flags.DEFINE_integer(
       "check_steps", 4,

@@ -94,7 +94,7 @@ class DecoderLM(nnx.Module):
       layer, or None.
     rngs: parameter initialisation.
     implementation: ``aj.MultiHeadAttention``'s ``attention_fn`` (an
-      implementation such as ``"blockwise"``; None: automatic).
+      implementation such as ``"flash"``; None: automatic).
     model_axis: mesh axis to split heads and FFN units over, or None.
   """
 

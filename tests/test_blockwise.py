@@ -176,7 +176,7 @@ class DispatchTest(chex.TestCase):
       ("small", 512, False, 0.0, None, "dense"),
       ("dropout", 1024, False, 0.1, None, "dense"),
       ("long_no_weights", 1024, False, 0.0, None, "flash"),
-      ("explicit", 8, False, 0.0, "blockwise", "flash"),  # the alias
+      ("explicit", 8, False, 0.0, "flash", "flash"),
   )
   def test_choice(self, t, return_weights, rate, asked, expected):
     q = jnp.zeros((1, 2, t, 8), jnp.float32)
@@ -195,7 +195,7 @@ class DispatchTest(chex.TestCase):
       aj.scaled_dot_product_attention(q, k, v, implementation="cudnn")
     with self.assertRaisesRegex(ValueError, r"implementation='flash' is "
                                 r"not possible: it has no dropout"):
-      aj.scaled_dot_product_attention(q, k, v, implementation="blockwise",
+      aj.scaled_dot_product_attention(q, k, v, implementation="flash",
                                       dropout_rate=0.1,
                                       dropout_rng=jax.random.key(0))
     with self.assertRaisesRegex(ValueError, r"implementation must be None, a "
@@ -214,18 +214,18 @@ class DispatchTest(chex.TestCase):
     dense = aj.scaled_dot_product_attention(q, k, v, mask, is_causal=True,
                                             implementation="dense")
     block = aj.scaled_dot_product_attention(
-        q, k, v, mask, is_causal=True, implementation="blockwise")
+        q, k, v, mask, is_causal=True, implementation="flash")
     with self.assertRaisesRegex(ValueError, r"never forms the attention "
                                 r"weights"):
       aj.scaled_dot_product_attention(q, k, v, mask, is_causal=True,
-                                      implementation="blockwise",
+                                      implementation="flash",
                                       return_weights=True)
     chex.assert_trees_all_close(block, dense, **FWD_TOL)
     params = _data.params(aj.init_multi_head_params, 1, 16, 4, num_kv_heads=2)
     x = _data.normal(7, (2, 24, 16))
     outs = [aj.multi_head_attention(params, x, x, x, is_causal=True,
                                     attention_fn=impl)
-            for impl in ("dense", "blockwise")]
+            for impl in ("dense", "flash")]
     chex.assert_trees_all_close(outs[0], outs[1], **FWD_TOL)
 
 

@@ -90,7 +90,7 @@ class ReferenceTest(chex.TestCase):
     chex.assert_trees_all_close(out, swap(expected), **F32_TOL)
 
   @parameterized.product(
-      implementation=("dense", "blockwise"),
+      implementation=("dense", "flash"),
       pattern=(dict(is_causal=True, window=(3, 0)),
                dict(window=(2, 4)),
                dict(is_causal=True, kv=(9, 5), q=(9, 6)),
@@ -220,7 +220,7 @@ class GroupedQueryTest(chex.TestCase):
     chex.assert_trees_all_close(lse, ref_lse.astype(np.float32), **F32_TOL)
     # The blockwise path groups the heads the same way (no weights there).
     block_out, block_lse = self.variant(functools.partial(
-        aj.scaled_dot_product_attention, implementation="blockwise",
+        aj.scaled_dot_product_attention, implementation="flash",
         return_lse=True))(q, k, v, mask)
     chex.assert_trees_all_close(block_out, ref_out.astype(np.float32),
                                 **F32_TOL)
@@ -234,7 +234,7 @@ class GroupedQueryTest(chex.TestCase):
     for q_shape, kv_shape in (((4, 3, 8), (2, 5, 8)),
                               ((2, 4, 2, 3, 8), (2, 2, 2, 5, 8))):
       q, kv = jnp.ones(q_shape), jnp.ones(kv_shape)
-      for implementation in ("dense", "blockwise"):
+      for implementation in ("dense", "flash"):
         with self.assertRaisesRegex(ValueError, "do not broadcast"):
           aj.scaled_dot_product_attention(q, kv, kv,
                                           implementation=implementation)
@@ -258,7 +258,7 @@ class KeyValueSeqLengthsTest(chex.TestCase):
     ref_out, _ = reference.sdpa(q, k, v, per_example)
     head_out, _ = reference.sdpa(q, k, v, per_head)
     self.assertGreater(float(np.abs(ref_out - head_out).max()), 1e-2)
-    for implementation in ("dense", "blockwise"):
+    for implementation in ("dense", "flash"):
       out = aj.scaled_dot_product_attention(
           q, k, v, aj.Mask(kv_lengths=lengths), implementation=implementation)
       chex.assert_trees_all_close(out, ref_out.astype(np.float32), **F32_TOL)

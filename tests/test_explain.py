@@ -14,7 +14,6 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,8 +175,8 @@ class ChoiceTest(parameterized.TestCase):
       ("small", 32, {}),
       ("causal_1024", 1024, dict(is_causal=True)),
       ("weights_1024", 1024, dict(is_causal=True, return_weights=True)),
-      ("a_list", 32, dict(implementation=("cudnn", "blockwise", "dense"))),
-      ("float64_list", 32, dict(implementation=("blockwise", "dense"),
+      ("a_list", 32, dict(implementation=("cudnn", "flash", "dense"))),
+      ("float64_list", 32, dict(implementation=("flash", "dense"),
                                 x64=True)))
   def test_the_kernel_that_runs(self, t, kw):
     with jax.enable_x64(kw.pop("x64", False)):
@@ -216,7 +215,7 @@ class ChoiceTest(parameterized.TestCase):
     self.assertIsNone(why.block_sizes)
     self.assertIn("no blocks", why.note)
     # Nothing takes it: explained, not raised; the call raises the same.
-    kw = dict(implementation=("cudnn", "blockwise"), return_weights=True)
+    kw = dict(implementation=("cudnn", "flash"), return_weights=True)
     why = aj.explain(q, q, q, **kw)
     self.assertIsNone(why.kernel)
     self.assertEqual([v.verdict for v in why.verdicts], ["refuses"] * 2)
@@ -237,18 +236,13 @@ class ChoiceTest(parameterized.TestCase):
 
 class NamesTest(absltest.TestCase):
 
-  def test_flash_is_named_flash_and_blockwise_still_works(self):
+  def test_one_name_per_kernel(self):
     self.assertEqual(aj.kernels.Flash.name, "flash")
     self.assertEqual(aj.kernels.Dense.name, "dense")
-    self.assertIs(aj.kernels.by_name("blockwise"),
-                  aj.kernels.by_name("flash"))
-    q = jnp.asarray(np.linspace(-1, 1, 2 * 16 * 8).reshape(2, 16, 8),
-                    jnp.float32)
-    chex.assert_trees_all_close(
-        aj.scaled_dot_product_attention(q, q, q, is_causal=True,
-                                        implementation="blockwise"),
-        aj.scaled_dot_product_attention(q, q, q, is_causal=True,
-                                        implementation="flash"), atol=0.0)
+    names = [kernel.name for kernel in aj.kernels.REGISTRY]
+    self.assertEqual(len(names), len(set(names)))
+    with self.assertRaisesRegex(ValueError, "got 'blockwise'"):
+      aj.kernels.by_name("blockwise")  # the function's name, not a kernel's
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import attention_jax as aj
 from tests import _data
 from tests import reference
 
-IMPLS = ("dense", "blockwise")
+IMPLS = ("dense", "flash")
 
 
 def _sdpa(implementation, q, k, v, mask=None, **kw):

@@ -74,7 +74,7 @@ class MaskTest(parameterized.TestCase):
     self.assertLen(calls, 2)
 
   @parameterized.named_parameters(
-      ("dense", "dense"), ("blockwise", flash.Flash(block_q=4, block_k=4)))
+      ("dense", "dense"), ("flash", flash.Flash(block_q=4, block_k=4)))
   def test_and_intersects_every_field(self, implementation):
     q, k, v = _qkv()
     dense = _data.bernoulli(73, 0.8, (B, 1, T, S))
@@ -95,7 +95,7 @@ class MaskTest(parameterized.TestCase):
     self.assertEqual((a & b).window, (4, 3))
 
   @parameterized.named_parameters(
-      ("dense", "dense"), ("blockwise", flash.Flash(block_q=4, block_k=4)))
+      ("dense", "dense"), ("flash", flash.Flash(block_q=4, block_k=4)))
   def test_or_is_the_union_and_blocks_are_skipped(self, implementation):
     q, k, v = _qkv(T, T)
     prefix = jnp.array([3, 7])  # per example
@@ -253,7 +253,7 @@ class KernelInterfaceTest(absltest.TestCase):
         ValueError, r"no implementation takes this call \(cudnn: .*; "
         r"flash: it never forms the attention weights"):
       aj.scaled_dot_product_attention(q, k, v, implementation=(
-          "cudnn", "blockwise"), return_weights=True)
+          "cudnn", "flash"), return_weights=True)
     with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'splash', "
                                 "'pallas_gpu', 'flash', 'dense'\\]"):
       aj.scaled_dot_product_attention(q, k, v, implementation="flashy")
@@ -261,7 +261,7 @@ class KernelInterfaceTest(absltest.TestCase):
   def test_a_list_runs_the_first_kernel_that_fits(self):
     q, k, v = _qkv()
     out, w = aj.scaled_dot_product_attention(
-        q, k, v, implementation=("blockwise", "dense"), return_weights=True)
+        q, k, v, implementation=("flash", "dense"), return_weights=True)
     want, want_w = aj.scaled_dot_product_attention(
         q, k, v, implementation="dense", return_weights=True)
     chex.assert_trees_all_close((out, w), (want, want_w), atol=0.0)

@@ -55,7 +55,7 @@ class TracedPrefixLMTest(absltest.TestCase):
               allowed, jnp.einsum("BNTH,BNSH->BNTS", q, k) / np.sqrt(H),
               -jnp.inf), -1), 0.0), v) * cot), (0, 1, 2))(
                   *(np.asarray(x, np.float64) for x in (q, k, v)))
-    for implementation in ("dense", "blockwise"):
+    for implementation in ("dense", "flash"):
       run = jax.jit(functools.partial(_attend, implementation=implementation))
       out, bm = run(q, k, v, jnp.asarray(prefix))
       # float32 against float64 over <= 24 keys: 1e-5.

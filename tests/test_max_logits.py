@@ -108,7 +108,7 @@ def _modifiers(q, k):
 
 def _attend(kernel, q, k, v, kw):
   """``(out, lse, max_logits)`` through the kernel's public entry point."""
-  if kernel == "blockwise":
+  if kernel == "flash":
     return aj.blockwise_attention(q, k, v, _mask(), block_q=BLOCKS.block_q,
                                   block_k=BLOCKS.block_k, return_lse=True,
                                   return_max_logits=True, **kw)
@@ -134,8 +134,8 @@ class MaxLogitsTest(chex.TestCase):
 
   @parameterized.named_parameters(
       ("dense_modified", "dense", True),
-      ("blockwise_plain", "blockwise", False),  # the deferred-scale maxima
-      ("blockwise_modified", "blockwise", True))  # a second carry
+      ("blockwise_plain", "flash", False),  # the deferred-scale maxima
+      ("blockwise_modified", "flash", True))  # a second carry
   def test_matches_reference(self, kernel, modified):
     q, k, v = _operands()
     kw, allowed = _modifiers(q, k) if modified else ({}, _allowed())

@@ -101,9 +101,9 @@ class MatchesReferencesTest(parameterized.TestCase):
                                             is_causal=True),
         "partial": aj.multi_head_attention(params, x, x, v, is_causal=True,
                                            attention_fn=partial),
-        "blockwise": aj.multi_head_attention(
+        "flash": aj.multi_head_attention(
             params, x, x, v, scale=scale, is_causal=True,
-            attention_fn="blockwise"),
+            attention_fn="flash"),
     }
     for name, out in got.items():
       chex.assert_trees_all_close(out, want, **TOL, custom_message=name)

@@ -156,9 +156,9 @@ class OutsideKernelTest(chex.TestCase):
       aj.kernels.register(PlainSoftmax)
     with self.assertRaisesRegex(ValueError, "'dense' is already registered"):
       aj.kernels.register(aj.kernels.Dense())
-    with self.assertRaisesRegex(ValueError, "'blockwise' is already"):
+    with self.assertRaisesRegex(ValueError, "'flash' is already"):
       aj.kernels.register(type("Old", (PlainSoftmax,),
-                               {"name": "blockwise"})())
+                               {"name": "flash"})())
     with self.assertRaisesRegex(ValueError, "needs its own name"):
       aj.kernels.register(type("Nameless", (aj.kernels.Kernel,), {})())
     with self.assertRaisesRegex(ValueError, "before must name a registered "
@@ -169,7 +169,7 @@ class OutsideKernelTest(chex.TestCase):
       aj.kernels.unregister("plain_softmax")
 
   def test_a_builtin_unregistered_and_back(self):
-    flash = aj.kernels.unregister("blockwise")  # by its alias
+    flash = aj.kernels.unregister("flash")
     try:
       self.assertNotIn(flash, aj.kernels.REGISTRY)
       q = jax.ShapeDtypeStruct((1, 1, 1024, 8), jnp.float32)

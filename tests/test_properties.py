@@ -171,7 +171,7 @@ class AttentionPropertiesTest(absltest.TestCase):
 
   @hypothesis.given(cases())
   def test_blockwise(self, c):
-    _check_case(self, c, "blockwise")
+    _check_case(self, c, "flash")
 
   # Two gradient programs to compile per example: a third of the examples.
   @hypothesis.settings(max_examples=max(
@@ -192,7 +192,7 @@ class AttentionPropertiesTest(absltest.TestCase):
     argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
     dense = jax.jit(jax.grad(lambda *a: loss("dense", *a), argnums))(
         q, k, v, bias)
-    block = jax.jit(jax.grad(lambda *a: loss("blockwise", *a), argnums))(
+    block = jax.jit(jax.grad(lambda *a: loss("flash", *a), argnums))(
         q, k, v, bias)
     for d, b in zip(dense, block):
       self.assertTrue(np.isfinite(np.asarray(d)).all())
@@ -209,7 +209,7 @@ def head_cases(draw):
   return (draw(st.sampled_from((1, 2))), draw(st.sampled_from((1, 4, 7))),
           draw(st.sampled_from((1, 5))), n, k, 4 * n,
           draw(st.sampled_from(("none", "random", "padding"))),
-          draw(st.booleans()), draw(st.sampled_from(("dense", "blockwise"))),
+          draw(st.booleans()), draw(st.sampled_from(("dense", "flash"))),
           draw(st.integers(0, 1000)))
 
 

@@ -74,8 +74,8 @@ class ClosureTest(absltest.TestCase):
     # T = 1024 the automatic choice runs blockwise (where this used to be
     # an UnexpectedTracerError); dense and blockwise with small blocks too.
     slope = jnp.float32(0.05)
-    cases = {"auto": (1024, {}), "blockwise": (40, dict(
-        implementation="blockwise")), "dense": (40, dict(
+    cases = {"auto": (1024, {}), "flash": (40, dict(
+        implementation="flash")), "dense": (40, dict(
             implementation="dense"))}
     for name, (t, kwargs) in cases.items():
       q, k, v, cot = _closure_problem(t)
@@ -112,7 +112,7 @@ class IndexTest(absltest.TestCase):
     mod = aj.ScoreMod(lambda s, b, h, qi, ki, t: s + t[b, h], table)
     want = aj.scaled_dot_product_attention(q, k, v, bias=table[..., None, None],
                                            implementation="dense")
-    for impl in ("dense", "blockwise"):
+    for impl in ("dense", "flash"):
       got = jax.jit(functools.partial(
           aj.scaled_dot_product_attention, implementation=impl))(
               q, k, v, score_mod=mod)
@@ -137,7 +137,7 @@ class ChainTest(absltest.TestCase):
     diagonal = aj.ScoreMod(lambda s, b, h, qi, ki, p: jnp.where(
         qi == ki, -jnp.inf, s))
     off_diagonal = ~jnp.eye(8, dtype=bool)[None, None]
-    for impl in ("dense", "blockwise"):
+    for impl in ("dense", "flash"):
       got = aj.scaled_dot_product_attention(
           q, k, v, score_mod=aj.chain(diagonal, aj.soft_cap(2.0)),
           implementation=impl)

@@ -258,14 +258,14 @@ CASES = [
     ("sdpa_unknown_implementation", lambda: sdpa(Q, K, V,
                                                  implementation="flashy"),
      ValueError, r"implementation must be None, a kernel, a sequence of them, "
-     r"or one of \['cudnn', 'splash', 'pallas_gpu', 'flash', 'dense'\] "
-     r"\(or an alias: \['blockwise'\]\), got 'flashy'"),
+     r"or one of \['cudnn', 'splash', 'pallas_gpu', 'flash', 'dense'\], "
+     r"got 'flashy'"),
     ("sdpa_blockwise_dropout", lambda: sdpa(
-        Q, K, V, implementation="blockwise", dropout_rate=0.1,
+        Q, K, V, implementation="flash", dropout_rate=0.1,
         dropout_rng=jax.random.key(0)), ValueError,
      r"implementation='flash' is not possible: it has no dropout"),
     ("sdpa_blockwise_weights", lambda: sdpa(
-        Q, K, V, implementation="blockwise", return_weights=True), ValueError,
+        Q, K, V, implementation="flash", return_weights=True), ValueError,
      r"implementation='flash' is not possible: it never forms the "
      r"attention weights"),
     # The ring kernel refuses a dense mask or bias inside shard_map (outside
@@ -483,7 +483,7 @@ class NowAcceptedTest(parameterized.TestCase):
                                rtol=1e-5)
     return out
 
-  @parameterized.parameters("dense", "blockwise")
+  @parameterized.parameters("dense", "flash")
   def test_lengths_per_example(self, implementation):
     lengths = np.array([5, 2])  # [B]
     padding = (np.arange(self.T) < lengths[:, None])[:, None, None, :]
@@ -492,7 +492,7 @@ class NowAcceptedTest(parameterized.TestCase):
                implementation=implementation)  # [B, 1] still works
     np.testing.assert_array_equal(out, old)
 
-  @parameterized.parameters("dense", "blockwise")
+  @parameterized.parameters("dense", "flash")
   def test_segment_ids_per_example(self, implementation):
     q_ids = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])  # [B, T]
     k_ids = np.array([[0, 0, 0, 1, 1], [0, 0, 1, 1, 2]])  # [B, S]
@@ -504,7 +504,7 @@ class NowAcceptedTest(parameterized.TestCase):
                implementation=implementation)  # [B, 1, T] still works
     np.testing.assert_array_equal(out, old)
 
-  @parameterized.parameters("dense", "blockwise")
+  @parameterized.parameters("dense", "flash")
   def test_query_segment_ids_alone_are_self_attention(self, implementation):
     ids = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])  # [B, T], T == S
     same = (ids[:, None, :, None] == ids[:, None, None, :])

@@ -9,8 +9,8 @@ the automatic choice walks, in its order: the first that supports the
 problem and does not decline it runs. ``Ring`` is not in it: it needs a
 mesh axis (``aj.ring_attention``, or ``implementation=Ring(axis_name)``
 inside ``jax.shard_map``). A kernel's ``name`` is its class's, lower case
-(``Flash`` is ``"flash"``); ``"blockwise"`` stays a name of ``Flash``
-(``aj.blockwise_attention``'s kernel).
+(``Flash`` is ``"flash"``, ``aj.blockwise_attention``'s kernel); one
+name per kernel.
 
 A kernel written outside the library needs only the names here (see "Writing
 a kernel" in the usage docs): ``Kernel`` and ``Problem``; ``lift_heads``
@@ -66,11 +66,7 @@ REGISTRY: tuple[Kernel, ...] = (
     Dense(),
 )
 
-# Other names ``by_name`` accepts: ``aj.blockwise_attention`` and users'
-# ``implementation="blockwise"`` predate the name ``"flash"``.
-ALIASES = {"blockwise": "flash"}
-
-__all__ = ["ALIASES", "MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
+__all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
            "Flash", "Head", "Kernel", "Operands", "PallasGpu", "Problem",
            "Registration", "Result", "Ring", "Splash", "allowed", "by_name",
            "candidates", "choose", "compute_dtype", "float32_only",
@@ -84,14 +80,13 @@ def _names() -> list[str]:
 
 
 def by_name(name: str) -> Kernel:
-  """The registered kernel called ``name`` (or an alias of it, ``ALIASES``)."""
-  name = ALIASES.get(name, name)
+  """The registered kernel called ``name``."""
   for kernel in REGISTRY:
     if kernel.name == name:
       return kernel
   raise ValueError(
       f"implementation must be None, a kernel, a sequence of them, or one of "
-      f"{_names()} (or an alias: {sorted(ALIASES)}), got {name!r}.")
+      f"{_names()}, got {name!r}.")
 
 
 def candidates(implementation) -> tuple[tuple[Kernel, ...], bool]:
@@ -169,7 +164,7 @@ def register(kernel: Kernel, *, before: str | None = None) -> Registration:
 
   Args:
     kernel: an instance of a ``Kernel`` subclass whose ``name`` no
-      registered kernel (nor an alias) has.
+      registered kernel has.
     before: the name of the registered kernel it is tried before; None
       tries it first. (``"dense"`` takes every call, so a kernel after it
       never runs automatically.)
@@ -204,14 +199,13 @@ def register(kernel: Kernel, *, before: str | None = None) -> Registration:
   if not isinstance(name, str) or not name or name == Kernel.name:
     raise ValueError(f"kernel {kernel!r} needs its own name (a class "
                      f"attribute name = \"...\"), got {name!r}.")
-  if name in _names() or name in ALIASES:
+  if name in _names():
     raise ValueError(
         f"a kernel named {name!r} is already registered (names: "
-        f"{_names()}, aliases: {sorted(ALIASES)}): give yours another name, "
+        f"{_names()}): give yours another name, "
         "or unregister the other first.")
   at = 0
   if before is not None:
-    before = ALIASES.get(before, before)
     if before not in _names():
       raise ValueError(f"before must name a registered kernel, one of "
                        f"{_names()}, got {before!r}.")
@@ -224,7 +218,7 @@ def unregister(name: str | Kernel) -> Kernel:
   """Removes the kernel called ``name`` (or that kernel) from ``REGISTRY``;
   returns it (``register(kernel)`` puts it back, first)."""
   global REGISTRY
-  name = name.name if isinstance(name, Kernel) else ALIASES.get(name, name)
+  name = name.name if isinstance(name, Kernel) else name
   if name not in _names():
     raise ValueError(f"no registered kernel is called {name!r} (names: "
                      f"{_names()}).")

@@ -187,7 +187,7 @@ class MultiHeadAttention(nnx.Module):
     attention_fn: replacement for ``aj.scaled_dot_product_attention`` with the
       same contract (see ``aj.attend_heads``), or its ``implementation``:
       ``None`` (automatic: dense when weights are returned or the problem is
-      small, else cuDNN on GPU or blockwise), ``"dense"``, ``"blockwise"``,
+      small, else cuDNN on GPU or flash), ``"dense"``, ``"flash"``,
       ``"cudnn"``, an ``aj.kernels`` kernel or a list of them.
     head_axis: mesh axis for head (tensor) parallelism, e.g. ``"model"``:
       ``W_q/W_k/W_v`` kernels ``[D, N, H]`` are annotated

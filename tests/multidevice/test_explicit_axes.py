@@ -54,7 +54,7 @@ class ExplicitAxesTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("self_causal", dict(), dict(is_causal=True), False),
       ("cross_gqa", dict(num_kv_heads=4), dict(), True),
-      ("blockwise", dict(attention_fn="blockwise"), dict(), True),
+      ("flash", dict(attention_fn="flash"), dict(), True),
       ("sinks_t5_gate_norm_rope", dict(
           attention_sinks=True, t5_bias=aj.T5Bias(8, 16),
           output_gate="headwise", normalize_qk=True, rope=100.0),

@@ -48,7 +48,7 @@ class HeadParallelTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("self_causal", dict(), dict(is_causal=True), False),
       ("cross_gqa", dict(num_kv_heads=4), dict(), True),
-      ("blockwise", dict(attention_fn="blockwise"), dict(), True),
+      ("flash", dict(attention_fn="flash"), dict(), True),
   )
   def test_equals_unsharded(self, init, call, cross):
     plain, sharded = self._pair(**init)
