@@ -26,6 +26,7 @@ pattern is one ``aj.Mask``, handed to the attention function as it is.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 import functools
 import inspect
 from typing import Any, NamedTuple
@@ -242,6 +243,48 @@ def attend_heads(
   """
   _checks.check_static_bool("is_causal", is_causal)
   mask = mask_lib.as_mask(mask, is_causal=is_causal)
+  resolved = resolve_attention_fn(attention_fn)
+  kwargs = {}
+  if scale is not None:
+    if "scale" in resolved.fixed:
+      raise ValueError(
+          f"scale={scale!r} was given, and attention_fn fixes "
+          f"scale={resolved.fixed['scale']!r} (functools.partial): set the "
+          "scale in one place.")
+    kwargs["scale"] = scale
+  for name, x in (("mask", mask), ("bias", bias), ("score_mod", score_mod),
+                  ("sinks", sinks)):
+    if x is not None:
+      kwargs[name] = x
+  if not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0.0):
+    kwargs.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  for name, flag in (("return_weights", return_weights),
+                     ("return_lse", return_lse),
+                     ("return_max_logits", return_max_logits)):
+    _checks.check_static_bool(name, flag)
+    if flag:
+      kwargs[name] = True
+  _check_accepts(resolved, kwargs)
+  return resolved.fn(query, key, value, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResolvedAttentionFn:
+  """An ``attention_fn`` read once: the function called, the keywords it
+  takes (None: any, ``**kwargs`` or an unreadable signature) and those a
+  ``functools.partial`` fixes. Modules resolve theirs when built."""
+  fn: Callable[..., Any]
+  accepts: frozenset[str] | None
+  fixed: dict[str, Any]
+  given: Any = None  # what was passed (the layer compares it per call)
+
+
+def resolve_attention_fn(attention_fn) -> ResolvedAttentionFn:
+  """``attention_fn`` (None, a kernel name/instance/list, or a function
+  with ``scaled_dot_product_attention``'s contract) resolved once."""
+  if isinstance(attention_fn, ResolvedAttentionFn):
+    return attention_fn
+  given = attention_fn
   if isinstance(attention_fn, type):
     raise TypeError(
         f"attention_fn is the class {attention_fn.__name__}; pass a function "
@@ -258,48 +301,31 @@ def attend_heads(
     attention_fn = functools.partial(
         dot_product.scaled_dot_product_attention,
         implementation=attention_fn)
-  kwargs = {}
-  if scale is not None:
-    fixed = _partial_keywords(attention_fn)
-    if "scale" in fixed:
-      raise ValueError(
-          f"scale={scale!r} was given, and attention_fn fixes "
-          f"scale={fixed['scale']!r} (functools.partial): set the scale in "
-          "one place.")
-    kwargs["scale"] = scale
-  for name, x in (("mask", mask), ("bias", bias), ("score_mod", score_mod),
-                  ("sinks", sinks)):
-    if x is not None:
-      kwargs[name] = x
-  if not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0.0):
-    kwargs.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  for name, flag in (("return_weights", return_weights),
-                     ("return_lse", return_lse),
-                     ("return_max_logits", return_max_logits)):
-    _checks.check_static_bool(name, flag)
-    if flag:
-      kwargs[name] = True
-  _check_accepts(attention_fn, kwargs)
-  return attention_fn(query, key, value, **kwargs)
+  accepts = None
+  try:
+    params = inspect.signature(attention_fn).parameters.values()
+  except (TypeError, ValueError):
+    params = None
+  if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params):
+    accepts = frozenset(p.name for p in params if p.kind in (
+        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+  return ResolvedAttentionFn(attention_fn, accepts,
+                             _partial_keywords(attention_fn), given)
 
 
-def _check_accepts(attention_fn, kwargs: dict[str, Any]) -> None:
+def _check_accepts(resolved: ResolvedAttentionFn,
+                   kwargs: dict[str, Any]) -> None:
   """Refuses, by name, what a custom ``attention_fn`` cannot take.
 
   Python's own error ("unexpected keyword argument") would not say that the
   layer passes it, nor what to do; a function with ``**kwargs`` (or one
   whose signature cannot be read) is trusted.
   """
-  try:
-    params = inspect.signature(attention_fn).parameters.values()
-  except (TypeError, ValueError):
+  if resolved.accepts is None:
     return
-  if any(p.kind is p.VAR_KEYWORD for p in params):
-    return
-  names = {p.name for p in params
-           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-  missing = [k for k in kwargs if k not in names]
+  missing = [k for k in kwargs if k not in resolved.accepts]
   if missing:
+    attention_fn = resolved.fn
     given = ", ".join(f"{k}={_short(kwargs[k])}" for k in missing)
     fn_name = getattr(attention_fn, "__name__", type(attention_fn).__name__)
     hint = (" (a layer's score_mod, logits_soft_cap and t5_bias all travel "

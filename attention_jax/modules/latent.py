@@ -167,6 +167,7 @@ class MultiHeadLatentAttention(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.attention_fn = attention_fn
+    self._attention = multi_head.resolve_attention_fn(attention_fn)  # once
     self.mask = nnx.data(mask)
     for name, shape, _ in latent.param_shapes(dims):
       if name.endswith("_norm"):
@@ -279,6 +280,11 @@ class MultiHeadLatentAttention(nnx.Module):
         self.cache_overflow[...], self.cache_index[...],
         self.cached_latent.shape[1], "latent cache")
 
+  def _resolved_attention(self) -> multi_head.ResolvedAttentionFn:
+    if self._attention.given is self.attention_fn:
+      return self._attention
+    return multi_head.resolve_attention_fn(self.attention_fn)
+
   def __call__(
       self,
       x: ArrayLike,
@@ -324,7 +330,7 @@ class MultiHeadLatentAttention(nnx.Module):
     if not decode:
       return latent.latent_attention(
           self.params_dict(), x, call_mask, positions=positions,
-          rope=self.rope, scale=self.scale, attention_fn=self.attention_fn,
+          rope=self.rope, scale=self.scale, attention_fn=self._resolved_attention(),
           precision=self.precision, return_weights=return_weights)
     if self.cache_index is None:
       raise ValueError("decode=True needs a cache: call "
@@ -334,7 +340,7 @@ class MultiHeadLatentAttention(nnx.Module):
         self.cache_index[...], self.cache_overflow[...], self.cache_window)
     *result, cache = latent.latent_decode(
         self.params_dict(), x, cache, call_mask, positions=positions,
-        rope=self.rope, scale=self.scale, attention_fn=self.attention_fn,
+        rope=self.rope, scale=self.scale, attention_fn=self._resolved_attention(),
         precision=self.precision, return_weights=return_weights)
     self.cached_latent[...] = cache.latent
     self.cached_rope_key[...] = cache.rope_key

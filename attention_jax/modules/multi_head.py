@@ -276,7 +276,7 @@ class MultiHeadAttention(nnx.Module):
       logits_soft_cap: float | None = None,
       scale: float | None = None,
       attention_sinks: bool = False,
-      score_mod: multi_head.ScoreMod | None = None,
+      score_mod: Any = None,
       t5_bias: score_mods.T5Bias | None = None,
       rope: rope_lib.Rope | float | None = None,
       output_gate: str | None = None,
@@ -307,6 +307,9 @@ class MultiHeadAttention(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.attention_fn = attention_fn
+    # Resolved and checked once, here; __call__ re-reads it only if the
+    # attribute was reassigned.
+    self._attention = multi_head.resolve_attention_fn(attention_fn)
     self.head_axis = head_axis
     if mask is not None and not isinstance(mask, Mask):
       raise TypeError(f"mask must be an aj.Mask (the layer's pattern, e.g. "
@@ -566,6 +569,13 @@ class MultiHeadAttention(nnx.Module):
     if self.cache_pad_written is not None:
       decoding.raise_if_pads_written(self.cache_pad_written[...])
 
+  def _resolved_attention(self) -> multi_head.ResolvedAttentionFn:
+    """The layer's ``attention_fn``, resolved when built (again only if
+    the attribute was reassigned since)."""
+    if self._attention.given is self.attention_fn:
+      return self._attention
+    return multi_head.resolve_attention_fn(self.attention_fn)
+
   def __call__(
       self,
       query: ArrayLike,
@@ -691,7 +701,8 @@ class MultiHeadAttention(nnx.Module):
         self.params_dict(), query, key, value, call_mask, bias=bias,
         scale=self.scale, score_mod=self._score_mod(), t5_bias=self.t5_bias,
         dropout_rate=rate, dropout_rng=dropout_rng,
-        attention_fn=self.attention_fn, return_weights=return_weights,
+        attention_fn=self._resolved_attention(),
+        return_weights=return_weights,
         return_lse=return_lse, return_max_logits=return_max_logits,
         rope=self.rope, positions=positions, kv_positions=kv_positions,
         precision=self.precision, head_axis=self.head_axis, cache=cache,
