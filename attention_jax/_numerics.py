@@ -1,15 +1,32 @@
-"""Numerics shared by every implementation: compute dtypes, masks, padding.
+"""Numerics shared by every implementation: compute dtypes, masks, garbage.
 
-Shape glossary: S key/value length, F features.
+Shape glossary: T query length, S key/value length, F features; ``...``
+leading dims.
 
 Policies written once here: 16-bit and float32 inputs compute in float32,
 float64 inputs in float64; masks are bool with True = may attend (integer
-masks: non-zero); keys that no query may see are zeroed before any product,
-because a NaN or inf stored in padding would otherwise meet a zero weight and
-``0 * NaN`` is NaN.
+masks: non-zero).
+
+Garbage (NaN or inf in a padded or masked slot: an uninitialised cache page,
+a stale ring-buffer slot, another document's NaN) reaches only the rows that
+may see it. Masking the logits is not enough, since a blocked entry still
+meets its key and value in ``q @ k^T``, ``p @ v`` and every gradient, and
+``0 * NaN`` is NaN. So every kernel computes on ``sanitize``'d operands
+(non-finite entries replaced by 0: all products are finite) and records per
+query row and per key column a *code* (``CLEAN``, ``BAD_VALUE``,
+``BAD_KEY``); a row's code is the largest code of its own query (if it sees
+any key) and of the keys it may see (``seen_codes``, or a kernel's block
+walk), and ``poison`` then writes NaN into that row's output (and, for a
+bad key or query, its lse, row maximum and weights). A poisoned row is a
+constant: it passes no gradient back, so every other row's outputs and
+gradients are those of the clean inputs, and a non-finite entry's own
+gradient is 0. A row that sees a bad key or value is never made finite:
+that would be a silent wrong answer.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +54,102 @@ def as_bool_mask(mask) -> jax.Array:
   """A bool mask from a bool or integer one (0 = blocked)."""
   mask = jnp.asarray(mask)
   return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+CLEAN, BAD_VALUE, BAD_KEY = 0.0, 1.0, 2.0  # codes; a bad query is BAD_KEY
+
+
+def sanitize(query, key, value):
+  """Non-finite entries replaced by 0, and the codes of rows and columns.
+
+  ``query [..., T, H]``, ``key [..., S, H]``, ``value [..., S, Hv]``.
+  Returns ``(query, key, value, q_code [..., T], kv_code [..., S])``,
+  float32 codes: ``BAD_KEY`` for a query row or key row holding a NaN or
+  inf, else ``BAD_VALUE`` for a value row holding one, else ``CLEAN``. The
+  replacement has gradient 1 at finite entries, 0 at the others. O((T + S)
+  * H): one elementwise pass each.
+  """
+  def split(x):
+    ok = jnp.isfinite(x)
+    return jnp.where(ok, x, jnp.zeros((), x.dtype)), ~jnp.all(ok, axis=-1)
+
+  query, q_bad = split(query)
+  key, k_bad = split(key)
+  value, v_bad = split(value)
+  q_code = jnp.where(q_bad, BAD_KEY, CLEAN).astype(jnp.float32)
+  kv_code = jnp.where(k_bad, BAD_KEY, jnp.where(v_bad, BAD_VALUE, CLEAN))
+  return query, key, value, q_code, kv_code.astype(jnp.float32)
+
+
+def any_nonfinite(*arrays):
+  """A bool scalar: whether any entry of the arrays is NaN or inf (one
+  predicate per call, for a ``lax.cond`` that skips the search for the
+  rows that see one when there is none)."""
+  finite = [jnp.all(jnp.isfinite(x)) for x in arrays]
+  return ~functools.reduce(jnp.logical_and, finite)
+
+
+def seen_codes(allowed, q_code, kv_code):
+  """Each row's code: the largest of the keys it may see, and of its own
+  query if it sees any key.
+
+  ``allowed`` is bool ``[..., T, S]`` or None (every entry allowed);
+  ``q_code [..., T]``, ``kv_code [..., S]`` from ``sanitize``. Returns
+  float32 ``[..., T]``. One select and reduction over ``[T, S]``.
+  """
+  parts = [q_code[..., :, None], kv_code[..., None, :]]
+  if allowed is not None:
+    parts.append(allowed)
+  rank = max(x.ndim for x in parts)  # leading dims broadcast from the left
+  parts = [x.reshape((1,) * (rank - x.ndim) + x.shape) for x in parts]
+  both = jnp.maximum(parts[0], parts[1])
+  if allowed is not None:
+    both = jnp.where(parts[2], both, CLEAN)
+  return jnp.max(both, axis=-1, initial=CLEAN)
+
+
+def seen_codes_by_rows(visible, q_code, kv_code, t: int, chunk: int = 256):
+  """``seen_codes`` without a ``[T, S]`` array: ``chunk`` rows at a time.
+
+  ``visible(start, size)`` gives rows ``[start, start + size)``'s bool
+  ``[..., size, S]`` (or None: all allowed); ``q_code [..., T]``,
+  ``kv_code [..., S]``. For kernels that cannot carry codes through their
+  own block walk (splash, cuDNN): O(T * S) work, O(chunk * S) memory.
+  """
+  if t == 0:
+    return jnp.zeros(q_code.shape, jnp.float32)
+  size = min(chunk, t)
+  count = -(-t // size)
+  # The last chunk ends at row T (it may overlap the one before).
+  starts = jnp.minimum(jnp.arange(count) * size, t - size)
+
+  def part(start):
+    q = jax.lax.dynamic_slice_in_dim(q_code, start, size, axis=-1)
+    return seen_codes(visible(start, size), q, kv_code)  # [..., size]
+
+  parts = jnp.moveaxis(jax.lax.map(part, starts), 0, -2)  # [..., n, size]
+  rows = jnp.arange(t)
+  which = jnp.minimum(rows // size, count - 1)
+  return parts[..., which, rows - starts[which]]  # [..., T]
+
+
+def poison(code, out, *key_stats):
+  """NaN in the rows whose ``code`` (``[..., T]``) is not ``CLEAN``.
+
+  ``out [..., T, Hv]`` becomes NaN where a row saw a bad key, value or
+  query; each of ``key_stats`` (``[..., T]`` like lse and row maxima, or
+  ``[..., T, S]`` like weights; None passes) only where it saw a bad key or
+  query (they do not depend on the values). The NaN is a constant: those
+  rows' cotangents stop here. Returns ``(out, *key_stats)``.
+  """
+  def nan_where(bad, x):
+    if x is None:
+      return None
+    bad = bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim))
+    return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+
+  return (nan_where(code >= BAD_VALUE, out),
+          *(nan_where(code >= BAD_KEY, x) for x in key_stats))
 
 
 def zero_unseen(seen, *arrays):

@@ -90,7 +90,8 @@ SUBSETS = {
         "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
         "t5_bias_bidirectional_gqa", "block_mask_prefix_lm",
         "rule_per_example_prefix_window", "everything_combined",
-        "max_logits_modified_patterned", "positions_causal_window_rule"),
+        "max_logits_modified_patterned", "positions_causal_window_rule",
+        "garbage_causal_window_lengths", "garbage_mask_bias_sinks"),
     "splash": (
         "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
         "mask_empty_rows", "bias_neg_inf", "bfloat16_causal_lengths",
@@ -98,7 +99,8 @@ SUBSETS = {
         "segments_unsorted_window_lengths", "sinks_causal_query_lengths",
         "alibi_causal_gqa", "block_mask_prefix_lm",
         "rule_per_example_prefix_window", "union_prefix_lm_segments",
-        "max_logits_modified_patterned", "positions_causal_window_rule"),
+        "max_logits_modified_patterned", "positions_causal_window_rule",
+        "garbage_causal_window_lengths"),
 }
 
 
@@ -223,6 +225,10 @@ class Case:
   # "union_prefix_lm" (Mask(causal) | Mask(rule: the prefix)).
   rule: str | None = None
   nan_padding: bool = False  # NaN in keys/values past the lengths
+  # NaN and inf planted in keys, values and a query (PLANTS) that some rows
+  # may see and others may not: rows that see one are not finite, every
+  # other row (and every gradient) is the clean inputs' run.
+  garbage: bool = False
   dtype: str = "float32"
   # return_max_logits: each row's largest raw scale * q.k where allowed
   max_logits: bool = False
@@ -307,7 +313,45 @@ CASES = {
     "positions_causal_window_rule": Case(
         t=16, s=40, causal=True, window=(9, 0), lengths=(40, 30),
         rule="per_example_prefix", positions=((3, 21), (0, -2)), lse=True),
+    # Garbage that a causal window shows to a few rows of some heads (and a
+    # NaN key past a length, which no row sees)...
+    "garbage_causal_window_lengths": Case(
+        t=40, s=40, causal=True, window=(5, 0), lengths=(40, 33), lse=True,
+        garbage=True),
+    # ... and that a random dense mask and a bias with -inf entries show
+    # to some rows (the dense kernel's select path, the flash walk's mask).
+    "garbage_mask_bias_sinks": Case(mask=True, bias=True, sinks=True,
+                                    softcap=2.0, lse=True, garbage=True),
 }
+
+# (tensor, example, its head, row, feature, value) of each planted entry;
+# a key/value head is taken modulo the case's kv_heads.
+PLANTS = (("key", 0, 0, 12, 3, np.nan), ("key", 1, 1, 20, 0, np.inf),
+          ("value", 0, 1, 27, 5, np.nan), ("value", 1, 0, 9, 2, -np.inf),
+          ("key", 1, 0, 36, 1, np.nan), ("query", 0, 2, 17, 4, np.nan))
+
+
+def _plant(case: Case, q, k, v, allowed):
+  """The operands with PLANTS written in, where they were written
+  (bool like q, k, v), and the rows ``[B, N, T]`` that may see a planted
+  key or query (``key_rows``: their lse is not finite either) or any
+  planted entry (``rows``), written out from ``allowed [B, N, T, S]``."""
+  arrays = {"query": np.array(q), "key": np.array(k), "value": np.array(v)}
+  where = {n: np.zeros(x.shape, bool) for n, x in arrays.items()}
+  for name, b, head, row, feature, value in PLANTS:
+    if name != "query":
+      head %= case.kv_heads
+    arrays[name][b, head, row, feature] = value
+    where[name][b, head, row, feature] = True
+  group = N // case.kv_heads  # query head n uses key/value head n // group
+  bad = {n: np.repeat(where[n].any(-1), group, axis=1)  # [B, N, S]
+         for n in ("key", "value")}
+  sees = {n: (allowed & bad[n][:, :, None, :]).any(-1) for n in bad}
+  key_rows = sees["key"] | (where["query"].any(-1) & allowed.any(-1))
+  planted = tuple(jnp.asarray(arrays[n], q.dtype)
+                  for n in ("query", "key", "value"))
+  return (planted, tuple(where[n] for n in ("query", "key", "value")),
+          key_rows | sees["value"], key_rows)
 
 PREFIX, CHUNK = 9, 8  # the rule cases' prefix length and chunk size
 PREFIXES = (6, 23)  # per example, for "per_example_prefix"
@@ -573,17 +617,31 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
         seen = allowed.any(axis=(1, 2))[:, None, :, None]  # [B, 1, S, 1]
         k_in = jnp.where(seen, k, jnp.nan)
         v_in = jnp.where(seen, v, jnp.nan)
+      dirty = np.zeros((B, N, case.t), bool)  # rows that see garbage
+      key_dirty = dirty  # ... in a key or their query: lse too
+      planted = (False, False, False)
+      if case.garbage:
+        (q_in, k_in, v_in), planted, dirty, key_dirty = _plant(
+            case, q, k, v, allowed)
+        # the pattern shows the garbage to some rows, not to all
+        self.assertTrue(dirty.any() and not dirty.all())
 
       # One compile each for ours and the reference: outputs ride along
-      # with the gradient as auxiliary values.
-      cot = _data.normal(7, (B, N, case.t, H))
-      cot_lse = _data.normal(8, (B, N, case.t)) if case.lse else None
+      # with the gradient as auxiliary values. Rows that see garbage get
+      # no cotangent (in both): every other gradient is the clean run's.
+      cot = jnp.where(dirty[..., None], 0.0, _data.normal(7, (B, N, case.t,
+                                                             H)))
+      cot_lse = jnp.where(key_dirty, 0.0, _data.normal(8, (B, N, case.t))
+                          ) if case.lse else None
       cot_max = _data.normal(15, (B, N, case.t)) if case.max_logits else None
       argnums = (0, 1, 2, 4) + ((3,) if bias is not None else ())
 
       def loss_and_outputs(*a):
         out, lse, max_logits = ours(*a)
-        loss = _loss(out, lse, cot, cot_lse)
+        # (NaN rows carry a zero cotangent; they stay out of the value)
+        loss = _loss(jnp.where(dirty[..., None], 0, out),
+                     None if lse is None else jnp.where(key_dirty, 0, lse),
+                     cot, cot_lse)
         if max_logits is not None:  # no gradient: the grads must not move
           loss = loss + jnp.sum(jnp.where(jnp.isfinite(max_logits),
                                           max_logits, 0.0) * cot_max)
@@ -609,13 +667,21 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
       tol = TOLERANCES[case.dtype]
       chex.assert_shape(out, (B, N, case.t, H))
       self.assertEqual(out.dtype, q.dtype)
-      chex.assert_tree_all_finite(out)
-      np.testing.assert_allclose(np.asarray(out, np.float64), ref_out,
+      out = np.asarray(out, np.float64)
+      # Rows that see garbage are not finite (never a finite number made
+      # up); every other row is finite and the clean inputs' answer.
+      self.assertFalse(np.isfinite(out[dirty]).all(-1).any(),
+                       "a row that sees NaN or inf is finite")
+      chex.assert_tree_all_finite(out[~dirty])
+      np.testing.assert_allclose(out[~dirty], ref_out[~dirty],
                                  atol=tol["fwd"], rtol=tol["fwd"])
       empty = ~allowed.any(-1)  # [B, N, T]: queries that see nothing
-      np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
+      np.testing.assert_array_equal(out[empty], 0.0)
       if case.lse:
-        np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse,
+        lse = np.asarray(lse, np.float64)
+        self.assertFalse(np.isfinite(lse[key_dirty]).any(),
+                         "a row that sees a NaN or inf key has a finite lse")
+        np.testing.assert_allclose(lse[~key_dirty], ref_lse[~key_dirty],
                                    atol=tol["fwd"], rtol=tol["fwd"])
       if case.max_logits:  # -inf exactly where a row sees nothing
         chex.assert_shape(max_logits, (B, N, case.t))
@@ -630,11 +696,15 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
       got_all = list(grads[:3]) + [grads[3][n] for n in diff] + list(
           grads[4:])
       want_all = list(want[:3]) + [want[3][n] for n in diff] + list(want[4:])
-      for name, got, ref in zip(names, got_all, want_all):
+      # The planted entries themselves are compared nowhere (their
+      # gradient is the kernel's choice); each must still be finite.
+      clean = [~np.asarray(x) for x in planted] + [True] * (len(names) - 3)
+      for name, got, ref, at in zip(names, got_all, want_all, clean):
         got = np.asarray(got, np.float64)
         self.assertTrue(np.isfinite(got).all(), f"{name} is not finite")
         scale = max(1.0, float(np.abs(ref).max()))
-        np.testing.assert_allclose(got, ref, atol=tol["grad"] * scale,
+        np.testing.assert_allclose(np.where(at, got, 0), np.where(at, ref, 0),
+                                   atol=tol["grad"] * scale,
                                    rtol=tol["grad"], err_msg=name)
       # A query that may see nothing has exactly zero gradient.
       np.testing.assert_array_equal(np.asarray(grads[0])[empty], 0.0)

@@ -32,6 +32,16 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
   an explicit mask, and ``supports`` refuses those windows (two-sided, or
   ``T != S``) so that the automatic choice never builds a ``[T, S]`` mask
   for them.
+* Garbage. cuDNN adds its mask as a finite bias, so a NaN or inf key or
+  value would reach every row (``0 * NaN`` is NaN) and what it does with one
+  is the kernel's. Ours reaches only the rows that may see it, by
+  construction rather than by trusting the kernel: q, k and v are
+  ``_numerics.sanitize``'d before the call (cuDNN only ever sees finite
+  numbers), and when any entry was not finite (one ``lax.cond``: nothing is
+  spent otherwise) each row's code is worked out in plain JAX from our own
+  pattern (band, mask, finite bias, lengths; ``_numerics.seen_codes_by_rows``)
+  and the rows that may see a bad key, value or query are set to NaN
+  (``_numerics.poison``), passing no gradient.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import jax.numpy as jnp
 
 from attention_jax import _checks
 from attention_jax import _grouping
+from attention_jax import _numerics
 from attention_jax import _patterns
 from attention_jax.kernels import base
 
@@ -216,11 +227,16 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
     implementation: jax.nn's; ``"xla"`` tests this wiring on any backend.
 
   Returns:
-    ``[B, N, T, H]``; rows past ``q_lengths`` or seeing no key are 0.
+    ``[B, N, T, H]``; rows past ``q_lengths`` or seeing no key are 0, rows
+    that may see a NaN or inf key, value or query are NaN.
   """
-  batch, _, t, _ = query.shape
+  batch, heads, t, _ = query.shape
   s = key.shape[-2]
   b = _patterns.bounds(is_causal, window)
+  garbage = _numerics.any_nonfinite(query, key, value)
+  query, key, value, q_code, kv_code = _numerics.sanitize(query, key, value)
+  kv_code = jnp.repeat(kv_code, heads // key.shape[1], axis=1)  # [B, N, S]
+  given_mask = mask
   jax_causal, jax_window = False, None
   if t == s and b.right == 0:  # top-left == bottom-right: jax.nn's own band
     jax_causal = True
@@ -242,4 +258,24 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
   sees = _rows_seeing_something(t, s, b, kv, q, mask, bias)
   if sees is not None:  # jax.nn gives a mean of values there, ours is 0
     out = jnp.where(sees[..., None], out, jnp.zeros((), out.dtype))
+
+  def visible(start, size):  # rows [start, start + size): [B|1, N|1, size, S]
+    rows = start + jnp.arange(size)[None, None, :, None]
+    cols = jnp.arange(s)[None, None, None, :]
+    ok = _patterns.visible(
+        rows, cols, s - t, b,
+        None if q is None else q[:, None, None, None],
+        None if kv is None else kv[:, None, None, None])
+    for extra in (given_mask, None if bias is None else bias > -jnp.inf):
+      if extra is not None:
+        extra = jax.lax.dynamic_slice_in_dim(
+            jnp.broadcast_to(extra, extra.shape[:2] + (t, s)), start, size, 2)
+        ok = extra if ok is None else ok & extra
+    return ok
+
+  code = jax.lax.cond(
+      garbage,
+      lambda: _numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
+      lambda: jnp.zeros(q_code.shape, jnp.float32))  # [B, N, T]
+  out, = _numerics.poison(code, out)
   return out

@@ -8,7 +8,9 @@ written for one head and lifted over leading dims by
 ``_broadcast.lift_heads``. Logits, softmax and the weighted sum run in the
 compute dtype (float32, float64 for float64 inputs); one path whether or not
 the weights are returned or dropout is on, so the numbers never change with
-those options. The only kernel with dropout, weights and float64. With
+those options. NaN or inf in a key, value or query reaches only the rows
+that may see it (``_numerics.sanitize``/``poison``). The only kernel with
+dropout, weights and float64. With
 ``return_max_logits`` it also returns each row's maximum raw scaled logit
 (``kernels.base``), read off the same ``[T, S]`` logits.
 """
@@ -46,26 +48,32 @@ class Dense(base.Kernel):
       keep = jax.random.bernoulli(p.dropout_rng, 1.0 - p.dropout_rate,
                                   ops.batch_shape + (t, s))  # [..., T, S]
 
-    def head(q, k, v, h, kp):
+    def head(q, k, v, h, kp, garbage):
       return single_head(
           q, k, v, h, kp, scale=p.scale, is_causal=ops.causal,
           window=ops.window, score_mod=ops.score_mod,
           dropout_rate=p.dropout_rate, out_dtype=p.out_dtype,
           compute_dtype=_numerics.compute_dtype(p.out_dtype),
-          want_lse=p.return_lse, want_max_logits=p.return_max_logits)
+          want_lse=p.return_lse, want_max_logits=p.return_max_logits,
+          garbage=garbage)
 
-    return _broadcast.lift_heads(head, ops, (keep,), (2,))
+    # One predicate for the whole call (a scalar: unmapped by the heads'
+    # vmap, so each head's cond stays a branch and not a select).
+    garbage = _numerics.any_nonfinite(ops.query, ops.key, ops.value)
+    return _broadcast.lift_heads(head, ops, (keep, garbage), (2, 0))
 
 
 def single_head(query, key, value, h, keep, *, scale, is_causal, window,
                 score_mod, dropout_rate, out_dtype, compute_dtype, want_lse,
-                want_max_logits=False):
+                want_max_logits=False, garbage=None):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
   ``h`` is the head's ``_broadcast.Head`` (mask, bias, lengths, segment
   ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``keep`` the ``[T, S]``
   dropout draw or None; ``window`` and ``score_mod`` as in
-  ``_patterns`` / the flash core.
+  ``_patterns`` / the flash core; ``garbage`` a bool scalar, whether any of
+  q, k, v holds a NaN or inf (None: search for the rows that see one
+  anyway), so that a clean call makes no ``[T, S]`` pass for them.
   Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``, and with
   ``want_max_logits`` also ``max_logits [T]`` (each row's largest raw
   ``scale * q . k`` where it attends, ``-inf`` where it attends nowhere; no
@@ -73,37 +81,44 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   ``out_dtype``.
   """
   t, s = query.shape[0], key.shape[0]
-  allowed = None
+  # NaN or inf anywhere reaches only the rows that may see it: every
+  # product runs on finite operands, and those rows are poisoned at the end.
+  query, key, value, q_code, kv_code = _numerics.sanitize(query, key, value)
 
-  def both(extra):
-    if extra is None:
-      return allowed
-    extra = jnp.broadcast_to(extra, (t, s))
-    return extra if allowed is None else allowed & extra
+  def and_(a, b):
+    if b is None:
+      return a
+    b = jnp.broadcast_to(b, (t, s))
+    return b if a is None else a & b
 
   rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
   offset, q_start, kv_start = h.offsets(t, s)
   q_at, kv_at = rows + q_start, cols + kv_start  # what rules/score_mod see
   bounds = _patterns.bounds(is_causal, window)
-  allowed = both(h.mask)
-  q_seg = None if h.q_seg is None else h.q_seg[:, None]
-  k_seg = None if h.k_seg is None else h.k_seg[None, :]
-  allowed = both(_patterns.visible(rows, cols, offset, bounds, h.q_length,
-                                   h.length, q_seg, k_seg))
-  if h.block_mask is not None:  # the same predicate the flash core evaluates
-    allowed = both(h.block_mask.mask_fn(*h.index, q_at, kv_at))
+
+  def pattern():
+    """Where the mask fields allow, ``[T, S]`` (None: everywhere)."""
+    q_seg = None if h.q_seg is None else h.q_seg[:, None]
+    k_seg = None if h.k_seg is None else h.k_seg[None, :]
+    allowed = and_(h.mask, _patterns.visible(
+        rows, cols, offset, bounds, h.q_length, h.length, q_seg, k_seg))
+    if h.block_mask is not None:  # the predicate the flash core evaluates
+      allowed = and_(allowed, h.block_mask.mask_fn(*h.index, q_at, kv_at))
+    return allowed
+
+  allowed = pattern()
   # Only a structural pattern blocks (iota comparisons, lengths, segments):
-  # once unseen keys and empty rows' queries are zeroed, every blocked logit
-  # is finite, so the softmax may block with an additive -inf, which XLA
-  # fuses with the products instead of a select pass over [T, S].
+  # the operands are sanitized, and unseen keys and empty rows' queries
+  # zeroed (finite garbage there could still overflow a product), so every
+  # blocked logit is finite and the softmax may block with an additive
+  # -inf, which XLA fuses with the products instead of a select pass over
+  # [T, S].
   additive = (h.mask is None and h.bias is None and score_mod is None)
   plain = _only_bounds(h)
   if allowed is not None and not (plain and _every_key_seen(bounds, t, s)):
-    # Padding may hold NaN: keep it out of every product.
     key, value = _numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
   if (additive and allowed is not None
       and not (plain and _every_row_sees(bounds, t, s))):
-    # A NaN query (padding) must not reach a row that sees nothing.
     query, = _numerics.zero_unseen(jnp.any(allowed, axis=1), query)
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=compute_dtype)  # [T, S]
@@ -122,7 +137,15 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
       finite = (logits > -jnp.inf) if finite is None else (
           finite & (logits > -jnp.inf))
   if finite is not None:  # where a bias or score_mod blocks
-    allowed = both(finite)
+    allowed = and_(allowed, finite)
+
+  def codes():  # [T]: the largest code each row sees
+    # The pattern is recomputed from its small operands here, so that the
+    # branch takes no materialised [T, S] array.
+    return _numerics.seen_codes(and_(pattern(), finite), q_code, kv_code)
+
+  code = codes() if garbage is None else jax.lax.cond(
+      garbage, codes, lambda: jnp.zeros((t,), jnp.float32))
   max_logits = None
   if want_max_logits:  # a statistic: no gradient
     seen = raw if allowed is None else jnp.where(allowed, raw, -jnp.inf)
@@ -142,9 +165,11 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("TS,SV->TV", probs, value.astype(compute_dtype),
                    preferred_element_type=compute_dtype)  # [T, Hv]
+  out, weights, lse, max_logits = _numerics.poison(
+      code, out.astype(out_dtype), weights, lse, max_logits)
   if want_max_logits:
-    return out.astype(out_dtype), weights, lse, max_logits
-  return out.astype(out_dtype), weights, lse
+    return out, weights, lse, max_logits
+  return out, weights, lse
 
 
 def _only_bounds(h) -> bool:

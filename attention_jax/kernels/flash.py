@@ -11,7 +11,9 @@ them here, at this kernel's block sizes (NumPy when concrete, on device
 when traced). The backward pass is a custom VJP that recomputes the blocks
 (FlashAttention-2). No weights, no dropout, float32 compute. With
 ``return_max_logits`` the forward walk also keeps each row's raw maximum
-logit (``flash_core.forward``).
+logit (``flash_core.forward``). NaN or inf in a key, value or query reaches
+only the rows that may see it (``flash_core``: finite blocks, row codes,
+poisoned rows).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from attention_jax import _broadcast
 from attention_jax import _checks
 from attention_jax import _grouping
+from attention_jax import _numerics
 from attention_jax import block_mask as block_mask_lib
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
@@ -61,7 +64,10 @@ class Flash(base.Kernel):
                              block_k=block_k,
                              max_logits=problem.return_max_logits,
                              out_dtype=problem.out_dtype)
-    return _broadcast.lift_heads(head, ops)
+    # One scalar for the call (unmapped by the heads' vmap): without NaN or
+    # inf anywhere the walk makes no pass looking for rows that see one.
+    garbage = _numerics.any_nonfinite(ops.query, ops.key, ops.value)
+    return _broadcast.lift_heads(head, ops, (garbage,), (0,))
 
 
 def with_rule_tables(ops: _checks.Operands, block_q: int, block_k: int):

@@ -30,15 +30,21 @@ elsewhere):
   ``hoist_score_mod(st, ex, like, replay_closures=)`` makes the modifier's
   arrays operands.
 * ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp],
-  max_logits [Tp] or None)``; ``max_logits`` (``st.max_logits``) is each
-  row's largest raw ``scale * q . k`` over the keys it attends to in the
-  visited blocks (``-inf`` if none), before bias and ``score_mod``.
+  max_logits [Tp] or None, code [Tp])``; ``max_logits`` (``st.max_logits``)
+  is each row's largest raw ``scale * q . k`` over the keys it attends to in
+  the visited blocks (``-inf`` if none), before bias and ``score_mod``;
+  ``code`` the largest ``_numerics`` code among them and the row's own
+  query (which rows saw a NaN or inf). Both passes replace non-finite
+  entries of the blocks they load by 0 (``_finite``), so every product is
+  finite.
 * ``backward(st, residuals, cotangents)``: float32 ``(dq, dk, dv, dbias,
   dargs)`` from ``residuals = (q, k, v, ex, place, out, lse)`` and
   ``cotangents = (d_out, d_lse)``; ``out``/``lse`` may be those of a longer
   key sequence of which ``k``/``v`` are one block (ring attention).
-* ``single_head(q, k, v, head, *, out_dtype, **blocks)``: one head end to
-  end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too),
+* ``single_head(q, k, v, head, garbage=None, *, out_dtype, **blocks)``
+  (``garbage``: ``Extras.garbage``): one head end to
+  end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too;
+  the rows that see a NaN or inf are ``_numerics.poison``'d after it),
   returning ``(out [T, Hv], None, lse [T])`` and, with
   ``max_logits=True``, ``max_logits [T]`` (zero gradient), the
   ``_broadcast.lift_heads`` contract.
@@ -105,6 +111,11 @@ class Extras(NamedTuple):
   # Values score_mod closes over that may carry gradients (hoist_score_mod),
   # passed whole.
   mod_consts: tuple = ()
+  # bool scalar: whether any of the call's q, k, v holds a NaN or inf; when
+  # False the forward walk skips looking for the rows that see one (a
+  # lax.cond per block: unbatched, so it stays a branch under the heads'
+  # vmap). None: always look.
+  garbage: jax.Array | None = None
 
 
 class Place(NamedTuple):
@@ -166,18 +177,27 @@ def _add_tile(acc, tile, i0, j0):
       acc, jax.lax.dynamic_slice(acc, at, tile.shape) + tile, at)
 
 
-def _key_rows(st: Static, x, j0, length):
-  """Rows ``[j0, j0 + bk)`` of keys or values, zero past ``length``.
+def _finite(rows):
+  """``(rows with NaN and inf replaced by 0, [n] bool: the rows that held
+  one)``: a block's operands as every product meets them (``0 * NaN`` is
+  NaN even where a weight is 0). Fused with the block's load, so it costs
+  no pass of its own."""
+  ok = jnp.isfinite(rows)
+  return jnp.where(ok, rows, jnp.zeros_like(rows)), ~jnp.all(ok, axis=-1)
 
-  Zeroing (not just masking the logits) keeps NaN or inf in padded key/value
-  positions out of ``p @ v`` and of the gradients (0 * NaN is NaN). Rows past
-  ``S`` are already the zeros ``_single_head`` padded with.
+
+def _key_rows(st: Static, x, j0, length):
+  """Rows ``[j0, j0 + bk)`` of keys or values, zero past ``length``, finite
+  (``_finite``), and ``[bk]`` bool: the rows below ``length`` that held a
+  NaN or inf.
+
+  Rows past ``S`` are already the zeros ``_single_head`` padded with.
   """
   rows = jax.lax.dynamic_slice_in_dim(x, j0, st.bk)
-  if length is None:
-    return rows
-  valid = j0 + jnp.arange(st.bk) < length
-  return jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
+  if length is not None:
+    valid = j0 + jnp.arange(st.bk) < length
+    rows = jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
+  return _finite(rows)
 
 
 def _zero_like_all(*operands):
@@ -372,9 +392,12 @@ def _walk(st: Static, ex: Extras, ranges, listed, count: int, body, carry):
 
 
 def forward(st: Static, q, k, v, ex: Extras, place: Place):
-  """Online softmax; ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None)``.
+  """Online softmax; ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None,
+  code [Tp])``.
 
-  All float32; ``max_logits`` only with ``st.max_logits``.
+  All float32; ``max_logits`` only with ``st.max_logits``; ``code`` each
+  row's ``_numerics`` code: the largest of the keys it attends to (a NaN
+  or inf in a key or its value) and of its own query if it attends to any.
   """
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   hv = v.shape[-1]
@@ -395,15 +418,24 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
 
   def query_block(i):
     i0 = i * st.bq
-    qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)  # [bq, H]
+    qi, q_bad = _finite(jax.lax.dynamic_slice_in_dim(q, i0, st.bq))  # [bq, H]
 
     def key_block(j, full, carry):
-      row_max, total, acc, *raw_max = carry
+      row_max, total, acc, code, *raw_max = carry
       j0 = j * st.bk
-      kj = _key_rows(st, k, j0, ex.length)  # [bk, H]
-      vj = _key_rows(st, v, j0, ex.length)  # [bk, Hv]
+      kj, k_bad = _key_rows(st, k, j0, ex.length)  # [bk, H]
+      vj, v_bad = _key_rows(st, v, j0, ex.length)  # [bk, Hv]
       logits, ok, _, raw = _block_logits(st, qi, kj, i0, j0, ex, place,
                                          full, scale=1.0 if defer else None)
+      bad = jnp.where(k_bad, _numerics.BAD_KEY, jnp.where(
+          v_bad, _numerics.BAD_VALUE, _numerics.CLEAN))[None, :]  # [1, bk]
+      if ok is None:  # every row sees every column
+        code = jnp.maximum(code, jnp.max(bad))
+      else:  # a [bq, bk] pass, made only when there is garbage
+        seen = lambda c, ok, bad: jnp.maximum(c, jnp.max(  # noqa: E731
+            jnp.where(ok, bad, _numerics.CLEAN), -1))
+        code = seen(code, ok, bad) if ex.garbage is None else jax.lax.cond(
+            ex.garbage, seen, lambda c, ok, bad: c, code, ok, bad)  # [bq]
       if raw_carry:
         seen = raw if ok is None else jnp.where(ok, raw, -jnp.inf)
         raw_max = [jnp.maximum(raw_max[0], jnp.max(seen, -1))]  # [bq]
@@ -416,19 +448,20 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
       acc = acc * rescale[:, None] + jnp.einsum(
           "TS,SV->TV", p.astype(v.dtype), vj,
           preferred_element_type=jnp.float32)
-      return new_max, total, acc, *raw_max
+      return new_max, total, acc, code, *raw_max
 
     init = (jnp.full((st.bq,), -jnp.inf, jnp.float32) + zero,
             jnp.zeros((st.bq,), jnp.float32) + zero,
-            jnp.zeros((st.bq, hv), jnp.float32) + zero)
+            jnp.zeros((st.bq, hv), jnp.float32) + zero,
+            jnp.zeros((st.bq,), jnp.float32) + zero)
     if raw_carry:
       init += (init[0],)
     listed = None
     if ex.block_mask is not None and ex.block_mask.kinds is not None:
       listed = (ex.block_mask.kv_indices[i], ex.block_mask.kv_full[i])
     ranges = key_ranges(st, ex, place, seg, i, num_k)
-    row_max, total, acc, *raw_max = _walk(st, ex, ranges, listed, num_k,
-                                          key_block, init)
+    row_max, total, acc, code, *raw_max = _walk(st, ex, ranges, listed,
+                                                num_k, key_block, init)
     max_logits = None
     if st.max_logits:  # raw_max, or row_max in raw-logit units
       max_logits = raw_max[0] if raw_carry else row_max * later
@@ -436,29 +469,33 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
     out = acc / jnp.where(seen, total, 1.0)[:, None]
     lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
                     * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    return out, lse, max_logits
+    # A bad query spoils its row where it sees a key (seen: total >= 1).
+    code = jnp.maximum(code, jnp.where(seen & q_bad, _numerics.BAD_KEY,
+                                       _numerics.CLEAN))
+    return out, lse, max_logits, code
 
-  out, lse, max_logits = jax.lax.map(query_block, jnp.arange(num_q))
+  out, lse, max_logits, code = jax.lax.map(query_block, jnp.arange(num_q))
   if max_logits is not None:
     max_logits = max_logits.reshape(-1)
-  return out.reshape(-1, hv), lse.reshape(-1), max_logits
+  return out.reshape(-1, hv), lse.reshape(-1), max_logits, code.reshape(-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(st: Static, q, k, v, ex: Extras, place: Place):
-  out, lse, max_logits = forward(st, q, k, v, ex, place)
-  return out.astype(v.dtype), lse, max_logits
+  out, lse, max_logits, code = forward(st, q, k, v, ex, place)
+  return out.astype(v.dtype), lse, max_logits, code
 
 
 def _attend_fwd(st, q, k, v, ex, place):
-  out, lse, max_logits = forward(st, q, k, v, ex, place)
+  out, lse, max_logits, code = forward(st, q, k, v, ex, place)
   out = out.astype(v.dtype)
-  return (out, lse, max_logits), (q, k, v, ex, place, out, lse)
+  return (out, lse, max_logits, code), (q, k, v, ex, place, out, lse)
 
 
 def _attend_bwd(st, residuals, cotangents):
   q, k, v, ex = residuals[:4]
-  # max_logits has no gradient: its cotangent (cotangents[2]) is dropped.
+  # max_logits and the codes have no gradient: their cotangents
+  # (cotangents[2:]) are dropped.
   dq, dk, dv, dbias, dargs = backward(st, residuals, cotangents[:2])
   # None is a zero cotangent: masks, lengths, ids and tables have none.
   d_ex = Extras(
@@ -477,7 +514,10 @@ def backward(st, residuals, cotangents):
   ``out`` and ``lse`` in ``residuals`` may be those of a longer key sequence
   of which ``k``/``v`` are one block (ring attention): ``P = exp(S - lse)``
   are then that block's share of the global probabilities, and the returned
-  gradients are its share of the global ones.
+  gradients are its share of the global ones. Blocks are made finite as
+  they are loaded (``_finite``); an entry that was not finite gets
+  gradient 0 once every row that sees it has a zero cotangent (as
+  ``single_head``'s poisoned rows do).
   """
   q, k, v, ex, place, out, lse = residuals
   d_out, d_lse = cotangents  # (max_logits has no cotangent here)
@@ -493,13 +533,13 @@ def backward(st, residuals, cotangents):
   def key_block(carry, j):
     dq, dbias, dargs = carry
     j0 = j * st.bk
-    kj = _key_rows(st, k, j0, ex.length)
-    vj = _key_rows(st, v, j0, ex.length)
+    kj, _ = _key_rows(st, k, j0, ex.length)
+    vj, _ = _key_rows(st, v, j0, ex.length)
 
     def query_block(i, full, inner):
       dkj, dvj, dq, dbias, dargs = inner
       i0 = i * st.bq
-      qi = jax.lax.dynamic_slice_in_dim(q, i0, st.bq)
+      qi, _ = _finite(jax.lax.dynamic_slice_in_dim(q, i0, st.bq))
       doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
       logits, ok, mod_vjp, _ = _block_logits(
           st, qi, kj, i0, j0, ex, place, full,
@@ -635,25 +675,31 @@ def hoist_score_mod(st: Static, ex: Extras, like, *,
       mod_consts=tuple(leaves) + tuple(hidden))
 
 
-def single_head(q, k, v, h, *, out_dtype, **blocks):
+def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
   """One head (``_broadcast.Head`` operands): pad, attend, strip, sink.
 
-  Returns ``(out, None, lse)``, and ``max_logits [T]`` too with
-  ``max_logits=True`` among ``blocks``.
+  ``garbage``: ``Extras.garbage``. Returns ``(out, None, lse)``, and
+  ``max_logits [T]`` too with ``max_logits=True`` among ``blocks``.
   """
-  if h.mask is not None:  # keys no query sees may hold NaN: zero them
+  if h.mask is not None:  # keys no query sees (finite garbage): zero them
     k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
-  ex = padded_extras(st, q.shape[0], k.shape[0], h)
+  ex = padded_extras(st, q.shape[0], k.shape[0], h)._replace(garbage=garbage)
   st, ex = hoist_score_mod(st, ex, q)
-  out, lse, max_logits = _attend(st, q, k, v, ex,
-                                 Place(*h.offsets(st.t, st.s)))
-  out, lse = out[:st.t], lse[:st.t]
+  out, lse, max_logits, code = _attend(st, q, k, v, ex,
+                                       Place(*h.offsets(st.t, st.s)))
+  out, lse, code = out[:st.t], lse[:st.t], code[:st.t]
   if h.sink is not None:
     out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
   if st.max_logits:  # the sink is no logit of a key: it changes nothing
-    return out.astype(out_dtype), None, lse, max_logits[:st.t]
-  return out.astype(out_dtype), None, lse
+    max_logits = max_logits[:st.t]
+  # NaN or inf reaches only the rows that may see it (the walk's codes):
+  # poisoned after the custom VJP, those rows pass no cotangent back.
+  out, lse, max_logits = _numerics.poison(code, out.astype(out_dtype), lse,
+                                          max_logits)
+  if st.max_logits:
+    return out, None, lse, max_logits
+  return out, None, lse
 
 
 def block_sizes(ops, block_q, block_k) -> tuple[int, int]:

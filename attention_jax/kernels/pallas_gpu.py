@@ -16,7 +16,12 @@ in plain JAX, with the flash core's own functions: a kernel reads one row
 a block the logits get everything the flash core applies: bias, score
 modifier (with its gradient, also into the arrays it reads), causal and
 window bounds, lengths, segment ids, a dense mask, a mask rule; sinks join
-the softmax after the kernel, from its lse.
+the softmax after the kernel, from its lse. As in the flash core, every
+tile is made finite as it is loaded (NaN and inf replaced by 0), the
+forward kernel also writes each row's ``_numerics`` code (the largest over
+the keys and values it may see, and its own query), and those rows are
+poisoned after the custom VJP: garbage reaches only the rows that may see
+it.
 
 Dots take the inputs' dtype with float32 accumulation (bfloat16 tensor-core
 dots for bfloat16 inputs; the probabilities and their cotangents are rounded
@@ -410,31 +415,43 @@ def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Refs:
                tuple(map(_load_const, r.rule_consts, rule_shapes)))
 
 
+def _finite(rows):
+  """``(rows with NaN and inf as 0, [n] bool: rows that held one)``."""
+  ok = jnp.isfinite(rows)
+  return jnp.where(ok, rows, jnp.zeros_like(rows)), jnp.min(
+      ok.astype(jnp.int32), axis=-1) == 0
+
+
 def _key_rows(st, ref, j0, length, has_length):
+  """A key/value tile, zero past ``length``, finite, and its bad rows."""
   rows = ref[pl.ds(j0, st.bk), :]
-  if not has_length:
-    return rows
-  valid = j0 + jax.lax.broadcasted_iota(jnp.int32, (st.bk, 1), 0) < length
-  return jnp.where(valid, rows, jnp.zeros_like(rows))
+  if has_length:
+    valid = j0 + jax.lax.broadcasted_iota(jnp.int32, (st.bk, 1), 0) < length
+    rows = jnp.where(valid, rows, jnp.zeros_like(rows))
+  return _finite(rows)
 
 
 def _forward_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
                     *refs):
   st = sp.st
   r = _Refs(*_unflatten(refs[:num_refs], sp))
-  out_ref, lse_ref = refs[num_refs:]
+  out_ref, lse_ref, code_ref = refs[num_refs:]
   i = pl.program_id(0)
   i0 = i * st.bq
-  qi = q_ref[...]  # [bq, H]
+  qi, q_bad = _finite(q_ref[...])  # [bq, H]
   length = r.ints[0]
 
   def key_block(j, full, carry):
-    row_max, total, acc = carry
+    row_max, total, acc, code = carry
     j0 = j * st.bk
-    kj = _key_rows(st, k_ref, j0, length, sp.length)  # [bk, H]
-    vj = _key_rows(st, v_ref, j0, length, sp.length)  # [bk, Hv]
+    kj, k_bad = _key_rows(st, k_ref, j0, length, sp.length)  # [bk, H]
+    vj, v_bad = _key_rows(st, v_ref, j0, length, sp.length)  # [bk, Hv]
     tiles = _tiles(sp, r, shapes, i0, j0)
     logits, ok, _ = _logits(sp, qi, kj, i0, j0, tiles, full)
+    bad = jnp.where(k_bad, _numerics.BAD_KEY, jnp.where(
+        v_bad, _numerics.BAD_VALUE, _numerics.CLEAN))[None, :]  # [1, bk]
+    seen = bad if ok is None else jnp.where(ok, bad, _numerics.CLEAN)
+    code = jnp.maximum(code, jnp.max(seen, -1))  # [bq]
     allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
     shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
@@ -444,14 +461,17 @@ def _forward_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     acc = acc * rescale[:, None] + jax.lax.dot_general(
         p.astype(vj.dtype), vj, (((1,), (0,)), ((), ())),
         preferred_element_type=_F32)
-    return new_max, total, acc
+    return new_max, total, acc, code
 
   hv = v_ref.shape[-1]
   init = (jnp.full((st.bq,), -jnp.inf, _F32), jnp.zeros((st.bq,), _F32),
-          jnp.zeros((st.bq, hv), _F32))
-  row_max, total, acc = _walk(sp, r.ranges, i, r.table, k_ref.shape[0] //
-                              st.bk, key_block, init)
+          jnp.zeros((st.bq, hv), _F32), jnp.zeros((st.bq,), _F32))
+  row_max, total, acc, code = _walk(sp, r.ranges, i, r.table,
+                                    k_ref.shape[0] // st.bk, key_block, init)
   seen = total > 0
+  # a bad query spoils its row where it sees a key
+  code_ref[...] = jnp.maximum(code, jnp.where(seen & q_bad, _numerics.BAD_KEY,
+                                              _numerics.CLEAN))
   safe_total = jnp.where(seen, total, 1.0)
   out_ref[...] = (acc / safe_total[:, None]).astype(out_ref.dtype)
   lse_ref[...] = jnp.where(
@@ -480,14 +500,14 @@ def _dkdv_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
   j = pl.program_id(0)
   j0 = j * st.bk
   length = r.ints[0]
-  kj = _key_rows(st, k_ref, j0, length, sp.length)
-  vj = _key_rows(st, v_ref, j0, length, sp.length)
+  kj, _ = _key_rows(st, k_ref, j0, length, sp.length)
+  vj, _ = _key_rows(st, v_ref, j0, length, sp.length)
   diff_shapes = shapes[1]
 
   def query_block(i, full, carry):
     dkj, dvj, ddiff = carry
     i0 = i * st.bq
-    qi = q_ref[pl.ds(i0, st.bq), :]
+    qi, _ = _finite(q_ref[pl.ds(i0, st.bq), :])
     doi = do_ref[pl.ds(i0, st.bq), :]
     tiles = _tiles(sp, r, shapes, i0, j0)
     p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full,
@@ -528,7 +548,7 @@ def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
   dq_ref, = refs[num_refs:]
   i = pl.program_id(0)
   i0 = i * st.bq
-  qi = q_ref[...]
+  qi, _ = _finite(q_ref[...])
   doi = do_ref[...]
   lse_i = lse_ref[...]
   delta_i = delta_ref[...]
@@ -536,8 +556,8 @@ def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
 
   def key_block(j, full, dqi):
     j0 = j * st.bk
-    kj = _key_rows(st, k_ref, j0, length, sp.length)
-    vj = _key_rows(st, v_ref, j0, length, sp.length)
+    kj, _ = _key_rows(st, k_ref, j0, length, sp.length)
+    vj, _ = _key_rows(st, v_ref, j0, length, sp.length)
     tiles = _tiles(sp, r, shapes, i0, j0)
     p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full, lse_i,
                                 sp.mod is not None)
@@ -625,14 +645,15 @@ def _forward(sp: _Spec, q, k, v, fixed: _Refs):
   shapes = _shapes(sp, fixed.mod_diff)
   kernel = functools.partial(_forward_kernel, sp, shapes, len(flat))
   hv = v.shape[-1]
-  out, lse = _call(
+  out, lse, code = _call(
       kernel, sp, q.shape[0] // st.bq, [q, k, v, *flat],
       [_rows(st.bq, q.shape[-1]), _whole(k), _whole(v),
        *map(_whole, flat)],
       [jax.ShapeDtypeStruct((q.shape[0], hv), v.dtype),
+       jax.ShapeDtypeStruct((q.shape[0],), _F32),
        jax.ShapeDtypeStruct((q.shape[0],), _F32)],
-      [_rows(st.bq, hv), _rows(st.bq)])
-  return out, lse
+      [_rows(st.bq, hv), _rows(st.bq), _rows(st.bq)])
+  return out, lse, code
 
 
 def _backward(sp: _Spec, q, k, v, out, lse, d_out, d_lse, key_fixed: _Refs,
@@ -712,8 +733,9 @@ def _ranges(st: flash_core.Static, ex, num_q: int, num_k: int, rows: bool,
 
 
 def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
-  """One head (``_broadcast.Head``): pad, attend in the kernels, strip, sink."""
-  if h.mask is not None:  # keys no query sees may hold NaN: zero them
+  """One head (``_broadcast.Head``): pad, attend in the kernels, strip, sink,
+  poison the rows that saw a NaN or inf."""
+  if h.mask is not None:  # keys no query sees (finite garbage): zero them
     k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
   hv = v.shape[-1]
   st, q, k, v = _padded(q, k, v, **blocks)
@@ -767,12 +789,13 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
                                                   mod_diff=mod_diff))
 
   def attend_fwd(q, k, v, bias, mod_diff, by_rows, by_cols):
-    out, lse = attend(q, k, v, bias, mod_diff, by_rows, by_cols)
-    return (out, lse), (q, k, v, bias, mod_diff, by_rows, by_cols, out, lse)
+    out, lse, code = attend(q, k, v, bias, mod_diff, by_rows, by_cols)
+    return (out, lse, code), (q, k, v, bias, mod_diff, by_rows, by_cols,
+                              out, lse)
 
   def attend_bwd(res, cotangents):
     q, k, v, bias, mod_diff, by_rows, by_cols, out, lse = res
-    d_out, d_lse = cotangents
+    d_out, d_lse, _ = cotangents  # the codes have no gradient
     dq, dk, dv, dbias, d_diff = _backward(
         sp, q, k, v, out, lse, d_out, d_lse,
         by_cols._replace(bias=bias, mod_diff=mod_diff),
@@ -783,11 +806,13 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
             None, None)
 
   attend.defvjp(attend_fwd, attend_bwd)
-  out, lse = attend(q, k, v, bias, mod_diff, fixed(True), fixed(False))
-  out, lse = out[:st.t, :hv], lse[:st.t]
+  out, lse, code = attend(q, k, v, bias, mod_diff, fixed(True), fixed(False))
+  out, lse, code = out[:st.t, :hv], lse[:st.t], code[:st.t]
   if h.sink is not None:
     out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
-  return out.astype(out_dtype), None, lse
+  # poisoned after the custom VJP: those rows pass no cotangent back
+  out, lse = _numerics.poison(code, out.astype(out_dtype), lse)
+  return out, None, lse
 
 
 def _padded(q, k, v, *, scale, is_causal, block_q, block_k, window,

@@ -113,16 +113,18 @@ def _local(rg: _Ring, ex: flash_core.Extras) -> flash_core.Extras:
 
 
 def _merge(acc, part):
-  """Two partial ``(out, lse, max_logits or None)`` combined: outputs by
-  their log-sum-exps, row maxima by max."""
+  """Two partial ``(out, lse, max_logits or None, code)`` combined: outputs
+  by their log-sum-exps, row maxima and codes by max."""
   out, lse = merge_lib.merge_attentions([acc[0], part[0]], [acc[1], part[1]])
   max_logits = acc[2] if acc[2] is None else jnp.maximum(acc[2], part[2])
-  return out, lse, max_logits
+  return out, lse, max_logits, jnp.maximum(acc[3], part[3])
 
 
 def _ring_forward(rg: _Ring, q, k, v, ex):
-  """Float32 ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None)`` over the
-  whole ring (``max_logits`` with ``rg.block.max_logits``)."""
+  """Float32 ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None, code
+  [Tp])`` over the whole ring (``max_logits`` with ``rg.block.max_logits``;
+  ``code`` each row's largest ``_numerics`` code over the steps: which rows
+  saw a NaN or inf)."""
   ex = _local(rg, ex)
 
   def attend(step, k, v, k_seg):
@@ -153,18 +155,20 @@ def _ring_forward(rg: _Ring, q, k, v, ex):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(rg: _Ring, q, k, v, ex):
-  out, lse, max_logits = _ring_forward(rg, q, k, v, ex)
-  return out.astype(v.dtype), lse, max_logits
+  out, lse, max_logits, code = _ring_forward(rg, q, k, v, ex)
+  return out.astype(v.dtype), lse, max_logits, code
 
 
 def _ring_fwd(rg, q, k, v, ex):
-  out, lse, max_logits = _ring_forward(rg, q, k, v, ex)
-  return (out.astype(v.dtype), lse, max_logits), (q, k, v, ex, out, lse)
+  out, lse, max_logits, code = _ring_forward(rg, q, k, v, ex)
+  return ((out.astype(v.dtype), lse, max_logits, code),
+          (q, k, v, ex, out, lse))
 
 
 def _ring_bwd(rg, residuals, cotangents):
   q, k, v, ex0, out, lse = residuals
-  cotangents = cotangents[:2]  # max_logits has no gradient: dropped
+  # max_logits and the codes have no gradient: dropped
+  cotangents = cotangents[:2]
   f32 = jnp.float32
   ex = _local(rg, ex0)
 
@@ -217,13 +221,15 @@ def _ring_bwd(rg, residuals, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
+def _single_head(q, k, v, h, garbage, *, axis_name, size, out_dtype,
+                 **blocks):
   st, q, k, v = flash_core.padded(q, k, v, **blocks)
-  ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)
+  ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)._replace(
+      garbage=garbage)
   st, ex = flash_core.hoist_score_mod(st, ex, q, replay_closures=False)
-  out, lse, max_logits = _ring(
+  out, lse, max_logits, code = _ring(
       _Ring(st, axis_name, size, needed_steps(st, size)), q, k, v, ex)
-  out, lse = out[:st.t], lse[:st.t]
+  out, lse, code = out[:st.t], lse[:st.t], code[:st.t]
   if h.sink is not None:
     q_length = None
     if h.q_length is not None:  # this device's rows of the global length
@@ -231,8 +237,15 @@ def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
       q_length = jnp.clip(h.q_length - index * st.t, 0, st.t)
     out, _, lse = _numerics.with_sink(out, lse, h.sink, q_length)
   if st.max_logits:
-    return out.astype(out_dtype), None, lse, max_logits[:st.t]
-  return out.astype(out_dtype), None, lse
+    max_logits = max_logits[:st.t]
+  # NaN or inf reaches only the rows that may see it (flash_core's blocks
+  # are made finite as they are loaded; each step's codes merge by max):
+  # poisoned after the custom VJP, those rows pass no cotangent back.
+  out, lse, max_logits = _numerics.poison(code, out.astype(out_dtype), lse,
+                                          max_logits)
+  if st.max_logits:
+    return out, None, lse, max_logits
+  return out, None, lse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,4 +326,9 @@ class Ring(base.Kernel):
         scale=problem.scale, is_causal=ops.causal, window=ops.window,
         score_mod=ops.score_mod, block_q=block_q, block_k=block_k,
         max_logits=problem.return_max_logits, out_dtype=problem.out_dtype)
-    return _broadcast.lift_heads(head, ops)
+    # Whether any device holds a NaN or inf (keys travel): one scalar
+    # all-reduce, so that a clean call's walks skip looking for the rows
+    # that see one (flash_core.Extras.garbage).
+    garbage = jax.lax.pmax(_numerics.any_nonfinite(
+        ops.query, ops.key, ops.value).astype(jnp.int32), self.axis_name) > 0
+    return _broadcast.lift_heads(head, ops, (garbage,), (0,))

@@ -39,12 +39,16 @@ bridge:
   too; rows past ``q_lengths`` are zeroed after the call (output 0, lse
   ``-inf``; their queries are zeroed first), so their cotangents are zero
   and they add nothing to any gradient.
-* Padding may hold NaN (``0 * NaN`` is NaN even where a weight is 0): keys
-  that no query may see by the band, the static mask, ``kv_lengths`` or
-  their segment id are zeroed before the call, as the dense kernel does; a
-  key unseen only through a combination of these (say its segment's queries
-  all lie past ``q_lengths``), and a query of a row that sees nothing
-  within ``q_lengths``, must be finite.
+* Garbage (``0 * NaN`` is NaN even where a weight is 0). Splash's kernels
+  cannot carry a per-row flag, so NaN and inf are handled round them: q, k
+  and v are ``_numerics.sanitize``'d before the call (every product
+  finite), and when any entry was not finite (one ``lax.cond`` on the whole
+  call: nothing is spent otherwise) each row's code is worked out in plain
+  JAX from the same pattern (band, static mask, lengths, segment ids,
+  ``_numerics.seen_codes_by_rows``), and the rows that may see a bad key,
+  value or query are poisoned (``_numerics.poison``). Keys that no query
+  may see by the band, the static mask, ``kv_lengths`` or their segment id
+  are also zeroed before the call, as the dense kernel does.
 * Segment ids. Splash compares int32 ids; ours too, but a padded key must
   match no query, so ids are renumbered per example: a query's id becomes
   its rank among the sorted query ids, a key's the rank of the same id
@@ -89,6 +93,7 @@ import numpy as np
 from attention_jax import _broadcast
 from attention_jax import _checks
 from attention_jax import _grouping
+from attention_jax import _numerics
 from attention_jax import _patterns
 from attention_jax import score_mods
 from attention_jax.kernels import base
@@ -351,6 +356,9 @@ class Splash(base.Kernel):
     H|Hv]``, vmapped over the other leading dims."""
     kernel_lib, mask_lib = _splash()
     heads = q.shape[-3]
+    # One predicate for the whole call, outside the vmap below (where a
+    # per-slice cond would run both branches).
+    garbage = _numerics.any_nonfinite(q, k, v)
     tp = -(-t // self.block_q) * self.block_q  # whole blocks
     sp = -(-s // self.block_kv) * self.block_kv
     bounds = _patterns.bounds(causal, window)
@@ -364,6 +372,7 @@ class Splash(base.Kernel):
         head_mask = mask_lib.LocalMask(shape, (bounds.left, bounds.right),
                                        offset=s - t)
       masks = [head_mask] * heads
+      pattern = None
       # The rows' bands overlap, so together they see keys from the first
       # row's left bound on (the last row's right bound is past S - 1).
       first = 0 if bounds.left is None else s - t - bounds.left
@@ -374,6 +383,7 @@ class Splash(base.Kernel):
       allowed = np.broadcast_to(static, static.shape[:1] + (t, s))
       if band is not None:
         allowed = allowed & band
+      pattern = allowed  # [G|1, T, S] NumPy
       key_seen = allowed.any(axis=(0, 1))  # [S]: shared keys, any head
       padded = np.zeros(allowed.shape[:1] + (tp, sp), bool)
       padded[:, :t, :s] = allowed
@@ -394,6 +404,25 @@ class Splash(base.Kernel):
     def one(q, k, v, q_seg, k_seg, kv_len, q_len, sink):
       """q ``[G, T, H]``, k ``[S, H]``, v ``[S, Hv]``; per-row arrays of
       this slice; sink ``[G|1]`` or None."""
+      q, k, v, q_code, kv_code = _numerics.sanitize(q, k, v)
+
+      def visible(start, size):  # rows [start, start + size): [G|1, size, S]
+        rows = start + jnp.arange(size)[:, None]
+        ids = None if q_seg is None else (
+            jax.lax.dynamic_slice_in_dim(q_seg, start, size)[:, None],
+            k_seg[None, :])
+        ok = _patterns.visible(rows, jnp.arange(s)[None, :], s - t, bounds,
+                               q_len, kv_len, *(ids or (None, None)))
+        if pattern is not None:
+          tile = jax.lax.dynamic_slice_in_dim(jnp.asarray(pattern), start,
+                                              size, axis=1)
+          ok = tile if ok is None else tile & ok[None]
+        return ok
+
+      code = jax.lax.cond(
+          garbage,
+          lambda: _numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
+          lambda: jnp.zeros(q_code.shape, jnp.float32))  # [G, T]
       q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(
           q.dtype)
       if q_len is not None:  # rows past q_len are not queries (may be NaN)
@@ -430,7 +459,7 @@ class Splash(base.Kernel):
         inside = jnp.arange(t) < q_len
         out = jnp.where(inside[None, :, None], out, 0)
         lse = jnp.where(inside[None, :], lse, -jnp.inf)
-      return out, lse
+      return _numerics.poison(code, out, lse)
 
     operands = (q, k[..., 0, :, :], v[..., 0, :, :],
                 *(_drop_head(rows[n], 1) for n in ("q_seg", "k_seg")),
