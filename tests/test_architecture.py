@@ -68,7 +68,7 @@ class ArchitectureTest(absltest.TestCase):
       visit(m, [])
     self.assertIn("attention_jax.kernels.flash_core",
                   graph["attention_jax.kernels.ring"])
-    self.assertIn("attention_jax.kernels", graph["attention_jax.dot_product"])
+    self.assertIn("attention_jax.kernels", graph["attention_jax.attention.dot_product"])
 
   def test_kernels_never_import_the_dispatcher(self):
     kernels = [m for m in self.modules
@@ -79,7 +79,7 @@ class ArchitectureTest(absltest.TestCase):
         kernels)
     for kernel in kernels:
       imported = set(_imports(self.trees[kernel], self.modules).values())
-      self.assertNotIn(f"{PACKAGE}.dot_product", imported, kernel)
+      self.assertNotIn(f"{PACKAGE}.attention.dot_product", imported, kernel)
 
   def test_no_private_name_of_another_module_is_used(self):
     # Private modules (``_checks``) are the package's internal interfaces and

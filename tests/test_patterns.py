@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import _patterns
+from attention_jax.masking import intervals as _patterns
 
 
 def _dense(t, s, causal, window, q_len, kv_len):

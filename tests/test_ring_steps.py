@@ -14,9 +14,9 @@ import itertools
 from absl.testing import absltest
 import numpy as np
 
-from attention_jax import _patterns
 from attention_jax.kernels import flash_core
 from attention_jax.kernels import ring
+from attention_jax.masking import intervals as _patterns
 
 WINDOWS = (None, (0, 0), (1, 0), (0, 1), (2, 3), (3, 2), (5, 0), (0, 6),
            (7, 1), (12, 12))

@@ -30,13 +30,14 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from attention_jax import _patterns
-from attention_jax._broadcast import Head
-from attention_jax._broadcast import lift_heads
-from attention_jax._checks import Operands
-from attention_jax._numerics import compute_dtype
-from attention_jax._numerics import with_sink
-from attention_jax._numerics import zero_unseen
+from attention_jax.core.broadcast import Head
+from attention_jax.core.broadcast import lift_heads
+from attention_jax.core.checks import Operands
+from attention_jax.core.numerics import compute_dtype
+from attention_jax.core.numerics import with_sink
+from attention_jax.core.numerics import zero_unseen
+from attention_jax.core.softmax import masked_logsumexp
+from attention_jax.core.softmax import masked_softmax
 from attention_jax.kernels.base import MASK_FIELDS
 from attention_jax.kernels.base import OPTIONS
 from attention_jax.kernels.base import Kernel
@@ -53,8 +54,7 @@ from attention_jax.kernels.flash import Flash
 from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
 from attention_jax.kernels.splash import Splash
-from attention_jax.softmax import masked_logsumexp
-from attention_jax.softmax import masked_softmax
+from attention_jax.masking import intervals as _patterns
 
 # Rebound (never mutated) by register/unregister: a tuple read through the
 # module, so the automatic choice sees every registration.

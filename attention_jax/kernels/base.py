@@ -42,9 +42,9 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import mask as mask_lib
+from attention_jax.core import broadcast as _broadcast
+from attention_jax.core import checks as _checks
+from attention_jax.masking import mask as mask_lib
 
 # What every kernel returns (defined beside lift_heads, which builds it).
 Result = _broadcast.Result

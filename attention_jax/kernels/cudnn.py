@@ -42,10 +42,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _checks
-from attention_jax import _grouping
-from attention_jax import _patterns
+from attention_jax.core import checks as _checks
+from attention_jax.core import grouping as _grouping
 from attention_jax.kernels import base
+from attention_jax.masking import intervals as _patterns
 
 # Parts of a problem jax.nn.dot_product_attention has no counterpart for.
 _NOT_IN_JAX_NN = {

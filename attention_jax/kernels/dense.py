@@ -20,11 +20,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _numerics
-from attention_jax import _patterns
-from attention_jax import softmax
+from attention_jax.core import broadcast as _broadcast
+from attention_jax.core import numerics as _numerics
+from attention_jax.core import softmax
 from attention_jax.kernels import base
+from attention_jax.masking import intervals as _patterns
 
 
 @dataclasses.dataclass(frozen=True)

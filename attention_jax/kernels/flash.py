@@ -21,12 +21,12 @@ import functools
 
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import _grouping
-from attention_jax import block_mask as block_mask_lib
+from attention_jax.core import broadcast as _broadcast
+from attention_jax.core import checks as _checks
+from attention_jax.core import grouping as _grouping
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
+from attention_jax.masking import block_tables as block_mask_lib
 
 
 @dataclasses.dataclass(frozen=True)

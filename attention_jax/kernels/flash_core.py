@@ -74,9 +74,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _numerics
-from attention_jax import _patterns
-from attention_jax import score_mods
+from attention_jax.core import numerics as _numerics
+from attention_jax.masking import intervals as _patterns
+from attention_jax.scores import score_mods
 
 
 class Static(NamedTuple):

@@ -55,13 +55,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _numerics
-from attention_jax import _patterns
-from attention_jax import score_mods
+from attention_jax.core import broadcast as _broadcast
+from attention_jax.core import numerics as _numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
+from attention_jax.masking import intervals as _patterns
+from attention_jax.scores import score_mods
 
 _F32 = jnp.float32
 # The primitives a score modifier or rule (and the modifier's VJP) may use:

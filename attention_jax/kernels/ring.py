@@ -39,13 +39,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _numerics
-from attention_jax import mask as mask_lib
-from attention_jax import merge as merge_lib
+from attention_jax.core import broadcast as _broadcast
+from attention_jax.core import merge as merge_lib
+from attention_jax.core import numerics as _numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
-from attention_jax.mask import BlockMask
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import BlockMask
 
 
 class _Ring(NamedTuple):

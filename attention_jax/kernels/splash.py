@@ -86,12 +86,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import _grouping
-from attention_jax import _patterns
-from attention_jax import score_mods
+from attention_jax.core import broadcast as _broadcast
+from attention_jax.core import checks as _checks
+from attention_jax.core import grouping as _grouping
 from attention_jax.kernels import base
+from attention_jax.masking import intervals as _patterns
+from attention_jax.scores import score_mods
 
 _LANES = 128  # splash's blocks are whole multiples of the TPU's 128 lanes
 # The most booleans a rule may be evaluated into on the host (2 GiB): past

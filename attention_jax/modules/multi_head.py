@@ -13,7 +13,7 @@ learned ``sinks [N]`` and a T5 ``t5_table [R, N]``), laid out per head as
 ``W_o`` kernel ``[N, H, Dout]``, ``sinks`` logits, ``t5_bias`` table, ...),
 and, after ``init_cache``, the cache
 variables (a KV cache for causal decoding, or a cross-attention memory
-projected once). The maths is ``attention_jax.multi_head.forward``
+projected once). The maths is ``attention_jax.layers.multi_head.forward``
 (projection per head, attention of N query heads over K shared KV heads,
 ``W_o``), the same path for the full call and for cached decoding.
 """
@@ -29,17 +29,17 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import _checks
-from attention_jax import decoding
-from attention_jax import kv_cache
-from attention_jax import mask as mask_lib
-from attention_jax import multi_head
-from attention_jax import multi_head_params
-from attention_jax import rope as rope_lib
-from attention_jax import score_mods
-from attention_jax import sharding
-from attention_jax.mask import Mask
+from attention_jax.core import checks as _checks
+from attention_jax.decoding import cache_step as decoding
+from attention_jax.decoding import kv_cache
+from attention_jax.layers import multi_head
+from attention_jax.layers import multi_head_params
+from attention_jax.layers import sharding
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import Mask
 from attention_jax.modules import _rngs
+from attention_jax.scores import rope as rope_lib
+from attention_jax.scores import score_mods
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
 _ZEROS = nnx.initializers.zeros_init()

@@ -57,10 +57,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import multi_head
-from attention_jax import rope as rope_lib
-from attention_jax.mask import Mask
+from attention_jax.layers import multi_head
+from attention_jax.masking.mask import Mask
 from attention_jax.modules.multi_head import MultiHeadAttention
+from attention_jax.scores import rope as rope_lib
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
             "gpt_oss", "gpt2")

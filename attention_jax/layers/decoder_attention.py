@@ -17,9 +17,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _checks
-from attention_jax import _numerics
-from attention_jax import softmax
+from attention_jax.core import checks as _checks
+from attention_jax.core import numerics as _numerics
+from attention_jax.core import softmax
 
 
 class Inputs(NamedTuple):

@@ -23,9 +23,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import _checks
-from attention_jax import multi_head
-from attention_jax import multi_head_params
+from attention_jax.core import checks as _checks
+from attention_jax.layers import multi_head
+from attention_jax.layers import multi_head_params
 
 _KNOWN = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight",
           "v_proj_weight", "out_proj.weight", "out_proj.bias", "bias_k",

@@ -23,12 +23,12 @@ from typing import Any
 import jax
 from jax.typing import ArrayLike
 
-from attention_jax import _checks
 from attention_jax import kernels
-from attention_jax import mask as mask_lib
+from attention_jax.core import checks as _checks
 from attention_jax.kernels import base
-from attention_jax.mask import BlockMask
-from attention_jax.mask import Mask
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import BlockMask
+from attention_jax.masking.mask import Mask
 
 
 def run(query, key, value, mask=None, *, bias=None, scale=None,

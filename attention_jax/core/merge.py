@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _numerics
+from attention_jax.core import numerics as _numerics
 
 
 def merge_attentions(outputs: Sequence[jax.Array],

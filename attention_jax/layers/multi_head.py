@@ -35,20 +35,20 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import _checks
-from attention_jax import _numerics
-from attention_jax import decoding
-from attention_jax import dot_product
 from attention_jax import kernels
-from attention_jax import mask as mask_lib
-from attention_jax import multi_head_params
-from attention_jax import rope as rope_lib
-from attention_jax import score_mods
-from attention_jax import sharding
-from attention_jax.decoding import KVCache
-from attention_jax.mask import Mask
-from attention_jax.multi_head_params import init_multi_head_params  # noqa: F401 (doctests)
-from attention_jax.multi_head_params import param_dims
+from attention_jax.attention import dot_product
+from attention_jax.core import checks as _checks
+from attention_jax.core import numerics as _numerics
+from attention_jax.decoding import cache_step as decoding
+from attention_jax.decoding.cache_step import KVCache
+from attention_jax.layers import multi_head_params
+from attention_jax.layers import sharding
+from attention_jax.layers.multi_head_params import init_multi_head_params  # noqa: F401 (doctests)
+from attention_jax.layers.multi_head_params import param_dims
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import Mask
+from attention_jax.scores import rope as rope_lib
+from attention_jax.scores import score_mods
 
 # Anything with scaled_dot_product_attention's contract (see attend_heads).
 AttentionFn = Callable[..., Any]

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import _checks
-from attention_jax import _patterns
-from attention_jax.mask import BlockMask
-from attention_jax.mask import MaskRule
+from attention_jax.core import checks as _checks
+from attention_jax.masking import intervals as _patterns
+from attention_jax.masking.mask import BlockMask
+from attention_jax.masking.mask import MaskRule
 
 EMPTY, PARTIAL, FULL = _patterns.EMPTY, _patterns.PARTIAL, _patterns.FULL
 MaskFn = _patterns.MaskFn

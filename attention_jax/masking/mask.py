@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import _numerics
-from attention_jax import _patterns
+from attention_jax.core import numerics as _numerics
+from attention_jax.masking import intervals as _patterns
 
 MaskFn = Callable[..., jax.Array]  # mask_fn(b, h, q_idx, kv_idx) -> bool
 

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import _checks
-from attention_jax import dot_product
-from attention_jax import jax_nn
+from attention_jax.attention import dot_product
+from attention_jax.core import checks as _checks
+from attention_jax.interop import jax_nn
 
 
 def _matmul_precision(precision) -> str | None:

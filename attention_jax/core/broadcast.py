@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from attention_jax import _grouping
+from attention_jax.core import grouping as _grouping
 
 
 def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],

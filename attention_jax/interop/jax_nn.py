@@ -56,10 +56,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import _checks
-from attention_jax import _patterns
-from attention_jax import dot_product
-from attention_jax.mask import Mask
+from attention_jax.attention import dot_product
+from attention_jax.core import checks as _checks
+from attention_jax.masking import intervals as _patterns
+from attention_jax.masking.mask import Mask
 
 # jax.nn's implementation names -> scaled_dot_product_attention's.
 IMPLEMENTATIONS = {None: None, "xla": "dense", "cudnn": "cudnn"}

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax import _checks
+from attention_jax.core import checks as _checks
 
 
 def _raise_if_full(index, num_new, max_length: int) -> None:

@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import _patterns
-from attention_jax import dot_product
 from attention_jax import kernels
+from attention_jax.attention import dot_product
+from attention_jax.core import broadcast as _broadcast
+from attention_jax.core import checks as _checks
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
+from attention_jax.masking import intervals as _patterns
 
 
 @dataclasses.dataclass(frozen=True)

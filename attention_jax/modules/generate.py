@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax import _checks
+from attention_jax.core import checks as _checks
 from attention_jax.modules import multi_head as mha_module
 
 # decode_fn(model, tokens [B, T], lengths [B] or None) -> logits [B, T, V]

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import _checks
-from attention_jax import _decoder_attention
-from attention_jax import _numerics
-from attention_jax import additive
+from attention_jax.core import checks as _checks
+from attention_jax.core import numerics as _numerics
+from attention_jax.layers import additive
+from attention_jax.layers import decoder_attention as _decoder_attention
 
 Params = dict[str, jax.Array]
 SCORES = ("dot", "general", "concat")

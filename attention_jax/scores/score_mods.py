@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _checks
+from attention_jax.core import checks as _checks
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],

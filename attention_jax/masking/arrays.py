@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax import _checks
-from attention_jax import _numerics
-from attention_jax import _patterns
+from attention_jax.core import checks as _checks
+from attention_jax.core import numerics as _numerics
+from attention_jax.masking import intervals as _patterns
 
 
 def causal_mask(q_len: int, kv_len: int | None = None) -> jax.Array:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax import _checks
+from attention_jax.core import checks as _checks
 
 #: The frequency scalings ``Rope(scaling=...)`` knows (HF's ``rope_type``).
 SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")
@@ -211,7 +211,7 @@ class Rope:
       not read it.
 
   Example:
-    >>> from attention_jax.rope import Rope, apply_rope
+    >>> from attention_jax.scores.rope import Rope, apply_rope
     >>> rope = Rope(base=500000.0, scaling="llama3", factor=8.0,
     ...             original_max_positions=8192)
     >>> theta = rope.inverse_frequencies(128)  # float64 [R / 2]
@@ -479,7 +479,7 @@ def as_rope(value) -> Rope | None:
     ValueError: a number that is not positive and finite.
 
   Example:
-    >>> from attention_jax.rope import Rope, as_rope
+    >>> from attention_jax.scores.rope import Rope, as_rope
     >>> as_rope(500.0) == Rope(base=500.0), as_rope(None)
     (True, None)
   """
@@ -573,7 +573,7 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
       rotating no features, ``seq_len`` given without dynamic scaling.
 
   Example:
-    >>> from attention_jax.rope import Rope, apply_rope
+    >>> from attention_jax.scores.rope import Rope, apply_rope
     >>> q = jnp.ones((1, 2, 4, 8))  # [B, N, T, H]
     >>> out = apply_rope(q, jnp.arange(4))  # positions [T]
     >>> out.shape, out.dtype
@@ -710,7 +710,7 @@ def segment_positions(segment_ids: ArrayLike) -> jax.Array:
     ValueError: ``segment_ids`` a scalar.
 
   Example:
-    >>> from attention_jax.rope import segment_positions
+    >>> from attention_jax.scores.rope import segment_positions
     >>> segment_positions(jnp.array([3, 3, 3, 7, 7, 1]))
     Array([0, 1, 2, 0, 1, 0], dtype=int32)
   """

@@ -70,13 +70,13 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax import _checks
-from attention_jax import _numerics
-from attention_jax import decoding
-from attention_jax import mask as mask_lib
-from attention_jax import multi_head
-from attention_jax import rope as rope_lib
-from attention_jax.mask import Mask
+from attention_jax.core import checks as _checks
+from attention_jax.core import numerics as _numerics
+from attention_jax.decoding import cache_step as decoding
+from attention_jax.layers import multi_head
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import Mask
+from attention_jax.scores import rope as rope_lib
 
 Params = dict[str, dict[str, jax.Array]]
 

@@ -16,10 +16,10 @@ from typing import Any
 import jax
 from jax.typing import ArrayLike
 
-from attention_jax import dot_product
+from attention_jax.attention import dot_product
 from attention_jax.kernels import flash
-from attention_jax.mask import BlockMask
-from attention_jax.mask import Mask
+from attention_jax.masking.mask import BlockMask
+from attention_jax.masking.mask import Mask
 
 
 def blockwise_attention(

@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import _checks
-from attention_jax import kv_cache
-from attention_jax import mask as mask_lib
+from attention_jax.core import checks as _checks
+from attention_jax.decoding import kv_cache
+from attention_jax.masking import mask as mask_lib
 
 
 class KVCache(NamedTuple):

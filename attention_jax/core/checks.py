@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import _elementwise
-from attention_jax import _grouping
-from attention_jax import _numerics
-from attention_jax import _patterns
-from attention_jax import mask as mask_lib
+from attention_jax.core import elementwise as _elementwise
+from attention_jax.core import grouping as _grouping
+from attention_jax.core import numerics as _numerics
+from attention_jax.masking import intervals as _patterns
+from attention_jax.masking import mask as mask_lib
 
 
 def shape_of(x) -> tuple[int, ...]:

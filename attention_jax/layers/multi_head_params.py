@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _checks
-from attention_jax import score_mods
+from attention_jax.core import checks as _checks
+from attention_jax.scores import score_mods
 
 Params = dict[str, dict[str, jax.Array]]
 
