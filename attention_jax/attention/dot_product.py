@@ -24,7 +24,7 @@ import jax
 from jax.typing import ArrayLike
 
 from attention_jax import kernels
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 from attention_jax.kernels import base
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import BlockMask
@@ -71,7 +71,7 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
             return_max_logits: bool = False):
   """A call normalised once: ``(problem, kernels to try, automatic)``
   (what ``run`` runs and ``aj.explain`` reports)."""
-  _checks.check_static_bool("is_causal", is_causal)
+  checks.check_static_bool("is_causal", is_causal)
   mask = mask_lib.as_mask(mask, is_causal=is_causal)
   candidates, automatic = kernels.candidates(implementation)
   problem = base.canonicalize(
@@ -86,7 +86,7 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
 def _rule_lengths(candidates, query, key):
   """The ``(T, S)`` a rule's indices refer to, the same for every
   candidate (ring attention's are global), or None for the operands'."""
-  q_shape, k_shape = _checks.shape_of(query), _checks.shape_of(key)
+  q_shape, k_shape = checks.shape_of(query), checks.shape_of(key)
   if len(q_shape) < 2 or len(k_shape) < 2:
     return None  # the operand checks say what is wrong
   t, s = q_shape[-2], k_shape[-2]

@@ -29,11 +29,11 @@ import numpy as np
 
 from attention_jax import kernels
 from attention_jax.attention import dot_product
-from attention_jax.core import broadcast as _broadcast
-from attention_jax.core import checks as _checks
+from attention_jax.core import broadcast
+from attention_jax.core import checks
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
-from attention_jax.masking import intervals as _patterns
+from attention_jax.masking import intervals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +218,7 @@ def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
   ops = problem.ops
   explained = Explanation(
       None if chosen is None else chosen.name, automatic, tuple(verdicts),
-      _checks.shape_of(query), _checks.shape_of(key))
+      checks.shape_of(query), checks.shape_of(key))
   if chosen is None:
     return explained
   if isinstance(chosen, flash.Flash):
@@ -235,7 +235,7 @@ def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
 
 
 def _flash_blocks(explained: Explanation, kernel: flash.Flash,
-                  ops: _checks.Operands) -> Explanation:
+                  ops: checks.Operands) -> Explanation:
   """``explained`` with the flash kernel's blocks and its walk's counts."""
   bq, bk = flash_core.block_sizes(ops, kernel.block_q, kernel.block_k)
   ops = flash.with_rule_tables(ops, bq, bk)  # what the kernel runs with
@@ -258,7 +258,7 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
   num_q, num_k = -(-t // bq), -(-s // bk)
   # The kernel's Static as flash_core.padded builds it; the scale and
   # score modifier place no block.
-  st = flash_core.Static(1.0, _patterns.bounds(ops.causal, ops.window), None,
+  st = flash_core.Static(1.0, intervals.bounds(ops.causal, ops.window), None,
                          t, s, bq, bk)
   # A dense mask only matters by its presence: every visited block is
   # checked against it (flash_core._walk).
@@ -267,7 +267,7 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
 
   def head(length, q_length, q_seg, k_seg, *head_tables):
     head_bm = bm.with_tables(head_tables) if per_head_tables else bm
-    ex = flash_core.padded_extras(st, num_q * bq, num_k * bk, _broadcast.Head(
+    ex = flash_core.padded_extras(st, num_q * bq, num_k * bk, broadcast.Head(
         mask, None, length, q_length, q_seg, k_seg, None, None, head_bm))
     if not flash_core.patterned(st, ex):  # every block runs unmasked
       return jnp.array([num_q * num_k, num_q * num_k], jnp.int32)
@@ -288,7 +288,7 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
       full = jnp.zeros_like(full)
     return jnp.stack([visited, full]).astype(jnp.int32)
 
-  counts = _broadcast.broadcast_vmap(
+  counts = broadcast.broadcast_vmap(
       head, (0, 0, 1, 1) + (2,) * len(tables), operands)  # [..., 2]
   # Each entry stands for as many heads (the size-1 dims were shared).
   counts = np.asarray(counts).reshape(-1, 2)

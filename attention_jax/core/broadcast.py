@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from attention_jax.core import grouping as _grouping
+from attention_jax.core import grouping
 
 
 def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
@@ -111,7 +111,7 @@ class Head(NamedTuple):
 
 def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
                extra_core_ndims: Sequence[int] = ()):
-  """Runs a single-head kernel over validated operands (``_checks.Operands``).
+  """Runs a single-head kernel over validated operands (``checks.Operands``).
 
   ``head_fn(q, k, v, head, *extra)`` sees ``[T, H]``, ``[S, H]``,
   ``[S, Hv]`` and a ``Head`` of the other operands, and returns
@@ -148,7 +148,7 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
       per_head, core, operands,
       sequential=range(first_table, first_table + len(tables)))
   lse, max_logits = (*rows, None)[:2]  # one value per query row each
-  return Result(_grouping.merge(out, ops.groups, -3),
-                _grouping.merge(weights, ops.groups, -3),
-                _grouping.merge(lse, ops.groups, -2),
-                _grouping.merge(max_logits, ops.groups, -2))
+  return Result(grouping.merge(out, ops.groups, -3),
+                grouping.merge(weights, ops.groups, -3),
+                grouping.merge(lse, ops.groups, -2),
+                grouping.merge(max_logits, ops.groups, -2))

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import elementwise as _elementwise
-from attention_jax.core import grouping as _grouping
-from attention_jax.core import numerics as _numerics
-from attention_jax.masking import intervals as _patterns
+from attention_jax.core import elementwise
+from attention_jax.core import grouping
+from attention_jax.core import numerics
+from attention_jax.masking import intervals
 from attention_jax.masking import mask as mask_lib
 
 
@@ -161,11 +161,11 @@ def check_lengths(name: str, lengths) -> jax.Array | None:
   """Integer per-example lengths as int32 (``None`` stays None)."""
   if lengths is None:
     return None
-  return jnp.asarray(_numerics.integer_array(name, lengths), jnp.int32)
+  return jnp.asarray(numerics.integer_array(name, lengths), jnp.int32)
 
 
 class Operands(NamedTuple):
-  """Validated attention operands, heads grouped (see ``_grouping``)."""
+  """Validated attention operands, heads grouped (see ``grouping``)."""
   query: jax.Array  # [..., T, H]
   key: jax.Array  # [..., S, H]
   value: jax.Array  # [..., S, Hv]
@@ -179,7 +179,7 @@ class Operands(NamedTuple):
   # int32 (b, h) indices for score_mod, each broadcastable to the leading
   # dims (grouped like the heads), or None without a score_mod.
   head_index: tuple[jax.Array, jax.Array] | None
-  groups: _grouping.Groups | None
+  groups: grouping.Groups | None
   batch_shape: tuple[int, ...]  # broadcast leading dims (grouped)
   # Static parts of the pattern.
   window: tuple[int, int] | None = None  # (left, right)
@@ -255,7 +255,7 @@ _JAX_NN_LAYOUT = (
 
 def _segment_ids(name, ids, size, letter, leading_rank):
   """Integer ids ``[size]`` or ``[..., size]`` with one axis per leading dim."""
-  ids = _numerics.integer_array(name, ids, f" [..., {letter}]")
+  ids = numerics.integer_array(name, ids, f" [..., {letter}]")
   shape = shape_of(ids)
   if len(shape) not in (1, leading_rank + 1) or shape[-1] != size:
     raise ValueError(
@@ -330,7 +330,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   ``mask`` is a ``Mask`` (``mask.as_mask`` turns the other accepted values
   into one) or None. The checks are stated in the caller's terms (query
   heads N against key/value heads K); the operands come back with the head
-  axis split when ``K`` divides ``N`` (``_grouping``), ready for
+  axis split when ``K`` divides ``N`` (``grouping``), ready for
   ``broadcast_vmap``. A rule becomes ``block_mask``: a ``BlockMask`` with
   tables as given, or one without tables (``kinds is None``) whose tables
   the kernel builds at its own block sizes. ``rule_lengths`` are the
@@ -366,7 +366,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
         f"key and value must have the same length S (axis -2): key "
         f"{k_shape}, value {v_shape}.")
   t, s = q_shape[-2], k_shape[-2]
-  groups = _grouping.find(q_shape, k_shape)
+  groups = grouping.find(q_shape, k_shape)
 
   def as_query_heads(shape):  # K key/value heads checked as N query heads
     if groups is None or len(shape) < 3 or shape[-3] != groups.num_kv_heads:
@@ -437,7 +437,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   if mask is not None:
     check_mask_dtype("mask", mask)
     check_logits_rank("mask", shape_of(mask), logits)
-    mask = _numerics.as_bool_mask(mask)
+    mask = numerics.as_bool_mask(mask)
     _check_pair_axes("mask", mask.shape, t, s, q_shape, k_shape)
     leading["mask"] = mask.shape[:-2]
   if bias is not None:
@@ -446,7 +446,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     bias = jnp.asarray(bias)
     _check_pair_axes("bias", bias.shape, t, s, q_shape, k_shape)
     leading["bias"] = bias.shape[:-2]
-  check_score_mod(score_mod, t, s, _numerics.compute_dtype(query, key))
+  check_score_mod(score_mod, t, s, numerics.compute_dtype(query, key))
   what = "leading (batch) dimensions of the attention operands"
   if len(q_shape) == 4 and len(k_shape) == 4 and groups is None:
     what += (" (4-D operands are [B, N, T, H] queries over [B, K, S, H] "
@@ -506,18 +506,18 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   if score_mod is not None or block_mask is not None:
     head_index = _head_index(batch_shape, groups)
   window = local_window_size  # checked by Mask
-  query, key, value = (_grouping.split(jnp.asarray(x), groups, -3)
+  query, key, value = (grouping.split(jnp.asarray(x), groups, -3)
                        for x in (query, key, value))
-  mask, bias = (_grouping.split(x, groups, -3) for x in (mask, bias))
+  mask, bias = (grouping.split(x, groups, -3) for x in (mask, bias))
   if block_mask is not None and block_mask.batch_shape:
     block_mask = block_mask.with_tables(
-        _grouping.split(jnp.asarray(x), groups, -3)
+        grouping.split(jnp.asarray(x), groups, -3)
         for x in block_mask.tables)
-  lengths, q_lengths = (_grouping.split(x, groups, -1)
+  lengths, q_lengths = (grouping.split(x, groups, -1)
                         for x in all_lengths.values())
-  q_seg, k_seg = (_grouping.split(x, groups, -2) for x in (q_seg, k_seg))
-  sinks = _grouping.split(sinks, groups, -1)
-  q_offset, kv_offset = (_grouping.split(x, groups, -1)
+  q_seg, k_seg = (grouping.split(x, groups, -2) for x in (q_seg, k_seg))
+  sinks = grouping.split(sinks, groups, -1)
+  q_offset, kv_offset = (grouping.split(x, groups, -1)
                          for x in (q_offset, kv_offset))
   if groups is not None:
     batch_shape = batch_shape[:-1] + (groups.num_kv_heads,
@@ -531,7 +531,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
 def check_rule(mask_fn, leading, t: int, s: int) -> None:
   """A mask rule returns booleans (True = may attend), whatever kernel
   runs it; checked abstractly at the call's indices."""
-  b, h = _patterns.rule_indices(tuple(leading), jnp)
+  b, h = intervals.rule_indices(tuple(leading), jnp)
   lead = (1,) * len(leading)
   q_idx = jax.ShapeDtypeStruct(lead + (t, 1), jnp.int32)
   kv_idx = jax.ShapeDtypeStruct(lead + (1, s), jnp.int32)
@@ -553,7 +553,7 @@ def rule_batch(mask_fn, leading, s: int) -> tuple[int, ...]:
   if not leading:
     return ()
   lead = (1,) * len(leading)
-  b, h = _patterns.rule_indices(tuple(leading), jnp)
+  b, h = intervals.rule_indices(tuple(leading), jnp)
   q_idx = jnp.zeros(lead + (1, 1), jnp.int32)
   kv_idx = jnp.zeros(lead + (1, s), jnp.int32)
   out = jax.eval_shape(mask_fn, b, h, q_idx, kv_idx).shape
@@ -599,7 +599,7 @@ def check_score_mod(score_mod, t: int | None = None, s: int | None = None,
   """A score modifier is callable as ``(score, b, h, q_idx, kv_idx)`` and,
   given the lengths, elementwise: float scores of the score's shape for a
   head's ``[T, S]`` and for a ``[1, 1]`` block, computed from each entry
-  alone (``_elementwise``). Abstract: nothing is computed."""
+  alone (``elementwise``). Abstract: nothing is computed."""
   if score_mod is None:
     return
   if not callable(score_mod):
@@ -641,7 +641,7 @@ def check_score_mod(score_mod, t: int | None = None, s: int | None = None,
           f"score_mod returned shape {tuple(out.shape)} for {shapes}; it "
           f"must return the score's shape [{rows}, {cols}]: "
           f"{_ELEMENTWISE_MEANS}.")
-    culprit = _elementwise.mixing_primitive(closed)
+    culprit = elementwise.mixing_primitive(closed)
     if culprit is not None:
       raise ValueError(
           f"score_mod is not elementwise: it applies {culprit!r} to the "
@@ -666,7 +666,7 @@ def _head_index(batch_shape, groups):
     return jnp.arange(batch_shape[0], dtype=jnp.int32), zero
   b = jnp.arange(batch_shape[-2], dtype=jnp.int32)[:, None]  # [B, 1]
   h = jnp.arange(batch_shape[-1], dtype=jnp.int32)[None, :]  # [1, N]
-  return _grouping.split(b, groups, -1), _grouping.split(h, groups, -1)
+  return grouping.split(b, groups, -1), grouping.split(h, groups, -1)
 
 
 def check_soft_cap(value, name: str = "logits_soft_cap",

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 from attention_jax.decoding import kv_cache
 from attention_jax.masking import mask as mask_lib
 
@@ -79,7 +79,7 @@ def new_lengths(mask: mask_lib.Mask | None, b: int, t: int):
         f"while decoding, the mask's q_lengths is the number of real new "
         f"tokens per example (right-padded), integer [B] = [{b}]; got shape "
         f"{np.shape(lengths)}.")
-  _checks.check_concrete_range("the mask's q_lengths", lengths, t)
+  checks.check_concrete_range("the mask's q_lengths", lengths, t)
   return jnp.asarray(lengths, jnp.int32)
 
 
@@ -339,9 +339,9 @@ def cache_slots(layer_mask: mask_lib.Mask | None, max_length: int | None,
           "window: mask=aj.Mask(causal=True, window=(w, 0))).")
     window = left + 1
   if window is None:
-    _checks.check_positive_int("max_length", max_length)
+    checks.check_positive_int("max_length", max_length)
     return max_length, None
-  _checks.check_positive_int("window", window)
+  checks.check_positive_int("window", window)
   if left is None or not window > left:
     raise ValueError(
         f"a ring buffer of window={window} slots forgets keys older than "

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 
 
 def _raise_if_full(index, num_new, max_length: int) -> None:
@@ -97,7 +97,7 @@ def cache_overflow(index: ArrayLike, num_new: ArrayLike,
 
 def _check_index(index, batch: int) -> None:
   """``index`` is an integer scalar (shared) or ``[B]`` (one per example)."""
-  shape = _checks.shape_of(index)
+  shape = checks.shape_of(index)
   dtype = jnp.result_type(index)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
@@ -116,7 +116,7 @@ def _per_example_counts(name: str, x, batch: int, meaning: str):
   if isinstance(x, (list, tuple)):
     x = np.asarray(x)
   dtype = jnp.result_type(x)
-  shape = _checks.shape_of(x)
+  shape = checks.shape_of(x)
   if not jnp.issubdtype(dtype, jnp.integer) or shape not in ((), (batch,)):
     raise ValueError(
         f"{name} must be integer [B] = [{batch}] ({meaning}), got dtype "
@@ -131,7 +131,7 @@ def _check_new_lengths(new_lengths, batch: int, t: int):
   new_lengths = _per_example_counts(
       "new_lengths", new_lengths, batch,
       "real new tokens per example, right-padded")
-  _checks.check_concrete_range("new_lengths", new_lengths, t)
+  checks.check_concrete_range("new_lengths", new_lengths, t)
   return jnp.asarray(new_lengths, jnp.int32)
 
 
@@ -156,7 +156,7 @@ def _check_operands(cached_key, cached_value, index, key, value,
   arrays = (("cached_key", cached_key), ("cached_value", cached_value),
             ("key", key), ("value", value))
   for name, x in arrays:
-    _checks.check_float_array(name, x)
+    checks.check_float_array(name, x)
   layouts = {"cached_key": "[B, K, L, H]", "cached_value": "[B, K, L, Hv]",
              "key": "[B, K, T, H]", "value": "[B, K, T, Hv]"}
   for name, x in arrays:
@@ -166,8 +166,8 @@ def _check_operands(cached_key, cached_value, index, key, value,
               "one token per head [B, K, H] becomes x[:, :, None, :]")
       raise ValueError(
           f"{name} must have rank 4 ({layouts[name]}), got shape "
-          f"{_checks.shape_of(x)}: {hint}.")
-  ck, cv, k, v = (_checks.shape_of(x) for _, x in arrays)
+          f"{checks.shape_of(x)}: {hint}.")
+  ck, cv, k, v = (checks.shape_of(x) for _, x in arrays)
   if cv[:3] != ck[:3]:
     raise ValueError(
         f"cached_key {ck} and cached_value {cv} must share [B, K, L]: create "

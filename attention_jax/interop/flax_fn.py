@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax.attention import dot_product
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 from attention_jax.interop import jax_nn
 
 
@@ -48,13 +48,13 @@ def _flat_pair(name: str, x, batch: tuple[int, ...],
   if x is None:
     return None
   layout = "[batch..., num_heads, q_length, kv_length]"
-  x = jnp.asarray(_checks.as_array_operand(name, x, layout))
+  x = jnp.asarray(checks.as_array_operand(name, x, layout))
   full = batch + target
   if x.ndim > len(full):
     raise ValueError(f"{name} must have rank <= {len(full)} (broadcastable "
                      f"to {layout} = {full}), got shape {x.shape}.")
   x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
-  _checks.check_broadcastable_to(name, x.shape, full, layout)
+  checks.check_broadcastable_to(name, x.shape, full, layout)
   lead = x.shape[:len(batch)]
   if any(d != 1 for d in lead):  # shared axes would not survive the flatten
     x = jnp.broadcast_to(x, batch + x.shape[len(batch):])
@@ -153,16 +153,16 @@ def flax_attention_fn(
   for name, flag in (("broadcast_dropout", broadcast_dropout),
                      ("deterministic", deterministic),
                      ("is_causal", is_causal)):
-    _checks.check_static_bool(name, flag)
-  _checks.check_dropout_rate(dropout_rate)
+    checks.check_static_bool(name, flag)
+  checks.check_dropout_rate(dropout_rate)
   promote = promote_dtype or flax_dtypes.promote_dtype
-  operands = [_checks.as_array_operand(name, x, layout) for name, x, layout in
+  operands = [checks.as_array_operand(name, x, layout) for name, x, layout in
               (("query", query, "[batch..., T, N, H]"),
                ("key", key, "[batch..., S, K, H]"),
                ("value", value, "[batch..., S, K, Hv]"))]
   q, k, v = promote(tuple(operands), dtype=dtype)
   for name, x in (("query", q), ("key", k), ("value", v)):
-    _checks.check_float_array(name, x)
+    checks.check_float_array(name, x)
   if not 3 <= q.ndim == k.ndim == v.ndim:
     raise ValueError(
         "query, key and value must have the same rank >= 3 ([batch..., "

@@ -57,8 +57,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax.attention import dot_product
-from attention_jax.core import checks as _checks
-from attention_jax.masking import intervals as _patterns
+from attention_jax.core import checks
+from attention_jax.masking import intervals
 from attention_jax.masking.mask import Mask
 
 # jax.nn's implementation names -> scaled_dot_product_attention's.
@@ -75,12 +75,12 @@ _SWAP_HINT = ("jax.nn's layout, with heads on axis -2; jnp.swapaxes(x, 1, 2) "
 def _operand(name: str, x) -> jax.Array:
   """``x`` checked as a float 3-D or 4-D operand, returned as 4-D."""
   batched, unbatched = _LAYOUTS[name]
-  x = _checks.as_array_operand(name, x, batched)
-  _checks.check_float_array(name, x)
+  x = checks.as_array_operand(name, x, batched)
+  checks.check_float_array(name, x)
   if jnp.ndim(x) not in (3, 4):
     raise ValueError(
         f"{name} must have rank 4 ({batched}) or 3 ({unbatched}), got shape "
-        f"{_checks.shape_of(x)}: {_SWAP_HINT}.")
+        f"{checks.shape_of(x)}: {_SWAP_HINT}.")
   x = jnp.asarray(x)
   return x[None] if x.ndim == 3 else x
 
@@ -89,18 +89,18 @@ def _pair_operand(name: str, x, target: tuple[int, ...]) -> jax.Array | None:
   """``bias``/``mask`` as 4-D ``[B|1, N|1, T|1, S|1]`` (leading 1s added)."""
   if x is None:
     return None
-  x = jnp.asarray(_checks.as_array_operand(name, x, "[B, N, T, S]"))
+  x = jnp.asarray(checks.as_array_operand(name, x, "[B, N, T, S]"))
   if x.ndim > 4:
     raise ValueError(f"{name} must have rank <= 4 (broadcastable to "
                      f"[B, N, T, S] = {target}), got shape {x.shape}.")
   x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-  _checks.check_broadcastable_to(name, x.shape, target, "[B, N, T, S]")
+  checks.check_broadcastable_to(name, x.shape, target, "[B, N, T, S]")
   return x
 
 
 def _lengths(name: str, lengths, batch: int) -> jax.Array | None:
   """jax.nn's ``[B]`` lengths as ``[B, 1]`` (one per example, all heads)."""
-  lengths = _checks.check_lengths(name, lengths)
+  lengths = checks.check_lengths(name, lengths)
   if lengths is None:
     return None
   if lengths.shape != (batch,):
@@ -123,7 +123,7 @@ def top_left(mask, t: int, s: int, is_causal: bool, window):
     return mask, is_causal, window
   rows = jnp.arange(t)[None, None, :, None]  # [1, 1, T, 1]
   cols = jnp.arange(s)[None, None, None, :]  # [1, 1, 1, S]
-  band = _patterns.visible(rows, cols, 0, _patterns.bounds(is_causal, window))
+  band = intervals.visible(rows, cols, 0, intervals.bounds(is_causal, window))
   mask = band if mask is None else jnp.logical_and(mask != 0, band)
   return mask, False, None
 
@@ -199,10 +199,10 @@ def dot_product_attention(
       implementation not in IMPLEMENTATIONS):
     raise ValueError(f"implementation must be None, 'xla' or 'cudnn' (as "
                      f"in jax.nn), got {implementation!r}.")
-  _checks.check_static_bool("is_causal", is_causal)
-  _checks.check_static_bool("return_residual", return_residual)
-  out_rank = jnp.ndim(_checks.as_array_operand("query", query,
-                                               _LAYOUTS["query"][0]))
+  checks.check_static_bool("is_causal", is_causal)
+  checks.check_static_bool("return_residual", return_residual)
+  out_rank = jnp.ndim(checks.as_array_operand("query", query,
+                                              _LAYOUTS["query"][0]))
   q, k, v = (_operand(name, x) for name, x in
              (("query", query), ("key", key), ("value", value)))
   (b, t, n, h), (bk, s, kh, hk) = q.shape, k.shape
@@ -221,10 +221,10 @@ def dot_product_attention(
   bias, mask = (_pair_operand(name, x, target)
                 for name, x in (("bias", bias), ("mask", mask)))
   if mask is not None:
-    _checks.check_mask_dtype("mask", mask)
+    checks.check_mask_dtype("mask", mask)
   q_lengths = _lengths("query_seq_lengths", query_seq_lengths, b)
   kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
-  window = _patterns.check_window(local_window_size, "local_window_size")
+  window = intervals.check_window(local_window_size, "local_window_size")
   mask, is_causal, window = top_left(mask, t, s, is_causal, window)
   swap = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, N, H] <-> [B, N, T, H]
   result = dot_product.scaled_dot_product_attention(

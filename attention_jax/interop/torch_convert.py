@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 from attention_jax.layers import multi_head
 from attention_jax.layers import multi_head_params
 
@@ -103,7 +103,7 @@ def from_torch_multihead_attention(
     raise ValueError("num_heads is required with a state_dict (a module "
                      "carries it): from_torch_multihead_attention(sd, "
                      "num_heads=N).")
-  _checks.check_positive_int("num_heads", num_heads)
+  checks.check_positive_int("num_heads", num_heads)
   if "bias_k" in state or "bias_v" in state:
     raise ValueError(
         "the state_dict has bias_k/bias_v (add_bias_kv=True: a learned key "

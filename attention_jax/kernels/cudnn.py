@@ -42,10 +42,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import checks as _checks
-from attention_jax.core import grouping as _grouping
+from attention_jax.core import checks
+from attention_jax.core import grouping
 from attention_jax.kernels import base
-from attention_jax.masking import intervals as _patterns
+from attention_jax.masking import intervals
 
 # Parts of a problem jax.nn.dot_product_attention has no counterpart for.
 _NOT_IN_JAX_NN = {
@@ -90,19 +90,19 @@ class Cudnn(base.Kernel):
     return base.Result(out)
 
 
-def _caller(ops: _checks.Operands):
+def _caller(ops: checks.Operands):
   """The operands with heads merged again (jax.nn groups heads itself)."""
   g = ops.groups
-  return (_grouping.merge(ops.query, g, -3), _grouping.merge(ops.key, g, -3),
-          _grouping.merge(ops.value, g, -3), _grouping.merge(ops.mask, g, -3),
-          _grouping.merge(ops.bias, g, -3), _grouping.merge(ops.lengths, g,
-                                                            -1),
-          _grouping.merge(ops.q_lengths, g, -1))
+  return (grouping.merge(ops.query, g, -3), grouping.merge(ops.key, g, -3),
+          grouping.merge(ops.value, g, -3), grouping.merge(ops.mask, g, -3),
+          grouping.merge(ops.bias, g, -3), grouping.merge(ops.lengths, g,
+                                                          -1),
+          grouping.merge(ops.q_lengths, g, -1))
 
 
 def _per_example_problem(name, lengths, batch) -> str | None:
   """Why ``lengths`` is not one length per example (``[B, 1]`` or scalar)."""
-  shape = _checks.shape_of(lengths)
+  shape = checks.shape_of(lengths)
   if shape == () or (len(shape) == 2 and shape[1] == 1
                      and shape[0] in (1, batch)):
     return None
@@ -153,7 +153,7 @@ def problem_of(query, key, value, mask, bias, lengths, return_lse,
   dtype = jnp.result_type(query, key, value)
   if dtype not in (jnp.float16, jnp.bfloat16):
     return f"it needs float16/bfloat16 inputs, got {dtype}"
-  shapes = [_checks.shape_of(x) for x in (query, key, value)]
+  shapes = [checks.shape_of(x) for x in (query, key, value)]
   if any(len(s) != 4 for s in shapes) or shapes[1] != shapes[2]:
     return f"it needs [B, N, T, H] inputs with equal key/value shapes: {shapes}"
   h = shapes[0][-1]
@@ -184,11 +184,11 @@ def _grid(t: int, s: int) -> tuple[jax.Array, jax.Array]:
           jnp.arange(s)[None, None, None, :])
 
 
-def _rows_seeing_something(t, s, b: _patterns.Bounds, kv, q, mask, bias):
+def _rows_seeing_something(t, s, b: intervals.Bounds, kv, q, mask, bias):
   """Bool ``[B|1, N|1, T]``: the rows with a key to see (None: all rows)."""
   rows, cols = _grid(t, s)
   kv_length = None if kv is None else kv[:, None, None, None]  # [B,1,1,1]
-  ok = _patterns.visible(rows, cols, s - t, b, kv_length=kv_length)
+  ok = intervals.visible(rows, cols, s - t, b, kv_length=kv_length)
   finite_bias = None if bias is None else bias > -jnp.inf  # -inf blocks
   for extra in (mask, finite_bias):
     if extra is not None:
@@ -220,14 +220,14 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
   """
   batch, _, t, _ = query.shape
   s = key.shape[-2]
-  b = _patterns.bounds(is_causal, window)
+  b = intervals.bounds(is_causal, window)
   jax_causal, jax_window = False, None
   if t == s and b.right == 0:  # top-left == bottom-right: jax.nn's own band
     jax_causal = True
     if b.left is not None and b.left < s - 1:
       jax_window = (b.left, 0)
   else:  # jax.nn aligns top-left, cuDNN has no right window: explicit mask
-    band = _patterns.visible(*_grid(t, s), s - t, b)  # [1, 1, T, S]
+    band = intervals.visible(*_grid(t, s), s - t, b)  # [1, 1, T, S]
     if band is not None:
       mask = band if mask is None else mask & band
   if mask is not None:

@@ -5,7 +5,7 @@ head dim.
 
 ``Dense`` is the kernel (``kernels.base``); ``single_head`` its maths,
 written for one head and lifted over leading dims by
-``_broadcast.lift_heads``. Logits, softmax and the weighted sum run in the
+``broadcast.lift_heads``. Logits, softmax and the weighted sum run in the
 compute dtype (float32, float64 for float64 inputs); one path whether or not
 the weights are returned or dropout is on, so the numbers never change with
 those options. The only kernel with dropout, weights and float64. With
@@ -20,11 +20,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast as _broadcast
-from attention_jax.core import numerics as _numerics
+from attention_jax.core import broadcast
+from attention_jax.core import numerics
 from attention_jax.core import softmax
 from attention_jax.kernels import base
-from attention_jax.masking import intervals as _patterns
+from attention_jax.masking import intervals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +51,10 @@ class Dense(base.Kernel):
           q, k, v, h, kp, scale=p.scale, is_causal=ops.causal,
           window=ops.window, score_mod=ops.score_mod,
           dropout_rate=p.dropout_rate, out_dtype=p.out_dtype,
-          compute_dtype=_numerics.compute_dtype(p.out_dtype),
+          compute_dtype=numerics.compute_dtype(p.out_dtype),
           want_lse=p.return_lse, want_max_logits=p.return_max_logits)
 
-    return _broadcast.lift_heads(head, ops, (keep,), (2,))
+    return broadcast.lift_heads(head, ops, (keep,), (2,))
 
 
 def single_head(query, key, value, h, keep, *, scale, is_causal, window,
@@ -62,10 +62,10 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
                 want_max_logits=False):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
-  ``h`` is the head's ``_broadcast.Head`` (mask, bias, lengths, segment
+  ``h`` is the head's ``broadcast.Head`` (mask, bias, lengths, segment
   ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``keep`` the ``[T, S]``
   dropout draw or None; ``window`` and ``score_mod`` as in
-  ``_patterns`` / the flash core.
+  ``intervals`` / the flash core.
   Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``, and with
   ``want_max_logits`` also ``max_logits [T]`` (each row's largest raw
   ``scale * q . k`` where it attends, ``-inf`` where it attends nowhere; no
@@ -84,11 +84,11 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
   offset, q_start, kv_start = h.offsets(t, s)
   q_at, kv_at = rows + q_start, cols + kv_start  # what rules/score_mod see
-  bounds = _patterns.bounds(is_causal, window)
+  bounds = intervals.bounds(is_causal, window)
   allowed = both(h.mask)
   q_seg = None if h.q_seg is None else h.q_seg[:, None]
   k_seg = None if h.k_seg is None else h.k_seg[None, :]
-  allowed = both(_patterns.visible(rows, cols, offset, bounds, h.q_length,
+  allowed = both(intervals.visible(rows, cols, offset, bounds, h.q_length,
                                    h.length, q_seg, k_seg))
   if h.block_mask is not None:  # the same predicate the flash core evaluates
     allowed = both(h.block_mask.mask_fn(*h.index, q_at, kv_at))
@@ -100,11 +100,11 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   plain = _only_bounds(h)
   if allowed is not None and not (plain and _every_key_seen(bounds, t, s)):
     # Padding may hold NaN: keep it out of every product.
-    key, value = _numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
+    key, value = numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
   if (additive and allowed is not None
       and not (plain and _every_row_sees(bounds, t, s))):
     # A NaN query (padding) must not reach a row that sees nothing.
-    query, = _numerics.zero_unseen(jnp.any(allowed, axis=1), query)
+    query, = numerics.zero_unseen(jnp.any(allowed, axis=1), query)
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=compute_dtype)  # [T, S]
   logits = logits * jnp.asarray(scale, compute_dtype)
@@ -136,7 +136,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     weights = softmax.masked_softmax(logits, allowed)  # [T, S]
     lse = softmax.masked_logsumexp(logits, allowed) if want_lse else None
   if h.sink is not None:  # exp(sink) joins each row's denominator
-    weights, _, lse = _numerics.with_sink(weights, lse, h.sink, h.q_length)
+    weights, _, lse = numerics.with_sink(weights, lse, h.sink, h.q_length)
   probs = weights
   if keep is not None:  # inverted dropout: E[probs] == weights
     probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
@@ -153,7 +153,7 @@ def _only_bounds(h) -> bool:
                                  h.k_seg, h.block_mask, h.q_offset))
 
 
-def _every_key_seen(b: _patterns.Bounds, t: int, s: int) -> bool:
+def _every_key_seen(b: intervals.Bounds, t: int, s: int) -> bool:
   """Whether bounds alone leave every key column seen by some query.
 
   The rows' intervals ``[r + s - t - left, r + s - t + right]`` overlap
@@ -163,7 +163,7 @@ def _every_key_seen(b: _patterns.Bounds, t: int, s: int) -> bool:
   return t > 0 and (b.left is None or b.left >= s - t)
 
 
-def _every_row_sees(b: _patterns.Bounds, t: int, s: int) -> bool:
+def _every_row_sees(b: intervals.Bounds, t: int, s: int) -> bool:
   """Whether bounds alone leave every query row some key column.
 
   Row 0 sees up to column ``s - t + right``; the last row sees from

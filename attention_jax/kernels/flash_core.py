@@ -26,7 +26,7 @@ elsewhere):
   pytree. ``Place``: where the local rows and columns stand.
 * ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
   score_mod, max_logits)`` builds the ``Static`` and pads q, k, v to whole
-  blocks; ``padded_extras(st, tp, sp, head)`` pads a ``_broadcast.Head``;
+  blocks; ``padded_extras(st, tp, sp, head)`` pads a ``broadcast.Head``;
   ``hoist_score_mod(st, ex, like, replay_closures=)`` makes the modifier's
   arrays operands.
 * ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp],
@@ -41,7 +41,7 @@ elsewhere):
   end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too),
   returning ``(out [T, Hv], None, lse [T])`` and, with
   ``max_logits=True``, ``max_logits [T]`` (zero gradient), the
-  ``_broadcast.lift_heads`` contract.
+  ``broadcast.lift_heads`` contract.
 * ``patterned``, ``segment_summary``, ``key_ranges``, ``query_ranges``:
   which blocks a block visits (the Pallas GPU kernel computes them outside
   its kernels with these); ``masked_exp``, also used inside its kernels.
@@ -50,7 +50,7 @@ elsewhere):
 
 Operands: ``mask`` bool and ``bias`` float are ``[T|1, S|1]`` (size-1 axes
 broadcast), ``length``/``q_length`` int32 scalars (valid keys / queries) or
-None. Causality and windows are written with an ``offset`` (``_patterns``):
+None. Causality and windows are written with an ``offset`` (``intervals``):
 query row ``r`` stands at key position ``r + offset``, and the key blocks a
 query block may see form one interval, the only ones visited.
 ``single_head`` passes the static ``S - T``
@@ -74,14 +74,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import numerics as _numerics
-from attention_jax.masking import intervals as _patterns
+from attention_jax.core import numerics
+from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
 
 
 class Static(NamedTuple):
   scale: float
-  bounds: _patterns.Bounds  # causal and window bounds (None = open)
+  bounds: intervals.Bounds  # causal and window bounds (None = open)
   # score_mod(score, b, h, q_idx, kv_idx, *consts) (after hoist_score_mod)
   score_mod: Callable | None
   t: int  # true (unpadded) lengths
@@ -100,7 +100,7 @@ class Extras(NamedTuple):
   q_length: jax.Array | None = None  # int32 scalar: valid queries
   q_seg: jax.Array | None = None  # int32 [Tp] segment ids
   k_seg: jax.Array | None = None  # int32 [Sp]
-  block_mask: _patterns.BlockMask | None = None  # custom pattern
+  block_mask: intervals.BlockMask | None = None  # custom pattern
   index: tuple | None = None  # int32 scalars (b, h) for score_mod
   # Values score_mod closes over that may carry gradients (hoist_score_mod),
   # passed whole.
@@ -266,7 +266,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
   if ex.q_seg is not None:
     q_seg = jax.lax.dynamic_slice_in_dim(ex.q_seg, i0, st.bq)[:, None]
     k_seg = jax.lax.dynamic_slice_in_dim(ex.k_seg, j0, st.bk)[None, :]
-  ok = both(_patterns.visible(rows, cols, place.offset, st.bounds,
+  ok = both(intervals.visible(rows, cols, place.offset, st.bounds,
                               ex.q_length, ex.length, q_seg, k_seg))
   if ex.mask is not None:
     ok = both(_tile(ex.mask, i0, j0, st.bq, st.bk))
@@ -296,8 +296,8 @@ def segment_summary(st: Static, ex: Extras):
   """Per-block min/max segment ids ``(q_min, q_max, k_min, k_max)`` or None."""
   if ex.q_seg is None:
     return None
-  return (*_patterns.block_min_max(ex.q_seg, st.bq),
-          *_patterns.block_min_max(ex.k_seg, st.bk))
+  return (*intervals.block_min_max(ex.q_seg, st.bq),
+          *intervals.block_min_max(ex.k_seg, st.bk))
 
 
 def _intersect(pattern, segments):
@@ -317,10 +317,10 @@ def key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
   segments = None
   if seg is not None:
     q_min, q_max, k_min, k_max = seg
-    segments = _patterns.segment_block_ranges(q_min[i], q_max[i], k_min,
+    segments = intervals.segment_block_ranges(q_min[i], q_max[i], k_min,
                                               k_max)
-  return _intersect((*_patterns.key_block_range(*args),
-                     *_patterns.full_key_block_range(*args, st.s)), segments)
+  return _intersect((*intervals.key_block_range(*args),
+                     *intervals.full_key_block_range(*args, st.s)), segments)
 
 
 def query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
@@ -330,10 +330,10 @@ def query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
   segments = None
   if seg is not None:
     q_min, q_max, k_min, k_max = seg
-    segments = _patterns.segment_block_ranges(k_min[j], k_max[j], q_min,
+    segments = intervals.segment_block_ranges(k_min[j], k_max[j], q_min,
                                               q_max)
-  return _intersect((*_patterns.query_block_range(*args),
-                     *_patterns.full_query_block_range(*args, st.s)),
+  return _intersect((*intervals.query_block_range(*args),
+                     *intervals.full_query_block_range(*args, st.s)),
                     segments)
 
 
@@ -549,14 +549,14 @@ def padded(q, k, v, *, scale, is_causal, block_q, block_k, window=None,
   t, s = q.shape[0], k.shape[0]
   bq, bk = min(block_q, t), min(block_k, s)
   tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
-  st = Static(float(scale), _patterns.bounds(bool(is_causal), window),
+  st = Static(float(scale), intervals.bounds(bool(is_causal), window),
               score_mod, t, s, bq, bk, bool(max_logits))
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 
 
 def padded_extras(st: Static, tp: int, sp: int, h) -> Extras:
-  """A head's ``_broadcast.Head`` operands as ``Extras`` padded to blocks."""
+  """A head's ``broadcast.Head`` operands as ``Extras`` padded to blocks."""
   mask, bias = h.mask, h.bias
   if mask is not None:
     mask = pad_axis(pad_axis(mask, 0, tp, False), 1, sp, False)
@@ -636,13 +636,13 @@ def hoist_score_mod(st: Static, ex: Extras, like, *,
 
 
 def single_head(q, k, v, h, *, out_dtype, **blocks):
-  """One head (``_broadcast.Head`` operands): pad, attend, strip, sink.
+  """One head (``broadcast.Head`` operands): pad, attend, strip, sink.
 
   Returns ``(out, None, lse)``, and ``max_logits [T]`` too with
   ``max_logits=True`` among ``blocks``.
   """
   if h.mask is not None:  # keys no query sees may hold NaN: zero them
-    k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
+    k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
   ex = padded_extras(st, q.shape[0], k.shape[0], h)
   st, ex = hoist_score_mod(st, ex, q)
@@ -650,7 +650,7 @@ def single_head(q, k, v, h, *, out_dtype, **blocks):
                                  Place(*h.offsets(st.t, st.s)))
   out, lse = out[:st.t], lse[:st.t]
   if h.sink is not None:
-    out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_length)
   if st.max_logits:  # the sink is no logit of a key: it changes nothing
     return out.astype(out_dtype), None, lse, max_logits[:st.t]
   return out.astype(out_dtype), None, lse

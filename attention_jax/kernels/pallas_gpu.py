@@ -24,7 +24,7 @@ to it before their dots, as in FlashAttention-2); softmax statistics,
 accumulators and the score modifier are float32.
 
 Written for one head (``[T, H]`` against ``[S, H]``) and lifted over heads
-by ``_broadcast.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
+by ``broadcast.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
 to its grid. Arrays a score modifier or a mask rule reads are passed to the
 kernels as operands (a kernel may not close over arrays): the function is
 traced once at block shapes (``jax.make_jaxpr``) and replayed inside.
@@ -55,12 +55,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast as _broadcast
-from attention_jax.core import numerics as _numerics
+from attention_jax.core import broadcast
+from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
-from attention_jax.masking import intervals as _patterns
+from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
 
 _F32 = jnp.float32
@@ -150,7 +150,7 @@ class PallasGpu(base.Kernel):
         _single_head, launch=launch, scale=problem.scale,
         is_causal=ops.causal, window=ops.window, score_mod=ops.score_mod,
         block_q=bq, block_k=bk, out_dtype=problem.out_dtype)
-    return _broadcast.lift_heads(head, ops)
+    return broadcast.lift_heads(head, ops)
 
 
 def _own_tables(ops, bq: int, bk: int):
@@ -338,7 +338,7 @@ def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
   q_seg = k_seg = None
   if tiles.q_seg is not None:
     q_seg, k_seg = tiles.q_seg[:, None], tiles.k_seg[None, :]
-  ok = both(_patterns.visible(rows, cols, st.s - st.t, st.bounds,
+  ok = both(intervals.visible(rows, cols, st.s - st.t, st.bounds,
                               q_length if sp.q_length else None,
                               length if sp.length else None, q_seg, k_seg))
   if tiles.mask is not None:
@@ -712,9 +712,9 @@ def _ranges(st: flash_core.Static, ex, num_q: int, num_k: int, rows: bool,
 
 
 def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
-  """One head (``_broadcast.Head``): pad, attend in the kernels, strip, sink."""
+  """One head (``broadcast.Head``): pad, attend in the kernels, strip, sink."""
   if h.mask is not None:  # keys no query sees may hold NaN: zero them
-    k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
+    k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
   hv = v.shape[-1]
   st, q, k, v = _padded(q, k, v, **blocks)
   ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)
@@ -786,7 +786,7 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
   out, lse = attend(q, k, v, bias, mod_diff, fixed(True), fixed(False))
   out, lse = out[:st.t, :hv], lse[:st.t]
   if h.sink is not None:
-    out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_length)
   return out.astype(out_dtype), None, lse
 
 
@@ -800,7 +800,7 @@ def _padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
   """
   t, s = q.shape[0], k.shape[0]
   tp, sp = -(-t // block_q) * block_q, -(-s // block_k) * block_k
-  st = flash_core.Static(float(scale), _patterns.bounds(bool(is_causal),
+  st = flash_core.Static(float(scale), intervals.bounds(bool(is_causal),
                                                         window),
                          score_mod, t, s, block_q, block_k)
 

@@ -39,9 +39,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast as _broadcast
+from attention_jax.core import broadcast
 from attention_jax.core import merge as merge_lib
-from attention_jax.core import numerics as _numerics
+from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 from attention_jax.masking import mask as mask_lib
@@ -229,7 +229,7 @@ def _single_head(q, k, v, h, *, axis_name, size, out_dtype, **blocks):
     if h.q_length is not None:  # this device's rows of the global length
       index = jax.lax.axis_index(axis_name)
       q_length = jnp.clip(h.q_length - index * st.t, 0, st.t)
-    out, _, lse = _numerics.with_sink(out, lse, h.sink, q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, q_length)
   if st.max_logits:
     return out.astype(out_dtype), None, lse, max_logits[:st.t]
   return out.astype(out_dtype), None, lse
@@ -313,4 +313,4 @@ class Ring(base.Kernel):
         scale=problem.scale, is_causal=ops.causal, window=ops.window,
         score_mod=ops.score_mod, block_q=block_q, block_k=block_k,
         max_logits=problem.return_max_logits, out_dtype=problem.out_dtype)
-    return _broadcast.lift_heads(head, ops)
+    return broadcast.lift_heads(head, ops)

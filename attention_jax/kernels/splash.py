@@ -86,11 +86,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import broadcast as _broadcast
-from attention_jax.core import checks as _checks
-from attention_jax.core import grouping as _grouping
+from attention_jax.core import broadcast
+from attention_jax.core import checks
+from attention_jax.core import grouping
 from attention_jax.kernels import base
-from attention_jax.masking import intervals as _patterns
+from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
 
 _LANES = 128  # splash's blocks are whole multiples of the TPU's 128 lanes
@@ -155,7 +155,7 @@ def _rule_mask(ops, t: int, s: int) -> np.ndarray | None:
   """The rule evaluated on every ``(b, h, q_idx, kv_idx)``: bool NumPy over
   the grouped leading dims ``[..., T|1, S|1]``; None when it is traced."""
   lead = ops.leading
-  b, h = _patterns.rule_indices(lead, np)
+  b, h = intervals.rule_indices(lead, np)
   rank = len(lead) + 2
   rows = np.arange(t, dtype=np.int32).reshape((1,) * len(lead) + (t, 1))
   cols = np.arange(s, dtype=np.int32).reshape((1,) * len(lead) + (1, s))
@@ -173,7 +173,7 @@ def _rule_mask(ops, t: int, s: int) -> np.ndarray | None:
     return None
   allowed = allowed.astype(bool)
   allowed = allowed.reshape((1,) * (rank - allowed.ndim) + allowed.shape)
-  return _grouping.split(allowed, ops.groups, -3)
+  return grouping.split(allowed, ops.groups, -3)
 
 
 def _static_mask(ops, t: int, s: int) -> tuple[np.ndarray | None, str | None]:
@@ -254,7 +254,7 @@ class Splash(base.Kernel):
     if t == 0 or s == 0:
       return f"it needs T and S >= 1, got T={t}, S={s}"
     if ops.block_mask is not None:
-      batch = _checks.rule_batch(ops.block_mask.mask_fn, ops.leading, s)
+      batch = checks.rule_batch(ops.block_mask.mask_fn, ops.leading, s)
       cells = math.prod(batch) * t * s
       if cells > HOST_MASK_LIMIT:
         return (f"its mask is static: this rule would be evaluated on the "
@@ -315,8 +315,8 @@ class Splash(base.Kernel):
     lse = jnp.broadcast_to(lse, out_lead[:-1] + (heads, t))
     if not shared:
       out, lse = out[..., 0, :, :], lse[..., 0, :]
-    out = _grouping.merge(out.astype(dtype), ops.groups, -3)
-    lse = _grouping.merge(lse, ops.groups, -2)
+    out = grouping.merge(out.astype(dtype), ops.groups, -3)
+    lse = grouping.merge(lse, ops.groups, -2)
     return base.Result(out, lse=lse if problem.return_lse else None)
 
   def _split(self, q, k, v, rows, sinks, static, settings):
@@ -353,7 +353,7 @@ class Splash(base.Kernel):
     heads = q.shape[-3]
     tp = -(-t // self.block_q) * self.block_q  # whole blocks
     sp = -(-s // self.block_kv) * self.block_kv
-    bounds = _patterns.bounds(causal, window)
+    bounds = intervals.bounds(causal, window)
     if static is None:  # splash's own lazy masks, evaluated in the kernel
       shape = (tp, sp)
       if bounds.left is None and bounds.right is None:
@@ -369,7 +369,7 @@ class Splash(base.Kernel):
       first = 0 if bounds.left is None else s - t - bounds.left
       key_seen = np.arange(s) >= first if first > 0 else None
     else:
-      band = _patterns.visible(np.arange(t)[:, None], np.arange(s)[None, :],
+      band = intervals.visible(np.arange(t)[:, None], np.arange(s)[None, :],
                                s - t, bounds)
       allowed = np.broadcast_to(static, static.shape[:1] + (t, s))
       if band is not None:
@@ -436,7 +436,7 @@ class Splash(base.Kernel):
                 *(_drop_head(rows[n], 1) for n in ("q_seg", "k_seg")),
                 *(_drop_head(rows[n], 0) for n in ("kv_len", "q_len")),
                 sinks)
-    return _broadcast.broadcast_vmap(one, (3, 2, 2, 1, 1, 0, 0, 1), operands)
+    return broadcast.broadcast_vmap(one, (3, 2, 2, 1, 1, 0, 0, 1), operands)
 
 
 def _drop_head(x, core: int):

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax.core import checks as _checks
-from attention_jax.core import numerics as _numerics
-from attention_jax.layers import decoder_attention as _decoder_attention
+from attention_jax.core import checks
+from attention_jax.core import numerics
+from attention_jax.layers import decoder_attention
 
 Params = dict[str, jax.Array]
 
@@ -43,7 +43,7 @@ def init_additive_params(rng: jax.Array, query_features: int,
   for name, n in (("query_features", query_features),
                   ("key_features", key_features),
                   ("hidden_features", hidden_features)):
-    _checks.check_positive_int(name, n)
+    checks.check_positive_int(name, n)
   kq, kk, kv = jax.random.split(rng, 3)
   init = jax.nn.initializers.lecun_normal()
   params = {"W_q": init(kq, (query_features, hidden_features), dtype),
@@ -59,12 +59,12 @@ def _check_params(params, query_shape, keys_shape) -> int:
   for name in ("W_q", "W_k", "v"):
     if name not in params:
       raise ValueError(f"params must have '{name}', got keys {sorted(params)}.")
-  wq, wk, v = (_checks.shape_of(params[n]) for n in ("W_q", "W_k", "v"))
+  wq, wk, v = (checks.shape_of(params[n]) for n in ("W_q", "W_k", "v"))
   if len(v) != 1 or wq[-1:] != v or wk[-1:] != v:
     raise ValueError(f"params must be W_q [Dq, A], W_k [Dk, A], v [A] with "
                      f"one A: got W_q {wq}, W_k {wk}, v {v}.")
-  if "b" in params and _checks.shape_of(params["b"]) != v:
-    raise ValueError(f"params['b'] has shape {_checks.shape_of(params['b'])}, "
+  if "b" in params and checks.shape_of(params["b"]) != v:
+    raise ValueError(f"params['b'] has shape {checks.shape_of(params['b'])}, "
                      f"expected {v}.")
   if query_shape is not None and query_shape[-1] != wq[0]:
     raise ValueError(f"query has {query_shape[-1]} features (shape "
@@ -105,10 +105,10 @@ def precompute_additive_keys(params: Params, keys: ArrayLike) -> jax.Array:
     >>> pk.shape, ctx.shape
     ((2, 5, 8), (2, 4))
   """
-  _checks.check_float_array("keys", keys)
-  _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
-  _check_params(params, None, _checks.shape_of(keys))
-  compute_dtype = _numerics.compute_dtype(keys, params["W_k"])
+  checks.check_float_array("keys", keys)
+  checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
+  _check_params(params, None, checks.shape_of(keys))
+  compute_dtype = numerics.compute_dtype(keys, params["W_k"])
   projected = jnp.einsum("BSK,KA->BSA", jnp.asarray(keys, compute_dtype),
                          params["W_k"].astype(compute_dtype))
   if "b" in params:
@@ -155,15 +155,15 @@ def additive_attention(
     >>> ctx.shape, w.shape
     ((2, 4), (2, 5))
   """
-  inputs = _decoder_attention.prepare(query, keys, values, mask)
-  hidden = _check_params(params, _checks.shape_of(query),
-                         _checks.shape_of(keys))
+  inputs = decoder_attention.prepare(query, keys, values, mask)
+  hidden = _check_params(params, checks.shape_of(query),
+                         checks.shape_of(keys))
   if projected_keys is None:
     projected_keys = precompute_additive_keys(
-        params, _decoder_attention.hide_unseen(inputs, keys))
+        params, decoder_attention.hide_unseen(inputs, keys))
   else:
-    _checks.check_float_array("projected_keys", projected_keys)
-    _decoder_attention.check_projected_keys(
+    checks.check_float_array("projected_keys", projected_keys)
+    decoder_attention.check_projected_keys(
         projected_keys, keys, hidden, "precompute_additive_keys")
   compute_dtype = inputs.compute_dtype
   w_q = params["W_q"].astype(compute_dtype)
@@ -172,6 +172,6 @@ def additive_attention(
   def score_one(q, key_hidden):  # [Dq], [S, A] -> [S]
     return additive_score(q @ w_q, key_hidden, v)
 
-  context, weights = _decoder_attention.attend(
+  context, weights = decoder_attention.attend(
       score_one, inputs, jnp.asarray(projected_keys, compute_dtype))
   return (context, weights) if return_weights else context

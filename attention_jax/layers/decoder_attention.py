@@ -17,8 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import checks as _checks
-from attention_jax.core import numerics as _numerics
+from attention_jax.core import checks
+from attention_jax.core import numerics
 from attention_jax.core import softmax
 
 
@@ -37,11 +37,11 @@ def prepare(query, keys, values, mask) -> Inputs:
   """Validates and normalises ``(query, keys, values, mask)``."""
   values = keys if values is None else values
   for name, x in (("query", query), ("keys", keys), ("values", values)):
-    _checks.check_float_array(name, x)
-  _checks.check_rank("query", query, (2, 3), "[B, Dq] or [B, T, Dq]")
-  _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
-  _checks.check_rank("values", values, (3,), "[B, S, Dv]")
-  q_shape, k_shape, v_shape = map(_checks.shape_of, (query, keys, values))
+    checks.check_float_array(name, x)
+  checks.check_rank("query", query, (2, 3), "[B, Dq] or [B, T, Dq]")
+  checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
+  checks.check_rank("values", values, (3,), "[B, S, Dv]")
+  q_shape, k_shape, v_shape = map(checks.shape_of, (query, keys, values))
   if k_shape[:2] != v_shape[:2]:
     raise ValueError(f"keys {k_shape} and values {v_shape} must have the same "
                      "[B, S].")
@@ -50,7 +50,7 @@ def prepare(query, keys, values, mask) -> Inputs:
                      "batch size B.")
   single_step = len(q_shape) == 2
   out_dtype = jnp.result_type(query, keys, values)
-  compute_dtype = _numerics.compute_dtype(out_dtype)
+  compute_dtype = numerics.compute_dtype(out_dtype)
   query = jnp.asarray(query, compute_dtype)
   if single_step:
     query = query[:, None, :]  # [B, 1, Dq]
@@ -59,13 +59,13 @@ def prepare(query, keys, values, mask) -> Inputs:
   if mask is not None:
     # The package's one rule: a mask has the weights' full rank ([B, S] for
     # a [B, Dq] query, [B, T, S] for [B, T, Dq]; size-1 axes broadcast).
-    _checks.check_mask_dtype("mask", mask)
-    m_shape = _checks.shape_of(mask)
+    checks.check_mask_dtype("mask", mask)
+    m_shape = checks.shape_of(mask)
     weights = (b, s) if single_step else (b, t, s)
     layout = "[B, S]" if single_step else "[B, T, S]"
-    _checks.check_logits_rank("mask", m_shape, weights, layout)
-    _checks.check_broadcastable_to("mask", m_shape, weights, layout)
-    mask = _numerics.as_bool_mask(mask)
+    checks.check_logits_rank("mask", m_shape, weights, layout)
+    checks.check_broadcastable_to("mask", m_shape, weights, layout)
+    mask = numerics.as_bool_mask(mask)
     if single_step:
       mask = mask[:, None, :]  # [B, 1, S]
   keys = jnp.asarray(keys, compute_dtype)
@@ -73,7 +73,7 @@ def prepare(query, keys, values, mask) -> Inputs:
   seen = None
   if mask is not None:  # padding may hold NaN: zero keys no step may see
     seen = jnp.any(mask, axis=1)  # [B|1, S]
-    keys, values = _numerics.zero_unseen(seen, keys, values)
+    keys, values = numerics.zero_unseen(seen, keys, values)
   return Inputs(query, keys, values, mask, seen, single_step, out_dtype,
                 compute_dtype)
 
@@ -82,7 +82,7 @@ def hide_unseen(inputs: Inputs, x):
   """``x [B, S, F]`` with the rows of keys no step may see zeroed."""
   if inputs.seen is None:
     return x
-  return _numerics.zero_unseen(inputs.seen, jnp.asarray(x))[0]
+  return numerics.zero_unseen(inputs.seen, jnp.asarray(x))[0]
 
 
 def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],
@@ -117,8 +117,8 @@ def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],
 
 
 def check_projected_keys(projected, keys, features: int, how: str) -> None:
-  expected = _checks.shape_of(keys)[:2] + (features,)
-  got = _checks.shape_of(projected)
+  expected = checks.shape_of(keys)[:2] + (features,)
+  got = checks.shape_of(projected)
   if got != expected:
     raise ValueError(f"projected_keys has shape {got}, expected {expected} "
                      f"([B, S] of keys, {features} features) from {how}.")

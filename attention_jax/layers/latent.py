@@ -70,9 +70,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax.core import checks as _checks
-from attention_jax.core import numerics as _numerics
-from attention_jax.decoding import cache_step as decoding
+from attention_jax.core import checks
+from attention_jax.core import numerics
+from attention_jax.decoding import cache_step
 from attention_jax.layers import multi_head
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import Mask
@@ -119,7 +119,7 @@ class LatentCache:
   sliding-window layer attending ``window`` positions back, ``window <
   L``). ``index [B]`` counts the tokens written per example; ``overflow``
   (bool ``[B]``, sticky) marks examples whose write did not fit a linear
-  cache, as ``decoding.KVCache``. A pytree whose ``window`` is static, so
+  cache, as ``cache_step.KVCache``. A pytree whose ``window`` is static, so
   a cache passes through ``jax.jit`` as an argument.
   """
   latent: jax.Array
@@ -147,12 +147,12 @@ def check_latent_dims(d_model: int, num_heads: int, *,
                       ("qk_nope_head_dim", qk_nope_head_dim),
                       ("qk_rope_head_dim", qk_rope_head_dim),
                       ("v_head_dim", v_head_dim)):
-    _checks.check_positive_int(name, value)
+    checks.check_positive_int(name, value)
   if q_lora_rank is not None:
-    _checks.check_positive_int("q_lora_rank (None for a full-rank W_q)",
-                               q_lora_rank)
+    checks.check_positive_int("q_lora_rank (None for a full-rank W_q)",
+                              q_lora_rank)
   out_features = d_model if out_features is None else out_features
-  _checks.check_positive_int("out_features", out_features)
+  checks.check_positive_int("out_features", out_features)
   if qk_rope_head_dim % 2:
     raise ValueError(
         f"qk_rope_head_dim must be even (RoPE rotates feature pairs), got "
@@ -249,7 +249,7 @@ def _entry_shape(params, name: str, entry: str) -> tuple[int, ...]:
     raise ValueError(
         f"params['{name}'] must hold '{entry}' ({LAYOUT[name]}); got "
         f"{sorted(layer) if hasattr(layer, 'keys') else layer!r}.")
-  return _checks.shape_of(layer[entry])
+  return checks.shape_of(layer[entry])
 
 
 def latent_dims(params: Any) -> LatentDims:
@@ -334,9 +334,9 @@ def latent_dims(params: Any) -> LatentDims:
           f"{list(BIASED)} may, as DeepSeek's attention_bias; an up-"
           "projection bias could not be folded into the query).")
     want = shapes[name][-1:]
-    if _checks.shape_of(bias) != want:
+    if checks.shape_of(bias) != want:
       raise ValueError(f"params['{name}']['bias'] must have shape {want} "
-                       f"({LAYOUT[name]}), got {_checks.shape_of(bias)}.")
+                       f"({LAYOUT[name]}), got {checks.shape_of(bias)}.")
   return LatentDims(d, n, rq, r, hn, hr, hv, dout)
 
 
@@ -373,13 +373,13 @@ def _rotate(x: jax.Array, positions: jax.Array,
 
 
 def _check_x(x, dims: LatentDims) -> jax.Array:
-  x = _checks.as_array_operand("x", x, "[B, T, D]")
-  _checks.check_float_array("x", x)
-  _checks.check_rank("x", x, (3,), "[B, T, D]")
-  if _checks.shape_of(x)[-1] != dims.d_model:
+  x = checks.as_array_operand("x", x, "[B, T, D]")
+  checks.check_float_array("x", x)
+  checks.check_rank("x", x, (3,), "[B, T, D]")
+  if checks.shape_of(x)[-1] != dims.d_model:
     raise ValueError(
-        f"x has {_checks.shape_of(x)[-1]} features (shape "
-        f"{_checks.shape_of(x)}), but the MLA params have d_model D = "
+        f"x has {checks.shape_of(x)[-1]} features (shape "
+        f"{checks.shape_of(x)}), but the MLA params have d_model D = "
         f"{dims.d_model} (W_dkv kernel [D, R + Hr]).")
   return jnp.asarray(x)
 
@@ -389,7 +389,7 @@ def _check_positions(positions, b: int, t: int) -> jax.Array:
   if isinstance(positions, (list, tuple)):
     positions = np.asarray(positions)
   dtype = jnp.result_type(positions)
-  shape = _checks.shape_of(positions)
+  shape = checks.shape_of(positions)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
         f"positions must be integer [B, T] = [{b}, {t}] (or [T] shared), "
@@ -498,9 +498,9 @@ def latent_attention(
   """
   dims = latent_dims(params)
   x = _check_x(x, dims)
-  _checks.check_static_bool("is_causal", is_causal)
-  _checks.check_static_bool("return_weights", return_weights)
-  _checks.check_scale(scale)
+  checks.check_static_bool("is_causal", is_causal)
+  checks.check_static_bool("return_weights", return_weights)
+  checks.check_scale(scale)
   rope = rope_lib.as_rope(rope)
   b, t, _ = x.shape
   n = dims.num_heads
@@ -508,12 +508,12 @@ def latent_attention(
   x_kv = x
   if m is not None and m.dense is not None:
     full, layout = (b, n, t, t), "[B, N, T, S]"
-    shape = _checks.shape_of(m.dense)
-    _checks.check_logits_rank("mask", shape, full, layout)
-    _checks.check_broadcastable_to("mask", shape, full, layout)
+    shape = checks.shape_of(m.dense)
+    checks.check_logits_rank("mask", shape, full, layout)
+    checks.check_broadcastable_to("mask", shape, full, layout)
     # Padded tokens may hold NaN: zero them before W_dkv.
-    seen = jnp.any(_numerics.as_bool_mask(m.dense), axis=(1, 2))  # [B|1, S|1]
-    (x_kv,) = _numerics.zero_unseen(seen, x)
+    seen = jnp.any(numerics.as_bool_mask(m.dense), axis=(1, 2))  # [B|1, S|1]
+    (x_kv,) = numerics.zero_unseen(seen, x)
   positions = (_default_positions(m, t) if positions is None
                else _check_positions(positions, b, t))
   q_nope, q_pe, c_kv, k_pe = _projections(params, x, x_kv, positions, rope,
@@ -562,8 +562,8 @@ def init_latent_cache(params: Params, batch_size: int, max_length: int, *,
     ((2, 10, 16), (2, 10, 4), [0, 0])
   """
   dims = latent_dims(params)
-  _checks.check_positive_int("batch_size", batch_size)
-  _checks.check_positive_int("max_length", max_length)
+  checks.check_positive_int("batch_size", batch_size)
+  checks.check_positive_int("max_length", max_length)
   if window is not None and (isinstance(window, bool) or not isinstance(
       window, int) or not 0 <= window < max_length):
     raise ValueError(
@@ -582,7 +582,7 @@ def _check_cache(cache, dims: LatentDims, b: int) -> None:
   if not isinstance(cache, LatentCache):
     raise TypeError(f"cache must be an aj LatentCache (init_latent_cache), "
                     f"got {type(cache).__name__}.")
-  lat, rk = _checks.shape_of(cache.latent), _checks.shape_of(cache.rope_key)
+  lat, rk = checks.shape_of(cache.latent), checks.shape_of(cache.rope_key)
   want = (b, lat[1] if len(lat) == 3 else None)
   if (len(lat) != 3 or len(rk) != 3 or lat[:2] != want or rk[:2] != want
       or lat[2] != dims.kv_lora_rank or rk[2] != dims.qk_rope_head_dim):
@@ -619,7 +619,7 @@ def latent_decode(
     x: float ``[B, T, D]``, this call's tokens.
     cache: a ``LatentCache`` (``init_latent_cache``).
     mask: an ``aj.Mask`` restated over cache slots as
-      ``MultiHeadAttention`` decodes (``decoding.write``): a window and a
+      ``MultiHeadAttention`` decodes (``cache_step.write``): a window and a
       rule at absolute slot positions, ``q_lengths [B]`` the real new
       tokens of a right-padded ragged prefill, ``kv_lengths``; a dense
       mask is over the slots (``[B, N, T, L]``). Segment ids are refused.
@@ -654,8 +654,8 @@ def latent_decode(
   """
   dims = latent_dims(params)
   x = _check_x(x, dims)
-  _checks.check_static_bool("return_weights", return_weights)
-  _checks.check_scale(scale)
+  checks.check_static_bool("return_weights", return_weights)
+  checks.check_scale(scale)
   rope = rope_lib.as_rope(rope)
   b, t, _ = x.shape
   _check_cache(cache, dims, b)
@@ -663,18 +663,18 @@ def latent_decode(
   if m is not None and m.dense is not None:
     full = (b, dims.num_heads, t, cache.latent.shape[1])
     layout = "[B, N, T, L] (decoding: L cache slots)"
-    shape = _checks.shape_of(m.dense)
-    _checks.check_logits_rank("mask", shape, full, layout)
-    _checks.check_broadcastable_to("mask", shape, full, layout)
+    shape = checks.shape_of(m.dense)
+    checks.check_logits_rank("mask", shape, full, layout)
+    checks.check_broadcastable_to("mask", shape, full, layout)
   index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
-  lengths = decoding.new_lengths(m, b, t)
+  lengths = cache_step.new_lengths(m, b, t)
   q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] slot positions
   rot = q_pos if positions is None else _check_positions(positions, b, t)
   q_nope, q_pe, c_kv, k_pe = _projections(params, x, x, rot, rope, dims,
                                           precision)
-  kv_cache = decoding.KVCache(cache.rope_key[:, None], cache.latent[:, None],
-                              index, cache.overflow, cache.window)
-  rope_keys, latents, m, _, written = decoding.write(
+  kv_cache = cache_step.KVCache(cache.rope_key[:, None], cache.latent[:, None],
+                                index, cache.overflow, cache.window)
+  rope_keys, latents, m, _, written = cache_step.write(
       kv_cache, k_pe[:, None], c_kv[:, None], m, None, None, index, lengths,
       q_pos, dims.num_heads)  # [B, 1, S', Hr], [B, 1, S', R]
   hn = dims.qk_nope_head_dim

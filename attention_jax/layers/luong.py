@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax.core import checks as _checks
-from attention_jax.core import numerics as _numerics
+from attention_jax.core import checks
+from attention_jax.core import numerics
 from attention_jax.layers import additive
-from attention_jax.layers import decoder_attention as _decoder_attention
+from attention_jax.layers import decoder_attention
 
 Params = dict[str, jax.Array]
 SCORES = ("dot", "general", "concat")
@@ -67,8 +67,8 @@ def init_luong_params(rng: jax.Array, query_features: int, key_features: int,
     (6, 4)
   """
   _check_score(score)
-  _checks.check_positive_int("query_features", query_features)
-  _checks.check_positive_int("key_features", key_features)
+  checks.check_positive_int("query_features", query_features)
+  checks.check_positive_int("key_features", key_features)
   if score == "dot" and query_features != key_features:
     raise ValueError(f"score='dot' needs query_features == key_features, got "
                      f"{query_features} and {key_features}.")
@@ -80,7 +80,7 @@ def init_luong_params(rng: jax.Array, query_features: int, key_features: int,
   elif score == "concat":
     if hidden_features is None:
       raise ValueError("score='concat' needs hidden_features (A).")
-    _checks.check_positive_int("hidden_features", hidden_features)
+    checks.check_positive_int("hidden_features", hidden_features)
     params["W"] = init(kw, (query_features + key_features, hidden_features),
                        dtype)
     params["v"] = (jax.random.normal(kv, (hidden_features,), dtype)
@@ -98,21 +98,21 @@ def _check_params(score: str, params, dq: int | None, dk: int) -> int:
     if name not in params:
       raise ValueError(f"score={score!r} needs params['{name}'], got keys "
                        f"{sorted(params)}.")
-  if "scale" in params and _checks.shape_of(params["scale"]) not in ((), (1,)):
+  if "scale" in params and checks.shape_of(params["scale"]) not in ((), (1,)):
     raise ValueError("params['scale'] must be a scalar, got shape "
-                     f"{_checks.shape_of(params['scale'])}.")
+                     f"{checks.shape_of(params['scale'])}.")
   if score == "dot":
     if dq is not None and dq != dk:
       raise ValueError(f"score='dot' needs query and keys with the same "
                        f"features, got Dq={dq} and Dk={dk}.")
     return dk
-  w = _checks.shape_of(params["W"])
+  w = checks.shape_of(params["W"])
   if score == "general":
     if len(w) != 2 or w[1] != dk or (dq is not None and w[0] != dq):
       raise ValueError(f"params['W'] has shape {w}, expected [Dq, Dk] = "
                        f"[{dq if dq is not None else 'Dq'}, {dk}].")
     return w[0]
-  v = _checks.shape_of(params["v"])
+  v = checks.shape_of(params["v"])
   if len(w) != 2 or len(v) != 1 or w[1] != v[0] or (
       dq is not None and w[0] != dq + dk) or w[0] <= dk:
     raise ValueError(f"params must be W [Dq + Dk, A] and v [A]: got W {w}, "
@@ -142,11 +142,11 @@ def precompute_luong_keys(params: Params | None, keys: ArrayLike, *,
     (2, 5, 8)
   """
   _check_score(score)
-  _checks.check_float_array("keys", keys)
-  _checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
-  dk = _checks.shape_of(keys)[-1]
+  checks.check_float_array("keys", keys)
+  checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
+  dk = checks.shape_of(keys)[-1]
   _check_params(score, params, None, dk)
-  compute_dtype = _numerics.compute_dtype(keys, *(params or {}).values())
+  compute_dtype = numerics.compute_dtype(keys, *(params or {}).values())
   keys = jnp.asarray(keys, compute_dtype)
   if score == "dot":
     return keys
@@ -199,15 +199,15 @@ def luong_attention(
     ((2, 3, 4), (2, 3, 5))
   """
   _check_score(score)
-  inputs = _decoder_attention.prepare(query, keys, values, mask)
-  dq, dk = _checks.shape_of(query)[-1], _checks.shape_of(keys)[-1]
+  inputs = decoder_attention.prepare(query, keys, values, mask)
+  dq, dk = checks.shape_of(query)[-1], checks.shape_of(keys)[-1]
   width = _check_params(score, params, dq, dk)
   if projected_keys is None:
     projected_keys = precompute_luong_keys(
-        params, _decoder_attention.hide_unseen(inputs, keys), score=score)
+        params, decoder_attention.hide_unseen(inputs, keys), score=score)
   else:
-    _checks.check_float_array("projected_keys", projected_keys)
-    _decoder_attention.check_projected_keys(
+    checks.check_float_array("projected_keys", projected_keys)
+    decoder_attention.check_projected_keys(
         projected_keys, keys, width, "precompute_luong_keys")
   compute_dtype = inputs.compute_dtype
   params = {} if params is None else params
@@ -226,6 +226,6 @@ def luong_attention(
     def score_one(q, key_side):  # [Dq], [S, Dq] -> [S]
       return multiplier * (key_side @ q)
 
-  context, weights = _decoder_attention.attend(
+  context, weights = decoder_attention.attend(
       score_one, inputs, jnp.asarray(projected_keys, compute_dtype))
   return (context, weights) if return_weights else context

@@ -37,9 +37,9 @@ from jax.typing import ArrayLike
 
 from attention_jax import kernels
 from attention_jax.attention import dot_product
-from attention_jax.core import checks as _checks
-from attention_jax.core import numerics as _numerics
-from attention_jax.decoding import cache_step as decoding
+from attention_jax.core import checks
+from attention_jax.core import numerics
+from attention_jax.decoding import cache_step
 from attention_jax.decoding.cache_step import KVCache
 from attention_jax.layers import multi_head_params
 from attention_jax.layers import sharding
@@ -165,14 +165,14 @@ def _check_mask_and_bias(mask, bias, full: tuple[int, ...], layout: str):
   for name, x in (("mask", mask), ("bias", bias)):
     if x is None:
       continue
-    shape = _checks.shape_of(x)
-    _checks.check_logits_rank(name, shape, full, layout)
-    _checks.check_broadcastable_to(name, shape, full, layout)
+    shape = checks.shape_of(x)
+    checks.check_logits_rank(name, shape, full, layout)
+    checks.check_broadcastable_to(name, shape, full, layout)
   if mask is not None:
-    _checks.check_mask_dtype("mask", mask)
-    mask = _numerics.as_bool_mask(mask)
+    checks.check_mask_dtype("mask", mask)
+    mask = numerics.as_bool_mask(mask)
   if bias is not None:
-    _checks.check_float_array("bias", bias)
+    checks.check_float_array("bias", bias)
     bias = jnp.asarray(bias)
   return mask, bias
 
@@ -241,7 +241,7 @@ def attend_heads(
     >>> out.shape, w.shape
     ((2, 4, 3, 8), (2, 4, 3, 5))
   """
-  _checks.check_static_bool("is_causal", is_causal)
+  checks.check_static_bool("is_causal", is_causal)
   mask = mask_lib.as_mask(mask, is_causal=is_causal)
   resolved = resolve_attention_fn(attention_fn)
   kwargs = {}
@@ -261,7 +261,7 @@ def attend_heads(
   for name, flag in (("return_weights", return_weights),
                      ("return_lse", return_lse),
                      ("return_max_logits", return_max_logits)):
-    _checks.check_static_bool(name, flag)
+    checks.check_static_bool(name, flag)
     if flag:
       kwargs[name] = True
   _check_accepts(resolved, kwargs)
@@ -406,12 +406,12 @@ def project_memory(params: Params, memory: ArrayLike, *,
     (1, 2, 5, 4)
   """
   dims = param_dims(params)
-  _checks.check_float_array("memory", memory)
-  _checks.check_rank("memory", memory, (3,), "[B, S, Dkv]")
-  if _checks.shape_of(memory)[-1] != dims.kv_features:
+  checks.check_float_array("memory", memory)
+  checks.check_rank("memory", memory, (3,), "[B, S, Dkv]")
+  if checks.shape_of(memory)[-1] != dims.kv_features:
     raise ValueError(
-        f"memory has {_checks.shape_of(memory)[-1]} features (shape "
-        f"{_checks.shape_of(memory)}), but params['W_k']['kernel'] has shape "
+        f"memory has {checks.shape_of(memory)[-1]} features (shape "
+        f"{checks.shape_of(memory)}), but params['W_k']['kernel'] has shape "
         f"{multi_head_params.param_shape(params, 'W_k', 'kernel')}: [Dkv, K, "
         f"H] with Dkv={dims.kv_features}.")
   memory = jnp.asarray(memory)
@@ -428,16 +428,16 @@ def _check_memory(memory, b: int, dims: multi_head_params.HeadDims):
                     f"memory [B, S, Dkv]), got {type(memory).__name__}.")
   want = (b, dims.num_kv_heads, None, dims.head_dim)
   for name, x in (("memory.key", memory.key), ("memory.value", memory.value)):
-    shape = _checks.shape_of(x)
+    shape = checks.shape_of(x)
     if len(shape) != 4 or any(w is not None and w != g
                               for w, g in zip(want, shape)):
       raise ValueError(
           f"{name} has shape {shape}, but this call needs [B, K, S, H] with "
           f"B={b} (the query's batch), K={dims.num_kv_heads}, "
           f"H={dims.head_dim} (the params): project it with these params.")
-  if _checks.shape_of(memory.key) != _checks.shape_of(memory.value):
-    raise ValueError(f"memory.key {_checks.shape_of(memory.key)} and "
-                     f"memory.value {_checks.shape_of(memory.value)} differ.")
+  if checks.shape_of(memory.key) != checks.shape_of(memory.value):
+    raise ValueError(f"memory.key {checks.shape_of(memory.key)} and "
+                     f"memory.value {checks.shape_of(memory.value)} differ.")
 
 
 def _rope_positions(t: int, s: int, mask: Mask | None):
@@ -465,7 +465,7 @@ def _as_positions(name: str, positions, b: int, length: int, what: str):
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array [B, {what}] (or "
                     f"[{what}] shared by the batch), got dtype {dtype}.")
-  shape = _checks.shape_of(positions)
+  shape = checks.shape_of(positions)
   if shape not in ((b, length), (length,), (1, length)):
     raise ValueError(
         f"{name} has shape {shape}, expected [B, {what}] = {(b, length)} (or "
@@ -512,9 +512,9 @@ def _rotary_positions(positions, kv_positions, t: int, s: int, b: int,
 def _check_inputs(query, key, value, cache: KVCache | None,
                   params: Mapping[str, Any], dims: multi_head_params.HeadDims,
                   memory: Memory | None) -> None:
-  _checks.check_float_array("query", query)
-  _checks.check_rank("query", query, (3,), "[B, T, D]")
-  q_shape = _checks.shape_of(query)
+  checks.check_float_array("query", query)
+  checks.check_rank("query", query, (3,), "[B, T, D]")
+  q_shape = checks.shape_of(query)
   if q_shape[-1] != dims.d_model:
     raise ValueError(
         f"query has {q_shape[-1]} features (shape {q_shape}), but "
@@ -535,10 +535,10 @@ def _check_inputs(query, key, value, cache: KVCache | None,
     if x is None:
       raise TypeError(f"{name} is None: pass [B, S, Dkv] (or memory= from "
                       "project_memory).")
-    _checks.check_float_array(name, x)
-  _checks.check_rank("key", key, (3,), "[B, S, Dkv]")
-  _checks.check_rank("value", value, (3,), "[B, S, Dkv]")
-  k_shape, v_shape = map(_checks.shape_of, (key, value))
+    checks.check_float_array(name, x)
+  checks.check_rank("key", key, (3,), "[B, S, Dkv]")
+  checks.check_rank("value", value, (3,), "[B, S, Dkv]")
+  k_shape, v_shape = map(checks.shape_of, (key, value))
   if k_shape != v_shape:
     raise ValueError(
         f"key {k_shape} and value {v_shape} must have the same shape "
@@ -597,7 +597,7 @@ def forward(
   qk-norm, gate) come from ``params`` (``param_dims``); ``num_heads`` /
   ``num_kv_heads``, when given, must agree with them. With ``cache``, this
   call's keys and values are written at ``cache.index``
-  (``decoding.write``) and the queries attend causally to every filled
+  (``cache_step.write``) and the queries attend causally to every filled
   slot; a dense mask and the bias are then over the ``L`` cache slots
   (``[B, N, T, L]``, rank 4). With ``memory`` (``project_memory``), the
   keys and values are those, not projected again (``key``/``value`` None).
@@ -620,7 +620,7 @@ def forward(
   dims = param_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
   _check_inputs(query, key, value, cache, params, dims, memory)
   sinks, score_mod = layer_extras(params, sinks, score_mod, t5_bias)
-  _checks.check_static_bool("is_causal", is_causal)
+  checks.check_static_bool("is_causal", is_causal)
   rope = rope_lib.as_rope(rope)
   if rope is None and (positions is not None or kv_positions is not None):
     raise ValueError(
@@ -632,9 +632,9 @@ def forward(
         "rope with a projected memory is not supported: the memory's keys "
         "are projected once, without positions. Rotate them yourself or "
         "attend with key/value.")
-  q_shape = _checks.shape_of(query)
+  q_shape = checks.shape_of(query)
   s = (memory.key.shape[2] if memory is not None
-       else _checks.shape_of(key)[1])
+       else checks.shape_of(key)[1])
   sharding.check_heads_divide(dims.num_heads, dims.num_kv_heads, head_axis)
   b, t = q_shape[:2]
   if cache is None:
@@ -656,7 +656,7 @@ def forward(
     if dense is not None and cache is None:
       # Padded inputs may hold NaN: zero them before W_k/W_v.
       seen = jnp.any(dense, axis=(1, 2))  # [B|1, S|1]
-      key, value = _numerics.zero_unseen(seen, key, value)
+      key, value = numerics.zero_unseen(seen, key, value)
     k = project_heads(key, params["W_k"], precision=precision)  # [B, K, S, H]
     v = project_heads(value, params["W_v"], precision=precision)  # [B, K, S, H]
   else:
@@ -672,7 +672,7 @@ def forward(
   q_pos = None
   if cache is not None:  # every example at its own position
     index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
-    lengths = decoding.new_lengths(m, b, t)
+    lengths = cache_step.new_lengths(m, b, t)
     q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] absolute
   if rope is not None:
     q_rot, k_rot = _rotary_positions(positions, kv_positions, t, s, b, m,
@@ -683,7 +683,7 @@ def forward(
     q = rope_lib.apply_rope(q, q_rot, rope=rope, seq_len=seq_len)
     k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
   if cache is not None:
-    k, v, m, score_mod, cache = decoding.write(
+    k, v, m, score_mod, cache = cache_step.write(
         cache, k, v, m, bias, score_mod, index, lengths, q_pos,
         dims.num_heads)
   def attend(q, k, v, m, bias, score_mod, sinks, dropout_rng):
@@ -765,7 +765,7 @@ def layer_extras(params: Params, sinks: ArrayLike | None, score_mod: Any,
         "params_dict()), or leave t5_bias out.")
   if table is None:
     return sinks, score_mod
-  shape = _checks.shape_of(table)
+  shape = checks.shape_of(table)
   if t5_bias is None:
     raise ValueError(
         f"params['t5_bias']['table'] {list(shape)} is a learned T5 relative "

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 from attention_jax.scores import score_mods
 
 Params = dict[str, dict[str, jax.Array]]
@@ -91,8 +91,8 @@ def check_dims(d_model: int, num_heads: int, *,
     >>> check_dims(16, 4, num_kv_heads=2).head_dim
     4
   """
-  _checks.check_positive_int("d_model", d_model)
-  _checks.check_positive_int("num_heads", num_heads)
+  checks.check_positive_int("d_model", d_model)
+  checks.check_positive_int("num_heads", num_heads)
   if head_dim is None:
     if d_model % num_heads:
       raise ValueError(
@@ -100,13 +100,13 @@ def check_dims(d_model: int, num_heads: int, *,
           f"head_dim defaults to d_model // num_heads; pass head_dim= to "
           f"choose it.")
     head_dim = d_model // num_heads
-  _checks.check_positive_int("head_dim", head_dim)
-  num_kv_heads = _checks.check_head_counts(num_heads * head_dim, num_heads,
-                                           num_kv_heads)
+  checks.check_positive_int("head_dim", head_dim)
+  num_kv_heads = checks.check_head_counts(num_heads * head_dim, num_heads,
+                                          num_kv_heads)
   kv_features = d_model if kv_features is None else kv_features
   out_features = d_model if out_features is None else out_features
-  _checks.check_positive_int("kv_features", kv_features)
-  _checks.check_positive_int("out_features", out_features)
+  checks.check_positive_int("kv_features", kv_features)
+  checks.check_positive_int("out_features", out_features)
   return HeadDims(num_heads, num_kv_heads, head_dim, d_model, kv_features,
                   out_features, False)
 
@@ -175,7 +175,7 @@ def init_multi_head_params(
       d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
       kv_features=kv_features, out_features=out_features)
   check_output_gate(output_gate)
-  _checks.check_static_bool("attention_sinks", attention_sinks)
+  checks.check_static_bool("attention_sinks", attention_sinks)
   check_t5_bias(t5_bias)
   init = jax.nn.initializers.lecun_normal()
   shapes = {  # name: (kernel shape, bias shape)
@@ -250,7 +250,7 @@ def _layer(params, name: str) -> Mapping[str, Any]:
 
 def param_shape(params, name: str, entry: str) -> tuple[int, ...]:
   """The shape of ``params[name][entry]`` (for messages)."""
-  return _checks.shape_of(params[name][entry])
+  return checks.shape_of(params[name][entry])
 
 
 def _wrong(params, name: str, entry: str, expected: str, why: str = ""):
@@ -348,21 +348,21 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
     if param_shape(params, "sinks", "logits") != (n,):
       raise _wrong(params, "sinks", "logits", f"({n},) = [N], one per query "
                    "head of W_q")
-    _checks.check_float_array("params['sinks']['logits']",
-                              params["sinks"]["logits"])
+    checks.check_float_array("params['sinks']['logits']",
+                             params["sinks"]["logits"])
   if "t5_bias" in params:
     _layer(params, "t5_bias")
     table = param_shape(params, "t5_bias", "table")
     if len(table) != 2 or table[1] != n:
       raise _wrong(params, "t5_bias", "table", f"[num_buckets, N] with "
                    f"N={n}, one column per query head of W_q")
-    _checks.check_float_array("params['t5_bias']['table']",
-                              params["t5_bias"]["table"])
+    checks.check_float_array("params['t5_bias']['table']",
+                             params["t5_bias"]["table"])
   for arg, value, got, what, layer in (
       ("num_heads", num_heads, n, "heads", "W_q"),
       ("num_kv_heads", num_kv_heads, k, "key/value heads", "W_k")):
     if value is not None:
-      _checks.check_positive_int(arg, value)
+      checks.check_positive_int(arg, value)
       if value != got:
         raise ValueError(
             f"{arg}={value} but params['{layer}']['kernel'] has shape "

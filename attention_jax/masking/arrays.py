@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax.core import checks as _checks
-from attention_jax.core import numerics as _numerics
-from attention_jax.masking import intervals as _patterns
+from attention_jax.core import checks
+from attention_jax.core import numerics
+from attention_jax.masking import intervals
 
 
 def causal_mask(q_len: int, kv_len: int | None = None) -> jax.Array:
@@ -42,12 +42,12 @@ def causal_mask(q_len: int, kv_len: int | None = None) -> jax.Array:
            [1, 1, 1]], dtype=int32)
   """
   kv_len = q_len if kv_len is None else kv_len
-  _checks.check_positive_int("q_len", q_len)
-  _checks.check_positive_int("kv_len", kv_len)
+  checks.check_positive_int("q_len", q_len)
+  checks.check_positive_int("kv_len", kv_len)
   rows = jnp.arange(q_len)[:, None]  # [T, 1]
   cols = jnp.arange(kv_len)[None, :]  # [1, S]
-  return _patterns.visible(rows, cols, kv_len - q_len,
-                           _patterns.bounds(True, None))  # [T, S]
+  return intervals.visible(rows, cols, kv_len - q_len,
+                           intervals.bounds(True, None))  # [T, S]
 
 
 def padding_mask(lengths: ArrayLike, max_len: int) -> jax.Array:
@@ -68,15 +68,15 @@ def padding_mask(lengths: ArrayLike, max_len: int) -> jax.Array:
     Array([[1, 0, 0],
            [1, 1, 1]], dtype=int32)
   """
-  _checks.check_positive_int("max_len", max_len)
+  checks.check_positive_int("max_len", max_len)
   if isinstance(lengths, (list, tuple)):
     lengths = np.asarray(lengths)
   dtype = jnp.result_type(lengths)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(f"lengths must be an integer array, got dtype {dtype} "
-                    f"with shape {_checks.shape_of(lengths)}.")
-  _checks.check_rank("lengths", lengths, (1,), "[B]")
-  _checks.check_concrete_range(
+                    f"with shape {checks.shape_of(lengths)}.")
+  checks.check_rank("lengths", lengths, (1,), "[B]")
+  checks.check_concrete_range(
       "lengths", lengths, max_len,
       f": a length past max_len={max_len} would be clipped silently; pass "
       "max_len >= the longest sequence")
@@ -102,17 +102,17 @@ def make_attention_mask(query_valid: ArrayLike,
     Array([[1, 0, 0],
            [1, 0, 0]], dtype=int32)
   """
-  _checks.check_mask_dtype("query_valid", query_valid)
-  _checks.check_mask_dtype("key_valid", key_valid)
-  _checks.check_rank("query_valid", query_valid, (2,), "[B, T]")
-  _checks.check_rank("key_valid", key_valid, (2,), "[B, S]")
-  qb, kb = _checks.shape_of(query_valid)[0], _checks.shape_of(key_valid)[0]
+  checks.check_mask_dtype("query_valid", query_valid)
+  checks.check_mask_dtype("key_valid", key_valid)
+  checks.check_rank("query_valid", query_valid, (2,), "[B, T]")
+  checks.check_rank("key_valid", key_valid, (2,), "[B, S]")
+  qb, kb = checks.shape_of(query_valid)[0], checks.shape_of(key_valid)[0]
   if qb != kb and 1 not in (qb, kb):
     raise ValueError(
-        f"query_valid {_checks.shape_of(query_valid)} and key_valid "
-        f"{_checks.shape_of(key_valid)} have different batch sizes.")
-  q = _numerics.as_bool_mask(query_valid)
-  k = _numerics.as_bool_mask(key_valid)
+        f"query_valid {checks.shape_of(query_valid)} and key_valid "
+        f"{checks.shape_of(key_valid)} have different batch sizes.")
+  q = numerics.as_bool_mask(query_valid)
+  k = numerics.as_bool_mask(key_valid)
   return (q[:, None, :, None] & k[:, None, None, :])  # [B, 1, T, S]
 
 
@@ -135,12 +135,12 @@ def combine_masks(*masks: ArrayLike | None) -> jax.Array | None:
   if not present:
     return None
   for i, m in enumerate(present):
-    _checks.check_mask_dtype(f"masks[{i}]", m)
-  shape = _checks.broadcast_shapes(
+    checks.check_mask_dtype(f"masks[{i}]", m)
+  shape = checks.broadcast_shapes(
       "combine_masks arguments",
-      **{f"masks[{i}]": _checks.shape_of(m) for i, m in enumerate(present)})
+      **{f"masks[{i}]": checks.shape_of(m) for i, m in enumerate(present)})
   # Explicit broadcast: callers may run with jax_numpy_rank_promotion="raise".
   out = jnp.ones(shape, bool)
   for m in present:
-    out = out & jnp.broadcast_to(_numerics.as_bool_mask(m), shape)
+    out = out & jnp.broadcast_to(numerics.as_bool_mask(m), shape)
   return out

@@ -31,13 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import checks as _checks
-from attention_jax.masking import intervals as _patterns
+from attention_jax.core import checks
+from attention_jax.masking import intervals
 from attention_jax.masking.mask import BlockMask
 from attention_jax.masking.mask import MaskRule
 
-EMPTY, PARTIAL, FULL = _patterns.EMPTY, _patterns.PARTIAL, _patterns.FULL
-MaskFn = _patterns.MaskFn
+EMPTY, PARTIAL, FULL = intervals.EMPTY, intervals.PARTIAL, intervals.FULL
+MaskFn = intervals.MaskFn
 
 
 def _compact(kinds: np.ndarray):
@@ -136,7 +136,7 @@ def block_mask(mask_fn: MaskFn, q_len: int, kv_len: int, *,
                     f"got {type(mask_fn).__name__}.")
   for name, value in (("q_len", q_len), ("kv_len", kv_len),
                       ("block_q", block_q), ("block_k", block_k)):
-    _checks.check_positive_int(name, value)
+    checks.check_positive_int(name, value)
   if not isinstance(batch, tuple) or any(
       isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in batch):
     raise ValueError(f"batch must be a tuple of positive ints (the leading "
@@ -175,7 +175,7 @@ def _closes_over_tracers(mask_fn, batch, kv_len: int) -> bool:
   Inside ``jax.jit`` even ``jnp`` operations on constants are traced; only
   closed-over traced values (the consts of the rule's program) are refused.
   """
-  b, h = _patterns.rule_indices(batch, np)
+  b, h = intervals.rule_indices(batch, np)
   lead = (1,) * len(batch)
   program = jax.make_jaxpr(mask_fn)(b, h, np.zeros(lead + (1, 1), np.int32),
                                     np.arange(kv_len).reshape(lead + (1, -1)))
@@ -198,7 +198,7 @@ def _check_result(allowed, batch, rows: int, kv_len: int, xp):
 
 def _kinds_numpy(mask_fn, batch, q_len, kv_len, bq, nq, nk, bk):
   """``batch + [nq, nk]`` kinds with NumPy (raises on a traced rule)."""
-  b, h = _patterns.rule_indices(batch, np)
+  b, h = intervals.rule_indices(batch, np)
   lead = (1,) * len(batch)  # indices of the rule's full rank
   cols = np.arange(kv_len).reshape(lead + (1, -1))
   kinds = np.zeros(tuple(batch) + (nq, nk), np.int8)
@@ -216,7 +216,7 @@ def _kinds_on_device(mask_fn, batch, q_len, kv_len, bq, nq, nk, bk):
   Rows past ``T`` in the last block repeat row ``T - 1`` (``clip``), which
   leaves that block's kinds unchanged.
   """
-  b, h = _patterns.rule_indices(batch, jnp)
+  b, h = intervals.rule_indices(batch, jnp)
   lead = (1,) * len(batch)  # indices of the rule's full rank
   cols = jnp.arange(kv_len).reshape(lead + (1, -1))
 
@@ -273,7 +273,7 @@ def prefix_lm_mask_fn(prefix_len) -> MaskFn:
     [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
   """
   if np.ndim(prefix_len) == 0 and not isinstance(prefix_len, jax.Array):
-    _checks.check_positive_int("prefix_len", prefix_len)
+    checks.check_positive_int("prefix_len", prefix_len)
     return _PrefixLM(int(prefix_len))
   if np.ndim(prefix_len) == 0 and jnp.issubdtype(jnp.result_type(prefix_len),
                                                  jnp.integer):
@@ -308,7 +308,7 @@ def chunked_mask_fn(chunk: int) -> MaskFn:
     ...                    np.arange(4)[None, :]).astype(int).tolist()
     [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
   """
-  _checks.check_positive_int("chunk", chunk)
+  checks.check_positive_int("chunk", chunk)
   return _Chunked(int(chunk))
 
 

@@ -50,7 +50,7 @@ def rule_indices(batch: tuple[int, ...], xp=np):
   """``b`` and ``h`` of rank ``len(batch) + 2``, as the kernels number them.
 
   The index arrays a mask rule is evaluated over when its block tables are
-  built (``block_mask``) or checked against the operands (``_checks``).
+  built (``block_mask``) or checked against the operands (``checks``).
   """
   if not batch:
     return xp.zeros((1, 1), np.int32), xp.zeros((1, 1), np.int32)

@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import numerics as _numerics
-from attention_jax.masking import intervals as _patterns
+from attention_jax.core import numerics
+from attention_jax.masking import intervals
 
 MaskFn = Callable[..., jax.Array]  # mask_fn(b, h, q_idx, kv_idx) -> bool
 
@@ -57,7 +57,7 @@ _FIELDS = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
 
 
 def _integer_array(name: str, x):
-  return _numerics.integer_array(f"Mask's {name}", x)
+  return numerics.integer_array(f"Mask's {name}", x)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -159,8 +159,8 @@ class BlockMask:
               f"batch_shape={self.batch_shape})")
     kinds = np.asarray(self.kinds)
     counts = {name: int((kinds == k).sum()) for name, k in
-              (("empty", _patterns.EMPTY), ("partial", _patterns.PARTIAL),
-               ("full", _patterns.FULL))}
+              (("empty", intervals.EMPTY), ("partial", intervals.PARTIAL),
+               ("full", intervals.FULL))}
     return (f"BlockMask(q_len={self.q_len}, kv_len={self.kv_len}, "
             f"block_q={self.block_q}, block_k={self.block_k}, blocks={counts})")
 
@@ -231,7 +231,7 @@ class Mask:
       raise TypeError(f"Mask's causal must be a Python bool (static), got "
                       f"{causal!r}.")
     self.causal = bool(causal)
-    self.window = _patterns.check_window(window)
+    self.window = intervals.check_window(window)
     self.q_lengths = None if q_lengths is None else _integer_array(
         "q_lengths", q_lengths)
     self.kv_lengths = None if kv_lengths is None else _integer_array(
@@ -390,9 +390,9 @@ class Mask:
     q_off, kv_off = self.offsets(t, s)
     if np.ndim(q_off) or np.ndim(kv_off):  # per example: [B, 1, 1, 1]
       q_off, kv_off = (_left_aligned(x, 4) for x in (q_off, kv_off))
-    band = _patterns.visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :],
+    band = intervals.visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :],
                              q_off - kv_off,
-                             _patterns.bounds(self.causal, self.window))
+                             intervals.bounds(self.causal, self.window))
     if t == s and not self.positioned:
       if self.causal:
         out["is_causal"] = True
@@ -430,8 +430,8 @@ class Mask:
     q_idx, kv_idx = jnp.asarray(q_idx), jnp.asarray(kv_idx)
     ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)),
                   bool)
-    bounds = _patterns.bounds(self.causal, self.window)
-    band = _patterns.visible(q_idx, kv_idx, s - t, bounds)
+    bounds = intervals.bounds(self.causal, self.window)
+    band = intervals.visible(q_idx, kv_idx, s - t, bounds)
     if band is not None:
       ok = ok & band
     if self.q_lengths is not None:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 from attention_jax.modules import multi_head as mha_module
 
 # decode_fn(model, tokens [B, T], lengths [B] or None) -> logits [B, T, V]
@@ -49,7 +49,7 @@ def _check_tokens(prompts, prompt_lengths):
     prompts = np.asarray(prompts)
   if isinstance(prompt_lengths, (list, tuple)):
     prompt_lengths = np.asarray(prompt_lengths)
-  shape = _checks.shape_of(prompts)
+  shape = checks.shape_of(prompts)
   if (len(shape) != 2 or not jnp.issubdtype(jnp.result_type(prompts),
                                             jnp.integer)):
     raise ValueError(
@@ -59,7 +59,7 @@ def _check_tokens(prompts, prompt_lengths):
   if p < 1:
     raise ValueError(f"prompts must hold at least one token per example, "
                      f"got shape {shape}.")
-  l_shape = _checks.shape_of(prompt_lengths)
+  l_shape = checks.shape_of(prompt_lengths)
   if (l_shape != (b,) or not jnp.issubdtype(jnp.result_type(prompt_lengths),
                                             jnp.integer)):
     raise ValueError(
@@ -79,9 +79,9 @@ def _check_sampling(temperature, top_k, key, eos_id, pad_id) -> bool:
   """Validates the sampling options; True when tokens are drawn at random."""
   for name, x in (("temperature", temperature), ("top_k", top_k),
                   ("eos_id", eos_id), ("pad_id", pad_id)):
-    if x is not None and _checks.shape_of(x) != ():
+    if x is not None and checks.shape_of(x) != ():
       raise ValueError(f"{name} must be a scalar, got shape "
-                       f"{_checks.shape_of(x)}.")
+                       f"{checks.shape_of(x)}.")
   for name, x in (("top_k", top_k), ("eos_id", eos_id), ("pad_id", pad_id)):
     if x is not None and (isinstance(x, bool) or not jnp.issubdtype(
         jnp.result_type(x), jnp.integer)):
@@ -234,7 +234,7 @@ def generate(
                     f"jit), got {max_new_tokens!r}.")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-  _checks.check_static_bool("return_logits", return_logits)
+  checks.check_static_bool("return_logits", return_logits)
   prompts, lengths = _check_tokens(prompts, prompt_lengths)
   sampling = _check_sampling(temperature, top_k, key, eos_id, pad_id)
   b, p = prompts.shape
@@ -243,9 +243,9 @@ def generate(
   pad = jnp.asarray(pad_id, jnp.int32)
 
   logits = decode_fn(model, prompts, lengths)
-  if _checks.shape_of(logits)[:2] != (b, p) or np.ndim(logits) != 3:
+  if checks.shape_of(logits)[:2] != (b, p) or np.ndim(logits) != 3:
     raise ValueError(
-        f"decode_fn returned logits of shape {_checks.shape_of(logits)} for "
+        f"decode_fn returned logits of shape {checks.shape_of(logits)} for "
         f"prompts {prompts.shape}: expected [B, T, V] = [{b}, {p}, V].")
   rows = jnp.arange(b)
   last = logits[rows, jnp.clip(lengths - 1, 0, p - 1)].astype(
@@ -269,9 +269,9 @@ def generate(
     state, token, finished, count = carry
     m = nnx.merge(graphdef, params, state)
     out = decode_fn(m, token[:, None], None)  # [B, 1, V]
-    if _checks.shape_of(out) != (b, 1, last.shape[-1]):
+    if checks.shape_of(out) != (b, 1, last.shape[-1]):
       raise ValueError(
-          f"decode_fn returned logits of shape {_checks.shape_of(out)} for "
+          f"decode_fn returned logits of shape {checks.shape_of(out)} for "
           f"one token per example: expected [B, 1, V] = [{b}, 1, "
           f"{last.shape[-1]}].")
     out = out[:, 0].astype(jnp.float32)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 
 #: The frequency scalings ``Rope(scaling=...)`` knows (HF's ``rope_type``).
 SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")
@@ -263,7 +263,7 @@ class Rope:
       if isinstance(original, jax.core.Tracer):
         raise TypeError("original_max_positions must be a Python int, got a "
                         "traced value: close over it.")
-      _checks.check_positive_int("original_max_positions", original)
+      checks.check_positive_int("original_max_positions", original)
       set_field("original_max_positions", int(original))
 
     if self.base <= 0.0:
@@ -337,7 +337,7 @@ class Rope:
       ValueError: ``head_dim <= 0``, or no feature rotates (raise
         ``fraction``).
     """
-    _checks.check_positive_int("head_dim", head_dim)
+    checks.check_positive_int("head_dim", head_dim)
     return _rotary_dim(int(head_dim), self.fraction)
 
   @property
@@ -464,7 +464,7 @@ def _check_seq_len_array(seq_len) -> None:
                                    or jnp.issubdtype(dtype, jnp.floating)):
     raise TypeError(
         f"seq_len must be a number or a scalar integer/float array, got "
-        f"dtype {dtype} with shape {_checks.shape_of(seq_len)}.")
+        f"dtype {dtype} with shape {checks.shape_of(seq_len)}.")
 
 
 def as_rope(value) -> Rope | None:
@@ -505,7 +505,7 @@ def as_rope(value) -> Rope | None:
   if isinstance(value, (jax.Array, jax.core.Tracer, np.ndarray)):
     raise TypeError(
         f"rope must be static, got an array of shape "
-        f"{_checks.shape_of(value)}: {hint} (float(...) of a concrete "
+        f"{checks.shape_of(value)}: {hint} (float(...) of a concrete "
         f"value).")
   raise TypeError(f"rope={value!r} ({type(value).__name__}) is not a rotary "
                   f"embedding: {hint}.")
@@ -587,9 +587,9 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
     >>> apply_rope(q, jnp.arange(4), rope=long).shape
     (1, 2, 4, 8)
   """
-  x = _checks.as_array_operand("x", x, "[..., T, H]")
-  _checks.check_float_array("x", x)
-  _checks.check_min_rank("x", x, 2, "[..., T, H]")
+  x = checks.as_array_operand("x", x, "[..., T, H]")
+  checks.check_float_array("x", x)
+  checks.check_min_rank("x", x, 2, "[..., T, H]")
   x = jnp.asarray(x)
   head_dim = x.shape[-1]
   if head_dim % 2:
@@ -615,9 +615,9 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
           or jnp.issubdtype(pos_dtype, jnp.floating)):
     raise TypeError(
         f"positions must be an integer or float array [..., T], got dtype "
-        f"{pos_dtype} with shape {_checks.shape_of(positions)}.")
-  _checks.check_broadcastable_to("positions", _checks.shape_of(positions),
-                                 x.shape[:-1], "x.shape[:-1] ([..., T])")
+        f"{pos_dtype} with shape {checks.shape_of(positions)}.")
+  checks.check_broadcastable_to("positions", checks.shape_of(positions),
+                                x.shape[:-1], "x.shape[:-1] ([..., T])")
 
   compute = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   half = rot // 2
@@ -722,8 +722,8 @@ def segment_positions(segment_ids: ArrayLike) -> jax.Array:
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
         f"segment_ids must be an integer array [..., T], got dtype {dtype} "
-        f"with shape {_checks.shape_of(segment_ids)}.")
-  _checks.check_min_rank("segment_ids", segment_ids, 1, "[..., T]")
+        f"with shape {checks.shape_of(segment_ids)}.")
+  checks.check_min_rank("segment_ids", segment_ids, 1, "[..., T]")
   ids = jnp.asarray(segment_ids)
   t = ids.shape[-1]
   index = jnp.arange(t, dtype=jnp.int32).reshape((1,) * (ids.ndim - 1) + (t,))

@@ -11,7 +11,7 @@ modified scores, float and of the score's shape; ``-inf`` blocks an entry.
 It must be elementwise: entry ``(i, j)`` reads ``score[i, j]``, ``b``,
 ``h``, ``q_idx[i]``, ``kv_idx[j]`` and arrays indexed by them, never other
 scores (the kernels hold different scores at once); every call checks
-this (``_checks.check_score_mod``). Every implementation applies it
+this (``checks.check_score_mod``). Every implementation applies it
 alike and differentiates the arrays it uses.
 
 Arrays travel with the function as one value: ``ScoreMod(fn, params)`` is a
@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import checks as _checks
+from attention_jax.core import checks
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
@@ -116,7 +116,7 @@ def alibi_slopes(num_heads: int) -> jax.Array:
     >>> alibi_slopes(4)
     Array([0.25      , 0.0625    , 0.015625  , 0.00390625], dtype=float32)
   """
-  _checks.check_positive_int("num_heads", num_heads)
+  checks.check_positive_int("num_heads", num_heads)
 
   def powers(n):
     start = 2.0 ** (-8.0 / n)
@@ -212,8 +212,8 @@ class T5Bias:
   bidirectional: bool = True
 
   def __post_init__(self):
-    _checks.check_positive_int("num_buckets", self.num_buckets)
-    _checks.check_positive_int("max_distance", self.max_distance)
+    checks.check_positive_int("num_buckets", self.num_buckets)
+    checks.check_positive_int("max_distance", self.max_distance)
     per_side = self.num_buckets // (2 if self.bidirectional else 1)
     if per_side < 2 or self.max_distance <= per_side // 2:
       raise ValueError(
@@ -302,6 +302,6 @@ def soft_cap(cap: float) -> ScoreMod:
     ...                   1).round(4).tolist()  # key 1 blocked for query 1
     [0.9242, -inf]
   """
-  _checks.check_soft_cap(cap, "soft_cap's cap", optional=False)
+  checks.check_soft_cap(cap, "soft_cap's cap", optional=False)
   # Finite scores stay finite: the kernels need not check for -inf.
   return ScoreMod(_SoftCap(float(cap)), blocks=False)
