@@ -19,8 +19,8 @@ of ``W_o`` and summed over heads (``output_projection``), which is the
 lesson's concat followed by one linear layer. A key/value head is shared by
 its G query heads through ``vmap`` (an unmapped operand), not copied.
 ``forward`` is the one projection -> attention -> output path, used with a KV
-cache (``decoding``) by ``MultiHeadAttention`` when decoding. The call's
-pattern is one ``aj.Mask``, handed to the attention function as it is.
+cache (``decoding.cache_step``) by ``MultiHeadAttention`` when decoding. The
+call's pattern is one ``aj.Mask``, handed to the attention function as it is.
 """
 
 from __future__ import annotations

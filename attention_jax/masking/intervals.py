@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MaskFn = Callable[..., jax.Array]  # mask_fn(b, h, q_idx, kv_idx) -> bool
-# score_mod(score, b, h, q_idx, kv_idx) -> modified score (score_mods.py)
+# score_mod(score, b, h, q_idx, kv_idx) -> modified score (scores/score_mods.py)
 ScoreMod = Callable[..., jax.Array]
 EMPTY, PARTIAL, FULL = 0, 1, 2  # block kinds
 
