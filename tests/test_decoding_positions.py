@@ -91,5 +91,43 @@ class DecodingPositionsTest(chex.TestCase):
       layer(_data.normal(2, (1, 2, D)), mask=aj.Mask(q_offset=3), decode=True)
 
 
+class MaskPositionsTest(chex.TestCase):
+  """Positions as a Mask field: what combines, what is refused."""
+
+  def test_positions_combine_once(self):
+    m = aj.Mask(causal=True) & aj.Mask(q_offset=jnp.array([2, 5]))
+    self.assertTrue(m.positioned and m.causal)
+    np.testing.assert_array_equal(m.offsets(3, 8)[0], [2, 5])
+    self.assertEqual(aj.Mask().offsets(3, 8), (5, 0))  # bottom-right
+    with self.assertRaisesRegex(ValueError, "give the positions once"):
+      aj.Mask(q_offset=1) & aj.Mask(kv_offset=0)
+
+  def test_unions_and_block_tables_are_refused_with_positions(self):
+    rule = aj.block_mask(lambda b, h, q, kv: kv <= q, 4, 4)
+    with self.assertRaisesRegex(ValueError, "cannot hold a union"):
+      aj.Mask(q_offset=1, rule=rule)
+    with self.assertRaisesRegex(ValueError, "cannot hold a union"):
+      aj.Mask(q_offset=1) | aj.Mask(causal=True)
+    with self.assertRaisesRegex(ValueError, "cannot hold a union"):
+      aj.Mask(q_offset=1) & aj.Mask(rule=rule)
+
+  def test_positions_must_fit_the_leading_dims(self):
+    q = _data.normal(3, (2, 2, 4, 8))
+    with self.assertRaisesRegex(ValueError, "the mask's q_offset \\(3, 1\\)"):
+      aj.scaled_dot_product_attention(
+          q, q, q, aj.Mask(causal=True, q_offset=jnp.array([0, 1, 2])))
+    with self.assertRaisesRegex(TypeError, "q_offset"):
+      aj.Mask(q_offset=1.5)
+
+  def test_jax_nn_arguments_turn_positions_into_a_band(self):
+    m = aj.Mask(causal=True, q_offset=jnp.array([0, 2]))
+    args = m.jax_nn_arguments(3, 5)
+    self.assertNotIn("is_causal", args)
+    band = np.asarray(args["mask"])  # [B, 1, T, S]
+    want = np.arange(5)[None, None, None, :] <= (
+        np.array([0, 2])[:, None, None, None] + np.arange(3)[:, None])
+    np.testing.assert_array_equal(band, want)
+
+
 if __name__ == "__main__":
   absltest.main()

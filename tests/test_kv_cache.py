@@ -361,6 +361,14 @@ class RightPaddedPrefillTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, _HINT):
       mha(_x(t=5), mask=mask, decode=True)
 
+  def test_a_layer_rule_does_not_hide_the_padding(self):
+    # The mask stays analytic over the slots (a rule at positions beside
+    # the key padding): the pads still show as hidden from their queries.
+    mha = _module(mask=aj.Mask(causal=True, rule=aj.prefix_lm_mask_fn(2)))
+    mha.init_cache(2, 8)
+    with self.assertRaisesRegex(ValueError, _HINT):
+      mha(_x(t=5), mask=_KEY_PADDING, decode=True)
+
   def test_concrete_kv_lengths_raise_under_jit_whatever_the_index(self):
     # The cache index is traced under jit, but a kv_length below T hides the
     # last token from any start.

@@ -388,10 +388,11 @@ class Mask:
     out: dict[str, Any] = {}
     dense = None if self.dense is None else jnp.asarray(self.dense) != 0
     q_off, kv_off = self.offsets(t, s)
+    rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
     if np.ndim(q_off) or np.ndim(kv_off):  # per example: [B, 1, 1, 1]
       q_off, kv_off = (_left_aligned(x, 4) for x in (q_off, kv_off))
-    band = intervals.visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :],
-                             q_off - kv_off,
+      rows, cols = rows[None, None], cols[None, None]  # [1, 1, T|1, S|1]
+    band = intervals.visible(rows, cols, q_off - kv_off,
                              intervals.bounds(self.causal, self.window))
     if t == s and not self.positioned:
       if self.causal:
