@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import multi_head
+from attention_jax.layers import multi_head
 
 # Both paths compute in float32 and differ in how the softmax over P + G
 # keys is split (one pass, or two merged by their log-sum-exps): roundings

@@ -73,8 +73,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import mask as mask_lib
 from attention_jax.kernels import base as kernel_base
+from attention_jax.masking import mask as mask_lib
 from tests import reference
 
 # Normalised max error allowed per input dtype: max |got - want| over

@@ -3,7 +3,7 @@
 A mesh has up to two axes: ``data`` splits each batch (every device holds
 all parameters it needs and sees ``B / data`` examples; gradients are summed
 across ``data`` by XLA) and ``model`` splits the Transformer's heads and
-feed-forward units (``attention_jax.sharding``). GRU models have nothing to
+feed-forward units (``attention_jax.layers.sharding``). GRU models have nothing to
 split by ``model`` and are replicated over it. Everything goes through JAX's
 SPMD partitioner: ``jax.set_mesh``, ``NamedSharding``, parameter annotations
 (``nnx.with_partitioning``); there is no hand-written communication.

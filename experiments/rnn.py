@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import attention_jax as aj
-from attention_jax import luong as aj_luong
+from attention_jax.layers import luong as aj_luong
 from experiments import config_flags
 from experiments import data
 

@@ -1,7 +1,9 @@
-"""The shape of the code: no import cycle, no private names across modules.
+"""The shape of the code: the folders are its layers, imports go down them.
 
-Read from the source (``ast``), so the check covers imports inside
-functions too, which is where a circle used to hide.
+No import cycle, no private names across modules, and a module imports only
+its own folder and the folders below it (``LAYERS``). Read from the source
+(``ast``), so the check covers imports inside functions too, which is where
+a circle used to hide.
 """
 
 import ast
@@ -11,6 +13,31 @@ from absl.testing import absltest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "attention_jax"
+
+# The package's folders, lowest first; a tuple is one layer of peers, which
+# import neither each other nor anything above. ``lesson`` (imports nothing
+# of ours) and ``__init__`` (re-exports every layer) stand outside.
+LAYERS = (
+    ("core",),                # validation and numerics everything shares
+    ("masking", "scores"),    # what may attend; what changes a score, RoPE
+    ("kernels",),             # the kernel interface and the kernels
+    ("attention",),           # the attention functions over the kernels
+    ("decoding",),            # the caches the layers write into
+    ("layers",),              # the pure layers
+    ("modules",),             # the NNX modules (and generate, which runs them)
+    ("interop",),             # other libraries' signatures and weights
+)
+OUTSIDE = {PACKAGE, f"{PACKAGE}.lesson"}
+# Imports that go up, each with its reason; one no longer made fails the
+# test, so the list only shrinks.
+UPWARD = {
+    # checks.attention_operands turns the call's Mask into Operands
+    # (as_mask, Union, BlockMask) and checks a rule at the block indices
+    # (intervals.rule_indices). Its one caller is kernels/base.canonicalize:
+    # moving it, Operands and the rule checks into kernels/ would end both.
+    (f"{PACKAGE}.core.checks", f"{PACKAGE}.masking.mask"),
+    (f"{PACKAGE}.core.checks", f"{PACKAGE}.masking.intervals"),
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -38,6 +65,14 @@ def _imports(tree: ast.AST, modules) -> dict[str, str]:
         if alias.name.startswith(PACKAGE):
           names[alias.asname or alias.name] = alias.name
   return names
+
+
+def _folder(module: str, modules) -> str | None:
+  """The layer folder of ``module`` (None for the package's own files)."""
+  parts = module.split(".")
+  is_package = modules[module].name == "__init__.py"
+  return parts[1] if len(parts) > 2 or (is_package and len(parts) == 2) \
+      else None
 
 
 class ArchitectureTest(absltest.TestCase):
@@ -68,7 +103,7 @@ class ArchitectureTest(absltest.TestCase):
       visit(m, [])
     self.assertIn("attention_jax.kernels.flash_core",
                   graph["attention_jax.kernels.ring"])
-    self.assertIn("attention_jax.kernels", graph["attention_jax.dot_product"])
+    self.assertIn("attention_jax.kernels", graph["attention_jax.attention.dot_product"])
 
   def test_kernels_never_import_the_dispatcher(self):
     kernels = [m for m in self.modules
@@ -79,11 +114,53 @@ class ArchitectureTest(absltest.TestCase):
         kernels)
     for kernel in kernels:
       imported = set(_imports(self.trees[kernel], self.modules).values())
-      self.assertNotIn(f"{PACKAGE}.dot_product", imported, kernel)
+      self.assertNotIn(f"{PACKAGE}.attention.dot_product", imported, kernel)
+
+  def test_every_module_is_in_a_layer(self):
+    folders = {f for layer in LAYERS for f in layer}
+    self.assertEqual(
+        sorted(m for m in self.modules if m not in OUTSIDE
+               and _folder(m, self.modules) not in folders), [],
+        "put the module in the folder of its layer (LAYERS)")
+
+  def test_imports_go_down_the_layers(self):
+    rank = {f: i for i, layer in enumerate(LAYERS) for f in layer}
+    upward = set()
+    for m, tree in self.trees.items():
+      if m in OUTSIDE:
+        continue
+      here = _folder(m, self.modules)
+      for target in set(_imports(tree, self.modules).values()):
+        if target == PACKAGE:  # the top re-exports every layer: above all
+          upward.add((m, target))
+          continue
+        there = _folder(target, self.modules)
+        if there is None or there == here:  # lesson: imports nothing of ours
+          continue
+        if rank[there] >= rank[here]:
+          upward.add((m, target))
+    self.assertEqual(sorted(upward - UPWARD), [],
+                     "an import that goes up (or across peers): move the "
+                     "code to the layer it belongs to")
+    self.assertEqual(sorted(UPWARD - upward), [],
+                     "an exception no longer needed: remove it from UPWARD")
+
+  def test_code_outside_the_package_never_imports_core(self):
+    # core/ is internal as a whole: its public functions reach users as
+    # aj.* (aj.masked_softmax, aj.merge_attentions). Tests may test it.
+    roots = [ROOT / "experiments", ROOT / "benchmarks", ROOT / "run.py"]
+    offences = []
+    for path in [p for r in roots
+                 for p in ([r] if r.suffix == ".py" else sorted(r.rglob("*.py")))]:
+      for target in _imports(ast.parse(path.read_text()), self.modules).values():
+        if target == f"{PACKAGE}.core" or target.startswith(f"{PACKAGE}.core."):
+          offences.append(f"{path.relative_to(ROOT)}: {target}")
+    self.assertEqual(offences, [])
 
   def test_no_private_name_of_another_module_is_used(self):
-    # Private modules (``_checks``) are the package's internal interfaces and
-    # may be imported; a private *name* inside another module may not.
+    # Modules (core/ ones too) are the package's internal interfaces and may
+    # be imported from any layer above; a private *name* inside another
+    # module may not.
     roots = [ROOT / PACKAGE, ROOT / "experiments", ROOT / "benchmarks",
              ROOT / "run.py"]
     files = [p for r in roots

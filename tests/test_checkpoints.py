@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import checkpoints
+from attention_jax.interop import checkpoints
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 FAMILIES = checkpoints.FAMILIES

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import flax_fn
-from attention_jax import jax_nn
+from attention_jax.interop import flax_fn
+from attention_jax.interop import jax_nn
 from tests import _data
 
 # Both sides compute in float32 with sums over <= 8 terms of magnitude

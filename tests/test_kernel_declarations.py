@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import dot_product
+from attention_jax.attention import dot_product
 from tests import _data
 from tests import contract
 

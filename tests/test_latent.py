@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import latent
+from attention_jax.layers import latent
 from attention_jax.modules.latent import MultiHeadLatentAttention
-from attention_jax.rope import Rope
+from attention_jax.scores.rope import Rope
 from tests import _data
 
 D, N, RQ, R, HN, HR, HV = 32, 4, 16, 24, 8, 4, 8

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import checkpoints
+from attention_jax.interop import checkpoints
 from tests import _data
 from tests import reference
 

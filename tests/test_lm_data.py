@@ -8,7 +8,7 @@ the packing promises.
 from absl.testing import absltest
 import numpy as np
 
-from attention_jax import rope
+from attention_jax.scores import rope
 from experiments import lm_data
 
 BOS, PAD = lm_data.BOS, lm_data.PAD

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import multi_head
+from attention_jax.layers import multi_head
 from experiments import transformer
 from tests import reference
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import _patterns
+from attention_jax.masking import intervals
 
 
 def _dense(t, s, causal, window, q_len, kv_len):
@@ -73,16 +73,16 @@ class BlockRangeTest(absltest.TestCase):
     for i in range(num_q):
       for j in range(num_k):
         blocks[i, j] = dense[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()
-    b = _patterns.bounds(p["causal"], p["window"])
+    b = intervals.bounds(p["causal"], p["window"])
     for i in range(num_q):
-      lo, hi = (int(x) for x in _patterns.key_block_range(
+      lo, hi = (int(x) for x in intervals.key_block_range(
           b, i * bq, bq, bk, num_k, s - t, p["kv_len"], p["q_len"]))
       want = np.flatnonzero(blocks[i])
       got = np.arange(lo, hi)
       # Exact: the visible key blocks of a query block are one interval.
       np.testing.assert_array_equal(got, want, err_msg=f"query block {i}")
     for j in range(num_k):
-      lo, hi = (int(x) for x in _patterns.query_block_range(
+      lo, hi = (int(x) for x in intervals.query_block_range(
           b, j * bk, bq, bk, num_q, s - t, p["kv_len"], p["q_len"]))
       np.testing.assert_array_equal(np.arange(lo, hi),
                                     np.flatnonzero(blocks[:, j]),
@@ -105,15 +105,15 @@ class BlockRangeTest(absltest.TestCase):
       ok = ok & (cols >= rows - p["window"][0]) & (cols <= rows
                                                    + p["window"][1])
     full = ok.reshape(num_q, bq, num_k, bk).all(axis=(1, 3))
-    b = _patterns.bounds(p["causal"], p["window"])
+    b = intervals.bounds(p["causal"], p["window"])
     for i in range(num_q):
-      lo, hi = (int(x) for x in _patterns.full_key_block_range(
+      lo, hi = (int(x) for x in intervals.full_key_block_range(
           b, i * bq, bq, bk, num_k, s - t, p["kv_len"], p["q_len"], s))
       np.testing.assert_array_equal(np.arange(lo, hi),
                                     np.flatnonzero(full[i]),
                                     err_msg=f"query block {i}")
     for j in range(num_k):
-      lo, hi = (int(x) for x in _patterns.full_query_block_range(
+      lo, hi = (int(x) for x in intervals.full_query_block_range(
           b, j * bk, bq, bk, num_q, s - t, p["kv_len"], p["q_len"], s))
       np.testing.assert_array_equal(np.arange(lo, hi),
                                     np.flatnonzero(full[:, j]),
@@ -137,10 +137,10 @@ class BlockRangeTest(absltest.TestCase):
     same = q_pad[:, None] == k_pad[None, :]
     some = same.reshape(num_q, bq, num_k, bk).any(axis=(1, 3))
     every = same.reshape(num_q, bq, num_k, bk).all(axis=(1, 3))
-    q_min, q_max = _patterns.block_min_max(q_pad, bq)
-    k_min, k_max = _patterns.block_min_max(k_pad, bk)
+    q_min, q_max = intervals.block_min_max(q_pad, bq)
+    k_min, k_max = intervals.block_min_max(k_pad, bk)
     for i in range(num_q):
-      lo, hi, flo, fhi = (int(x) for x in _patterns.segment_block_ranges(
+      lo, hi, flo, fhi = (int(x) for x in intervals.segment_block_ranges(
           q_min[i], q_max[i], k_min, k_max))
       visited, full = np.arange(lo, hi), np.arange(flo, fhi)
       # Never skip a block with an allowed entry, never call one with a
@@ -190,8 +190,8 @@ class BlockRangeTest(absltest.TestCase):
     for t, s, causal, window in ((5, 9, True, (2, 0)), (9, 5, False, (1, 3)),
                                  (7, 7, True, None)):
       rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
-      got = _patterns.visible(rows, cols, s - t,
-                              _patterns.bounds(causal, window), 4, 6)
+      got = intervals.visible(rows, cols, s - t,
+                              intervals.bounds(causal, window), 4, 6)
       np.testing.assert_array_equal(
           np.broadcast_to(got, (t, s)), _dense(t, s, causal, window, 4, 6))
 
@@ -199,7 +199,7 @@ class BlockRangeTest(absltest.TestCase):
     for bad, error in (((-1, 2), ValueError), ((1, 2, 3), TypeError),
                        (1.5, TypeError), (True, TypeError)):
       with self.assertRaises(error):
-        _patterns.check_window(bad)
+        intervals.check_window(bad)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ import itertools
 from absl.testing import absltest
 import numpy as np
 
-from attention_jax import _patterns
 from attention_jax.kernels import flash_core
 from attention_jax.kernels import ring
+from attention_jax.masking import intervals
 
 WINDOWS = (None, (0, 0), (1, 0), (0, 1), (2, 3), (3, 2), (5, 0), (0, 6),
            (7, 1), (12, 12))
@@ -46,7 +46,7 @@ class NeededStepsTest(absltest.TestCase):
     for size, t, s, causal, window in itertools.product(
         (1, 2, 3, 4, 8), range(1, 6), range(1, 6), (False, True), WINDOWS):
       st = flash_core.Static(scale=1.0,
-                             bounds=_patterns.bounds(causal, window),
+                             bounds=intervals.bounds(causal, window),
                              score_mod=None, t=t, s=s, bq=1, bk=1)
       want = _brute_force(size, t, s, causal, window)
       self.assertEqual(ring.needed_steps(st, size), want,

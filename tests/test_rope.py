@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import rope
+from attention_jax.scores import rope
 from tests import _data
 from tests import reference
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import rope as rope_lib
-from attention_jax.rope import Rope
+from attention_jax.scores import rope as rope_lib
+from attention_jax.scores.rope import Rope
 from tests import _data
 
 # float32 against float64 with positions < 64, as tests/test_rope.py: the

@@ -1,6 +1,6 @@
 """What a call hands the kernels is checked once, at the call.
 
-Score modifiers must be elementwise (``_elementwise``: a jaxpr walk), rules
+Score modifiers must be elementwise (``elementwise``: a jaxpr walk), rules
 must return booleans and ``scale`` must be a positive finite number: each
 refused with one message whatever kernel would run, since otherwise the
 answer would move with the automatic choice (dense below T * S = 1024**2,

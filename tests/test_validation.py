@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax import multi_head
+from attention_jax.layers import multi_head
 from tests import _data
 from tests import reference
 

@@ -30,13 +30,14 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from attention_jax import _patterns
-from attention_jax._broadcast import Head
-from attention_jax._broadcast import lift_heads
-from attention_jax._checks import Operands
-from attention_jax._numerics import compute_dtype
-from attention_jax._numerics import with_sink
-from attention_jax._numerics import zero_unseen
+from attention_jax.core.broadcast import Head
+from attention_jax.core.broadcast import lift_heads
+from attention_jax.core.checks import Operands
+from attention_jax.core.numerics import compute_dtype
+from attention_jax.core.numerics import with_sink
+from attention_jax.core.numerics import zero_unseen
+from attention_jax.core.softmax import masked_logsumexp
+from attention_jax.core.softmax import masked_softmax
 from attention_jax.kernels.base import MASK_FIELDS
 from attention_jax.kernels.base import OPTIONS
 from attention_jax.kernels.base import Kernel
@@ -53,8 +54,7 @@ from attention_jax.kernels.flash import Flash
 from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
 from attention_jax.kernels.splash import Splash
-from attention_jax.softmax import masked_logsumexp
-from attention_jax.softmax import masked_softmax
+from attention_jax.masking import intervals
 
 # Rebound (never mutated) by register/unregister: a tuple read through the
 # module, so the automatic choice sees every registration.
@@ -241,8 +241,8 @@ def allowed(ops: Operands, head: Head, t: int, s: int):
   q_seg = None if head.q_seg is None else head.q_seg[:, None]
   k_seg = None if head.k_seg is None else head.k_seg[None, :]
   offset, q_start, kv_start = head.offsets(t, s)
-  parts = [head.mask, _patterns.visible(
-      rows, cols, offset, _patterns.bounds(ops.causal, ops.window),
+  parts = [head.mask, intervals.visible(
+      rows, cols, offset, intervals.bounds(ops.causal, ops.window),
       head.q_length, head.length, q_seg, k_seg)]
   if head.block_mask is not None:
     parts.append(head.block_mask.mask_fn(*head.index, rows + q_start,

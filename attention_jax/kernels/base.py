@@ -4,7 +4,7 @@ Shape glossary: B batch, N query heads, K key/value heads, T query length,
 S key/value length, H head dim, Hv value head dim; ``...`` leading dims.
 
 ``canonicalize`` checks a call once, in the caller's terms, and builds a
-``Problem``: the operands with heads grouped (``_checks.Operands``: the
+``Problem``: the operands with heads grouped (``checks.Operands``: the
 mask's fields, the bias, sinks, score modifier and the (b, h) indices they
 see), the scale, dropout and what to return. A kernel is a ``Kernel``:
 
@@ -42,17 +42,17 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import mask as mask_lib
+from attention_jax.core import broadcast
+from attention_jax.core import checks
+from attention_jax.masking import mask as mask_lib
 
 # What every kernel returns (defined beside lift_heads, which builds it).
-Result = _broadcast.Result
+Result = broadcast.Result
 
 
 class Problem(NamedTuple):
   """One attention call, validated."""
-  ops: _checks.Operands  # operands, heads grouped, the mask's fields
+  ops: checks.Operands  # operands, heads grouped, the mask's fields
   scale: Any  # float, or a scalar array
   out_dtype: Any
   dropout_rate: Any = 0.0
@@ -154,12 +154,12 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   for name, flag in (("return_weights", return_weights),
                      ("return_lse", return_lse),
                      ("return_max_logits", return_max_logits)):
-    _checks.check_static_bool(name, flag)
-  ops = _checks.attention_operands(query, key, value, mask_lib.as_mask(mask),
-                                   bias, sinks=sinks, score_mod=score_mod,
-                                   rule_lengths=rule_lengths)
-  _checks.check_dropout(dropout_rate, dropout_rng)
-  _checks.check_call_scale(scale)
+    checks.check_static_bool(name, flag)
+  ops = checks.attention_operands(query, key, value, mask_lib.as_mask(mask),
+                                  bias, sinks=sinks, score_mod=score_mod,
+                                  rule_lengths=rule_lengths)
+  checks.check_dropout(dropout_rate, dropout_rng)
+  checks.check_call_scale(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
@@ -194,7 +194,7 @@ def too_small(problem: Problem) -> str | None:
 
 def check_block_size(name: str, size) -> None:
   if size is not None:
-    _checks.check_positive_int(name, size)
+    checks.check_positive_int(name, size)
 
 
 def float32_only(problem: Problem) -> str | None:

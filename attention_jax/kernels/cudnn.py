@@ -36,12 +36,12 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
   value would reach every row (``0 * NaN`` is NaN) and what it does with one
   is the kernel's. Ours reaches only the rows that may see it, by
   construction rather than by trusting the kernel: q, k and v are
-  ``_numerics.sanitize``'d before the call (cuDNN only ever sees finite
+  ``numerics.sanitize``'d before the call (cuDNN only ever sees finite
   numbers), and when any entry was not finite (one ``lax.cond``: nothing is
   spent otherwise) each row's code is worked out in plain JAX from our own
-  pattern (band, mask, finite bias, lengths; ``_numerics.seen_codes_by_rows``)
+  pattern (band, mask, finite bias, lengths; ``numerics.seen_codes_by_rows``)
   and the rows that may see a bad key, value or query are set to NaN
-  (``_numerics.poison``), passing no gradient.
+  (``numerics.poison``), passing no gradient.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _checks
-from attention_jax import _grouping
-from attention_jax import _numerics
-from attention_jax import _patterns
+from attention_jax.core import checks
+from attention_jax.core import grouping
+from attention_jax.core import numerics
 from attention_jax.kernels import base
+from attention_jax.masking import intervals
 
 # Parts of a problem jax.nn.dot_product_attention has no counterpart for.
 _NOT_IN_JAX_NN = {
@@ -101,19 +101,19 @@ class Cudnn(base.Kernel):
     return base.Result(out)
 
 
-def _caller(ops: _checks.Operands):
+def _caller(ops: checks.Operands):
   """The operands with heads merged again (jax.nn groups heads itself)."""
   g = ops.groups
-  return (_grouping.merge(ops.query, g, -3), _grouping.merge(ops.key, g, -3),
-          _grouping.merge(ops.value, g, -3), _grouping.merge(ops.mask, g, -3),
-          _grouping.merge(ops.bias, g, -3), _grouping.merge(ops.lengths, g,
-                                                            -1),
-          _grouping.merge(ops.q_lengths, g, -1))
+  return (grouping.merge(ops.query, g, -3), grouping.merge(ops.key, g, -3),
+          grouping.merge(ops.value, g, -3), grouping.merge(ops.mask, g, -3),
+          grouping.merge(ops.bias, g, -3), grouping.merge(ops.lengths, g,
+                                                          -1),
+          grouping.merge(ops.q_lengths, g, -1))
 
 
 def _per_example_problem(name, lengths, batch) -> str | None:
   """Why ``lengths`` is not one length per example (``[B, 1]`` or scalar)."""
-  shape = _checks.shape_of(lengths)
+  shape = checks.shape_of(lengths)
   if shape == () or (len(shape) == 2 and shape[1] == 1
                      and shape[0] in (1, batch)):
     return None
@@ -164,7 +164,7 @@ def problem_of(query, key, value, mask, bias, lengths, return_lse,
   dtype = jnp.result_type(query, key, value)
   if dtype not in (jnp.float16, jnp.bfloat16):
     return f"it needs float16/bfloat16 inputs, got {dtype}"
-  shapes = [_checks.shape_of(x) for x in (query, key, value)]
+  shapes = [checks.shape_of(x) for x in (query, key, value)]
   if any(len(s) != 4 for s in shapes) or shapes[1] != shapes[2]:
     return f"it needs [B, N, T, H] inputs with equal key/value shapes: {shapes}"
   h = shapes[0][-1]
@@ -195,11 +195,11 @@ def _grid(t: int, s: int) -> tuple[jax.Array, jax.Array]:
           jnp.arange(s)[None, None, None, :])
 
 
-def _rows_seeing_something(t, s, b: _patterns.Bounds, kv, q, mask, bias):
+def _rows_seeing_something(t, s, b: intervals.Bounds, kv, q, mask, bias):
   """Bool ``[B|1, N|1, T]``: the rows with a key to see (None: all rows)."""
   rows, cols = _grid(t, s)
   kv_length = None if kv is None else kv[:, None, None, None]  # [B,1,1,1]
-  ok = _patterns.visible(rows, cols, s - t, b, kv_length=kv_length)
+  ok = intervals.visible(rows, cols, s - t, b, kv_length=kv_length)
   finite_bias = None if bias is None else bias > -jnp.inf  # -inf blocks
   for extra in (mask, finite_bias):
     if extra is not None:
@@ -232,9 +232,9 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
   """
   batch, heads, t, _ = query.shape
   s = key.shape[-2]
-  b = _patterns.bounds(is_causal, window)
-  garbage = _numerics.any_nonfinite(query, key, value)
-  query, key, value, q_code, kv_code = _numerics.sanitize(query, key, value)
+  b = intervals.bounds(is_causal, window)
+  garbage = numerics.any_nonfinite(query, key, value)
+  query, key, value, q_code, kv_code = numerics.sanitize(query, key, value)
   kv_code = jnp.repeat(kv_code, heads // key.shape[1], axis=1)  # [B, N, S]
   given_mask = mask
   jax_causal, jax_window = False, None
@@ -243,7 +243,7 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
     if b.left is not None and b.left < s - 1:
       jax_window = (b.left, 0)
   else:  # jax.nn aligns top-left, cuDNN has no right window: explicit mask
-    band = _patterns.visible(*_grid(t, s), s - t, b)  # [1, 1, T, S]
+    band = intervals.visible(*_grid(t, s), s - t, b)  # [1, 1, T, S]
     if band is not None:
       mask = band if mask is None else mask & band
   if mask is not None:
@@ -262,7 +262,7 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
   def visible(start, size):  # rows [start, start + size): [B|1, N|1, size, S]
     rows = start + jnp.arange(size)[None, None, :, None]
     cols = jnp.arange(s)[None, None, None, :]
-    ok = _patterns.visible(
+    ok = intervals.visible(
         rows, cols, s - t, b,
         None if q is None else q[:, None, None, None],
         None if kv is None else kv[:, None, None, None])
@@ -275,7 +275,7 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
 
   code = jax.lax.cond(
       garbage,
-      lambda: _numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
+      lambda: numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
       lambda: jnp.zeros(q_code.shape, jnp.float32))  # [B, N, T]
-  out, = _numerics.poison(code, out)
+  out, = numerics.poison(code, out)
   return out

@@ -5,11 +5,11 @@ head dim.
 
 ``Dense`` is the kernel (``kernels.base``); ``single_head`` its maths,
 written for one head and lifted over leading dims by
-``_broadcast.lift_heads``. Logits, softmax and the weighted sum run in the
+``broadcast.lift_heads``. Logits, softmax and the weighted sum run in the
 compute dtype (float32, float64 for float64 inputs); one path whether or not
 the weights are returned or dropout is on, so the numbers never change with
 those options. NaN or inf in a key, value or query reaches only the rows
-that may see it (``_numerics.sanitize``/``poison``). The only kernel with
+that may see it (``numerics.sanitize``/``poison``). The only kernel with
 dropout, weights and float64. With
 ``return_max_logits`` it also returns each row's maximum raw scaled logit
 (``kernels.base``), read off the same ``[T, S]`` logits.
@@ -22,11 +22,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _numerics
-from attention_jax import _patterns
-from attention_jax import softmax
+from attention_jax.core import broadcast
+from attention_jax.core import numerics
+from attention_jax.core import softmax
 from attention_jax.kernels import base
+from attention_jax.masking import intervals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +53,14 @@ class Dense(base.Kernel):
           q, k, v, h, kp, scale=p.scale, is_causal=ops.causal,
           window=ops.window, score_mod=ops.score_mod,
           dropout_rate=p.dropout_rate, out_dtype=p.out_dtype,
-          compute_dtype=_numerics.compute_dtype(p.out_dtype),
+          compute_dtype=numerics.compute_dtype(p.out_dtype),
           want_lse=p.return_lse, want_max_logits=p.return_max_logits,
           garbage=garbage)
 
     # One predicate for the whole call (a scalar: unmapped by the heads'
     # vmap, so each head's cond stays a branch and not a select).
-    garbage = _numerics.any_nonfinite(ops.query, ops.key, ops.value)
-    return _broadcast.lift_heads(head, ops, (keep, garbage), (2, 0))
+    garbage = numerics.any_nonfinite(ops.query, ops.key, ops.value)
+    return broadcast.lift_heads(head, ops, (keep, garbage), (2, 0))
 
 
 def single_head(query, key, value, h, keep, *, scale, is_causal, window,
@@ -68,10 +68,10 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
                 want_max_logits=False, garbage=None):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
-  ``h`` is the head's ``_broadcast.Head`` (mask, bias, lengths, segment
+  ``h`` is the head's ``broadcast.Head`` (mask, bias, lengths, segment
   ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``keep`` the ``[T, S]``
   dropout draw or None; ``window`` and ``score_mod`` as in
-  ``_patterns`` / the flash core; ``garbage`` a bool scalar, whether any of
+  ``intervals`` / the flash core; ``garbage`` a bool scalar, whether any of
   q, k, v holds a NaN or inf (None: search for the rows that see one
   anyway), so that a clean call makes no ``[T, S]`` pass for them.
   Returns ``(out [T, Hv], weights [T, S], lse [T] or None)``, and with
@@ -83,7 +83,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   t, s = query.shape[0], key.shape[0]
   # NaN or inf anywhere reaches only the rows that may see it: every
   # product runs on finite operands, and those rows are poisoned at the end.
-  query, key, value, q_code, kv_code = _numerics.sanitize(query, key, value)
+  query, key, value, q_code, kv_code = numerics.sanitize(query, key, value)
 
   def and_(a, b):
     if b is None:
@@ -94,13 +94,13 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
   offset, q_start, kv_start = h.offsets(t, s)
   q_at, kv_at = rows + q_start, cols + kv_start  # what rules/score_mod see
-  bounds = _patterns.bounds(is_causal, window)
+  bounds = intervals.bounds(is_causal, window)
 
   def pattern():
     """Where the mask fields allow, ``[T, S]`` (None: everywhere)."""
     q_seg = None if h.q_seg is None else h.q_seg[:, None]
     k_seg = None if h.k_seg is None else h.k_seg[None, :]
-    allowed = and_(h.mask, _patterns.visible(
+    allowed = and_(h.mask, intervals.visible(
         rows, cols, offset, bounds, h.q_length, h.length, q_seg, k_seg))
     if h.block_mask is not None:  # the predicate the flash core evaluates
       allowed = and_(allowed, h.block_mask.mask_fn(*h.index, q_at, kv_at))
@@ -116,10 +116,10 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   additive = (h.mask is None and h.bias is None and score_mod is None)
   plain = _only_bounds(h)
   if allowed is not None and not (plain and _every_key_seen(bounds, t, s)):
-    key, value = _numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
+    key, value = numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
   if (additive and allowed is not None
       and not (plain and _every_row_sees(bounds, t, s))):
-    query, = _numerics.zero_unseen(jnp.any(allowed, axis=1), query)
+    query, = numerics.zero_unseen(jnp.any(allowed, axis=1), query)
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=compute_dtype)  # [T, S]
   logits = logits * jnp.asarray(scale, compute_dtype)
@@ -142,7 +142,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   def codes():  # [T]: the largest code each row sees
     # The pattern is recomputed from its small operands here, so that the
     # branch takes no materialised [T, S] array.
-    return _numerics.seen_codes(and_(pattern(), finite), q_code, kv_code)
+    return numerics.seen_codes(and_(pattern(), finite), q_code, kv_code)
 
   code = codes() if garbage is None else jax.lax.cond(
       garbage, codes, lambda: jnp.zeros((t,), jnp.float32))
@@ -159,13 +159,13 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     weights = softmax.masked_softmax(logits, allowed)  # [T, S]
     lse = softmax.masked_logsumexp(logits, allowed) if want_lse else None
   if h.sink is not None:  # exp(sink) joins each row's denominator
-    weights, _, lse = _numerics.with_sink(weights, lse, h.sink, h.q_length)
+    weights, _, lse = numerics.with_sink(weights, lse, h.sink, h.q_length)
   probs = weights
   if keep is not None:  # inverted dropout: E[probs] == weights
     probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("TS,SV->TV", probs, value.astype(compute_dtype),
                    preferred_element_type=compute_dtype)  # [T, Hv]
-  out, weights, lse, max_logits = _numerics.poison(
+  out, weights, lse, max_logits = numerics.poison(
       code, out.astype(out_dtype), weights, lse, max_logits)
   if want_max_logits:
     return out, weights, lse, max_logits
@@ -178,7 +178,7 @@ def _only_bounds(h) -> bool:
                                  h.k_seg, h.block_mask, h.q_offset))
 
 
-def _every_key_seen(b: _patterns.Bounds, t: int, s: int) -> bool:
+def _every_key_seen(b: intervals.Bounds, t: int, s: int) -> bool:
   """Whether bounds alone leave every key column seen by some query.
 
   The rows' intervals ``[r + s - t - left, r + s - t + right]`` overlap
@@ -188,7 +188,7 @@ def _every_key_seen(b: _patterns.Bounds, t: int, s: int) -> bool:
   return t > 0 and (b.left is None or b.left >= s - t)
 
 
-def _every_row_sees(b: _patterns.Bounds, t: int, s: int) -> bool:
+def _every_row_sees(b: intervals.Bounds, t: int, s: int) -> bool:
   """Whether bounds alone leave every query row some key column.
 
   Row 0 sees up to column ``s - t + right``; the last row sees from

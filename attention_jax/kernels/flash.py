@@ -23,13 +23,13 @@ import functools
 
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import _grouping
-from attention_jax import _numerics
-from attention_jax import block_mask as block_mask_lib
+from attention_jax.core import broadcast
+from attention_jax.core import checks
+from attention_jax.core import grouping
+from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
+from attention_jax.masking import block_tables as block_mask_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +66,14 @@ class Flash(base.Kernel):
                              out_dtype=problem.out_dtype)
     # One scalar for the call (unmapped by the heads' vmap): without NaN or
     # inf anywhere the walk makes no pass looking for rows that see one.
-    garbage = _numerics.any_nonfinite(ops.query, ops.key, ops.value)
-    return _broadcast.lift_heads(head, ops, (garbage,), (0,))
+    garbage = numerics.any_nonfinite(ops.query, ops.key, ops.value)
+    return broadcast.lift_heads(head, ops, (garbage,), (0,))
 
 
-def with_rule_tables(ops: _checks.Operands, block_q: int, block_k: int):
+def with_rule_tables(ops: checks.Operands, block_q: int, block_k: int):
   """``ops`` with a table-less rule's block tables built at these sizes.
 
-  Per (b, h) where the rule depends on them (``_checks.rule_batch``),
+  Per (b, h) where the rule depends on them (``checks.rule_batch``),
   split like the heads.
   """
   bm = ops.block_mask
@@ -85,12 +85,12 @@ def with_rule_tables(ops: _checks.Operands, block_q: int, block_k: int):
     # lengths and segments leave, as ring attention does.
     return ops
   t, s = bm.shape
-  batch = _checks.rule_batch(bm.mask_fn, ops.leading, s)
+  batch = checks.rule_batch(bm.mask_fn, ops.leading, s)
   if not batch and getattr(bm.mask_fn, "examples", None) is not None:
     batch = (1,) * len(ops.leading)  # a per-example rule at batch 1
   built = block_mask_lib.block_mask(bm.mask_fn, t, s, batch=batch,
                                     block_q=block_q, block_k=block_k)
   if batch:
     built = built.with_tables(
-        _grouping.split(jnp.asarray(x), ops.groups, -3) for x in built.tables)
+        grouping.split(jnp.asarray(x), ops.groups, -3) for x in built.tables)
   return ops._replace(block_mask=built)

@@ -26,14 +26,14 @@ elsewhere):
   pytree. ``Place``: where the local rows and columns stand.
 * ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
   score_mod, max_logits)`` builds the ``Static`` and pads q, k, v to whole
-  blocks; ``padded_extras(st, tp, sp, head)`` pads a ``_broadcast.Head``;
+  blocks; ``padded_extras(st, tp, sp, head)`` pads a ``broadcast.Head``;
   ``hoist_score_mod(st, ex, like, replay_closures=)`` makes the modifier's
   arrays operands.
 * ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp],
   max_logits [Tp] or None, code [Tp])``; ``max_logits`` (``st.max_logits``)
   is each row's largest raw ``scale * q . k`` over the keys it attends to in
   the visited blocks (``-inf`` if none), before bias and ``score_mod``;
-  ``code`` the largest ``_numerics`` code among them and the row's own
+  ``code`` the largest ``numerics`` code among them and the row's own
   query (which rows saw a NaN or inf). Both passes replace non-finite
   entries of the blocks they load by 0 (``_finite``), so every product is
   finite.
@@ -44,10 +44,10 @@ elsewhere):
 * ``single_head(q, k, v, head, garbage=None, *, out_dtype, **blocks)``
   (``garbage``: ``Extras.garbage``): one head end to
   end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too;
-  the rows that see a NaN or inf are ``_numerics.poison``'d after it),
+  the rows that see a NaN or inf are ``numerics.poison``'d after it),
   returning ``(out [T, Hv], None, lse [T])`` and, with
   ``max_logits=True``, ``max_logits [T]`` (zero gradient), the
-  ``_broadcast.lift_heads`` contract.
+  ``broadcast.lift_heads`` contract.
 * ``patterned``, ``segment_summary``, ``key_ranges``, ``query_ranges``:
   which blocks a block visits (the Pallas GPU kernel computes them outside
   its kernels with these); ``masked_exp``, also used inside its kernels.
@@ -56,7 +56,7 @@ elsewhere):
 
 Operands: ``mask`` bool and ``bias`` float are ``[T|1, S|1]`` (size-1 axes
 broadcast), ``length``/``q_length`` int32 scalars (valid keys / queries) or
-None. Causality and windows are written with an ``offset`` (``_patterns``):
+None. Causality and windows are written with an ``offset`` (``intervals``):
 query row ``r`` stands at key position ``r + offset``, and the key blocks a
 query block may see form one interval, the only ones visited.
 ``single_head`` passes the static ``S - T``
@@ -80,14 +80,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _numerics
-from attention_jax import _patterns
-from attention_jax import score_mods
+from attention_jax.core import numerics
+from attention_jax.masking import intervals
+from attention_jax.scores import score_mods
 
 
 class Static(NamedTuple):
   scale: float
-  bounds: _patterns.Bounds  # causal and window bounds (None = open)
+  bounds: intervals.Bounds  # causal and window bounds (None = open)
   # score_mod(score, b, h, q_idx, kv_idx, *consts) (after hoist_score_mod)
   score_mod: Callable | None
   t: int  # true (unpadded) lengths
@@ -106,7 +106,7 @@ class Extras(NamedTuple):
   q_length: jax.Array | None = None  # int32 scalar: valid queries
   q_seg: jax.Array | None = None  # int32 [Tp] segment ids
   k_seg: jax.Array | None = None  # int32 [Sp]
-  block_mask: _patterns.BlockMask | None = None  # custom pattern
+  block_mask: intervals.BlockMask | None = None  # custom pattern
   index: tuple | None = None  # int32 scalars (b, h) for score_mod
   # Values score_mod closes over that may carry gradients (hoist_score_mod),
   # passed whole.
@@ -286,7 +286,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
   if ex.q_seg is not None:
     q_seg = jax.lax.dynamic_slice_in_dim(ex.q_seg, i0, st.bq)[:, None]
     k_seg = jax.lax.dynamic_slice_in_dim(ex.k_seg, j0, st.bk)[None, :]
-  ok = both(_patterns.visible(rows, cols, place.offset, st.bounds,
+  ok = both(intervals.visible(rows, cols, place.offset, st.bounds,
                               ex.q_length, ex.length, q_seg, k_seg))
   if ex.mask is not None:
     ok = both(_tile(ex.mask, i0, j0, st.bq, st.bk))
@@ -316,8 +316,8 @@ def segment_summary(st: Static, ex: Extras):
   """Per-block min/max segment ids ``(q_min, q_max, k_min, k_max)`` or None."""
   if ex.q_seg is None:
     return None
-  return (*_patterns.block_min_max(ex.q_seg, st.bq),
-          *_patterns.block_min_max(ex.k_seg, st.bk))
+  return (*intervals.block_min_max(ex.q_seg, st.bq),
+          *intervals.block_min_max(ex.k_seg, st.bk))
 
 
 def _intersect(pattern, segments):
@@ -337,10 +337,10 @@ def key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
   segments = None
   if seg is not None:
     q_min, q_max, k_min, k_max = seg
-    segments = _patterns.segment_block_ranges(q_min[i], q_max[i], k_min,
+    segments = intervals.segment_block_ranges(q_min[i], q_max[i], k_min,
                                               k_max)
-  return _intersect((*_patterns.key_block_range(*args),
-                     *_patterns.full_key_block_range(*args, st.s)), segments)
+  return _intersect((*intervals.key_block_range(*args),
+                     *intervals.full_key_block_range(*args, st.s)), segments)
 
 
 def query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
@@ -350,10 +350,10 @@ def query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
   segments = None
   if seg is not None:
     q_min, q_max, k_min, k_max = seg
-    segments = _patterns.segment_block_ranges(k_min[j], k_max[j], q_min,
+    segments = intervals.segment_block_ranges(k_min[j], k_max[j], q_min,
                                               q_max)
-  return _intersect((*_patterns.query_block_range(*args),
-                     *_patterns.full_query_block_range(*args, st.s)),
+  return _intersect((*intervals.query_block_range(*args),
+                     *intervals.full_query_block_range(*args, st.s)),
                     segments)
 
 
@@ -396,7 +396,7 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
   code [Tp])``.
 
   All float32; ``max_logits`` only with ``st.max_logits``; ``code`` each
-  row's ``_numerics`` code: the largest of the keys it attends to (a NaN
+  row's ``numerics`` code: the largest of the keys it attends to (a NaN
   or inf in a key or its value) and of its own query if it attends to any.
   """
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
@@ -427,13 +427,13 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
       vj, v_bad = _key_rows(st, v, j0, ex.length)  # [bk, Hv]
       logits, ok, _, raw = _block_logits(st, qi, kj, i0, j0, ex, place,
                                          full, scale=1.0 if defer else None)
-      bad = jnp.where(k_bad, _numerics.BAD_KEY, jnp.where(
-          v_bad, _numerics.BAD_VALUE, _numerics.CLEAN))[None, :]  # [1, bk]
+      bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
+          v_bad, numerics.BAD_VALUE, numerics.CLEAN))[None, :]  # [1, bk]
       if ok is None:  # every row sees every column
         code = jnp.maximum(code, jnp.max(bad))
       else:  # a [bq, bk] pass, made only when there is garbage
         seen = lambda c, ok, bad: jnp.maximum(c, jnp.max(  # noqa: E731
-            jnp.where(ok, bad, _numerics.CLEAN), -1))
+            jnp.where(ok, bad, numerics.CLEAN), -1))
         code = seen(code, ok, bad) if ex.garbage is None else jax.lax.cond(
             ex.garbage, seen, lambda c, ok, bad: c, code, ok, bad)  # [bq]
       if raw_carry:
@@ -470,8 +470,8 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
     lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
                     * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
     # A bad query spoils its row where it sees a key (seen: total >= 1).
-    code = jnp.maximum(code, jnp.where(seen & q_bad, _numerics.BAD_KEY,
-                                       _numerics.CLEAN))
+    code = jnp.maximum(code, jnp.where(seen & q_bad, numerics.BAD_KEY,
+                                       numerics.CLEAN))
     return out, lse, max_logits, code
 
   out, lse, max_logits, code = jax.lax.map(query_block, jnp.arange(num_q))
@@ -589,14 +589,14 @@ def padded(q, k, v, *, scale, is_causal, block_q, block_k, window=None,
   t, s = q.shape[0], k.shape[0]
   bq, bk = min(block_q, t), min(block_k, s)
   tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
-  st = Static(float(scale), _patterns.bounds(bool(is_causal), window),
+  st = Static(float(scale), intervals.bounds(bool(is_causal), window),
               score_mod, t, s, bq, bk, bool(max_logits))
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 
 
 def padded_extras(st: Static, tp: int, sp: int, h) -> Extras:
-  """A head's ``_broadcast.Head`` operands as ``Extras`` padded to blocks."""
+  """A head's ``broadcast.Head`` operands as ``Extras`` padded to blocks."""
   mask, bias = h.mask, h.bias
   if mask is not None:
     mask = pad_axis(pad_axis(mask, 0, tp, False), 1, sp, False)
@@ -676,13 +676,13 @@ def hoist_score_mod(st: Static, ex: Extras, like, *,
 
 
 def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
-  """One head (``_broadcast.Head`` operands): pad, attend, strip, sink.
+  """One head (``broadcast.Head`` operands): pad, attend, strip, sink.
 
   ``garbage``: ``Extras.garbage``. Returns ``(out, None, lse)``, and
   ``max_logits [T]`` too with ``max_logits=True`` among ``blocks``.
   """
   if h.mask is not None:  # keys no query sees (finite garbage): zero them
-    k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
+    k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
   ex = padded_extras(st, q.shape[0], k.shape[0], h)._replace(garbage=garbage)
   st, ex = hoist_score_mod(st, ex, q)
@@ -690,13 +690,13 @@ def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
                                        Place(*h.offsets(st.t, st.s)))
   out, lse, code = out[:st.t], lse[:st.t], code[:st.t]
   if h.sink is not None:
-    out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_length)
   if st.max_logits:  # the sink is no logit of a key: it changes nothing
     max_logits = max_logits[:st.t]
   # NaN or inf reaches only the rows that may see it (the walk's codes):
   # poisoned after the custom VJP, those rows pass no cotangent back.
-  out, lse, max_logits = _numerics.poison(code, out.astype(out_dtype), lse,
-                                          max_logits)
+  out, lse, max_logits = numerics.poison(code, out.astype(out_dtype), lse,
+                                         max_logits)
   if st.max_logits:
     return out, None, lse, max_logits
   return out, None, lse

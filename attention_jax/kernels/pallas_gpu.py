@@ -18,7 +18,7 @@ modifier (with its gradient, also into the arrays it reads), causal and
 window bounds, lengths, segment ids, a dense mask, a mask rule; sinks join
 the softmax after the kernel, from its lse. As in the flash core, every
 tile is made finite as it is loaded (NaN and inf replaced by 0), the
-forward kernel also writes each row's ``_numerics`` code (the largest over
+forward kernel also writes each row's ``numerics`` code (the largest over
 the keys and values it may see, and its own query), and those rows are
 poisoned after the custom VJP: garbage reaches only the rows that may see
 it.
@@ -29,7 +29,7 @@ to it before their dots, as in FlashAttention-2); softmax statistics,
 accumulators and the score modifier are float32.
 
 Written for one head (``[T, H]`` against ``[S, H]``) and lifted over heads
-by ``_broadcast.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
+by ``broadcast.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
 to its grid. Arrays a score modifier or a mask rule reads are passed to the
 kernels as operands (a kernel may not close over arrays): the function is
 traced once at block shapes (``jax.make_jaxpr``) and replayed inside.
@@ -60,13 +60,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _numerics
-from attention_jax import _patterns
-from attention_jax import score_mods
+from attention_jax.core import broadcast
+from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
+from attention_jax.masking import intervals
+from attention_jax.scores import score_mods
 
 _F32 = jnp.float32
 # The primitives a score modifier or rule (and the modifier's VJP) may use:
@@ -155,7 +155,7 @@ class PallasGpu(base.Kernel):
         _single_head, launch=launch, scale=problem.scale,
         is_causal=ops.causal, window=ops.window, score_mod=ops.score_mod,
         block_q=bq, block_k=bk, out_dtype=problem.out_dtype)
-    return _broadcast.lift_heads(head, ops)
+    return broadcast.lift_heads(head, ops)
 
 
 def _own_tables(ops, bq: int, bk: int):
@@ -343,7 +343,7 @@ def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
   q_seg = k_seg = None
   if tiles.q_seg is not None:
     q_seg, k_seg = tiles.q_seg[:, None], tiles.k_seg[None, :]
-  ok = both(_patterns.visible(rows, cols, st.s - st.t, st.bounds,
+  ok = both(intervals.visible(rows, cols, st.s - st.t, st.bounds,
                               q_length if sp.q_length else None,
                               length if sp.length else None, q_seg, k_seg))
   if tiles.mask is not None:
@@ -448,9 +448,9 @@ def _forward_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     vj, v_bad = _key_rows(st, v_ref, j0, length, sp.length)  # [bk, Hv]
     tiles = _tiles(sp, r, shapes, i0, j0)
     logits, ok, _ = _logits(sp, qi, kj, i0, j0, tiles, full)
-    bad = jnp.where(k_bad, _numerics.BAD_KEY, jnp.where(
-        v_bad, _numerics.BAD_VALUE, _numerics.CLEAN))[None, :]  # [1, bk]
-    seen = bad if ok is None else jnp.where(ok, bad, _numerics.CLEAN)
+    bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
+        v_bad, numerics.BAD_VALUE, numerics.CLEAN))[None, :]  # [1, bk]
+    seen = bad if ok is None else jnp.where(ok, bad, numerics.CLEAN)
     code = jnp.maximum(code, jnp.max(seen, -1))  # [bq]
     allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
@@ -470,8 +470,8 @@ def _forward_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
                                     k_ref.shape[0] // st.bk, key_block, init)
   seen = total > 0
   # a bad query spoils its row where it sees a key
-  code_ref[...] = jnp.maximum(code, jnp.where(seen & q_bad, _numerics.BAD_KEY,
-                                              _numerics.CLEAN))
+  code_ref[...] = jnp.maximum(code, jnp.where(seen & q_bad, numerics.BAD_KEY,
+                                              numerics.CLEAN))
   safe_total = jnp.where(seen, total, 1.0)
   out_ref[...] = (acc / safe_total[:, None]).astype(out_ref.dtype)
   lse_ref[...] = jnp.where(
@@ -733,10 +733,10 @@ def _ranges(st: flash_core.Static, ex, num_q: int, num_k: int, rows: bool,
 
 
 def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
-  """One head (``_broadcast.Head``): pad, attend in the kernels, strip, sink,
+  """One head (``broadcast.Head``): pad, attend in the kernels, strip, sink,
   poison the rows that saw a NaN or inf."""
   if h.mask is not None:  # keys no query sees (finite garbage): zero them
-    k, v = _numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
+    k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
   hv = v.shape[-1]
   st, q, k, v = _padded(q, k, v, **blocks)
   ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)
@@ -809,9 +809,9 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
   out, lse, code = attend(q, k, v, bias, mod_diff, fixed(True), fixed(False))
   out, lse, code = out[:st.t, :hv], lse[:st.t], code[:st.t]
   if h.sink is not None:
-    out, _, lse = _numerics.with_sink(out, lse, h.sink, h.q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_length)
   # poisoned after the custom VJP: those rows pass no cotangent back
-  out, lse = _numerics.poison(code, out.astype(out_dtype), lse)
+  out, lse = numerics.poison(code, out.astype(out_dtype), lse)
   return out, None, lse
 
 
@@ -825,7 +825,7 @@ def _padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
   """
   t, s = q.shape[0], k.shape[0]
   tp, sp = -(-t // block_q) * block_q, -(-s // block_k) * block_k
-  st = flash_core.Static(float(scale), _patterns.bounds(bool(is_causal),
+  st = flash_core.Static(float(scale), intervals.bounds(bool(is_causal),
                                                         window),
                          score_mod, t, s, block_q, block_k)
 

@@ -39,13 +39,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax import _broadcast
-from attention_jax import _numerics
-from attention_jax import mask as mask_lib
-from attention_jax import merge as merge_lib
+from attention_jax.core import broadcast
+from attention_jax.core import merge as merge_lib
+from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
-from attention_jax.mask import BlockMask
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import BlockMask
 
 
 class _Ring(NamedTuple):
@@ -123,7 +123,7 @@ def _merge(acc, part):
 def _ring_forward(rg: _Ring, q, k, v, ex):
   """Float32 ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None, code
   [Tp])`` over the whole ring (``max_logits`` with ``rg.block.max_logits``;
-  ``code`` each row's largest ``_numerics`` code over the steps: which rows
+  ``code`` each row's largest ``numerics`` code over the steps: which rows
   saw a NaN or inf)."""
   ex = _local(rg, ex)
 
@@ -235,14 +235,14 @@ def _single_head(q, k, v, h, garbage, *, axis_name, size, out_dtype,
     if h.q_length is not None:  # this device's rows of the global length
       index = jax.lax.axis_index(axis_name)
       q_length = jnp.clip(h.q_length - index * st.t, 0, st.t)
-    out, _, lse = _numerics.with_sink(out, lse, h.sink, q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, q_length)
   if st.max_logits:
     max_logits = max_logits[:st.t]
   # NaN or inf reaches only the rows that may see it (flash_core's blocks
   # are made finite as they are loaded; each step's codes merge by max):
   # poisoned after the custom VJP, those rows pass no cotangent back.
-  out, lse, max_logits = _numerics.poison(code, out.astype(out_dtype), lse,
-                                          max_logits)
+  out, lse, max_logits = numerics.poison(code, out.astype(out_dtype), lse,
+                                         max_logits)
   if st.max_logits:
     return out, None, lse, max_logits
   return out, None, lse
@@ -329,6 +329,6 @@ class Ring(base.Kernel):
     # Whether any device holds a NaN or inf (keys travel): one scalar
     # all-reduce, so that a clean call's walks skip looking for the rows
     # that see one (flash_core.Extras.garbage).
-    garbage = jax.lax.pmax(_numerics.any_nonfinite(
+    garbage = jax.lax.pmax(numerics.any_nonfinite(
         ops.query, ops.key, ops.value).astype(jnp.int32), self.axis_name) > 0
-    return _broadcast.lift_heads(head, ops, (garbage,), (0,))
+    return broadcast.lift_heads(head, ops, (garbage,), (0,))

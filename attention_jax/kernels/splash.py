@@ -41,12 +41,12 @@ bridge:
   and they add nothing to any gradient.
 * Garbage (``0 * NaN`` is NaN even where a weight is 0). Splash's kernels
   cannot carry a per-row flag, so NaN and inf are handled round them: q, k
-  and v are ``_numerics.sanitize``'d before the call (every product
+  and v are ``numerics.sanitize``'d before the call (every product
   finite), and when any entry was not finite (one ``lax.cond`` on the whole
   call: nothing is spent otherwise) each row's code is worked out in plain
   JAX from the same pattern (band, static mask, lengths, segment ids,
-  ``_numerics.seen_codes_by_rows``), and the rows that may see a bad key,
-  value or query are poisoned (``_numerics.poison``). Keys that no query
+  ``numerics.seen_codes_by_rows``), and the rows that may see a bad key,
+  value or query are poisoned (``numerics.poison``). Keys that no query
   may see by the band, the static mask, ``kv_lengths`` or their segment id
   are also zeroed before the call, as the dense kernel does.
 * Segment ids. Splash compares int32 ids; ours too, but a padded key must
@@ -90,13 +90,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax import _broadcast
-from attention_jax import _checks
-from attention_jax import _grouping
-from attention_jax import _numerics
-from attention_jax import _patterns
-from attention_jax import score_mods
+from attention_jax.core import broadcast
+from attention_jax.core import checks
+from attention_jax.core import grouping
+from attention_jax.core import numerics
 from attention_jax.kernels import base
+from attention_jax.masking import intervals
+from attention_jax.scores import score_mods
 
 _LANES = 128  # splash's blocks are whole multiples of the TPU's 128 lanes
 # The most booleans a rule may be evaluated into on the host (2 GiB): past
@@ -160,7 +160,7 @@ def _rule_mask(ops, t: int, s: int) -> np.ndarray | None:
   """The rule evaluated on every ``(b, h, q_idx, kv_idx)``: bool NumPy over
   the grouped leading dims ``[..., T|1, S|1]``; None when it is traced."""
   lead = ops.leading
-  b, h = _patterns.rule_indices(lead, np)
+  b, h = intervals.rule_indices(lead, np)
   rank = len(lead) + 2
   rows = np.arange(t, dtype=np.int32).reshape((1,) * len(lead) + (t, 1))
   cols = np.arange(s, dtype=np.int32).reshape((1,) * len(lead) + (1, s))
@@ -178,7 +178,7 @@ def _rule_mask(ops, t: int, s: int) -> np.ndarray | None:
     return None
   allowed = allowed.astype(bool)
   allowed = allowed.reshape((1,) * (rank - allowed.ndim) + allowed.shape)
-  return _grouping.split(allowed, ops.groups, -3)
+  return grouping.split(allowed, ops.groups, -3)
 
 
 def _static_mask(ops, t: int, s: int) -> tuple[np.ndarray | None, str | None]:
@@ -259,7 +259,7 @@ class Splash(base.Kernel):
     if t == 0 or s == 0:
       return f"it needs T and S >= 1, got T={t}, S={s}"
     if ops.block_mask is not None:
-      batch = _checks.rule_batch(ops.block_mask.mask_fn, ops.leading, s)
+      batch = checks.rule_batch(ops.block_mask.mask_fn, ops.leading, s)
       cells = math.prod(batch) * t * s
       if cells > HOST_MASK_LIMIT:
         return (f"its mask is static: this rule would be evaluated on the "
@@ -320,8 +320,8 @@ class Splash(base.Kernel):
     lse = jnp.broadcast_to(lse, out_lead[:-1] + (heads, t))
     if not shared:
       out, lse = out[..., 0, :, :], lse[..., 0, :]
-    out = _grouping.merge(out.astype(dtype), ops.groups, -3)
-    lse = _grouping.merge(lse, ops.groups, -2)
+    out = grouping.merge(out.astype(dtype), ops.groups, -3)
+    lse = grouping.merge(lse, ops.groups, -2)
     return base.Result(out, lse=lse if problem.return_lse else None)
 
   def _split(self, q, k, v, rows, sinks, static, settings):
@@ -358,10 +358,10 @@ class Splash(base.Kernel):
     heads = q.shape[-3]
     # One predicate for the whole call, outside the vmap below (where a
     # per-slice cond would run both branches).
-    garbage = _numerics.any_nonfinite(q, k, v)
+    garbage = numerics.any_nonfinite(q, k, v)
     tp = -(-t // self.block_q) * self.block_q  # whole blocks
     sp = -(-s // self.block_kv) * self.block_kv
-    bounds = _patterns.bounds(causal, window)
+    bounds = intervals.bounds(causal, window)
     if static is None:  # splash's own lazy masks, evaluated in the kernel
       shape = (tp, sp)
       if bounds.left is None and bounds.right is None:
@@ -378,7 +378,7 @@ class Splash(base.Kernel):
       first = 0 if bounds.left is None else s - t - bounds.left
       key_seen = np.arange(s) >= first if first > 0 else None
     else:
-      band = _patterns.visible(np.arange(t)[:, None], np.arange(s)[None, :],
+      band = intervals.visible(np.arange(t)[:, None], np.arange(s)[None, :],
                                s - t, bounds)
       allowed = np.broadcast_to(static, static.shape[:1] + (t, s))
       if band is not None:
@@ -404,14 +404,14 @@ class Splash(base.Kernel):
     def one(q, k, v, q_seg, k_seg, kv_len, q_len, sink):
       """q ``[G, T, H]``, k ``[S, H]``, v ``[S, Hv]``; per-row arrays of
       this slice; sink ``[G|1]`` or None."""
-      q, k, v, q_code, kv_code = _numerics.sanitize(q, k, v)
+      q, k, v, q_code, kv_code = numerics.sanitize(q, k, v)
 
       def visible(start, size):  # rows [start, start + size): [G|1, size, S]
         rows = start + jnp.arange(size)[:, None]
         ids = None if q_seg is None else (
             jax.lax.dynamic_slice_in_dim(q_seg, start, size)[:, None],
             k_seg[None, :])
-        ok = _patterns.visible(rows, jnp.arange(s)[None, :], s - t, bounds,
+        ok = intervals.visible(rows, jnp.arange(s)[None, :], s - t, bounds,
                                q_len, kv_len, *(ids or (None, None)))
         if pattern is not None:
           tile = jax.lax.dynamic_slice_in_dim(jnp.asarray(pattern), start,
@@ -421,7 +421,7 @@ class Splash(base.Kernel):
 
       code = jax.lax.cond(
           garbage,
-          lambda: _numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
+          lambda: numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
           lambda: jnp.zeros(q_code.shape, jnp.float32))  # [G, T]
       q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(
           q.dtype)
@@ -459,13 +459,13 @@ class Splash(base.Kernel):
         inside = jnp.arange(t) < q_len
         out = jnp.where(inside[None, :, None], out, 0)
         lse = jnp.where(inside[None, :], lse, -jnp.inf)
-      return _numerics.poison(code, out, lse)
+      return numerics.poison(code, out, lse)
 
     operands = (q, k[..., 0, :, :], v[..., 0, :, :],
                 *(_drop_head(rows[n], 1) for n in ("q_seg", "k_seg")),
                 *(_drop_head(rows[n], 0) for n in ("kv_len", "q_len")),
                 sinks)
-    return _broadcast.broadcast_vmap(one, (3, 2, 2, 1, 1, 0, 0, 1), operands)
+    return broadcast.broadcast_vmap(one, (3, 2, 2, 1, 1, 0, 0, 1), operands)
 
 
 def _drop_head(x, core: int):

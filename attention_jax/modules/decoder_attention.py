@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import additive
-from attention_jax import luong
+from attention_jax.layers import additive
+from attention_jax.layers import luong
 
 
 class _DecoderAttention(nnx.Module):

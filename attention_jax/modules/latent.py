@@ -36,16 +36,16 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
 
-from attention_jax import _checks
-from attention_jax import decoding
-from attention_jax import latent
-from attention_jax import mask as mask_lib
-from attention_jax import multi_head
-from attention_jax import rope as rope_lib
-from attention_jax.mask import Mask
+from attention_jax.core import checks
+from attention_jax.decoding import cache_step
+from attention_jax.layers import latent
+from attention_jax.layers import multi_head
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import Mask
 from attention_jax.modules.multi_head import NormScale
 from attention_jax.modules.multi_head import Projection
 from attention_jax.modules.multi_head import assign_params
+from attention_jax.scores import rope as rope_lib
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
 _ZEROS = nnx.initializers.zeros_init()
@@ -144,8 +144,8 @@ class MultiHeadLatentAttention(nnx.Module):
         kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
         qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
         out_features=out_features)
-    _checks.check_static_bool("use_bias", use_bias)
-    _checks.check_scale(scale)
+    checks.check_static_bool("use_bias", use_bias)
+    checks.check_scale(scale)
     if mask is not None and not isinstance(mask, Mask):
       raise TypeError(f"mask must be an aj.Mask (the layer's pattern, e.g. "
                       f"aj.Mask(causal=True, window=(W - 1, 0))), got "
@@ -239,8 +239,8 @@ class MultiHeadLatentAttention(nnx.Module):
         0)`` with ``w < W``.
       dtype: cache dtype; defaults to ``dtype`` or ``param_dtype``.
     """
-    _checks.check_positive_int("batch_size", batch_size)
-    length, window = decoding.cache_slots(self.mask, max_length, window)
+    checks.check_positive_int("batch_size", batch_size)
+    length, window = cache_step.cache_slots(self.mask, max_length, window)
     cache = latent.LatentCache(
         *(jnp.zeros((batch_size, length, width),
                     dtype or self.dtype or self.param_dtype)
@@ -275,8 +275,8 @@ class MultiHeadLatentAttention(nnx.Module):
     call this where a host sync is cheap, as ``MultiHeadAttention``'s.
     """
     if self.cache_overflow is None:
-      decoding.raise_if_overflowed(None, None, 0, "latent cache")
-    decoding.raise_if_overflowed(
+      cache_step.raise_if_overflowed(None, None, 0, "latent cache")
+    cache_step.raise_if_overflowed(
         self.cache_overflow[...], self.cache_index[...],
         self.cached_latent.shape[1], "latent cache")
 
@@ -319,9 +319,9 @@ class MultiHeadLatentAttention(nnx.Module):
     Returns:
       ``output [B, T, Dout]``, or ``(output, weights)``.
     """
-    _checks.check_static_bool("is_causal", is_causal)
-    _checks.check_static_bool("decode", decode)
-    _checks.check_module_input("x", x, self.d_model, "d_model", "[B, T, D]")
+    checks.check_static_bool("is_causal", is_causal)
+    checks.check_static_bool("decode", decode)
+    checks.check_module_input("x", x, self.d_model, "d_model", "[B, T, D]")
     if self.dtype is not None:
       x = jnp.asarray(x, self.dtype)
     call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)

@@ -13,7 +13,7 @@ learned ``sinks [N]`` and a T5 ``t5_table [R, N]``), laid out per head as
 ``W_o`` kernel ``[N, H, Dout]``, ``sinks`` logits, ``t5_bias`` table, ...),
 and, after ``init_cache``, the cache
 variables (a KV cache for causal decoding, or a cross-attention memory
-projected once). The maths is ``attention_jax.multi_head.forward``
+projected once). The maths is ``attention_jax.layers.multi_head.forward``
 (projection per head, attention of N query heads over K shared KV heads,
 ``W_o``), the same path for the full call and for cached decoding.
 """
@@ -29,17 +29,17 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from attention_jax import _checks
-from attention_jax import decoding
-from attention_jax import kv_cache
-from attention_jax import mask as mask_lib
-from attention_jax import multi_head
-from attention_jax import multi_head_params
-from attention_jax import rope as rope_lib
-from attention_jax import score_mods
-from attention_jax import sharding
-from attention_jax.mask import Mask
+from attention_jax.core import checks
+from attention_jax.decoding import cache_step
+from attention_jax.decoding import kv_cache
+from attention_jax.layers import multi_head
+from attention_jax.layers import multi_head_params
+from attention_jax.layers import sharding
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import Mask
 from attention_jax.modules import _rngs
+from attention_jax.scores import rope as rope_lib
+from attention_jax.scores import score_mods
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
 _ZEROS = nnx.initializers.zeros_init()
@@ -141,7 +141,7 @@ def assign_params(layers: Mapping[str, Projection | NormScale],
           f"params['{name}'] has {sorted(params[name])}, but this module's "
           f"{name} has {sorted(have)} (use_bias must match).")
     for entry, variable in have.items():
-      got, want = _checks.shape_of(params[name][entry]), variable.shape
+      got, want = checks.shape_of(params[name][entry]), variable.shape
       if got != tuple(want):
         raise ValueError(
             f"params['{name}']['{entry}'] has shape {got}, but this "
@@ -293,7 +293,7 @@ class MultiHeadAttention(nnx.Module):
           "under `with jax.set_mesh(mesh):` (mesh axes: "
           f"{jax.sharding.get_abstract_mesh().axis_names or 'none'}).")
     sharding.check_heads_divide(num_heads, num_kv_heads, head_axis)
-    _checks.check_dropout_rate(dropout_rate)
+    checks.check_dropout_rate(dropout_rate)
     self.d_model = d_model
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -317,11 +317,11 @@ class MultiHeadAttention(nnx.Module):
                       f"{type(mask).__name__}; per-call masks go to the "
                       "call.")
     self.mask = nnx.data(mask)
-    _checks.check_soft_cap(logits_soft_cap)
+    checks.check_soft_cap(logits_soft_cap)
     self.logits_soft_cap = logits_soft_cap
-    _checks.check_scale(scale)
+    checks.check_scale(scale)
     self.scale = scale
-    _checks.check_score_mod(score_mod)
+    checks.check_score_mod(score_mod)
     # An aj.ScoreMod may hold arrays (pytree data); a function is static.
     self.score_mod = (nnx.data(score_mod) if isinstance(
         score_mod, score_mods.ScoreMod) else score_mod)
@@ -480,8 +480,8 @@ class MultiHeadAttention(nnx.Module):
         or a ring buffer (which refuses a dense padding mask). Stored as
         ``cache_left_padding``.
     """
-    _checks.check_positive_int("batch_size", batch_size)
-    length, window = decoding.cache_slots(self.mask, max_length, window)
+    checks.check_positive_int("batch_size", batch_size)
+    length, window = cache_step.cache_slots(self.mask, max_length, window)
     if left_padding is not None:
       left_padding = kv_cache.check_left_padding(left_padding, batch_size)
     dtype = dtype or self.dtype or self.param_dtype
@@ -530,9 +530,9 @@ class MultiHeadAttention(nnx.Module):
           "init_cross_cache projects the memory once, without positions; "
           "this layer has rope, which would rotate the keys at each call's "
           "positions. Build the cross-attention layer with rope=None.")
-    _checks.check_float_array("memory", memory)
-    _checks.check_module_input("memory", memory, self.kv_features,
-                               "kv_features", "[B, S, Dkv]")
+    checks.check_float_array("memory", memory)
+    checks.check_module_input("memory", memory, self.kv_features,
+                              "kv_features", "[B, S, Dkv]")
     if self.dtype is not None:
       memory = jnp.asarray(memory, self.dtype)
     projected = multi_head.project_memory(self.params_dict(), memory,
@@ -561,13 +561,13 @@ class MultiHeadAttention(nnx.Module):
     ``jit`` this reports it.
     """
     if self.cache_overflow is None:
-      decoding.raise_if_overflowed(None, None, 0, "KV cache")
-    decoding.raise_if_overflowed(
+      cache_step.raise_if_overflowed(None, None, 0, "KV cache")
+    cache_step.raise_if_overflowed(
         self.cache_overflow[...], self.cache_index[...],
         self.cached_key.shape[2], "KV cache",
         " (or use a ring buffer: a layer mask with a causal window)")
     if self.cache_pad_written is not None:
-      decoding.raise_if_pads_written(self.cache_pad_written[...])
+      cache_step.raise_if_pads_written(self.cache_pad_written[...])
 
   def _resolved_attention(self) -> multi_head.ResolvedAttentionFn:
     """The layer's ``attention_fn``, resolved when built (again only if
@@ -671,8 +671,8 @@ class MultiHeadAttention(nnx.Module):
         ("key", key, self.kv_features, "kv_features"),
         ("value", value, self.kv_features, "kv_features")):
       if x is not None:  # None: attending to the stored memory
-        _checks.check_module_input(name, x, width, arg,
-                                   "[B, T or S, features]")
+        checks.check_module_input(name, x, width, arg,
+                                  "[B, T or S, features]")
     if self.dtype is not None:  # as nnx.Linear: compute in `dtype`
       query, key, value = (None if x is None else jnp.asarray(x, self.dtype)
                            for x in (query, key, value))
@@ -689,11 +689,11 @@ class MultiHeadAttention(nnx.Module):
                          "(cross-attention).")
       pads = (None if self.cache_left_padding is None
               else self.cache_left_padding[...])
-      cache = decoding.KVCache(
+      cache = cache_step.KVCache(
           self.cached_key[...], self.cached_value[...],
           self.cache_index[...], self.cache_overflow[...], self.cache_window,
           pads, self.cache_pad_written[...])
-    _checks.check_static_bool("is_causal", is_causal)
+    checks.check_static_bool("is_causal", is_causal)
     call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)
     if self.mask is not None:
       call_mask = self.mask if call_mask is None else self.mask & call_mask

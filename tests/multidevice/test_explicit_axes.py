@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import attention_jax as aj
-from attention_jax import multi_head
-from attention_jax import sharding
+from attention_jax.layers import multi_head
+from attention_jax.layers import sharding
 from tests import _data
 
 # Sharding changes only which device sums what: float32 rounding.

@@ -1,0 +1,240 @@
+"""Scaled dot-product attention: ``softmax(Q K^T / sqrt(d_k)) V``, and dispatch.
+
+Shape glossary: B batch, T query length, S key/value length, N query heads,
+K key/value heads, H head dim (of queries and keys), Hv value head dim, D
+model dim. ``...`` is any number of leading batch dimensions (e.g. ``B, N``)
+that broadcast.
+
+``scaled_dot_product_attention`` is the one public entry point over every
+kernel: it resolves ``implementation=`` to the kernels to try
+(``kernels.candidates``), validates the call once
+(``kernels.base.canonicalize``: a ``Problem``), picks the first kernel that
+supports it (``kernels.choose``) and runs it. The kernels never import this
+module. Every kernel honours one contract (masks True = may attend,
+bottom-right causal, a query with nothing to attend to gets output 0 and
+lse ``-inf`` with zero gradients, float32 compute for 16-bit inputs),
+checked by one shared test suite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.typing import ArrayLike
+
+from attention_jax import kernels
+from attention_jax.core import checks
+from attention_jax.kernels import base
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import BlockMask
+from attention_jax.masking.mask import Mask
+
+
+def run(query, key, value, mask=None, *, bias=None, scale=None,
+        is_causal: bool = False, score_mod=None, sinks=None,
+        dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
+        return_weights: bool = False, return_lse: bool = False,
+        return_max_logits: bool = False):
+  """``scaled_dot_product_attention`` returning one ``kernels.Result``
+  (weights, lse, max_logits None unless asked for): the path every entry
+  point shares."""
+  problem, candidates, automatic = prepare(
+      query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
+      score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, implementation=implementation,
+      return_weights=return_weights, return_lse=return_lse,
+      return_max_logits=return_max_logits)
+  kernel = kernels.choose(candidates, problem, automatic)
+  result = kernel(problem)
+  if not isinstance(result, base.Result):
+    raise TypeError(
+        f"kernel {kernel.name!r} returned {type(result).__name__}, not an "
+        "aj.kernels.Result(out, weights, lse, max_logits) (absent values "
+        "None): every kernel returns one named result.")
+  for name in ("weights", "lse", "max_logits"):
+    if getattr(problem, f"return_{name}") and getattr(result, name) is None:
+      raise TypeError(  # a kernel that accepted the flag and ignored it
+          f"kernel {kernel.name!r} was asked for {name} (return_{name}="
+          f"True) but returned none: it must compute it or not declare "
+          f"return_{name} in its implements.")
+  return base.Result(result.out,
+                     result.weights if return_weights else None,
+                     result.lse if return_lse else None,
+                     result.max_logits if return_max_logits else None)
+
+
+def prepare(query, key, value, mask=None, *, bias=None, scale=None,
+            is_causal: bool = False, score_mod=None, sinks=None,
+            dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
+            return_weights: bool = False, return_lse: bool = False,
+            return_max_logits: bool = False):
+  """A call normalised once: ``(problem, kernels to try, automatic)``
+  (what ``run`` runs and ``aj.explain`` reports)."""
+  checks.check_static_bool("is_causal", is_causal)
+  mask = mask_lib.as_mask(mask, is_causal=is_causal)
+  candidates, automatic = kernels.candidates(implementation)
+  problem = base.canonicalize(
+      query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
+      sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      return_weights=return_weights, return_lse=return_lse,
+      return_max_logits=return_max_logits,
+      rule_lengths=_rule_lengths(candidates, query, key))
+  return problem, candidates, automatic
+
+
+def _rule_lengths(candidates, query, key):
+  """The ``(T, S)`` a rule's indices refer to, the same for every
+  candidate (ring attention's are global), or None for the operands'."""
+  q_shape, k_shape = checks.shape_of(query), checks.shape_of(key)
+  if len(q_shape) < 2 or len(k_shape) < 2:
+    return None  # the operand checks say what is wrong
+  t, s = q_shape[-2], k_shape[-2]
+  lengths = {kernel.lengths(t, s) for kernel in candidates}
+  if len(lengths) > 1:
+    raise ValueError(
+        f"implementation mixes kernels whose mask rules index different "
+        f"sequences ({sorted(lengths)}): try ring attention on its own.")
+  only = lengths.pop()
+  return None if only == (t, s) else only
+
+
+def scaled_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    mask: Mask | ArrayLike | BlockMask | None = None,
+    *,
+    bias: ArrayLike | None = None,
+    scale: float | ArrayLike | None = None,
+    is_causal: bool = False,
+    score_mod: Any = None,
+    sinks: ArrayLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    implementation: Any = None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    return_max_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, ...]:
+  """``softmax(query @ key^T * scale + bias, where=mask) @ value``.
+
+  Args:
+    query: float ``[..., T, H]``.
+    key: float ``[..., S, H]``. 4-D queries ``[B, N, T, H]`` against keys
+      ``[B, K, S, H]`` with ``K`` dividing ``N`` is grouped-query
+      attention: query head ``n`` uses key/value head ``n // (N / K)``
+      (only in 4-D is axis 1 read as heads, as in jax.nn).
+    value: float ``[..., S, Hv]``; ``Hv`` may differ from ``H``.
+    mask: which (query, key) pairs may attend: an ``aj.Mask`` (causal,
+      windows, query/key lengths, segment ids, a dense array and rules, in
+      one value; the blockwise kernels skip the blocks it rules out), or a
+      bool/integer array broadcastable to ``[..., T, S]`` of the logits'
+      full rank (True / non-zero = may attend; ``Mask(dense=...)``), or an
+      ``aj.BlockMask`` (a rule with precomputed block tables).
+    bias: optional float added to the logits (after scaling), broadcastable to
+      ``[..., T, S]``; ``-inf`` entries block like a False mask.
+    scale: multiplier of ``query @ key^T``: a positive finite number or a
+      float scalar array (a learned one may be traced); defaults to ``1 /
+      sqrt(H)``.
+    is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (jax.nn's and
+      torch's habit): query ``i`` may attend to key ``j`` only when ``j <= i
+      + (S - T)`` (bottom-right aligned).
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` returns modified
+      float32 scores (after scale and bias; ``aj.soft_cap(c)`` caps): ``b`` and
+      ``h`` are the int32 batch and query-head indices (of ``[B, N, T, H]``
+      operands: the last leading axis is ``h``, the one before ``b``; with
+      one leading axis, ``b`` and ``h = 0``), ``q_idx``/``kv_idx`` broadcast
+      integer query/key indices (``[T, 1]`` and ``[1, S]``, or one block's).
+      ``-inf`` blocks an entry. It must be elementwise: its output at ``(i,
+      j)`` reads ``score[i, j]``, ``b``, ``h``, ``q_idx[i]``, ``kv_idx[j]``
+      and arrays indexed by them, never other scores (no sums, row
+      statistics or sorts: each kernel holds other scores), and returns
+      float scores of the score's shape; checked at the call (a jaxpr
+      walk), for every kernel alike. Arrays travel inside it: ``aj.ScoreMod(fn,
+      params)`` (a pytree; ``aj.alibi(slopes)``, ``aj.t5_relative_bias``)
+      or a plain closure (not in ``ring_attention``, which needs them as a
+      ``ScoreMod``); they are differentiated in every implementation.
+    sinks: float broadcastable to the leading dims (``[N]`` or ``[B, N]``
+      for ``[B, N, T, H]``): per-head sink logits; ``exp(sink)`` joins every
+      row's softmax denominator, so weights sum to less than 1 (gpt-oss's
+      learned sinks). Differentiable. The returned lse includes the sink.
+    dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
+      Kept weights are scaled by ``1 / (1 - dropout_rate)``.
+    dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
+    implementation: ``None`` (automatic), a kernel name (``"dense"``,
+      ``"flash"``, ``"cudnn"``,
+      ``"splash"``, ``"pallas_gpu"``), an ``aj.kernels`` kernel
+      (``aj.kernels.Flash(block_q=512)``, ``aj.kernels.Ring("seq")``, one
+      of your own) or a sequence of them to try in order. ``None`` walks
+      ``aj.kernels.REGISTRY``: cuDNN (GPU), splash (TPU), Pallas GPU, the
+      flash core (O(T + S) memory; no weights, dropout or float64), then
+      dense (everything; the ``[T, S]`` scores), the others skipped below
+      ``T * S`` = 1024 * 1024 scores; each kernel's ``supports`` says what
+      it refuses. When nothing fits, the error lists each kernel's reason;
+      ``aj.explain(...)`` shows the choice without running it. Every kernel
+      gives the same numbers within float32 rounding (tested).
+    return_weights: also return the attention weights (dense only).
+    return_lse: also return the log-sum-exp of each row's allowed logits.
+    return_max_logits: also return each row's largest raw logit (what
+      QK-clip and logit-growth monitoring read; ``dense``, ``flash``
+      and ring attention; the fused kernels refuse it and the automatic
+      choice skips them).
+
+  The leading dimensions ``...`` of all operands broadcast like NumPy's.
+  Static arguments for ``jax.jit``: ``scale`` (if a Python float),
+  ``is_causal``, ``dropout_rate``, ``implementation``, ``return_weights``,
+  ``return_lse``, ``return_max_logits``; a ``Mask`` and a ``ScoreMod`` are
+  pytrees (their structure static, their arrays traced).
+
+  Returns:
+    ``output`` ``[..., T, Hv]`` in the promoted dtype of the inputs; with
+    ``return_weights=True`` also ``weights`` ``[..., T, S]``, the softmax
+    probabilities before dropout (rows sum to 1, or are all 0 for a query
+    that may attend to nothing, whose output is then 0); with
+    ``return_lse=True`` also ``lse`` ``[..., T]`` (``-inf`` for such rows);
+    with ``return_max_logits=True`` also ``max_logits`` ``[..., T]``: per
+    query row, the maximum of the raw scaled logits ``scale * q . k`` over
+    the keys it may attend to (after every mask field; ``-inf`` bias or
+    ``score_mod`` entries block like the mask), before the bias, any
+    ``score_mod`` (ALiBi, T5, soft cap) and sinks; ``-inf`` for a row with
+    nothing to attend to. It does not depend on the values and is not
+    differentiated (zero gradient, as ``lax.stop_gradient``). Weights, lse
+    and max_logits are float32 (float64 for float64 inputs). Order: the
+    output, then weights, lse and max_logits as asked for, e.g.
+    ``(output, weights)``, ``(output, lse)``, ``(output, weights, lse)``,
+    ``(output, lse, max_logits)`` or ``(output, max_logits)``.
+
+  Raises:
+    TypeError: non-float query/key/value/bias, a mask that is neither a
+      ``Mask``, a ``BlockMask`` nor a bool/integer array, non-integer
+      lengths or segment ids, a mask rule that does not return booleans, a
+      ``score_mod`` that returns non-float scores, a non-number ``scale``.
+    ValueError: ranks below 2, ``H`` or ``S`` mismatches, leading dims or
+      masks/biases that do not broadcast, a dropout rate outside ``[0, 1)``
+      or a positive rate without ``dropout_rng``, a ``scale`` that is not
+      positive and finite, a ``score_mod`` that is not elementwise, an
+      implementation that cannot do what was asked.
+
+  Example:
+    >>> q = jnp.ones((2, 4, 8))   # [B, T, H]
+    >>> kv = jnp.ones((2, 6, 8))  # [B, S, H]
+    >>> scaled_dot_product_attention(q, kv, kv, is_causal=True).shape
+    (2, 4, 8)
+    >>> out, w = scaled_dot_product_attention(q, kv, kv, return_weights=True)
+    >>> w.shape
+    (2, 4, 6)
+    >>> out, max_logits = scaled_dot_product_attention(
+    ...     q, kv, kv, is_causal=True, return_max_logits=True)
+    >>> max_logits.shape  # [B, T]; per head: max_logits.max(axis=(0, -1))
+    (2, 4)
+  """
+  out, weights, lse, max_logits = run(
+      query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
+      score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, implementation=implementation,
+      return_weights=return_weights, return_lse=return_lse,
+      return_max_logits=return_max_logits)
+  extra = ((weights,) * bool(return_weights) + (lse,) * bool(return_lse)
+           + (max_logits,) * bool(return_max_logits))
+  return (out, *extra) if extra else out

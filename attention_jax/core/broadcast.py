@@ -1,0 +1,154 @@
+"""Run a single-example function over broadcast leading dimensions with vmap.
+
+The attention maths in this package is written for one head and one example
+(``[T, H]`` queries against ``[S, H]`` keys). ``broadcast_vmap`` lifts such a
+function to operands with any leading batch dimensions that broadcast like
+NumPy's: one ``jax.vmap`` per leading dimension, mapping the operands that
+have that dimension and passing the others (size 1 or absent) unmapped. A
+size-1 key/value head dimension against ``G`` query heads is therefore shared,
+never copied, which is how grouped-query attention stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from attention_jax.core import grouping
+
+
+def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
+                   operands: Sequence[Any], sequential: Any = ()) -> Any:
+  """Applies ``fn`` to operands with broadcast leading (batch) dimensions.
+
+  Args:
+    fn: function of the per-example operands (``None`` operands are passed
+      through as ``None``).
+    core_ndims: for each operand, how many trailing dimensions ``fn`` sees.
+    operands: arrays (or ``None``) whose leading dims, beyond their core dims,
+      broadcast against each other. The caller has validated that they do.
+    sequential: indices of operands whose non-trivial leading dims are
+      mapped with ``lax.map`` (one slice after another) instead of
+      ``vmap``: under ``vmap`` a kernel's data-dependent control flow (block
+      loops and ``cond`` over per-example block tables) would run every
+      branch and the longest loop for every slice.
+
+  Returns:
+    ``fn``'s outputs with the broadcast batch shape prepended to each leaf.
+  """
+  batch_ndim = max((op.ndim - c for op, c in zip(operands, core_ndims)
+                    if op is not None), default=0)
+  padded = []
+  for op, c in zip(operands, core_ndims):
+    if op is not None:
+      op = op.reshape((1,) * (batch_ndim - (op.ndim - c)) + op.shape)
+    padded.append(op)
+  return _map_leading(fn, batch_ndim, tuple(padded), frozenset(sequential))
+
+
+def _map_leading(fn, depth: int, ops: tuple[Any, ...], sequential) -> Any:
+  if depth == 0:
+    return fn(*ops)
+  # Operands whose leading size is 1 are shared across this dimension.
+  in_axes = tuple(None if op is None or op.shape[0] == 1 else 0 for op in ops)
+  ops = tuple(op[0] if op is not None and ax is None else op
+              for op, ax in zip(ops, in_axes))
+  inner = lambda *o: _map_leading(fn, depth - 1, o, sequential)
+  if all(ax is None for ax in in_axes):
+    return jax.tree.map(lambda x: x[None], inner(*ops))
+  if any(in_axes[i] == 0 for i in sequential):
+    mapped = [i for i, ax in enumerate(in_axes) if ax == 0]
+
+    def one(slices):
+      full = list(ops)
+      for i, x in zip(mapped, slices):
+        full[i] = x
+      return inner(*full)
+
+    return jax.lax.map(one, [ops[i] for i in mapped])
+  return jax.vmap(inner, in_axes=in_axes)(*ops)
+
+
+class Result(NamedTuple):
+  """What every kernel returns: named, absent values None.
+
+  ``out [..., N, T, Hv]``; ``weights [..., N, T, S]`` (only a kernel that
+  forms them, when ``return_weights``), ``lse [..., N, T]`` and
+  ``max_logits [..., N, T]`` when asked for. Heads merged again.
+  """
+  out: jax.Array
+  weights: jax.Array | None = None
+  lse: jax.Array | None = None
+  max_logits: jax.Array | None = None
+
+
+class Head(NamedTuple):
+  """One head's operands besides q, k, v, as the kernels see them."""
+  mask: jax.Array | None  # bool [T|1, S|1]
+  bias: jax.Array | None  # float [T|1, S|1]
+  length: jax.Array | None  # int32 scalar: valid keys
+  q_length: jax.Array | None  # int32 scalar: valid queries
+  q_seg: jax.Array | None  # int32 [T]
+  k_seg: jax.Array | None  # int32 [S]
+  sink: jax.Array | None  # float scalar
+  index: tuple | None  # int32 scalars (b, h) for score_mod, or None
+  block_mask: Any  # a BlockMask (this head's [nq, nk] tables) or None
+  # int32 scalars: positions of query row 0 and key column 0 (the mask's
+  # q_offset/kv_offset), or None for the bottom-right alignment
+  q_offset: jax.Array | None = None
+  kv_offset: jax.Array | None = None
+
+  def offsets(self, t: int, s: int):
+    """``(offset, q_start, kv_start)``: query row ``r`` stands at key column
+    ``r + offset`` (causality, windows); rules and score modifiers see
+    ``q_start + r`` and ``kv_start + c``."""
+    if self.q_offset is None:
+      return s - t, 0, 0
+    return self.q_offset - self.kv_offset, self.q_offset, self.kv_offset
+
+
+def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
+               extra_core_ndims: Sequence[int] = ()):
+  """Runs a single-head kernel over validated operands (``checks.Operands``).
+
+  ``head_fn(q, k, v, head, *extra)`` sees ``[T, H]``, ``[S, H]``,
+  ``[S, Hv]`` and a ``Head`` of the other operands, and returns
+  ``(out [T, Hv], weights [T, S] or None, lse [T] or None)``, or those and
+  ``max_logits [T]`` (``return_max_logits``). The results come back over
+  the leading dims with grouped heads merged again (``[..., N, T, Hv]``),
+  as the kernel's ``Result`` (what ``head_fn`` did not return is None).
+  """
+  b, h = (None, None) if ops.head_index is None else ops.head_index
+  # A block mask with per-(b, h) tables is sliced per head like a mask;
+  # one without leading dims is shared.
+  bm = ops.block_mask
+  per_head_tables = bm is not None and bm.batch_shape
+  tables = bm.tables if per_head_tables else ()
+  # (operand, its core ndims): what one head sees of each
+  fixed = ((ops.query, 2), (ops.key, 2), (ops.value, 2), (ops.mask, 2),
+           (ops.bias, 2), (ops.lengths, 0), (ops.q_lengths, 0),
+           (ops.q_seg, 1), (ops.k_seg, 1), (ops.sinks, 0), (b, 0), (h, 0),
+           (ops.q_offset, 0), (ops.kv_offset, 0))
+  operands = (*(x for x, _ in fixed), *tables, *extra)
+  core = (*(c for _, c in fixed), *(2,) * len(tables), *extra_core_ndims)
+
+  def per_head(q, k, v, mask, bias, length, q_length, q_seg, k_seg, sink,
+               b, h, q_offset, kv_offset, *rest):
+    head_bm = bm
+    if per_head_tables:
+      head_bm = bm.with_tables(rest[:len(tables)])
+    head = Head(mask, bias, length, q_length, q_seg, k_seg, sink,
+                None if b is None else (b, h), head_bm, q_offset, kv_offset)
+    return head_fn(q, k, v, head, *rest[len(tables):])
+
+  first_table = len(fixed)  # the index of the tables among the operands
+  out, weights, *rows = broadcast_vmap(
+      per_head, core, operands,
+      sequential=range(first_table, first_table + len(tables)))
+  lse, max_logits = (*rows, None)[:2]  # one value per query row each
+  return Result(grouping.merge(out, ops.groups, -3),
+                grouping.merge(weights, ops.groups, -3),
+                grouping.merge(lse, ops.groups, -2),
+                grouping.merge(max_logits, ops.groups, -2))

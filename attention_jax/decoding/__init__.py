@@ -1,0 +1,6 @@
+"""The key/value caches the layers write into while decoding.
+
+``kv_cache`` holds the pure cache updates (a linear cache, a ring buffer,
+their overflow flag); ``cache_step`` what one cached decoding step does:
+``KVCache``, its ``write`` and the call's ``Mask`` over the cache slots.
+"""

@@ -1,0 +1,8 @@
+"""The attention layers as pure functions of their params.
+
+``multi_head`` (with ``multi_head_params``, ``sharding``) is multi-head
+attention with GQA, qk-norm, rotary positions and cached decoding;
+``latent`` is multi-head latent attention; ``additive`` (Bahdanau) and
+``luong`` share ``decoder_attention``. The NNX modules in ``modules/`` own
+the parameters and call these.
+"""

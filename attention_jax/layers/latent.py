@@ -1,0 +1,702 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) as pure functions.
+
+Shape glossary: B batch, T query length (this call's tokens), S key length
+(``S = T`` for the full forward), L cache slots, N query heads, D model
+dim, Dout output features, Rq ``q_lora_rank``, R ``kv_lora_rank`` (the
+latent width), Hn ``qk_nope_head_dim``, Hr ``qk_rope_head_dim``, Hv
+``v_head_dim``.
+
+MLA (DeepSeek-V2, arXiv 2405.04434, section 2.1) compresses each token's
+keys and values into one latent vector, and carries positions in a small
+rotary key shared by all heads. Per token ``h [D]``:
+
+- query: ``c_q = RMSNorm(h @ W_dq)`` ``[Rq]``, ``q = c_q @ W_uq`` ``[N, Hn
+  + Hr]`` (or ``q = h @ W_q`` without a query low-rank); each head splits
+  into ``q_nope [Hn]`` and ``q_pe [Hr]``, and ``q_pe`` is rotated (RoPE)
+  at the token's position;
+- keys and values: ``[c_kv, k_pe] = h @ W_dkv`` ``[R + Hr]``, ``c_kv =
+  RMSNorm(c_kv)``; ``k_pe`` is ONE rotary key head, rotated at the token's
+  position and shared by every query head; ``[k_nope, v] = c_kv @ W_ukv``
+  ``[N, Hn + Hv]``;
+- attention per head over ``k = [k_nope, k_pe]`` and ``v``, scores scaled
+  by ``1 / sqrt(Hn + Hr)``, then ``W_o [N, Hv, Dout]`` over the heads (as
+  ``multi_head.output_projection``).
+
+``latent_attention`` is that forward (training, prefill without a cache):
+keys and values expanded per head, ordinary attention of N heads.
+
+``latent_decode`` is the absorbed form, the point of MLA: the cache holds
+only ``[c_kv, k_pe]`` per token (``R + Hr`` numbers, one "head"), never the
+per-head keys and values. Since ``q_nope[n] . k_nope[n] = (W_uk[n] q_nope[n])
+. c_kv``, ``W_uk`` (the key half of ``W_ukv``) is folded into the query,
+``q_lat[n] = W_uk[n] q_nope[n]`` ``[R]``; scores are ``q_lat . c_kv + q_pe .
+k_pe``, which is multi-query attention (one key/value head) with key
+``[c_kv, k_pe]`` (width ``R + Hr``) and value ``c_kv`` (width ``R``); each
+head's latent output ``[R]`` goes through ``W_uv[n]`` (the value half) to
+``[Hv]`` and then ``W_o``. The scale stays the original ``1 / sqrt(Hn +
+Hr)``, not ``1 / sqrt(R + Hr)`` of the absorbed query: the scores are the
+same numbers, only computed in another order.
+
+Parameters (DeepSeek's names, lightly; ``latent_dims`` reads every size
+from their shapes):
+
+- ``W_dq``: ``{"kernel": [D, Rq], "bias": [Rq]}``, ``q_norm``: ``{"scale":
+  [Rq]}``, ``W_uq``: ``{"kernel": [Rq, N, Hn + Hr]}`` (with a query
+  low-rank), or ``W_q``: ``{"kernel": [D, N, Hn + Hr]}`` (without);
+- ``W_dkv``: ``{"kernel": [D, R + Hr], "bias": [R + Hr]}``, ``kv_norm``:
+  ``{"scale": [R]}``, ``W_ukv``: ``{"kernel": [R, N, Hn + Hv]}``;
+- ``W_o``: ``{"kernel": [N, Hv, Dout], "bias": [Dout]}``.
+
+Biases are optional and only where DeepSeek's ``attention_bias`` puts them
+(``W_dq``, ``W_dkv``, ``W_o``); the up-projections have none (a bias on
+``W_ukv`` could not be folded into the query). Hugging Face's
+``DeepseekV3Attention`` weights map as ``W_dq = q_a_proj.weight.T``,
+``q_norm = q_a_layernorm.weight``, ``W_uq = q_b_proj.weight.T.reshape(Rq, N,
+Hn + Hr)``, ``W_dkv = kv_a_proj_with_mqa.weight.T``, ``kv_norm =
+kv_a_layernorm.weight``, ``W_ukv = kv_b_proj.weight.T.reshape(R, N, Hn +
+Hv)``, ``W_o = o_proj.weight.T.reshape(N, Hv, Dout)``, with
+``rope=aj.Rope(..., interleaved=config.rope_interleave)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+import numpy as np
+
+from attention_jax.core import checks
+from attention_jax.core import numerics
+from attention_jax.decoding import cache_step
+from attention_jax.layers import multi_head
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import Mask
+from attention_jax.scores import rope as rope_lib
+
+Params = dict[str, dict[str, jax.Array]]
+
+# The layout of each parameter, for messages.
+LAYOUT = {
+    "W_dq": "kernel [D, Rq], bias [Rq]",
+    "q_norm": "scale [Rq]",
+    "W_uq": "kernel [Rq, N, Hn + Hr]",
+    "W_q": "kernel [D, N, Hn + Hr]",
+    "W_dkv": "kernel [D, R + Hr], bias [R + Hr]",
+    "kv_norm": "scale [R]",
+    "W_ukv": "kernel [R, N, Hn + Hv]",
+    "W_o": "kernel [N, Hv, Dout], bias [Dout]",
+}
+BIASED = ("W_dq", "W_dkv", "W_o")  # DeepSeek's attention_bias
+
+
+class LatentDims(NamedTuple):
+  """The sizes an MLA parameter dict implies."""
+  d_model: int  # D
+  num_heads: int  # N
+  q_lora_rank: int | None  # Rq, None: a full-rank W_q
+  kv_lora_rank: int  # R
+  qk_nope_head_dim: int  # Hn
+  qk_rope_head_dim: int  # Hr
+  v_head_dim: int  # Hv
+  out_features: int  # Dout
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["latent", "rope_key", "index", "overflow"],
+                   meta_fields=["window"])
+@dataclasses.dataclass(frozen=True)
+class LatentCache:
+  """What MLA caches per token: the normed latent and the rotated rope key.
+
+  ``latent [B, L, R]`` holds ``c_kv`` and ``rope_key [B, L, Hr]`` holds
+  ``k_pe`` (already rotated at its position), for ``L`` positions of a
+  linear cache or ``L`` slots of a ring buffer when ``window`` is set (a
+  sliding-window layer attending ``window`` positions back, ``window <
+  L``). ``index [B]`` counts the tokens written per example; ``overflow``
+  (bool ``[B]``, sticky) marks examples whose write did not fit a linear
+  cache, as ``cache_step.KVCache``. A pytree whose ``window`` is static, so
+  a cache passes through ``jax.jit`` as an argument.
+  """
+  latent: jax.Array
+  rope_key: jax.Array
+  index: jax.Array
+  overflow: jax.Array | None = None
+  window: int | None = None
+
+
+def check_latent_dims(d_model: int, num_heads: int, *,
+                      q_lora_rank: int | None, kv_lora_rank: int,
+                      qk_nope_head_dim: int, qk_rope_head_dim: int,
+                      v_head_dim: int,
+                      out_features: int | None = None) -> LatentDims:
+  """Validates MLA's sizes (positive ints, an even rope head); returns them.
+
+  Example:
+    >>> check_latent_dims(32, 4, q_lora_rank=None, kv_lora_rank=16,
+    ...                   qk_nope_head_dim=8, qk_rope_head_dim=4,
+    ...                   v_head_dim=8).out_features
+    32
+  """
+  for name, value in (("d_model", d_model), ("num_heads", num_heads),
+                      ("kv_lora_rank", kv_lora_rank),
+                      ("qk_nope_head_dim", qk_nope_head_dim),
+                      ("qk_rope_head_dim", qk_rope_head_dim),
+                      ("v_head_dim", v_head_dim)):
+    checks.check_positive_int(name, value)
+  if q_lora_rank is not None:
+    checks.check_positive_int("q_lora_rank (None for a full-rank W_q)",
+                              q_lora_rank)
+  out_features = d_model if out_features is None else out_features
+  checks.check_positive_int("out_features", out_features)
+  if qk_rope_head_dim % 2:
+    raise ValueError(
+        f"qk_rope_head_dim must be even (RoPE rotates feature pairs), got "
+        f"{qk_rope_head_dim}; DeepSeek-V2/V3 use 64.")
+  return LatentDims(d_model, num_heads, q_lora_rank, kv_lora_rank,
+                    qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+                    out_features)
+
+
+def init_latent_params(
+    rng: jax.Array,
+    d_model: int,
+    num_heads: int,
+    *,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    q_lora_rank: int | None = None,
+    out_features: int | None = None,
+    use_bias: bool = False,
+    dtype: jnp.dtype = jnp.float32,
+) -> Params:
+  """Initialises MLA's parameters for ``latent_attention``/``latent_decode``.
+
+  Kernels are LeCun-normal on their flat 2-D shapes (fan-in ``D``, ``Rq``,
+  ``R`` and ``N * Hv``), as flax's ``LinearGeneral`` draws them, then
+  reshaped per head; biases zero, RMSNorm scales one.
+
+  Args:
+    rng: ``jax.random.key``.
+    d_model: ``D``.
+    num_heads: ``N``.
+    kv_lora_rank: ``R``, the cached latent's width (DeepSeek: 512).
+    qk_nope_head_dim: ``Hn``, each head's position-free query/key features.
+    qk_rope_head_dim: ``Hr``, the rotary features (even; DeepSeek: 64).
+    v_head_dim: ``Hv``.
+    q_lora_rank: ``Rq``, the query's low rank (DeepSeek-V2: 1536), or None
+      for a full-rank ``W_q`` (DeepSeek-V2-Lite).
+    out_features: ``Dout``; None means ``D``.
+    use_bias: biases on ``W_dq``, ``W_dkv`` and ``W_o`` (DeepSeek's
+      ``attention_bias``).
+    dtype: parameter dtype.
+
+  Returns:
+    The parameter dict of this module's docstring.
+
+  Example:
+    >>> p = init_latent_params(jax.random.key(0), 32, 4, q_lora_rank=16,
+    ...                        kv_lora_rank=24, qk_nope_head_dim=8,
+    ...                        qk_rope_head_dim=4, v_head_dim=8)
+    >>> p["W_uq"]["kernel"].shape, p["W_dkv"]["kernel"].shape
+    ((16, 4, 12), (32, 28))
+  """
+  dims = check_latent_dims(
+      d_model, num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+      qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+      v_head_dim=v_head_dim, out_features=out_features)
+  init = jax.nn.initializers.lecun_normal()
+  params = {}
+  for i, (name, shape, fan_in) in enumerate(param_shapes(dims)):
+    if name.endswith("_norm"):
+      params[name] = {"scale": jnp.ones(shape, dtype)}
+      continue
+    flat = (fan_in, math.prod(shape) // fan_in)
+    params[name] = {"kernel": init(jax.random.fold_in(rng, i), flat,
+                                   dtype).reshape(shape)}
+    if use_bias and name in BIASED:
+      params[name]["bias"] = jnp.zeros(flat[1:], dtype)
+  return params
+
+
+def param_shapes(dims: LatentDims) -> list[tuple[str, tuple[int, ...], int]]:
+  """``(name, kernel or scale shape, fan-in)`` of each parameter, in order."""
+  n, r, hr = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+  hqk = dims.qk_nope_head_dim + hr
+  if dims.q_lora_rank is None:
+    query = [("W_q", (dims.d_model, n, hqk), dims.d_model)]
+  else:
+    rq = dims.q_lora_rank
+    query = [("W_dq", (dims.d_model, rq), dims.d_model),
+             ("q_norm", (rq,), rq), ("W_uq", (rq, n, hqk), rq)]
+  return query + [
+      ("W_dkv", (dims.d_model, r + hr), dims.d_model),
+      ("kv_norm", (r,), r),
+      ("W_ukv", (r, n, dims.qk_nope_head_dim + dims.v_head_dim), r),
+      ("W_o", (n, dims.v_head_dim, dims.out_features), n * dims.v_head_dim),
+  ]
+
+
+def _entry_shape(params, name: str, entry: str) -> tuple[int, ...]:
+  layer = params.get(name)
+  if not hasattr(layer, "get") or layer.get(entry) is None:
+    raise ValueError(
+        f"params['{name}'] must hold '{entry}' ({LAYOUT[name]}); got "
+        f"{sorted(layer) if hasattr(layer, 'keys') else layer!r}.")
+  return checks.shape_of(layer[entry])
+
+
+def latent_dims(params: Any) -> LatentDims:
+  """The sizes (D, N, Rq, R, Hn, Hr, Hv, Dout) read from the parameters' shapes.
+
+  Raises:
+    ValueError: a missing entry, a wrong rank, or shapes that disagree
+      (naming both and the layout).
+
+  Example:
+    >>> p = jax.eval_shape(lambda: init_latent_params(  # shapes suffice
+    ...     jax.random.key(0), 32, 4, kv_lora_rank=24, qk_nope_head_dim=8,
+    ...     qk_rope_head_dim=4, v_head_dim=6))
+    >>> latent_dims(p).v_head_dim, latent_dims(p).q_lora_rank is None
+    (6, True)
+  """
+  if not hasattr(params, "keys"):
+    raise TypeError(f"params must be a dict of MLA parameters (see "
+                    f"init_latent_params), got {type(params).__name__}.")
+  lora = "W_uq" in params or "W_dq" in params
+  query = ("W_dq", "q_norm", "W_uq") if lora else ("W_q",)
+  names = query + ("W_dkv", "kv_norm", "W_ukv", "W_o")
+  extra = sorted(set(params) - set(names))
+  missing = [n for n in names if n not in params]
+  if missing or extra:
+    raise ValueError(
+        f"MLA params need {list(names)} (a query low-rank W_dq/q_norm/W_uq, "
+        f"or a full-rank W_q); missing {missing}, unexpected {extra}.")
+  shapes = {n: _entry_shape(params, n, "scale" if n.endswith("_norm")
+                            else "kernel") for n in names}
+  ranks = {"W_dq": 2, "q_norm": 1, "W_uq": 3, "W_q": 3, "W_dkv": 2,
+           "kv_norm": 1, "W_ukv": 3, "W_o": 3}
+  for n in names:
+    if len(shapes[n]) != ranks[n]:
+      raise ValueError(f"params['{n}'] must be {LAYOUT[n]} (rank "
+                       f"{ranks[n]}), got shape {shapes[n]}.")
+
+  def disagree(what: str, *entries: str):
+    listed = ", ".join(f"{e} {shapes[e]} ({LAYOUT[e]})" for e in entries)
+    raise ValueError(f"MLA params disagree on {what}: {listed}.")
+
+  d, rkv_hr = shapes["W_dkv"]
+  (r,) = shapes["kv_norm"]
+  hr = rkv_hr - r
+  if hr <= 0 or hr % 2:
+    disagree("Hr = width of W_dkv - R (positive and even)", "W_dkv",
+             "kv_norm")
+  if lora:
+    d_q, rq = shapes["W_dq"]
+    if d_q != d:
+      disagree("D", "W_dq", "W_dkv")
+    if shapes["q_norm"] != (rq,) or shapes["W_uq"][0] != rq:
+      disagree("Rq", "W_dq", "q_norm", "W_uq")
+    _, n, hqk = shapes["W_uq"]
+    qname = "W_uq"
+  else:
+    rq = None
+    d_q, n, hqk = shapes["W_q"]
+    if d_q != d:
+      disagree("D", "W_q", "W_dkv")
+    qname = "W_q"
+  hn = hqk - hr
+  if hn <= 0:
+    disagree("Hn = last axis of the query kernel - Hr (positive)", qname,
+             "W_dkv", "kv_norm")
+  r_up, n_up, hn_hv = shapes["W_ukv"]
+  if r_up != r:
+    disagree("R", "kv_norm", "W_ukv")
+  if n_up != n:
+    disagree("N", qname, "W_ukv")
+  hv = hn_hv - hn
+  n_o, hv_o, dout = shapes["W_o"]
+  if hv <= 0 or (n_o, hv_o) != (n, hv):
+    disagree("N and Hv = last axis of W_ukv - Hn", qname, "W_ukv", "W_o")
+  for name in names:
+    bias = params[name].get("bias")
+    if bias is None:
+      continue
+    if name not in BIASED:
+      raise ValueError(
+          f"params['{name}'] has a bias, which MLA does not take (only "
+          f"{list(BIASED)} may, as DeepSeek's attention_bias; an up-"
+          "projection bias could not be folded into the query).")
+    want = shapes[name][-1:]
+    if checks.shape_of(bias) != want:
+      raise ValueError(f"params['{name}']['bias'] must have shape {want} "
+                       f"({LAYOUT[name]}), got {checks.shape_of(bias)}.")
+  return LatentDims(d, n, rq, r, hn, hr, hv, dout)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+  """YaRN's magnitude ``0.1 * mscale * ln(factor) + 1`` (1 if factor <= 1)."""
+  return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def default_scale(qk_head_dim: int, rope: Any = None) -> float:
+  """MLA's score scale: ``1 / sqrt(Hn + Hr)``, times YaRN's ``mscale**2``.
+
+  With a YaRN ``aj.Rope`` that sets ``mscale_all_dim`` (DeepSeek-V3's
+  long-context configs), the scale is multiplied by ``(0.1 *
+  mscale_all_dim * ln(factor) + 1) ** 2``, as DeepSeek's reference code
+  and Hugging Face's ``DeepseekV3Attention`` do (the rotary part is
+  scaled separately, by the ``Rope``'s own attention factor on cos and
+  sin). Any other rope: the plain ``1 / sqrt(Hn + Hr)``. A layer given
+  ``scale=`` uses that number as it is (nothing multiplied in).
+
+  Example:
+    >>> default_scale(192) == 192 ** -0.5
+    True
+  """
+  scale = qk_head_dim ** -0.5  # as DeepSeek and HF write it
+  rope = rope_lib.as_rope(rope)
+  if rope is not None and rope.scaling == "yarn" and rope.mscale_all_dim:
+    scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+  return scale
+
+
+def _rotate(x: jax.Array, positions: jax.Array,
+            rope: rope_lib.Rope | None) -> jax.Array:
+  return x if rope is None else rope_lib.apply_rope(x, positions, rope=rope)
+
+
+def _check_x(x, dims: LatentDims) -> jax.Array:
+  x = checks.as_array_operand("x", x, "[B, T, D]")
+  checks.check_float_array("x", x)
+  checks.check_rank("x", x, (3,), "[B, T, D]")
+  if checks.shape_of(x)[-1] != dims.d_model:
+    raise ValueError(
+        f"x has {checks.shape_of(x)[-1]} features (shape "
+        f"{checks.shape_of(x)}), but the MLA params have d_model D = "
+        f"{dims.d_model} (W_dkv kernel [D, R + Hr]).")
+  return jnp.asarray(x)
+
+
+def _check_positions(positions, b: int, t: int) -> jax.Array:
+  """``positions`` as int ``[B|1, T]``."""
+  if isinstance(positions, (list, tuple)):
+    positions = np.asarray(positions)
+  dtype = jnp.result_type(positions)
+  shape = checks.shape_of(positions)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(
+        f"positions must be integer [B, T] = [{b}, {t}] (or [T] shared), "
+        f"got dtype {dtype} with shape {shape}.")
+  if shape not in ((t,), (1, t), (b, t)):
+    raise ValueError(
+        f"positions must have shape [B, T] = [{b}, {t}] or [T] = [{t}] (each "
+        f"token's rotary position), got {shape}.")
+  positions = jnp.asarray(positions)
+  return positions[None] if positions.ndim == 1 else positions
+
+
+def _default_positions(mask: Mask | None, t: int) -> jax.Array:
+  """Positions 0..T-1, restarting per document with segment ids."""
+  if mask is not None and mask.q_segment_ids is not None:
+    ids = jnp.asarray(mask.q_segment_ids)
+    if ids.ndim > 2:
+      raise ValueError(
+          f"the mask's q_segment_ids have shape {ids.shape}; rotary "
+          "positions restart per document only for [T] or [B, T] ids (one "
+          "shared rotary key serves every head): pass positions= [B, T].")
+    positions = rope_lib.segment_positions(ids)
+    return positions[None] if positions.ndim == 1 else positions
+  return jnp.arange(t)[None, :]  # [1, T]
+
+
+def _projections(params, x, x_kv, positions, rope, dims: LatentDims,
+                 precision):
+  """``q_nope [B, N, T, Hn]``, ``q_pe`` rotated, ``c_kv [B, T, R]``, ``k_pe``.
+
+  ``positions [B|1, T]``; ``k_pe [B, T, Hr]`` is rotated like ``q_pe [B,
+  N, T, Hr]``. ``x_kv`` is ``x`` with unseen tokens zeroed (or ``x``).
+  """
+  hn, r = dims.qk_nope_head_dim, dims.kv_lora_rank
+  if dims.q_lora_rank is None:
+    q = multi_head.project_heads(x, params["W_q"],
+                                 precision=precision)  # [B, N, T, Hn + Hr]
+  else:
+    c_q = multi_head.project(x, params["W_dq"]["kernel"],
+                             params["W_dq"].get("bias"),
+                             precision=precision)  # [B, T, Rq]
+    c_q = multi_head.rms_norm(c_q, params["q_norm"]["scale"])
+    q = multi_head.project_heads(c_q, params["W_uq"],
+                                 precision=precision)  # [B, N, T, Hn + Hr]
+  q_nope, q_pe = q[..., :hn], q[..., hn:]
+  kv = multi_head.project(x_kv, params["W_dkv"]["kernel"],
+                          params["W_dkv"].get("bias"),
+                          precision=precision)  # [B, T, R + Hr]
+  c_kv = multi_head.rms_norm(kv[..., :r], params["kv_norm"]["scale"])
+  k_pe = kv[..., r:]  # [B, T, Hr]: one key head for all N
+  q_pe = _rotate(q_pe, positions[:, None, :], rope)  # [B|1, 1, T]
+  k_pe = _rotate(k_pe, positions, rope)
+  return q_nope, q_pe, c_kv, k_pe
+
+
+def latent_attention(
+    params: Params,
+    x: ArrayLike,
+    mask: Mask | ArrayLike | None = None,
+    *,
+    positions: ArrayLike | None = None,
+    rope: Any = 10000.0,
+    scale: float | None = None,
+    is_causal: bool = False,
+    attention_fn: Any = None,
+    precision: multi_head.Precision = None,
+    return_weights: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """MLA self-attention without a cache (training, prefill): the paper's form.
+
+  Keys and values are expanded per head (``[k_nope, k_pe]`` and ``v``,
+  ``[B, N, S, Hn + Hr]`` and ``[B, N, S, Hv]``) and attended by ``N``
+  ordinary heads; ``latent_decode`` gives the same numbers from the cache.
+
+  Args:
+    params: from ``init_latent_params`` (or ``MultiHeadLatentAttention
+      .params_dict()``).
+    x: float ``[B, T, D]``.
+    mask: an ``aj.Mask`` (``kv_lengths``, ``causal``, ``window``, segment
+      ids, a rule...) or a dense bool array of rank 4 broadcastable to ``[B,
+      N, T, T]``; handed to the attention function.
+    positions: integer ``[B, T]`` (or ``[T]``) rotary positions, e.g. from 0
+      at each left-padded example's first real token; None: ``0..T-1``,
+      restarting per document with segment ids.
+    rope: an ``aj.Rope``, a rotary base (a number: ``aj.Rope(base)``) or
+      None (no rotation; ``k_pe`` stays a shared position-free head).
+    scale: multiplier of ``q . k``; None is ``default_scale(Hn + Hr,
+      rope)``.
+    is_causal: shorthand for ``mask & aj.Mask(causal=True)``.
+    attention_fn: as ``aj.attend_heads``: a function with
+      ``scaled_dot_product_attention``'s contract or an implementation; it
+      always receives ``scale=``.
+    precision: the projection einsums' precision.
+    return_weights: also return the weights ``[B, N, T, T]``.
+
+  Returns:
+    ``output [B, T, Dout]``, or ``(output, weights)``.
+
+  Example:
+    >>> p = init_latent_params(jax.random.key(0), 32, 4, q_lora_rank=16,
+    ...                        kv_lora_rank=24, qk_nope_head_dim=8,
+    ...                        qk_rope_head_dim=4, v_head_dim=8)
+    >>> attend = jax.jit(latent_attention, static_argnames="is_causal")
+    >>> attend(p, jnp.ones((2, 5, 32)), is_causal=True).shape
+    (2, 5, 32)
+  """
+  dims = latent_dims(params)
+  x = _check_x(x, dims)
+  checks.check_static_bool("is_causal", is_causal)
+  checks.check_static_bool("return_weights", return_weights)
+  checks.check_scale(scale)
+  rope = rope_lib.as_rope(rope)
+  b, t, _ = x.shape
+  n = dims.num_heads
+  m = mask_lib.as_mask(mask, is_causal=is_causal)
+  x_kv = x
+  if m is not None and m.dense is not None:
+    full, layout = (b, n, t, t), "[B, N, T, S]"
+    shape = checks.shape_of(m.dense)
+    checks.check_logits_rank("mask", shape, full, layout)
+    checks.check_broadcastable_to("mask", shape, full, layout)
+    # Padded tokens may hold NaN: zero them before W_dkv.
+    seen = jnp.any(numerics.as_bool_mask(m.dense), axis=(1, 2))  # [B|1, S|1]
+    (x_kv,) = numerics.zero_unseen(seen, x)
+  positions = (_default_positions(m, t) if positions is None
+               else _check_positions(positions, b, t))
+  q_nope, q_pe, c_kv, k_pe = _projections(params, x, x_kv, positions, rope,
+                                          dims, precision)
+  kv = multi_head.project_heads(c_kv, params["W_ukv"],
+                                precision=precision)  # [B, N, S, Hn + Hv]
+  hn, hr = dims.qk_nope_head_dim, dims.qk_rope_head_dim
+  k_nope, v = kv[..., :hn], kv[..., hn:]
+  k_pe = jnp.broadcast_to(k_pe[:, None], (b, n, t, hr))  # [B, N, S, Hr]
+  q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [B, N, T, Hn + Hr]
+  k = jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1)
+  if scale is None:
+    scale = default_scale(hn + hr, rope)
+  result = multi_head.attend_heads(q, k, v, m, scale=scale,
+                                   attention_fn=attention_fn,
+                                   return_weights=return_weights)
+  out, weights = result if return_weights else (result, None)
+  output = multi_head.output_projection(out, params["W_o"],
+                                        precision=precision)  # [B, T, Dout]
+  return (output, weights) if return_weights else output
+
+
+def init_latent_cache(params: Params, batch_size: int, max_length: int, *,
+                      window: int | None = None,
+                      dtype: jnp.dtype | None = None) -> LatentCache:
+  """An empty ``LatentCache`` of ``max_length`` slots for ``latent_decode``.
+
+  Args:
+    params: MLA params (R and Hr are read from them).
+    batch_size: ``B``.
+    max_length: ``L``, the positions a linear cache holds, or the slots of
+      a ring buffer when ``window`` is given.
+    window: a ring buffer for a sliding-window layer that attends
+      ``window`` positions back (the left side of its mask's window),
+      ``window < max_length``: each query then sees its ``window`` previous
+      positions and itself, as ``aj.Mask(causal=True, window=(window, 0))``
+      in the full forward. None: a linear cache.
+    dtype: the buffers' dtype; None: the dtype of ``W_dkv``'s kernel.
+
+  Example:
+    >>> p = jax.eval_shape(lambda: init_latent_params(  # shapes suffice
+    ...     jax.random.key(0), 32, 4, kv_lora_rank=16, qk_nope_head_dim=8,
+    ...     qk_rope_head_dim=4, v_head_dim=8))
+    >>> c = init_latent_cache(p, 2, 10)
+    >>> c.latent.shape, c.rope_key.shape, c.index.tolist()
+    ((2, 10, 16), (2, 10, 4), [0, 0])
+  """
+  dims = latent_dims(params)
+  checks.check_positive_int("batch_size", batch_size)
+  checks.check_positive_int("max_length", max_length)
+  if window is not None and (isinstance(window, bool) or not isinstance(
+      window, int) or not 0 <= window < max_length):
+    raise ValueError(
+        f"window must be an int in [0, max_length) = [0, {max_length}) (a "
+        f"ring buffer keeps a key until the last query that may see it), "
+        f"got {window!r}.")
+  dtype = dtype or params["W_dkv"]["kernel"].dtype
+  return LatentCache(
+      jnp.zeros((batch_size, max_length, dims.kv_lora_rank), dtype),
+      jnp.zeros((batch_size, max_length, dims.qk_rope_head_dim), dtype),
+      jnp.zeros((batch_size,), jnp.int32), jnp.zeros((batch_size,), bool),
+      window)
+
+
+def _check_cache(cache, dims: LatentDims, b: int) -> None:
+  if not isinstance(cache, LatentCache):
+    raise TypeError(f"cache must be an aj LatentCache (init_latent_cache), "
+                    f"got {type(cache).__name__}.")
+  lat, rk = checks.shape_of(cache.latent), checks.shape_of(cache.rope_key)
+  want = (b, lat[1] if len(lat) == 3 else None)
+  if (len(lat) != 3 or len(rk) != 3 or lat[:2] != want or rk[:2] != want
+      or lat[2] != dims.kv_lora_rank or rk[2] != dims.qk_rope_head_dim):
+    raise ValueError(
+        f"cache.latent {lat} and cache.rope_key {rk} must be [B, L, R] = "
+        f"[{b}, L, {dims.kv_lora_rank}] and [B, L, Hr] = [{b}, L, "
+        f"{dims.qk_rope_head_dim}] for x's batch B = {b} and these params.")
+
+
+def latent_decode(
+    params: Params,
+    x: ArrayLike,
+    cache: LatentCache,
+    mask: Mask | ArrayLike | None = None,
+    *,
+    positions: ArrayLike | None = None,
+    rope: Any = 10000.0,
+    scale: float | None = None,
+    attention_fn: Any = None,
+    precision: multi_head.Precision = None,
+    return_weights: bool = False,
+) -> tuple[jax.Array, LatentCache] | tuple[jax.Array, jax.Array, LatentCache]:
+  """A decoding step of MLA over the latent cache, in the absorbed form.
+
+  Writes this call's ``c_kv``/``k_pe`` at each example's ``cache.index``
+  and attends causally over every filled slot: ``W_uk`` folded into the
+  query (``q_lat [B, N, T, R]``), one shared key ``[c_kv, k_pe]`` (width
+  ``R + Hr``) and value ``c_kv`` (multi-query attention), then ``W_uv`` and
+  ``W_o``. Any number of tokens per call; the result equals
+  ``latent_attention(..., is_causal=True)`` over the whole sequence.
+
+  Args:
+    params: MLA params.
+    x: float ``[B, T, D]``, this call's tokens.
+    cache: a ``LatentCache`` (``init_latent_cache``).
+    mask: an ``aj.Mask`` restated over cache slots as
+      ``MultiHeadAttention`` decodes (``cache_step.write``): a window and a
+      rule at absolute slot positions, ``q_lengths [B]`` the real new
+      tokens of a right-padded ragged prefill, ``kv_lengths``; a dense
+      mask is over the slots (``[B, N, T, L]``). Segment ids are refused.
+    positions: integer ``[B, T]`` rotary positions; None: the slots
+      (``cache.index + 0..T-1``). Visibility always follows the slots.
+    rope: as ``latent_attention``.
+    scale: as ``latent_attention``; None is ``default_scale(Hn + Hr,
+      rope)``, the full forward's, never ``1 / sqrt(R + Hr)``.
+    attention_fn: as ``latent_attention``; it sees ``[B, N, T, R + Hr]``
+      queries over one ``[B, 1, S', R + Hr]`` key head and ``[B, 1, S', R]``
+      values (``S' = L``, or ``L + T`` for a ring buffer).
+    precision: the projection einsums' precision.
+    return_weights: also return the weights ``[B, N, T, S']``.
+
+  Returns:
+    ``(output [B, T, Dout], cache)``, or ``(output, weights, cache)``.
+
+  Example:
+    >>> p = init_latent_params(jax.random.key(0), 32, 4, q_lora_rank=16,
+    ...                        kv_lora_rank=24, qk_nope_head_dim=8,
+    ...                        qk_rope_head_dim=4, v_head_dim=8)
+    >>> x = jax.random.normal(jax.random.key(1), (1, 4, 32))
+    >>> step = jax.jit(latent_decode)  # callers jit (one compile per T)
+    >>> first, cache = step(p, x[:, :3], init_latent_cache(p, 1, 8))
+    >>> last, cache = step(p, x[:, 3:], cache)          # one more token
+    >>> cache.index.tolist()
+    [4]
+    >>> full = jax.jit(latent_attention, static_argnames="is_causal")(
+    ...     p, x, is_causal=True)
+    >>> bool(jnp.allclose(last, full[:, 3:], atol=1e-5))
+    True
+  """
+  dims = latent_dims(params)
+  x = _check_x(x, dims)
+  checks.check_static_bool("return_weights", return_weights)
+  checks.check_scale(scale)
+  rope = rope_lib.as_rope(rope)
+  b, t, _ = x.shape
+  _check_cache(cache, dims, b)
+  m = mask_lib.as_mask(mask)
+  if m is not None and m.dense is not None:
+    full = (b, dims.num_heads, t, cache.latent.shape[1])
+    layout = "[B, N, T, L] (decoding: L cache slots)"
+    shape = checks.shape_of(m.dense)
+    checks.check_logits_rank("mask", shape, full, layout)
+    checks.check_broadcastable_to("mask", shape, full, layout)
+  index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
+  lengths = cache_step.new_lengths(m, b, t)
+  q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] slot positions
+  rot = q_pos if positions is None else _check_positions(positions, b, t)
+  q_nope, q_pe, c_kv, k_pe = _projections(params, x, x, rot, rope, dims,
+                                          precision)
+  kv_cache = cache_step.KVCache(cache.rope_key[:, None], cache.latent[:, None],
+                                index, cache.overflow, cache.window)
+  rope_keys, latents, m, _, written = cache_step.write(
+      kv_cache, k_pe[:, None], c_kv[:, None], m, None, None, index, lengths,
+      q_pos, dims.num_heads)  # [B, 1, S', Hr], [B, 1, S', R]
+  hn = dims.qk_nope_head_dim
+  w_ukv = params["W_ukv"]["kernel"]
+  w_uk, w_uv = w_ukv[..., :hn], w_ukv[..., hn:]  # [R, N, Hn], [R, N, Hv]
+  q_lat = jnp.einsum("BNTH,RNH->BNTR", q_nope, w_uk,
+                     precision=precision)  # [B, N, T, R]
+  query = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)],
+                          axis=-1)  # [B, N, T, R + Hr]
+  key = jnp.concatenate([latents, rope_keys], axis=-1)  # [B, 1, S', R + Hr]
+  if scale is None:  # the full forward's scale, not 1 / sqrt(R + Hr)
+    scale = default_scale(hn + dims.qk_rope_head_dim, rope)
+  result = multi_head.attend_heads(query, key, latents, m, scale=scale,
+                                   attention_fn=attention_fn,
+                                   return_weights=return_weights)
+  out_lat, weights = result if return_weights else (result, None)
+  heads = jnp.einsum("BNTR,RNH->BNTH", out_lat, w_uv.astype(out_lat.dtype),
+                     precision=precision)  # [B, N, T, Hv]
+  output = multi_head.output_projection(heads, params["W_o"],
+                                        precision=precision)  # [B, T, Dout]
+  new_cache = LatentCache(written.value[:, 0], written.key[:, 0],
+                          written.index, written.overflow, written.window)
+  if return_weights:
+    return output, weights, new_cache
+  return output, new_cache

@@ -1,0 +1,372 @@
+"""Multi-head attention parameters: their layout, initialisation and checks.
+
+Shape glossary: N query heads, K key/value heads (K divides N), H head dim,
+D model (query) dim, Dkv key/value input features, Dout output features, R
+T5 relative-position buckets.
+
+Parameters follow the lesson's names, ``{"W_q", "W_k", "W_v", "W_o"}``, laid
+out per head as flax's ``LinearGeneral`` (and ``nnx.MultiHeadAttention``)
+lays them out:
+
+- ``W_q``: ``{"kernel": [D, N, H], "bias": [N, H]}``
+- ``W_k``, ``W_v``: ``{"kernel": [Dkv, K, H], "bias": [K, H]}``
+- ``W_o``: ``{"kernel": [N, H, Dout], "bias": [Dout]}``
+- optional ``q_norm``, ``k_norm``: ``{"scale": [H]}`` (qk-norm)
+- optional ``W_g``: ``{"kernel": [D, N, G], "bias": [N, G]}``, the output
+  gate (``G = H``: one gate per feature, "elementwise"; ``G = 1``: one per
+  head, "headwise"): ``sigmoid(query @ W_g)`` multiplies each head's
+  attention output before ``W_o``
+- optional ``sinks``: ``{"logits": [N]}``, learned per-head sink logits
+  (gpt-oss) joining every row's softmax denominator
+- optional ``t5_bias``: ``{"table": [R, N]}``, T5's learned relative position
+  bias (``table[bucket(kv_idx - q_idx), h]`` added to the logits); how
+  distances fall into its ``R`` buckets is an ``aj.T5Bias``, a setting the
+  call gives (``t5_bias=``), as it gives ``rope``
+
+The head structure lives in the parameters, so everything (N, K, H, D, Dkv,
+Dout, qk-norm, the gate) is read from their shapes (``param_dims``); ``multi_head``
+computes with them. Everything a layer learns is in its params, so
+``aj.multi_head_attention(mha.params_dict(), ...)`` is ``mha(...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from attention_jax.core import checks
+from attention_jax.scores import score_mods
+
+Params = dict[str, dict[str, jax.Array]]
+
+# The per-head layout of each parameter, for messages.
+LAYOUT = {
+    "W_q": "kernel [D, N, H], bias [N, H]",
+    "W_k": "kernel [Dkv, K, H], bias [K, H]",
+    "W_v": "kernel [Dkv, K, H], bias [K, H]",
+    "W_o": "kernel [N, H, Dout], bias [Dout]",
+    "q_norm": "scale [H]",
+    "k_norm": "scale [H]",
+    "W_g": "kernel [D, N, G], bias [N, G] with G = H (elementwise) or 1 "
+           "(headwise)",
+    "sinks": "logits [N]",
+    "t5_bias": "table [num_buckets, N]",
+}
+# The entries of each parameter: (required, allowed); the rest are a
+# kernel and an optional bias.
+_ENTRIES = {"q_norm": ("scale", {"scale"}), "k_norm": ("scale", {"scale"}),
+            "sinks": ("logits", {"logits"}), "t5_bias": ("table", {"table"})}
+
+# The output gate's kinds: the gate's width G per head.
+OUTPUT_GATES = ("elementwise", "headwise")
+
+
+class HeadDims(NamedTuple):
+  """The sizes a multi-head parameter dict implies."""
+  num_heads: int  # N
+  num_kv_heads: int  # K
+  head_dim: int  # H
+  d_model: int  # D, query features
+  kv_features: int  # Dkv, key/value features
+  out_features: int  # Dout
+  normalize_qk: bool  # q_norm/k_norm present
+  output_gate: str | None = None  # W_g present: "elementwise" or "headwise"
+
+
+def check_dims(d_model: int, num_heads: int, *,
+               num_kv_heads: int | None = None, head_dim: int | None = None,
+               kv_features: int | None = None,
+               out_features: int | None = None) -> HeadDims:
+  """Validates the sizes of a layer to build; fills the defaults.
+
+  ``num_kv_heads`` defaults to ``num_heads``, ``head_dim`` to
+  ``d_model // num_heads`` (then ``num_heads`` must divide ``d_model``),
+  ``kv_features`` and ``out_features`` to ``d_model``.
+
+  Example:
+    >>> check_dims(16, 4, num_kv_heads=2).head_dim
+    4
+  """
+  checks.check_positive_int("d_model", d_model)
+  checks.check_positive_int("num_heads", num_heads)
+  if head_dim is None:
+    if d_model % num_heads:
+      raise ValueError(
+          f"d_model={d_model} must be divisible by num_heads={num_heads}: "
+          f"head_dim defaults to d_model // num_heads; pass head_dim= to "
+          f"choose it.")
+    head_dim = d_model // num_heads
+  checks.check_positive_int("head_dim", head_dim)
+  num_kv_heads = checks.check_head_counts(num_heads * head_dim, num_heads,
+                                          num_kv_heads)
+  kv_features = d_model if kv_features is None else kv_features
+  out_features = d_model if out_features is None else out_features
+  checks.check_positive_int("kv_features", kv_features)
+  checks.check_positive_int("out_features", out_features)
+  return HeadDims(num_heads, num_kv_heads, head_dim, d_model, kv_features,
+                  out_features, False)
+
+
+def init_multi_head_params(
+    rng: jax.Array,
+    d_model: int,
+    num_heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    kv_features: int | None = None,
+    out_features: int | None = None,
+    use_bias: bool = True,
+    normalize_qk: bool = False,
+    output_gate: str | None = None,
+    attention_sinks: bool = False,
+    t5_bias: score_mods.T5Bias | None = None,
+    dtype: jnp.dtype = jnp.float32,
+) -> Params:
+  """Initialises ``W_q``, ``W_k``, ``W_v``, ``W_o`` for ``multi_head_attention``.
+
+  Kernels are LeCun-normal, drawn as flax's ``LinearGeneral`` draws them: on
+  the flat 2-D shape (``[D, N*H]``, ``[N*H, Dout]``, so fan-in is ``D`` and
+  ``N*H``), then reshaped per head. Biases are zero, qk-norm scales one.
+
+  Args:
+    rng: ``jax.random.key``.
+    d_model: ``D``, query features.
+    num_heads: ``N``.
+    num_kv_heads: ``K``; must divide ``num_heads``. ``None`` means ``N``.
+    head_dim: ``H``; ``None`` means ``D // N`` (then ``N`` must divide ``D``).
+    kv_features: ``Dkv``, key/value input features; ``None`` means ``D``.
+    out_features: ``Dout``, output features; ``None`` means ``D``.
+    use_bias: whether each projection has a bias.
+    normalize_qk: add ``q_norm`` and ``k_norm`` (RMSNorm scales of the
+      projected queries and keys, per head).
+    output_gate: add ``W_g``, a sigmoid gate on each head's output computed
+      from the query input: ``"elementwise"`` (``[D, N, H]``, one gate per
+      feature, Qwen3-Next) or ``"headwise"`` (``[D, N, 1]``, one per
+      head); its kernel is drawn like ``W_q``'s, its bias is zero.
+    attention_sinks: add ``sinks``, ``{"logits": [N]}``, zero (as
+      ``aj.MultiHeadAttention(attention_sinks=True)`` starts them).
+    t5_bias: an ``aj.T5Bias``: add ``t5_bias``, ``{"table": [num_buckets,
+      N]}``, drawn normal with std ``d_model ** -0.5`` (as the module draws
+      it); pass the same ``t5_bias=`` to the call.
+    dtype: parameter dtype.
+
+  Returns:
+    ``{"W_q": {"kernel": [D, N, H], "bias": [N, H]}, "W_k": {"kernel":
+    [Dkv, K, H], "bias": [K, H]}, "W_v": (as W_k), "W_o": {"kernel":
+    [N, H, Dout], "bias": [Dout]}}`` (no ``"bias"`` entries when
+    ``use_bias=False``), plus ``"q_norm"``/``"k_norm"``: ``{"scale": [H]}``
+    with ``normalize_qk``, ``"W_g"`` with ``output_gate``, ``"sinks"``:
+    ``{"logits": [N]}`` with ``attention_sinks``, ``"t5_bias"``:
+    ``{"table": [num_buckets, N]}`` with ``t5_bias``.
+
+  Example:
+    >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)
+    >>> p["W_q"]["kernel"].shape, p["W_k"]["kernel"].shape
+    ((8, 4, 2), (8, 2, 2))
+    >>> p["W_o"]["kernel"].shape
+    (4, 2, 8)
+  """
+  n, k, h, d, dkv, dout, _, _ = check_dims(
+      d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      kv_features=kv_features, out_features=out_features)
+  check_output_gate(output_gate)
+  checks.check_static_bool("attention_sinks", attention_sinks)
+  check_t5_bias(t5_bias)
+  init = jax.nn.initializers.lecun_normal()
+  shapes = {  # name: (kernel shape, bias shape)
+      "W_q": ((d, n, h), (n, h)),
+      "W_k": ((dkv, k, h), (k, h)),
+      "W_v": ((dkv, k, h), (k, h)),
+      "W_o": ((n, h, dout), (dout,)),
+  }
+  if output_gate is not None:
+    g = gate_width(output_gate, h)
+    shapes["W_g"] = ((d, n, g), (n, g))
+  params = {}
+  # The four projections draw from the first four keys as before, so adding
+  # a gate does not change them.
+  rngs = list(jax.random.split(rng, 4)) + [jax.random.fold_in(rng, 4)]
+  for rng_i, (name, (shape, bias_shape)) in zip(rngs, shapes.items()):
+    fan_in = shape[0] if name != "W_o" else n * h
+    flat = (fan_in, math.prod(shape) // fan_in)  # LinearGeneral's 2-D draw
+    params[name] = {"kernel": init(rng_i, flat, dtype).reshape(shape)}
+    if use_bias:
+      params[name]["bias"] = jnp.zeros(bias_shape, dtype)
+  if normalize_qk:
+    for name in ("q_norm", "k_norm"):
+      params[name] = {"scale": jnp.ones((h,), dtype)}
+  if attention_sinks:
+    params["sinks"] = {"logits": jnp.zeros((n,), dtype)}
+  if t5_bias is not None:  # its own key: the projections' draws stay
+    params["t5_bias"] = {"table": jax.random.normal(
+        jax.random.fold_in(rng, 5), (t5_bias.num_buckets, n), dtype)
+                         * d ** -0.5}
+  return params
+
+
+def check_t5_bias(t5_bias) -> None:
+  """TypeError unless ``t5_bias`` is None or an ``aj.T5Bias``."""
+  if t5_bias is not None and not isinstance(t5_bias, score_mods.T5Bias):
+    raise TypeError(f"t5_bias must be an aj.T5Bias(num_buckets, "
+                    f"max_distance, bidirectional), got {t5_bias!r}.")
+
+
+def check_output_gate(output_gate) -> None:
+  if output_gate is not None and not isinstance(output_gate, str):
+    raise TypeError(
+        f"output_gate must be None or a string, 'elementwise' or 'headwise', "
+        f"got {output_gate!r} ({type(output_gate).__name__}).")
+  if output_gate is not None and output_gate not in OUTPUT_GATES:
+    raise ValueError(
+        f"output_gate must be None, 'elementwise' (one sigmoid gate per "
+        f"feature of each head) or 'headwise' (one per head), got "
+        f"{output_gate!r}.")
+
+
+def gate_width(output_gate: str, head_dim: int) -> int:
+  """``G``, the gates per head: ``H`` elementwise, 1 headwise."""
+  return head_dim if output_gate == "elementwise" else 1
+
+
+def _layer(params, name: str) -> Mapping[str, Any]:
+  layer = params.get(name)
+  need, allowed = _ENTRIES.get(name, ("kernel", {"kernel", "bias"}))
+  if not isinstance(layer, Mapping) or need not in layer:
+    got = (f"keys {sorted(layer)}" if isinstance(layer, Mapping)
+           else type(layer).__name__)
+    raise ValueError(f"params['{name}'] must be a dict with {LAYOUT[name]}; "
+                     f"got {got}.")
+  extra = set(layer) - allowed
+  if extra:
+    raise ValueError(f"params['{name}'] has unexpected entries "
+                     f"{sorted(extra)}; its layout is {LAYOUT[name]}.")
+  return layer
+
+
+def param_shape(params, name: str, entry: str) -> tuple[int, ...]:
+  """The shape of ``params[name][entry]`` (for messages)."""
+  return checks.shape_of(params[name][entry])
+
+
+def _wrong(params, name: str, entry: str, expected: str, why: str = ""):
+  got = param_shape(params, name, entry)
+  flat = ""
+  if entry == "kernel" and len(got) == 2:
+    flat = (" Flat [in, out] kernels reshape per head: W_q/W_k/W_v "
+            "kernel.reshape(D, heads, H) and bias.reshape(heads, H), W_o "
+            "kernel.reshape(N, H, Dout).")
+  return ValueError(f"params['{name}']['{entry}'] has shape {got}, expected "
+                    f"{expected}{why} ({name}: {LAYOUT[name]}).{flat}")
+
+
+def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
+               num_kv_heads: int | None = None) -> HeadDims:
+  """Validates a multi-head parameter dict and reads its sizes.
+
+  Args:
+    params: ``{"W_q", "W_k", "W_v", "W_o"}`` (and optionally ``"q_norm"``,
+      ``"k_norm"``, ``"W_g"``, ``"sinks"``, ``"t5_bias"``) in the layout of
+      ``init_multi_head_params``.
+    num_heads: when given, must equal the ``N`` of ``W_q``.
+    num_kv_heads: when given, must equal the ``K`` of ``W_k``/``W_v``.
+
+  Returns:
+    ``HeadDims(N, K, H, D, Dkv, Dout, normalize_qk, output_gate)``.
+
+  Raises:
+    ValueError: naming the parameter, its shape and the expected layout.
+
+  Example:
+    >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)
+    >>> param_dims(p)[:3]  # N, K, H
+    (4, 2, 2)
+  """
+  if not isinstance(params, Mapping):
+    raise TypeError(f"params must be a dict of W_q, W_k, W_v, W_o (see "
+                    f"init_multi_head_params), got {type(params).__name__}.")
+  unknown = set(params) - set(LAYOUT)
+  if unknown:
+    raise ValueError(f"params has unexpected entries {sorted(unknown)}; "
+                     f"multi-head params are {list(LAYOUT)}.")
+  for name in ("W_q", "W_k", "W_v", "W_o"):
+    if name not in params:
+      raise ValueError(f"params must have {name} ({LAYOUT[name]}), got keys "
+                       f"{sorted(params)}.")
+    _layer(params, name)
+  q = param_shape(params, "W_q", "kernel")
+  if len(q) != 3:
+    raise _wrong(params, "W_q", "kernel", "[D, N, H]")
+  d, n, h = q
+  k_kernel = param_shape(params, "W_k", "kernel")
+  if len(k_kernel) != 3 or k_kernel[2] != h:
+    raise _wrong(params, "W_k", "kernel", f"[Dkv, K, H] with H={h} (W_q's "
+                 f"head dim)")
+  dkv, k = k_kernel[:2]
+  if n % k:
+    raise _wrong(params, "W_k", "kernel", "[Dkv, K, H]",
+                 f": its K={k} heads must divide W_q's N={n} heads")
+  if param_shape(params, "W_v", "kernel") != k_kernel:
+    raise _wrong(params, "W_v", "kernel", f"{k_kernel}, as W_k's")
+  o = param_shape(params, "W_o", "kernel")
+  if len(o) != 3 or o[:2] != (n, h):
+    raise _wrong(params, "W_o", "kernel", f"[N, H, Dout] with N={n}, H={h} "
+                 f"(W_q's heads and head dim)")
+  dout = o[2]
+  biases = {"W_q": (n, h), "W_k": (k, h), "W_v": (k, h), "W_o": (dout,)}
+  for name, shape in biases.items():
+    if "bias" in params[name] and param_shape(params, name, "bias") != shape:
+      raise _wrong(params, name, "bias", str(shape))
+  norms = [name for name in ("q_norm", "k_norm") if name in params]
+  if len(norms) == 1:
+    raise ValueError(f"params has {norms[0]} but not "
+                     f"{({'q_norm', 'k_norm'} - set(norms)).pop()}: qk-norm "
+                     "needs both (each {'scale': [H]}).")
+  for name in norms:
+    _layer(params, name)
+    if param_shape(params, name, "scale") != (h,):
+      raise _wrong(params, name, "scale", f"({h},) = [H]")
+  output_gate = None
+  if "W_g" in params:
+    _layer(params, "W_g")
+    g_kernel = param_shape(params, "W_g", "kernel")
+    if len(g_kernel) != 3 or g_kernel[:2] != (d, n) or g_kernel[2] not in (
+        h, 1):
+      raise _wrong(params, "W_g", "kernel", f"[D, N, G] with D={d}, N={n} "
+                   f"and G={h} (elementwise) or 1 (headwise)")
+    if "bias" in params["W_g"] and param_shape(params, "W_g",
+                                               "bias") != g_kernel[1:]:
+      raise _wrong(params, "W_g", "bias", str(g_kernel[1:]))
+    # H == 1 reads as elementwise: the same gate either way.
+    output_gate = "elementwise" if g_kernel[2] == h else "headwise"
+  if "sinks" in params:
+    _layer(params, "sinks")
+    if param_shape(params, "sinks", "logits") != (n,):
+      raise _wrong(params, "sinks", "logits", f"({n},) = [N], one per query "
+                   "head of W_q")
+    checks.check_float_array("params['sinks']['logits']",
+                             params["sinks"]["logits"])
+  if "t5_bias" in params:
+    _layer(params, "t5_bias")
+    table = param_shape(params, "t5_bias", "table")
+    if len(table) != 2 or table[1] != n:
+      raise _wrong(params, "t5_bias", "table", f"[num_buckets, N] with "
+                   f"N={n}, one column per query head of W_q")
+    checks.check_float_array("params['t5_bias']['table']",
+                             params["t5_bias"]["table"])
+  for arg, value, got, what, layer in (
+      ("num_heads", num_heads, n, "heads", "W_q"),
+      ("num_kv_heads", num_kv_heads, k, "key/value heads", "W_k")):
+    if value is not None:
+      checks.check_positive_int(arg, value)
+      if value != got:
+        raise ValueError(
+            f"{arg}={value} but params['{layer}']['kernel'] has shape "
+            f"{param_shape(params, layer, 'kernel')}: {got} {what}. The head "
+            f"counts are read from the params; pass params built for {arg}="
+            f"{value} or leave {arg} out.")
+  return HeadDims(n, k, h, d, dkv, dout, bool(norms), output_gate)

@@ -1,0 +1,245 @@
+"""Structured attention patterns, defined once for every implementation.
+
+Shape glossary: T query length, S key/value length; r a query row, c a key
+column; bq/bk query and key block sizes.
+
+Positions are bottom-right aligned: query row ``r`` stands at position
+``r + offset`` of the key sequence (``offset = S - T`` for one device; ring
+attention passes each step's offset). With ``(left, right)`` the resolved
+window bounds (``None`` = unbounded), query ``r`` may see key ``c`` iff
+
+    r + offset - left <= c <= r + offset + right,
+    c < kv_length,  r < q_length.
+
+``causal`` is ``right = 0`` (with a wider ``right`` the causal bound wins);
+a window ``(left, right)`` is jax.nn's ``local_window_size`` (an int ``w``
+means ``(w, w)``). Packed sequences add segment ids: query ``r`` may see
+key ``c`` only when ``q_seg[r] == k_seg[c]``.
+
+``visible`` is the element predicate the dense kernel materialises and the
+flash core evaluates inside partial blocks. At block granularity each
+(query block, key block) pair is *empty* (no allowed entry: never visited,
+forward or backward), *full* (every entry allowed: visited without any mask
+pass) or *partial*. ``key_block_range``/``query_block_range`` give the
+non-empty blocks and ``full_key_block_range``/``full_query_block_range`` the
+full ones, as intervals, from the bounds, lengths and offset;
+``segment_block_ranges`` does the same from per-block minimum and maximum
+segment ids. Each is exact for its own pattern (for segments: packed
+documents, the same non-decreasing ids on both sides; other ids still get
+a covering interval and only full blocks they really have); combined
+patterns intersect the intervals, which never calls a block with an allowed
+entry empty nor a block with a blocked entry full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MaskFn = Callable[..., jax.Array]  # mask_fn(b, h, q_idx, kv_idx) -> bool
+# score_mod(score, b, h, q_idx, kv_idx) -> modified score (scores/score_mods.py)
+ScoreMod = Callable[..., jax.Array]
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block kinds
+
+
+def rule_indices(batch: tuple[int, ...], xp=np):
+  """``b`` and ``h`` of rank ``len(batch) + 2``, as the kernels number them.
+
+  The index arrays a mask rule is evaluated over when its block tables are
+  built (``block_mask``) or checked against the operands (``checks``).
+  """
+  if not batch:
+    return xp.zeros((1, 1), np.int32), xp.zeros((1, 1), np.int32)
+  if len(batch) == 1:
+    return (xp.arange(batch[0], dtype=np.int32)[:, None, None],
+            xp.zeros((1, 1, 1), np.int32))
+  lead = (1,) * (len(batch) - 2)
+  b = xp.arange(batch[-2], dtype=np.int32).reshape(lead + (-1, 1, 1, 1))
+  h = xp.arange(batch[-1], dtype=np.int32).reshape(lead + (1, -1, 1, 1))
+  return b, h
+
+
+
+class Bounds(NamedTuple):
+  """Resolved window: key columns ``[pos - left, pos + right]`` (None = open)."""
+  left: int | None
+  right: int | None
+
+
+def check_window(local_window_size, name: str = "window"
+                 ) -> tuple[int, int] | None:
+  """A window as ``(left, right)`` non-negative ints, or None."""
+  if local_window_size is None:
+    return None
+  sizes = local_window_size
+  if isinstance(sizes, (int, np.integer)) and not isinstance(sizes, bool):
+    sizes = (sizes, sizes)
+  if (not isinstance(sizes, (tuple, list)) or len(sizes) != 2 or any(
+      isinstance(x, bool) or not isinstance(x, (int, np.integer))
+      for x in sizes)):
+    raise TypeError(
+        f"{name} must be a Python int or a (left, right) pair of "
+        f"ints, got {local_window_size!r}. A causal window of W tokens is "
+        "aj.Mask(causal=True, window=(W - 1, 0)).")
+  left, right = (int(x) for x in sizes)
+  if left < 0 or right < 0:
+    raise ValueError(f"{name} must be non-negative, got "
+                     f"{local_window_size!r}.")
+  return left, right
+
+
+def bounds(is_causal: bool, window: tuple[int, int] | None) -> Bounds:
+  """The window bounds that ``is_causal`` and a checked window imply."""
+  left, right = (None, None) if window is None else window
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
+  return Bounds(left, right)
+
+
+def visible(rows, cols, offset, b: Bounds, q_length=None, kv_length=None,
+            q_seg=None, k_seg=None):
+  """Bool of broadcast ``rows`` x ``cols`` where a query may see a key.
+
+  ``q_seg``/``k_seg`` are the segment ids of ``rows``/``cols`` (same
+  shapes) or None. None when nothing is excluded (no bound, no length, no
+  segments): callers then skip every mask pass.
+  """
+  ok = None
+
+  def both(extra):
+    return extra if ok is None else ok & extra
+
+  if b.right is not None:
+    ok = both(cols <= rows + offset + b.right)
+  if b.left is not None:
+    ok = both(cols >= rows + offset - b.left)
+  if kv_length is not None:
+    ok = both(cols < kv_length)
+  if q_length is not None:
+    ok = both(rows < q_length)
+  if q_seg is not None:
+    ok = both(q_seg == k_seg)
+  return ok
+
+
+def _blocks(first, last, size: int, count: int):
+  """Blocks ``[lo, hi)`` of ``size`` covering indices ``[first, last]``."""
+  first = jnp.clip(first, 0, count * size)
+  last = jnp.clip(last, -1, count * size - 1)
+  lo = jnp.clip(first // size, 0, count)
+  hi = jnp.where(last >= first, last // size + 1, lo)
+  return lo, jnp.clip(hi, lo, count)
+
+
+def key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
+                    kv_length=None, q_length=None):
+  """Key blocks ``[lo, hi)`` that query rows ``[i0, i0 + bq)`` may see.
+
+  Exact for these patterns: the columns the rows may see form one interval,
+  and the range is exactly the blocks it touches (tested by brute force).
+  """
+  last_row = i0 + bq - 1
+  if q_length is not None:
+    last_row = jnp.minimum(last_row, q_length - 1)
+  first = 0 if b.left is None else i0 + offset - b.left
+  last = num_k * bk - 1
+  if b.right is not None:
+    last = last_row + offset + b.right
+  if kv_length is not None:
+    last = jnp.minimum(last, kv_length - 1)
+  if q_length is not None:  # rows past the length see nothing
+    last = jnp.where(last_row >= i0, last, first - 1)
+  return _blocks(first, last, bk, num_k)
+
+
+def query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int, offset,
+                      kv_length=None, q_length=None):
+  """Query blocks ``[lo, hi)`` whose rows may see key columns ``[j0, j0 + bk)``."""
+  last_col = j0 + bk - 1
+  if kv_length is not None:
+    last_col = jnp.minimum(last_col, kv_length - 1)
+  first = 0 if b.right is None else j0 - offset - b.right
+  last = num_q * bq - 1
+  if b.left is not None:
+    last = last_col - offset + b.left
+  if q_length is not None:
+    last = jnp.minimum(last, q_length - 1)
+  if kv_length is not None:  # columns past the length are seen by nobody
+    last = jnp.where(last_col >= j0, last, first - 1)
+  return _blocks(first, last, bq, num_q)
+
+
+def _full_blocks(first, last, size: int, count: int):
+  """Blocks ``[lo, hi)`` of ``size`` lying wholly inside ``[first, last]``."""
+  lo = jnp.clip(-((-first) // size), 0, count)
+  hi = jnp.clip((last + 1) // size, 0, count)
+  return lo, jnp.maximum(hi, lo)
+
+
+def full_key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
+                         kv_length=None, q_length=None, s: int | None = None):
+  """Key blocks every entry of which rows ``[i0, i0 + bq)`` may see.
+
+  ``s`` is the true key length (columns past it are padding). Exact for
+  the bounds and lengths: the columns every row sees form one interval.
+  """
+  big = num_k * bk
+  first = 0 if b.left is None else i0 + bq - 1 + offset - b.left
+  last = big - 1 if b.right is None else i0 + offset + b.right
+  if s is not None:
+    last = jnp.minimum(last, s - 1)
+  if kv_length is not None:
+    last = jnp.minimum(last, kv_length - 1)
+  if q_length is not None:  # a row past the length sees nothing
+    last = jnp.where(i0 + bq <= q_length, last, first - 1)
+  return _full_blocks(first, last, bk, num_k)
+
+
+def full_query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int,
+                           offset, kv_length=None, q_length=None,
+                           s: int | None = None):
+  """Query blocks every row of which sees all of columns ``[j0, j0 + bk)``."""
+  big = num_q * bq
+  first = 0 if b.right is None else j0 + bk - 1 - offset - b.right
+  last = big - 1 if b.left is None else j0 - offset + b.left
+  if q_length is not None:
+    last = jnp.minimum(last, q_length - 1)
+  end = j0 + bk
+  for limit in (s, kv_length):  # a column past a length is seen by nobody
+    if limit is not None:
+      last = jnp.where(end <= limit, last, first - 1)
+  return _full_blocks(first, last, bq, num_q)
+
+
+def block_min_max(ids, size: int):
+  """Per-block minimum and maximum of segment ids ``[n * size]`` -> ``[n]``."""
+  blocks = ids.reshape(-1, size)
+  return blocks.min(-1), blocks.max(-1)
+
+
+def segment_block_ranges(lo_id, hi_id, other_min, other_max):
+  """Blocks of the other side a block with ids in ``[lo_id, hi_id]`` meets.
+
+  ``other_min``/``other_max`` are the other side's per-block minimum and
+  maximum ids. Returns ``(lo, hi, full_lo, full_hi)``: blocks ``[lo, hi)``
+  may share a segment with this block (exact for packed documents, a
+  covering interval otherwise), blocks ``[full_lo, full_hi)`` hold only this block's
+  single segment (empty unless this block has one segment and those blocks
+  are contiguous).
+  """
+  count = other_min.shape[0]
+  index = jnp.arange(count)
+  meets = (other_max >= lo_id) & (other_min <= hi_id)
+  lo = jnp.min(jnp.where(meets, index, count))
+  hi = jnp.max(jnp.where(meets, index + 1, 0))
+  hi = jnp.maximum(hi, lo)
+  same = (lo_id == hi_id) & (other_min == lo_id) & (other_max == lo_id)
+  full_lo = jnp.min(jnp.where(same, index, count))
+  full_hi = jnp.max(jnp.where(same, index + 1, 0))
+  contiguous = jnp.sum(same) == full_hi - full_lo
+  full_hi = jnp.where(contiguous & (full_hi > full_lo), full_hi, full_lo)
+  return lo, hi, full_lo, full_hi

@@ -1,0 +1,6 @@
+"""What changes a score, and where tokens stand.
+
+``score_mods`` holds the ``score_mod(score, b, h, q_idx, kv_idx)`` contract
+and the built-in modifiers (ALiBi, soft cap, T5 relative bias); ``rope`` the
+rotary position description (``Rope``) and its application.
+"""
