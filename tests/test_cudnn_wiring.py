@@ -131,7 +131,7 @@ class ProblemTest(parameterized.TestCase):
     self.enter_context(mock.patch.object(jax, "default_backend",
                                          return_value="gpu"))
 
-  def _problem(self, t=8, s=8, structured=(), lengths=None, **kw):
+  def _problem(self, t=8, s=8, structured=None, lengths=None, **kw):
     q, k, v = _qkv(t, s, jnp.bfloat16)
     return cudnn.problem_of(q, k, v, None, None, lengths, False, structured,
                             **kw)
@@ -228,10 +228,6 @@ class ProblemTest(parameterized.TestCase):
                   "window": (2, 0), "score_mod": aj.soft_cap(30.0),
                   "sinks": jnp.zeros((N,))}
     self.assertRegex(self._problem(structured=structured), "^score_mod")
-
-  def test_names_only_refused(self):  # the dispatcher's older call shape
-    self.assertRegex(self._problem(structured=["window"]), "^window")
-    self.assertIsNone(self._problem(structured=[]))
 
   def test_earlier_checks_still_first(self):
     q, k, v = _qkv(8, 8)  # float32

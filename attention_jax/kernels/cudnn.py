@@ -46,7 +46,6 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import dataclasses
 
 import jax
@@ -123,9 +122,6 @@ def _per_example_problem(name, lengths, batch) -> str | None:
 
 def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
   """Why cuDNN cannot give our numbers for the structured arguments."""
-  if not isinstance(structured, Mapping):  # names only (older dispatcher)
-    names = [n for n in structured if n]
-    return f"{names[0]} is not wired to cuDNN here" if names else None
   for name, value in structured.items():
     if value is None:
       continue
@@ -149,13 +145,13 @@ def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
 
 
 def problem_of(query, key, value, mask, bias, lengths, return_lse,
-            structured=(), *, is_causal=False) -> str | None:
+            structured=None, *, is_causal=False) -> str | None:
   """Why the cuDNN kernel cannot take these inputs, or None if it can.
 
   ``structured`` maps the pattern arguments in use to their values
-  (``window`` as a checked ``(left, right)``); a list of names
-  is refused whole. ``is_causal`` only widens what is accepted: a causal
-  window ``(left, right > 0)`` is ``(left, 0)``. None is returned only where
+  (``window`` as a checked ``(left, right)``; None: none). ``is_causal``
+  only widens what is accepted: a causal window ``(left, right > 0)`` is
+  ``(left, 0)``. None is returned only where
   ``attention`` gives our numbers, so the automatic choice never changes
   them.
   """
@@ -180,7 +176,7 @@ def problem_of(query, key, value, mask, bias, lengths, return_lse,
       return problem_
   if return_lse:
     return "it does not return the log-sum-exp"
-  return _structured_problem(structured or (), t, s, batch, is_causal)
+  return _structured_problem(structured or {}, t, s, batch, is_causal)
 
 
 def _per_example(lengths, batch: int, limit: int) -> jax.Array:
