@@ -454,35 +454,27 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
              "[B, T, N, H] layout converts with jnp.swapaxes(x, 1, 2), or "
              "call aj.dot_product_attention, which takes it as it is)")
   batch_shape = broadcast_shapes(what, **leading)
-  all_lengths = {}
+  all_lengths = {}  # lengths and positions: per example (or head) integers
   for name, given, upper in (
       ("the mask's kv_lengths", key_value_seq_lengths, rule_s),
-      ("the mask's q_lengths", query_seq_lengths, rule_t)):
+      ("the mask's q_lengths", query_seq_lengths, rule_t),
+      ("the mask's q_offset", q_offset, None),  # positions: any integer
+      ("the mask's kv_offset", kv_offset, None)):
     lengths = all_lengths[name] = check_lengths(name, given)
     if lengths is None:
       continue
     # One axis per leading dim (or a scalar): a [B] array against [B, N]
-    # leading dims would otherwise be read as per-head lengths when B == N.
+    # leading dims would otherwise be read as per-head values when B == N.
     if lengths.ndim not in (0, len(batch_shape)):
       raise ValueError(
           f"{name} with shape {lengths.shape} does not fit the leading dims "
-          f"{batch_shape}: lengths are a scalar, [B] per example (aligned "
-          f"to the left of the leading dims) or [B, N] per head.")
-    check_concrete_range(name, given, upper)
+          f"{batch_shape}: it is a scalar, [B] per example (aligned to the "
+          f"left of the leading dims) or [B, N] per head.")
+    if upper is not None:
+      check_concrete_range(name, given, upper)
     leading[name] = lengths.shape
-  offsets = []
-  for name, given in (("the mask's q_offset", q_offset),
-                      ("the mask's kv_offset", kv_offset)):
-    offset = check_lengths(name, given)
-    if offset is not None and offset.ndim not in (0, len(batch_shape)):
-      raise ValueError(
-          f"{name} with shape {offset.shape} does not fit the leading dims "
-          f"{batch_shape}: positions are a scalar, [B] per example (aligned "
-          f"to the left of the leading dims) or [B, N] per head.")
-    if offset is not None:
-      leading[name] = offset.shape
-    offsets.append(offset)
-  q_offset, kv_offset = offsets
+  q_offset = all_lengths.pop("the mask's q_offset")
+  kv_offset = all_lengths.pop("the mask's kv_offset")
   if (query_segment_ids is None) != (key_segment_ids is None):
     raise ValueError("segment ids come in pairs: pass q_segment_ids with "
                      "kv_segment_ids (or q_segment_ids alone for packed "
