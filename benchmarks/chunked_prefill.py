@@ -65,6 +65,7 @@ import numpy as np
 
 import attention_jax as aj
 from benchmarks import decode
+from benchmarks import host
 
 DOCS_PAGE = (pathlib.Path(__file__).resolve().parent.parent / "docs"
              / "performance.md")
@@ -211,14 +212,6 @@ def max_diff(got, want, what: str) -> float:
   return diff
 
 
-def _load() -> float | None:
-  """The 1-minute load average (other processes share the cores), or None."""
-  try:
-    return os.getloadavg()[0]
-  except OSError:
-    return None
-
-
 def run_benchmark(tokens: int = 4096, chunk: int = 512, cache: int = 32768,
                   repeats: int = 3, decode_steps: int = 64,
                   memory: bool = True, command: str | None = None,
@@ -233,7 +226,7 @@ def run_benchmark(tokens: int = 4096, chunk: int = 512, cache: int = 32768,
   """
   check_sizes(tokens, chunk, cache, decode_steps)
   command = command or "python -m benchmarks.chunked_prefill"
-  load = [_load()]
+  load = [host.load_average()]
   programs = Programs(cache, d_model, num_heads, num_kv_heads, window)
   x, prompt, chunks, new = _inputs(tokens, chunk, decode_steps, d_model)
 
@@ -293,7 +286,7 @@ def run_benchmark(tokens: int = 4096, chunk: int = 512, cache: int = 32768,
                "tokens_per_s": 1 / step_s, "ratio": None,
                "rss_growth_mib": None, "hwm_reset": None,
                "check_max_diff": decode_diff})
-  load.append(_load())
+  load.append(host.load_average())
   text = report(rows, dict(tokens=tokens, chunk=chunk, cache=cache,
                            repeats=repeats, decode_steps=decode_steps,
                            d_model=d_model, num_heads=num_heads,
@@ -301,34 +294,12 @@ def run_benchmark(tokens: int = 4096, chunk: int = 512, cache: int = 32768,
                            memory=memory, load=load), command)
   print(f"\n{text}", flush=True)
   if docs_page is not None:
-    write_docs(docs_page, text)
+    host.replace_section(docs_page, START, END, text)
   return rows
 
 
 # --------------------------------------------------------------------------
 # Memory: one fresh process per path.
-
-
-def _proc_status(field: str) -> int | None:
-  """A ``/proc/self/status`` size field in bytes, or None."""
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith(field + ":"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
-
-
-def _reset_peak_rss() -> bool:
-  """Linux: set the peak RSS (VmHWM) back to the current RSS."""
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
 
 
 def memory_point(spec: str) -> dict:
@@ -358,10 +329,10 @@ def memory_point(spec: str) -> dict:
       start = time.perf_counter()
       jax.block_until_ready(compiled(programs.params, prompt))
       return time.perf_counter() - start
-  reset = _reset_peak_rss()
-  base = _proc_status("VmRSS") if reset else _proc_status("VmHWM")
+  reset = host.reset_peak_rss()
+  base = host.proc_status("VmRSS") if reset else host.proc_status("VmHWM")
   seconds = run()
-  growth = (_proc_status("VmHWM") - base) / 2**20
+  growth = (host.proc_status("VmHWM") - base) / 2**20
   return {"rss_growth_mib": growth, "seconds": seconds, "hwm_reset": reset}
 
 
@@ -428,26 +399,12 @@ def report(rows: list[dict], config: dict, command: str) -> str:
       f"call (max |diff| {by['chunked']['check_max_diff']:.2g}) and the "
       f"decode steps with the uncached call over prompt and tokens (max "
       f"|diff| {by['decode step']['check_max_diff']:.2g}). Memory: {memory}. "
-      f"1-minute load average {_fmt_load(c['load'])} (start, end; other "
+      f"1-minute load average {host.format_load(c['load'])} (start, end; other "
       "processes share the cores).")
   # Whole words only: a flag or a CPU model name is never split.
   text = textwrap.fill(text, 76, break_long_words=False,
                        break_on_hyphens=False)
   return f"{text}\n\n{table(rows, config)}\n"
-
-
-def _fmt_load(load) -> str:
-  return ", ".join("n/a" if x is None else f"{x:.1f}" for x in load)
-
-
-def write_docs(path: os.PathLike, section: str) -> None:
-  """Replace the text between the page's chunked-prefill markers."""
-  text = pathlib.Path(path).read_text()
-  if START not in text or END not in text:
-    raise ValueError(f"{path} lacks the markers {START} / {END}")
-  head, rest = text.split(START, 1)
-  _, tail = rest.split(END, 1)
-  pathlib.Path(path).write_text(f"{head}{START}\n{section}{END}{tail}")
 
 
 def main(argv):

@@ -63,6 +63,7 @@ import numpy as np
 
 import attention_jax as aj
 from benchmarks import decode_variants
+from benchmarks import host
 
 DOCS_PAGE = (pathlib.Path(__file__).resolve().parent.parent / "docs"
              / "performance.md")
@@ -240,14 +241,6 @@ def check_equal(programs: dict[str, Programs], prompt, steps: int) -> float:
   return diff
 
 
-def _load() -> float | None:
-  """The 1-minute load average (other processes share the cores), or None."""
-  try:
-    return os.getloadavg()[0]
-  except OSError:
-    return None
-
-
 def machine() -> str:
   """CPU count and model, JAX backend and device kind."""
   name = platform.processor()
@@ -287,7 +280,7 @@ def run_benchmark(batch_sizes=(1, 8), context: int = 1024,
   # The check is also the warm-up that compiles prefill and step.
   check_steps = min(max(check_steps, 1), steps)
   command = command or "python -m benchmarks.decode"
-  load = [_load()]
+  load = [host.load_average()]
 
   def model_fn():  # the same parameters for every mode and batch size
     return Stack(layers, d_model, num_heads, implementation=implementation,
@@ -339,7 +332,7 @@ def run_benchmark(batch_sizes=(1, 8), context: int = 1024,
         check_steps)
     sections.append(decode_variants.latent_report(lat_rows))
     print(sections[-1], flush=True)
-  load.append(_load())
+  load.append(host.load_average())
   text = report(rows, dict(context=context, d_model=d_model,
                            num_heads=num_heads, layers=layers,
                            prompt_len=prompt_len, repeats=repeats,
@@ -348,7 +341,7 @@ def run_benchmark(batch_sizes=(1, 8), context: int = 1024,
   text = "\n".join([text, *sections])
   print(f"\n{text}", flush=True)
   if docs_page is not None:
-    write_docs(docs_page, text)
+    host.replace_section(docs_page, START, END, text)
   return rows
 
 
@@ -375,7 +368,7 @@ def report(rows: list[dict], config: dict, command: str) -> str:
       f"prompt P={c['prompt_len']}, implementation {impl}, float32; "
       f"{c['context'] - c['prompt_len']} decode steps per generation, "
       f"{runs} per row after a compiling warm-up; 1-minute load average "
-      f"{_fmt_load(c['load'])} (start, end; other processes share the "
+      f"{host.format_load(c['load'])} (start, end; other processes share the "
       "cores). tokens/s = B x steps / decode time; ms/token = decode time / "
       "steps (one step gives every sequence of the batch its next token). "
       "The two modes' first outputs agreed before timing (max |diff| "
@@ -384,20 +377,6 @@ def report(rows: list[dict], config: dict, command: str) -> str:
   text = textwrap.fill(text, 76, break_long_words=False,
                        break_on_hyphens=False)
   return f"{text}\n\n{table(rows)}\n"
-
-
-def _fmt_load(load) -> str:
-  return ", ".join("n/a" if x is None else f"{x:.1f}" for x in load)
-
-
-def write_docs(path: os.PathLike, section: str) -> None:
-  """Replace the text between the page's decode markers with ``section``."""
-  text = pathlib.Path(path).read_text()
-  if START not in text or END not in text:
-    raise ValueError(f"{path} lacks the markers {START} / {END}")
-  head, rest = text.split(START, 1)
-  _, tail = rest.split(END, 1)
-  pathlib.Path(path).write_text(f"{head}{START}\n{section}{END}{tail}")
 
 
 def main(argv):

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from benchmarks import host
 
 CASES = ("window256_T4096", "window256_T16384", "packed8x512_T4096",
          "causal_T2048", "dense_causal_T1024", "score_mods_T2048",
@@ -369,25 +370,8 @@ def run_case(case: Case, repeats: int) -> list[dict]:
 # Memory: one fresh process per point.
 
 
-def _proc_status(field: str) -> int | None:
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith(field + ":"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
 
 
-def _reset_peak_rss() -> bool:
-  """Linux: set the peak RSS (VmHWM) back to the current RSS."""
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
 
 
 def memory_point(spec: str) -> dict:
@@ -405,10 +389,10 @@ def memory_point(spec: str) -> dict:
   fn = lambda q, k, v: aj.blockwise_attention(q, k, v, mask)
   call, args, block = _jax_entry(fn, "fwd+bwd", _inputs(1, 1, t, h))
   compiled = call.lower(*args).compile()
-  reset = _reset_peak_rss()
-  base = _proc_status("VmRSS") if reset else _proc_status("VmHWM")
+  reset = host.reset_peak_rss()
+  base = host.proc_status("VmRSS") if reset else host.proc_status("VmHWM")
   times = [_time_once(compiled, args, block)]
-  growth = (_proc_status("VmHWM") - base) / 2**30
+  growth = (host.proc_status("VmHWM") - base) / 2**30
   while len(times) < 3 and sum(times) < 20:  # cheap points: a median
     times.append(_time_once(compiled, args, block))
   return {"rss_growth_gib": growth, "seconds": statistics.median(times),
@@ -622,14 +606,6 @@ def report(rows, ratios, command, repeats, torch) -> str:
       f"### Targets\n\n{targets_table(ratios)}\n")
 
 
-def write_docs(path: os.PathLike, section: str) -> None:
-  """Replace the text between the page's table markers with ``section``."""
-  text = pathlib.Path(path).read_text()
-  if START not in text or END not in text:
-    raise ValueError(f"{path} lacks the markers {START} / {END}")
-  head, rest = text.split(START, 1)
-  _, tail = rest.split(END, 1)
-  pathlib.Path(path).write_text(f"{head}{START}\n{section}{END}{tail}")
 
 
 def run_benchmark(preset: str, out_dir: str, repeats: int, cases=(),
@@ -665,7 +641,7 @@ def run_benchmark(preset: str, out_dir: str, repeats: int, cases=(),
   with open(os.path.join(out_dir, "structured.md"), "w") as f:
     f.write(text)
   if docs_page is not None:
-    write_docs(docs_page, text)
+    host.replace_section(docs_page, START, END, text)
   return rows, ratios
 
 
