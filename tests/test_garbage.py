@@ -226,5 +226,77 @@ def _data_clean(*arrays):
   return tuple(jnp.where(jnp.isfinite(x), x, 0.0) for x in arrays)
 
 
+class OneRowGarbageTest(chex.TestCase):
+  """One query row (a decoding step over a cache): the dense kernel reads
+  what the row sees off its logits and output instead of sanitising the
+  keys and values (one more pass over the cache), so the garbage the row
+  does and does not see is checked here, each planted slot apart."""
+
+  S, POS = 32, 20  # cache slots; the query's position (window 5: 15..20)
+
+  def _call(self, q, k, v, **kw):
+    mask = aj.Mask(causal=True, window=(WINDOW, 0), kv_lengths=[self.POS + 1],
+                   q_offset=self.POS)
+    return aj.scaled_dot_product_attention(
+        q, k, v, mask, implementation="dense", return_lse=True, **kw)
+
+  def _operands(self):
+    return (_data.normal(50, (1, N, 1, H)), _data.normal(51, (1, K, self.S, H)),
+            _data.normal(52, (1, K, self.S, H)))
+
+  @parameterized.product(
+      name=("key", "value"), value=(np.nan, np.inf, -np.inf),
+      slot=(3, 14, 25))  # before the window, its edge, past the length
+  def test_unseen_slot(self, name, value, slot):
+    ops = dict(zip(("q", "k", "v"), self._operands()))
+    clean = self._call(ops["q"], ops["k"], ops["v"])
+    ops[name[0]] = ops[name[0]].at[0, 0, slot, 2].set(value)
+    got = self._call(ops["q"], ops["k"], ops["v"])
+    # the same operations on the same finite entries: exactly equal
+    chex.assert_trees_all_equal(got, clean)
+
+  @parameterized.product(name=("key", "value"),
+                         value=(np.nan, np.inf, -np.inf), slot=(15, 20))
+  def test_seen_slot(self, name, value, slot):
+    q, k, v = self._operands()
+    if name == "key":
+      k = k.at[0, 0, slot, 2].set(value)
+    else:
+      v = v.at[0, 0, slot, 2].set(value)
+    out, lse = self._call(q, k, v)
+    self.assertTrue(np.isnan(out).all(), out)  # never a finite number
+    # a bad key spoils the row's lse; a bad value only its output
+    self.assertEqual(bool(np.isnan(lse).all()), name == "key")
+    self.assertEqual(bool(np.isfinite(lse).all()), name == "value")
+
+  def test_unseen_slot_gradients(self):
+    """Garbage the row does not see changes no gradient (its own is 0)."""
+    q, k, v = self._operands()
+
+    def loss(q, k, v):
+      return jnp.sum(self._call(q, k, v)[0] ** 2)
+
+    clean = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss, argnums=(0, 1, 2))(
+        q, k.at[0, 0, 3, 2].set(jnp.nan), v.at[0, 0, 25, 1].set(jnp.inf))
+    chex.assert_trees_all_equal(got, clean)  # same finite operations
+
+  def test_value_blocked_by_bias(self):
+    """A slot a -inf bias blocks is not seen: its NaN value stays out."""
+    q, k, v = self._operands()
+    bias = jnp.zeros((1, 1, 1, self.S)).at[..., 17].set(-jnp.inf)
+    clean = self._call(q, k, v, bias=bias)
+    got = self._call(q, k.at[0, 0, 17].set(jnp.nan),
+                     v.at[0, 0, 17].set(jnp.nan), bias=bias)
+    chex.assert_trees_all_equal(got, clean)
+    self.assertTrue(np.isfinite(got[0]).all())
+
+  def test_nan_query(self):
+    q, k, v = self._operands()
+    out, lse = self._call(q.at[0, 0, 0, 1].set(jnp.nan), k, v)
+    self.assertTrue(np.isnan(out[0, 0]).all() and np.isnan(lse[0, 0]).all())
+    self.assertTrue(np.isfinite(out[0, 1:]).all())  # the other head
+
+
 if __name__ == "__main__":
   absltest.main()

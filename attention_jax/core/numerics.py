@@ -20,7 +20,11 @@ walk), and ``poison`` then writes NaN into that row's output (and, for a
 bad key or query, its lse, row maximum and weights). A poisoned row is a
 constant: it passes no gradient back, so every other row's outputs and
 gradients are those of the clean inputs, and a non-finite entry's own
-gradient is 0. A row that sees a bad key or value is never made finite:
+gradient is 0. (The dense kernel's one-row case, a decoding step, keeps
+its keys and values as given, zeroed where the row does not look, and
+reads the row's code off its logits and output: the same answers, but
+the gradients of entries only a poisoned row sees are NaN, not 0.)
+A row that sees a bad key or value is never made finite:
 that would be a silent wrong answer.
 """
 
@@ -69,24 +73,46 @@ def sanitize(query, key, value):
   replacement has gradient 1 at finite entries, 0 at the others. O((T + S)
   * H): one elementwise pass each.
   """
-  def split(x):
-    ok = jnp.isfinite(x)
-    return jnp.where(ok, x, jnp.zeros((), x.dtype)), ~jnp.all(ok, axis=-1)
+  q_code, kv_code = codes(query, key, value)
+  return (*finite_values(query, key, value), q_code, kv_code)
 
-  query, q_bad = split(query)
-  key, k_bad = split(key)
-  value, v_bad = split(value)
-  q_code = jnp.where(q_bad, BAD_KEY, CLEAN).astype(jnp.float32)
-  kv_code = jnp.where(k_bad, BAD_KEY, jnp.where(v_bad, BAD_VALUE, CLEAN))
-  return query, key, value, q_code, kv_code.astype(jnp.float32)
+
+def finite_values(*arrays):
+  """The arrays with NaN and inf replaced by 0 (gradient 1 at finite
+  entries, 0 at the others): one elementwise pass each, which XLA fuses
+  with a kernel's other selects on the same operand (``zero_unseen``)."""
+  return tuple(jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+               for x in arrays)
+
+
+def codes(query, key, value):
+  """``(q_code [..., T], kv_code [..., S])``, float32: ``BAD_KEY`` for a
+  query or key row holding a NaN or inf, else ``BAD_VALUE`` for a value row
+  holding one, else ``CLEAN``. A row reduction each: a kernel makes them
+  only when ``any_nonfinite`` says there is something to find."""
+  def bad(x):
+    return ~jnp.all(jnp.isfinite(x), axis=-1)
+
+  q_code = jnp.where(bad(query), BAD_KEY, CLEAN).astype(jnp.float32)
+  kv_code = jnp.where(bad(key), BAD_KEY,
+                      jnp.where(bad(value), BAD_VALUE, CLEAN))
+  return q_code, kv_code.astype(jnp.float32)
 
 
 def any_nonfinite(*arrays):
-  """A bool scalar: whether any entry of the arrays is NaN or inf (one
-  predicate per call, for a ``lax.cond`` that skips the search for the
-  rows that see one when there is none)."""
-  finite = [jnp.all(jnp.isfinite(x)) for x in arrays]
-  return ~functools.reduce(jnp.logical_and, finite)
+  """A bool scalar, True if any entry of the arrays may be NaN or inf: the
+  predicate of a ``lax.cond`` that skips the search for the rows that see
+  one when there is none.
+
+  The sum of all entries is finite when every entry is (one read of each
+  array, a reduction every backend vectorises; a per-entry test would need
+  a pass writing its result, or a broadcast of zeros, on XLA:CPU). Finite
+  entries whose float32 sum overflows also answer True: the search then
+  runs and finds nothing, a cost and never a wrong answer.
+  """
+  total = functools.reduce(jnp.add, [jnp.sum(x, dtype=jnp.float32)
+                                     for x in arrays])
+  return ~jnp.isfinite(total)
 
 
 def seen_codes(allowed, q_code, kv_code):

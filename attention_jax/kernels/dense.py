@@ -9,7 +9,10 @@ written for one head and lifted over leading dims by
 compute dtype (float32, float64 for float64 inputs); one path whether or not
 the weights are returned or dropout is on, so the numbers never change with
 those options. NaN or inf in a key, value or query reaches only the rows
-that may see it (``numerics.sanitize``/``poison``). The only kernel with
+that may see it (``numerics.finite_values``/``codes``/``poison``; one
+query row, a decoding step, reads what it saw off its own logits and
+output instead, so that a step makes no extra pass over the cache). The
+only kernel with
 dropout, weights and float64. With
 ``return_max_logits`` it also returns each row's maximum raw scaled logit
 (``kernels.base``), read off the same ``[T, S]`` logits.
@@ -83,7 +86,19 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   t, s = query.shape[0], key.shape[0]
   # NaN or inf anywhere reaches only the rows that may see it: every
   # product runs on finite operands, and those rows are poisoned at the end.
-  query, key, value, q_code, kv_code = numerics.sanitize(query, key, value)
+  # One query row (a decoding step) is the exception: its keys and values
+  # are only zeroed where it does not look (a pass the pattern needs
+  # anyway), and what it sees is read off its own logits and output. Any
+  # other test would be one more pass over a decoding cache: a reduction
+  # per key row (not vectorised on XLA:CPU) or a branch (whose operands
+  # XLA copies).
+  one_row = t == 1
+  given = query, key, value  # the codes read them, only if there is garbage
+  if one_row:
+    q_bad = ~jnp.all(jnp.isfinite(query))
+    query, = numerics.finite_values(query)
+  else:
+    query, key, value = numerics.finite_values(query, key, value)
 
   def and_(a, b):
     if b is None:
@@ -115,14 +130,23 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   # [T, S].
   additive = (h.mask is None and h.bias is None and score_mod is None)
   plain = _only_bounds(h)
-  if allowed is not None and not (plain and _every_key_seen(bounds, t, s)):
-    key, value = numerics.zero_unseen(jnp.any(allowed, axis=0), key, value)
+  unseen = allowed is not None and not (plain and _every_key_seen(bounds, t,
+                                                                  s))
+  if unseen:  # (one row: its values after the bias and score_mod, below)
+    seen = jnp.any(allowed, axis=0)
+    if one_row:
+      key, = numerics.zero_unseen(seen, key)
+    else:
+      key, value = numerics.zero_unseen(seen, key, value)
   if (additive and allowed is not None
       and not (plain and _every_row_sees(bounds, t, s))):
     query, = numerics.zero_unseen(jnp.any(allowed, axis=1), query)
   logits = jnp.einsum("TH,SH->TS", query, key,
                       preferred_element_type=compute_dtype)  # [T, S]
   logits = logits * jnp.asarray(scale, compute_dtype)
+  if one_row:  # the query is finite: a NaN or inf here is the key's
+    bad_key = ~jnp.isfinite(logits)  # [1, S]
+    logits = jnp.where(bad_key, jnp.zeros((), logits.dtype), logits)
   raw = logits  # before the bias and score_mod: what max_logits reads
   finite = None  # where a -inf bias or score_mod blocks
   if h.bias is not None:
@@ -142,10 +166,16 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   def codes():  # [T]: the largest code each row sees
     # The pattern is recomputed from its small operands here, so that the
     # branch takes no materialised [T, S] array.
-    return numerics.seen_codes(and_(pattern(), finite), q_code, kv_code)
+    return numerics.seen_codes(and_(pattern(), finite),
+                               *numerics.codes(*given))
 
-  code = codes() if garbage is None else jax.lax.cond(
-      garbage, codes, lambda: jnp.zeros((t,), jnp.float32))
+  if one_row:
+    if allowed is not None:  # values only where the row attends
+      value, = numerics.zero_unseen(allowed[0], value)
+    code = None  # from the logits (here) and the output (below)
+  else:
+    code = codes() if garbage is None else jax.lax.cond(
+        garbage, codes, lambda: jnp.zeros((t,), jnp.float32))
   max_logits = None
   if want_max_logits:  # a statistic: no gradient
     seen = raw if allowed is None else jnp.where(allowed, raw, -jnp.inf)
@@ -165,6 +195,12 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("TS,SV->TV", probs, value.astype(compute_dtype),
                    preferred_element_type=compute_dtype)  # [T, Hv]
+  if one_row:  # a value it attends to that is not finite makes out so
+    sees = jnp.ones((1, s), bool) if allowed is None else allowed
+    code = jnp.where(jnp.any(sees & bad_key) | (q_bad & jnp.any(sees)),
+                     numerics.BAD_KEY, jnp.where(
+                         jnp.any(~jnp.isfinite(out)), numerics.BAD_VALUE,
+                         numerics.CLEAN)).astype(jnp.float32)[None]
   out, weights, lse, max_logits = numerics.poison(
       code, out.astype(out_dtype), weights, lse, max_logits)
   if want_max_logits:
