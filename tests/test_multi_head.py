@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax.layers import multi_head
+from attention_jax.layers import multi_head_params
 from tests import _data
 from tests import reference
 
@@ -151,19 +151,18 @@ class MultiHeadTest(chex.TestCase):
     # Params for 8 heads of 2 dims with num_heads=4 used to run silently
     # (16 = 4 * 4 = 8 * 2 columns either way); the heads now live in the
     # params' shapes and a disagreeing count is an error. (The public
-    # function reads them from the params only; multi_head.forward, under
-    # the module, still takes the counts and checks them.)
+    # function reads them from the params only; the module checks its own
+    # counts against its params with param_dims.)
     params = _data.params(aj.init_multi_head_params, 0, 16, 8,
                           num_kv_heads=4)
-    x = jnp.ones((1, 3, 16))
     with self.assertRaisesRegex(
         ValueError, r"num_heads=4 but params\['W_q'\]\['kernel'\] has shape "
         r"\(16, 8, 2\): 8 heads"):
-      multi_head.forward(params, x, x, x, num_heads=4)
+      multi_head_params.param_dims(params, num_heads=4)
     with self.assertRaisesRegex(
         ValueError, r"num_kv_heads=2 but params\['W_k'\]\['kernel'\] has "
         r"shape \(16, 4, 2\): 4 key/value heads"):
-      multi_head.forward(params, x, x, x, num_heads=8, num_kv_heads=2)
+      multi_head_params.param_dims(params, num_heads=8, num_kv_heads=2)
 
   def test_dropout_is_reproducible_and_keeps_weights(self):
     x, _ = _inputs()

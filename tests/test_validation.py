@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
-from attention_jax.layers import multi_head
+from attention_jax.layers import multi_head_params
 from tests import _data
 from tests import reference
 
@@ -135,14 +135,14 @@ CASES = [
      r"Dkv=16"),
     ("mha_query_dim", lambda: mha(MHA, jnp.ones((2, 3, 8)), X, X), ValueError,
      r"query has 8 features \(shape \(2, 3, 8\)\), but params\['W_q'\]"),
-    # multi_head_attention reads the head counts from params; forward still
-    # takes them, and they must agree.
-    ("mha_kv_heads_vs_params", lambda: multi_head.forward(
-        MHA, X, X, X, num_heads=4, num_kv_heads=2),
+    # multi_head_attention reads the head counts from params; the module
+    # checks its own against them (param_dims), and they must agree.
+    ("mha_kv_heads_vs_params", lambda: multi_head_params.param_dims(
+        MHA, num_heads=4, num_kv_heads=2),
      ValueError, r"num_kv_heads=2 but params\['W_k'\]\['kernel'\] has shape "
      r"\(16, 4, 4\): 4 key/value heads.*leave num_kv_heads out"),
-    ("mha_heads_vs_params", lambda: multi_head.forward(
-        MHA, X, X, X, num_heads=5),
+    ("mha_heads_vs_params", lambda: multi_head_params.param_dims(
+        MHA, num_heads=5),
      ValueError, r"num_heads=5 but params\['W_q'\]\['kernel'\] has shape "
      r"\(16, 4, 4\): 4 heads.*leave num_heads out"),
     ("mha_flat_params", lambda: mha(

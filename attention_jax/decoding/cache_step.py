@@ -4,7 +4,7 @@ Shape glossary: B batch, N query heads, K key/value heads, T this call's
 tokens, L linear cache slots, W ring-buffer slots, S' the keys a query
 attends over (``L``, or ``W + T`` for a ring buffer), H head dim.
 
-``KVCache`` is what ``multi_head.forward`` threads through a decoding step;
+``KVCache`` is what ``multi_head_attention`` threads through a decoding step;
 ``write`` appends this call's keys and values (``kv_cache``'s pure
 updates) and returns what the queries attend over, with the call's
 ``Mask`` over the cache slots, so cached decoding equals the full forward.
@@ -45,7 +45,7 @@ from attention_jax.masking import mask as mask_lib
 
 
 class KVCache(NamedTuple):
-  """A key/value cache for ``multi_head.forward``.
+  """A key/value cache for ``multi_head_attention``'s ``cache``.
 
   ``key``/``value`` are ``[B, K, L, H]`` buffers: ``L`` positions of a
   linear cache, or ``W`` slots of a ring buffer when ``window`` is set (a

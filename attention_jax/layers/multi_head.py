@@ -18,8 +18,9 @@ over the head axes), and the per-head outputs are weighted by their slice
 of ``W_o`` and summed over heads (``output_projection``), which is the
 lesson's concat followed by one linear layer. A key/value head is shared by
 its G query heads through ``vmap`` (an unmapped operand), not copied.
-``forward`` is the one projection -> attention -> output path, used with a KV
-cache (``decoding.cache_step``) by ``MultiHeadAttention`` when decoding. The
+``multi_head_attention`` is the one projection -> attention -> output path,
+with a KV cache (``decoding.cache_step``) too: ``MultiHeadAttention`` calls
+it, with its cache when decoding. The
 call's pattern is one ``aj.Mask``, handed to the attention function as it is.
 """
 
@@ -366,7 +367,7 @@ class Memory(NamedTuple):
 
 
 class Forward(NamedTuple):
-  """What ``forward`` returns; the fields not asked for are None."""
+  """One call's results; the fields not asked for are None."""
   output: jax.Array  # [B, T, Dout]
   weights: jax.Array | None = None  # [B, N, T, S or L]
   cache: KVCache | None = None
@@ -386,7 +387,8 @@ def project_memory(params: Params, memory: ArrayLike, *,
   """Projects a memory (e.g. an encoder's output) to keys and values once.
 
   Cross-attention in a decoder attends to the same memory at every step;
-  projecting it here once and passing ``memory=`` to ``forward`` (or
+  projecting it here once and passing ``memory=`` to
+  ``multi_head_attention`` (or
   ``MultiHeadAttention.init_cross_cache``) gives the same numbers as
   projecting ``key``/``value`` in every call.
 
@@ -446,7 +448,7 @@ def _rope_positions(t: int, s: int, mask: Mask | None):
   Packed documents: restarting per segment (``segment_positions``,
   ``[B, 1, T]``). Otherwise ``arange``, queries bottom-right aligned
   (``S - T + i``, the package's convention). (Decoding uses each example's
-  cache positions, see ``forward``.)
+  cache positions, see ``multi_head_attention``'s ``cache``.)
   """
   if mask is not None and mask.q_segment_ids is not None:
     def as_heads(ids):
@@ -478,7 +480,7 @@ def _as_positions(name: str, positions, b: int, length: int, what: str):
 def _rotary_positions(positions, kv_positions, t: int, s: int, b: int,
                       mask: Mask | None, cache: KVCache | None, q_pos,
                       self_attention: bool):
-  """The positions queries and keys are rotated at (``forward``)."""
+  """The positions queries and keys are rotated at."""
   if cache is not None:  # keys are this call's tokens, rotated before caching
     if kv_positions is not None:
       raise ValueError(
@@ -559,164 +561,6 @@ def _check_inputs(query, key, value, cache: KVCache | None,
         f"decoding appends this call's tokens: query {q_shape} and key "
         f"{k_shape} must share [B, T], and B must equal the cache's batch "
         f"{cache.key.shape[0]}.")
-
-
-def forward(
-    params: Params,
-    query: ArrayLike,
-    key: ArrayLike | None,
-    value: ArrayLike | None,
-    mask: Mask | ArrayLike | None = None,
-    *,
-    bias: ArrayLike | None = None,
-    scale: float | None = None,
-    is_causal: bool = False,
-    score_mod: Any = None,
-    sinks: ArrayLike | None = None,
-    t5_bias: score_mods.T5Bias | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    attention_fn: AttentionFn | Any = None,
-    return_weights: bool = False,
-    return_lse: bool = False,
-    return_max_logits: bool = False,
-    rope: rope_lib.Rope | float | None = None,
-    positions: ArrayLike | None = None,
-    kv_positions: ArrayLike | None = None,
-    precision: Precision = None,
-    head_axis: str | None = None,
-    cache: KVCache | None = None,
-    memory: Memory | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-) -> Forward:
-  """The one projection -> attention -> output path, with or without a cache.
-
-  ``multi_head_attention`` is this without a cache; ``MultiHeadAttention``
-  calls it with its cache when decoding. The sizes (N, K, H, D, Dkv, Dout,
-  qk-norm, gate) come from ``params`` (``param_dims``); ``num_heads`` /
-  ``num_kv_heads``, when given, must agree with them. With ``cache``, this
-  call's keys and values are written at ``cache.index``
-  (``cache_step.write``) and the queries attend causally to every filled
-  slot; a dense mask and the bias are then over the ``L`` cache slots
-  (``[B, N, T, L]``, rank 4). With ``memory`` (``project_memory``), the
-  keys and values are those, not projected again (``key``/``value`` None).
-  Order per head: projection, qk-norm, rotary positions (``rope``; at
-  ``positions``/``kv_positions`` if given, else ``_rope_positions``, or the
-  cache positions while decoding), cache write, attention, output gate
-  (``W_g``), ``W_o``. The learned sinks and T5 table are read from
-  ``params`` (``layer_extras``), like every other parameter.
-
-  Returns:
-    ``Forward(output [B, T, Dout], weights [B, N, T, S or L], cache, lse
-    [B, N, T], max_logits [B, N, T])``, the ones not asked for None.
-
-  Example:
-    >>> p = init_multi_head_params(jax.random.key(0), 8, 2)
-    >>> x = jnp.ones((1, 3, 8))
-    >>> forward(p, x, x, x, is_causal=True).output.shape
-    (1, 3, 8)
-  """
-  dims = param_dims(params, num_heads=num_heads, num_kv_heads=num_kv_heads)
-  _check_inputs(query, key, value, cache, params, dims, memory)
-  sinks, score_mod = layer_extras(params, sinks, score_mod, t5_bias)
-  checks.check_static_bool("is_causal", is_causal)
-  rope = rope_lib.as_rope(rope)
-  if rope is None and (positions is not None or kv_positions is not None):
-    raise ValueError(
-        "positions/kv_positions place rotary embeddings, and this call has "
-        "rope=None: pass rope= (e.g. aj.Rope(base=10000.0)) or leave the "
-        "positions out (masks and score modifiers see token indices).")
-  if rope is not None and memory is not None:
-    raise ValueError(
-        "rope with a projected memory is not supported: the memory's keys "
-        "are projected once, without positions. Rotate them yourself or "
-        "attend with key/value.")
-  q_shape = checks.shape_of(query)
-  s = (memory.key.shape[2] if memory is not None
-       else checks.shape_of(key)[1])
-  sharding.check_heads_divide(dims.num_heads, dims.num_kv_heads, head_axis)
-  b, t = q_shape[:2]
-  if cache is None:
-    full, layout = (b, dims.num_heads, t, s), "[B, N, T, S]"
-  else:
-    full = (b, dims.num_heads, t, cache.key.shape[2])
-    layout = "[B, N, T, L] (decoding: L cache slots)"
-  m = mask_lib.as_mask(mask, is_causal=is_causal and cache is None)
-  dense, bias = _check_mask_and_bias(None if m is None else m.dense, bias,
-                                     full, layout)
-  if dense is not None:
-    m = mask_lib.Mask(**{**_fields(m), "dense": dense})
-  # Keys default to the queries' positions only when they are the queries.
-  self_attention = key is query and value is query
-  query = jnp.asarray(query)
-  q = project_heads(query, params["W_q"], precision=precision)  # [B, N, T, H]
-  if memory is None:
-    key, value = jnp.asarray(key), jnp.asarray(value)
-    if dense is not None and cache is None:
-      # Padded inputs may hold NaN: zero them before W_k/W_v.
-      seen = jnp.any(dense, axis=(1, 2))  # [B|1, S|1]
-      key, value = numerics.zero_unseen(seen, key, value)
-    k = project_heads(key, params["W_k"], precision=precision)  # [B, K, S, H]
-    v = project_heads(value, params["W_v"], precision=precision)  # [B, K, S, H]
-  else:
-    k, v = memory.key, memory.value  # [B, K, S, H], normed already
-    if dense is not None:  # masked memory may hold NaN: zero what is unseen
-      seen = jnp.any(dense, axis=(1, 2))[:, None, :, None]  # [B|1, 1, S|1, 1]
-      k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
-  q, k, v = (sharding.constrain_heads(x, head_axis) for x in (q, k, v))
-  if dims.normalize_qk:  # Gemma's order: norm, then rotary positions
-    q = rms_norm(q, params["q_norm"]["scale"])
-    if memory is None:
-      k = rms_norm(k, params["k_norm"]["scale"])
-  q_pos = None
-  if cache is not None:  # every example at its own position
-    index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
-    lengths = cache_step.new_lengths(m, b, t)
-    q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] absolute
-  if rope is not None:
-    q_rot, k_rot = _rotary_positions(positions, kv_positions, t, s, b, m,
-                                     cache, q_pos, self_attention)
-    seq_len = None
-    if rope.scaling == "dynamic":  # one length, so q and k share frequencies
-      seq_len = jnp.maximum(jnp.max(q_rot), jnp.max(k_rot)) + 1
-    q = rope_lib.apply_rope(q, q_rot, rope=rope, seq_len=seq_len)
-    k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
-  if cache is not None:
-    k, v, m, score_mod, cache = cache_step.write(
-        cache, k, v, m, bias, score_mod, index, lengths, q_pos,
-        dims.num_heads)
-  def attend(q, k, v, m, bias, score_mod, sinks, dropout_rng):
-    return attend_heads(
-        q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        attention_fn=attention_fn, return_weights=return_weights,
-        return_lse=return_lse, return_max_logits=return_max_logits)
-
-  # Explicit mesh axes: the per-head attention runs with them auto, its
-  # results sharded as the queries' [B, N, T] (sharding.auto_like).
-  result = sharding.auto_like(attend, q)(q, k, v, m, bias, score_mod, sinks,
-                                         dropout_rng)
-  result = result if isinstance(result, tuple) else (result,)
-  asked = 1 + return_weights + return_lse + return_max_logits
-  if len(result) != asked:
-    names = [n for n, on in (("weights", return_weights), ("lse", return_lse),
-                             ("max_logits", return_max_logits)) if on]
-    raise TypeError(
-        f"attention_fn returned {len(result)} value(s), but this call asked "
-        f"for (out, {', '.join(names)}): an attention_fn that accepts a "
-        "return_* flag must return what it asks for, in the order weights, "
-        "lse, max_logits.")
-  out, extra = result[0], list(result[1:])
-  weights = extra.pop(0) if return_weights else None
-  lse = extra.pop(0) if return_lse else None
-  max_logits = extra.pop(0) if return_max_logits else None
-  if dims.output_gate is not None:  # sigmoid(query W_g): [B, N, T, H|1]
-    gate = project_heads(query, params["W_g"], precision=precision)
-    out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-  output = output_projection(out, params["W_o"],
-                             precision=precision)  # [B, T, Dout]
-  return Forward(output, weights, cache, lse, max_logits)
 
 
 def _has_t5(mod) -> bool:
@@ -819,7 +663,9 @@ def multi_head_attention(
     kv_positions: ArrayLike | None = None,
     memory: Memory | None = None,
     precision: Precision = None,
-) -> jax.Array | tuple[jax.Array, ...]:
+    head_axis: str | None = None,
+    cache: KVCache | None = None,
+) -> Any:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
   The head structure is read from ``params`` (see ``init_multi_head_params``
@@ -890,11 +736,23 @@ def multi_head_attention(
     precision: ``jax.lax.Precision`` (or None) of the projection einsums
       (``W_q``, ``W_k``, ``W_v``, ``W_o``); the attention itself runs at
       ``scaled_dot_product_attention``'s precision, which takes none.
+    head_axis: a mesh axis the heads are split over (tensor parallelism):
+      the projected heads are constrained to it, so attention runs on each
+      device's heads and only ``W_o``'s partial products are summed.
+    cache: a decoding step (what ``MultiHeadAttention(decode=True)``
+      passes): this call's keys and values are written at ``cache.index``
+      and the queries attend to every filled slot, at their positions
+      (``cache_step.write``); a dense mask and the bias are then over the
+      ``L`` cache slots (``[B, N, T, L]``).
+
+  Order per head: projection, qk-norm, rotary positions, cache write,
+  attention, output gate (``W_g``), ``W_o``.
 
   Returns:
     ``output [B, T, Dout]``; with any ``return_*`` flag a tuple: output,
     then ``weights float32 [B, N, T, S]``, ``lse``, ``max_logits``, each
-    only when asked, in that order.
+    only when asked, in that order. With ``cache``: ``(that, the updated
+    cache)``.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 16, 4)
@@ -911,12 +769,107 @@ def multi_head_attention(
     ...                      aj.Mask(kv_lengths=jnp.array([7, 3]))).shape
     (2, 5, 4)
   """
-  result = forward(
-      params, query, key, value, mask, bias=bias, scale=scale,
-      is_causal=is_causal, score_mod=score_mod, sinks=sinks,
-      t5_bias=t5_bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      attention_fn=attention_fn, return_weights=return_weights,
-      return_lse=return_lse, return_max_logits=return_max_logits, rope=rope,
-      positions=positions, kv_positions=kv_positions, memory=memory,
-      precision=precision)
-  return result.returned(return_weights, return_lse, return_max_logits)
+  dims = param_dims(params)
+  _check_inputs(query, key, value, cache, params, dims, memory)
+  sinks, score_mod = layer_extras(params, sinks, score_mod, t5_bias)
+  checks.check_static_bool("is_causal", is_causal)
+  rope = rope_lib.as_rope(rope)
+  if rope is None and (positions is not None or kv_positions is not None):
+    raise ValueError(
+        "positions/kv_positions place rotary embeddings, and this call has "
+        "rope=None: pass rope= (e.g. aj.Rope(base=10000.0)) or leave the "
+        "positions out (masks and score modifiers see token indices).")
+  if rope is not None and memory is not None:
+    raise ValueError(
+        "rope with a projected memory is not supported: the memory's keys "
+        "are projected once, without positions. Rotate them yourself or "
+        "attend with key/value.")
+  q_shape = checks.shape_of(query)
+  s = (memory.key.shape[2] if memory is not None
+       else checks.shape_of(key)[1])
+  sharding.check_heads_divide(dims.num_heads, dims.num_kv_heads, head_axis)
+  b, t = q_shape[:2]
+  if cache is None:
+    full, layout = (b, dims.num_heads, t, s), "[B, N, T, S]"
+  else:
+    full = (b, dims.num_heads, t, cache.key.shape[2])
+    layout = "[B, N, T, L] (decoding: L cache slots)"
+  m = mask_lib.as_mask(mask, is_causal=is_causal and cache is None)
+  dense, bias = _check_mask_and_bias(None if m is None else m.dense, bias,
+                                     full, layout)
+  if dense is not None:
+    m = mask_lib.Mask(**{**_fields(m), "dense": dense})
+  # Keys default to the queries' positions only when they are the queries.
+  self_attention = key is query and value is query
+  query = jnp.asarray(query)
+  q = project_heads(query, params["W_q"], precision=precision)  # [B, N, T, H]
+  if memory is None:
+    key, value = jnp.asarray(key), jnp.asarray(value)
+    if dense is not None and cache is None:
+      # Padded inputs may hold NaN: zero them before W_k/W_v.
+      seen = jnp.any(dense, axis=(1, 2))  # [B|1, S|1]
+      key, value = numerics.zero_unseen(seen, key, value)
+    k = project_heads(key, params["W_k"], precision=precision)  # [B, K, S, H]
+    v = project_heads(value, params["W_v"], precision=precision)  # [B, K, S, H]
+  else:
+    k, v = memory.key, memory.value  # [B, K, S, H], normed already
+    if dense is not None:  # masked memory may hold NaN: zero what is unseen
+      seen = jnp.any(dense, axis=(1, 2))[:, None, :, None]  # [B|1, 1, S|1, 1]
+      k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
+  q, k, v = (sharding.constrain_heads(x, head_axis) for x in (q, k, v))
+  if dims.normalize_qk:  # Gemma's order: norm, then rotary positions
+    q = rms_norm(q, params["q_norm"]["scale"])
+    if memory is None:
+      k = rms_norm(k, params["k_norm"]["scale"])
+  q_pos = None
+  if cache is not None:  # every example at its own position
+    index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
+    lengths = cache_step.new_lengths(m, b, t)
+    q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] absolute
+  if rope is not None:
+    q_rot, k_rot = _rotary_positions(positions, kv_positions, t, s, b, m,
+                                     cache, q_pos, self_attention)
+    seq_len = None
+    if rope.scaling == "dynamic":  # one length, so q and k share frequencies
+      seq_len = jnp.maximum(jnp.max(q_rot), jnp.max(k_rot)) + 1
+    q = rope_lib.apply_rope(q, q_rot, rope=rope, seq_len=seq_len)
+    k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
+  if cache is not None:
+    k, v, m, score_mod, cache = cache_step.write(
+        cache, k, v, m, bias, score_mod, index, lengths, q_pos,
+        dims.num_heads)
+  def attend(q, k, v, m, bias, score_mod, sinks, dropout_rng):
+    return attend_heads(
+        q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        attention_fn=attention_fn, return_weights=return_weights,
+        return_lse=return_lse, return_max_logits=return_max_logits)
+
+  # Explicit mesh axes: the per-head attention runs with them auto, its
+  # results sharded as the queries' [B, N, T] (sharding.auto_like).
+  result = sharding.auto_like(attend, q)(q, k, v, m, bias, score_mod, sinks,
+                                         dropout_rng)
+  result = result if isinstance(result, tuple) else (result,)
+  asked = 1 + return_weights + return_lse + return_max_logits
+  if len(result) != asked:
+    names = [n for n, on in (("weights", return_weights), ("lse", return_lse),
+                             ("max_logits", return_max_logits)) if on]
+    raise TypeError(
+        f"attention_fn returned {len(result)} value(s), but this call asked "
+        f"for (out, {', '.join(names)}): an attention_fn that accepts a "
+        "return_* flag must return what it asks for, in the order weights, "
+        "lse, max_logits.")
+  out, extra = result[0], list(result[1:])
+  weights = extra.pop(0) if return_weights else None
+  lse = extra.pop(0) if return_lse else None
+  max_logits = extra.pop(0) if return_max_logits else None
+  if dims.output_gate is not None:  # sigmoid(query W_g): [B, N, T, H|1]
+    gate = project_heads(query, params["W_g"], precision=precision)
+    out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+  output = output_projection(out, params["W_o"],
+                             precision=precision)  # [B, T, Dout]
+  returned = Forward(output, weights, cache, lse, max_logits).returned(
+      return_weights, return_lse, return_max_logits)
+  return returned if cache is None else (returned, cache)
+
+

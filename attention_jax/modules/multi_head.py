@@ -13,7 +13,7 @@ learned ``sinks [N]`` and a T5 ``t5_table [R, N]``), laid out per head as
 ``W_o`` kernel ``[N, H, Dout]``, ``sinks`` logits, ``t5_bias`` table, ...),
 and, after ``init_cache``, the cache
 variables (a KV cache for causal decoding, or a cross-attention memory
-projected once). The maths is ``attention_jax.layers.multi_head.forward``
+projected once). The maths is ``layers.multi_head.multi_head_attention``
 (projection per head, attention of N query heads over K shared KV heads,
 ``W_o``), the same path for the full call and for cached decoding.
 """
@@ -381,8 +381,8 @@ class MultiHeadAttention(nnx.Module):
     self.memory_value: nnx.Cache | None = nnx.data(None)
 
   def _score_mod(self):
-    """The layer's ``score_mod``, then soft cap (``multi_head.forward`` puts
-    the T5 bias of ``params_dict()`` before them)."""
+    """The layer's ``score_mod``, then soft cap (``multi_head_attention``
+    puts the T5 bias of ``params_dict()`` before them)."""
     mods = [self.score_mod] if self.score_mod is not None else []
     if self.logits_soft_cap is not None:
       mods.append(score_mods.soft_cap(self.logits_soft_cap))
@@ -697,8 +697,13 @@ class MultiHeadAttention(nnx.Module):
     call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)
     if self.mask is not None:
       call_mask = self.mask if call_mask is None else self.mask & call_mask
-    result = multi_head.forward(
-        self.params_dict(), query, key, value, call_mask, bias=bias,
+    params = self.params_dict()
+    # The function reads the head counts off the params; these are the
+    # layer's (a state swapped in with other shapes is refused here).
+    multi_head_params.param_dims(params, num_heads=self.num_heads,
+                                 num_kv_heads=self.num_kv_heads)
+    result = multi_head.multi_head_attention(
+        params, query, key, value, call_mask, bias=bias,
         scale=self.scale, score_mod=self._score_mod(), t5_bias=self.t5_bias,
         dropout_rate=rate, dropout_rng=dropout_rng,
         attention_fn=self._resolved_attention(),
@@ -706,13 +711,12 @@ class MultiHeadAttention(nnx.Module):
         return_lse=return_lse, return_max_logits=return_max_logits,
         rope=self.rope, positions=positions, kv_positions=kv_positions,
         precision=self.precision, head_axis=self.head_axis, cache=cache,
-        memory=memory, num_heads=self.num_heads,
-        num_kv_heads=self.num_kv_heads)
-    cache = result.cache
+        memory=memory)
     if decode:
+      result, cache = result
       self.cached_key[...] = cache.key
       self.cached_value[...] = cache.value
       self.cache_index[...] = cache.index
       self.cache_overflow[...] = cache.overflow
       self.cache_pad_written[...] = cache.pad_written
-    return result.returned(return_weights, return_lse, return_max_logits)
+    return result

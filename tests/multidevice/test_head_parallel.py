@@ -83,9 +83,10 @@ class HeadParallelTest(parameterized.TestCase):
     # the only data communicated is summing the W_o partial products. The
     # kernels' one-bit question "does q, k or v hold a NaN or inf anywhere?"
     # (it decides whether the rows that may see one are looked for) is an
-    # all-reduce of bool scalars, per mesh axis.
-    flags = re.findall(r"= \((?:pred\[\], )*pred\[\]\) all-reduce(?:-start)?\(",
-                       hlo)
+    # all-reduce of scalars (a float sum per array, or bools), per mesh axis.
+    scalar = r"(?:pred|f32)\[\]"
+    flags = re.findall(rf"= (?:\((?:{scalar}, )*{scalar}\)|{scalar}) "
+                       r"all-reduce(?:-start)?\(", hlo)
     self.assertLessEqual(len(flags), 2, msg=flags)
     counts = _count(hlo)
     counts["all-reduce"] -= len(flags)
@@ -118,7 +119,7 @@ class HeadParallelTest(parameterized.TestCase):
     # head_axis is the module's (and forward's) only; the pure function's
     # path is forward without it.
     a = aj.multi_head_attention(params, x, x, x)
-    b = multi_head.forward(params, x, x, x, head_axis="model").output
+    b = multi_head.multi_head_attention(params, x, x, x, head_axis="model")
     chex.assert_trees_all_equal(a, b)
 
 
