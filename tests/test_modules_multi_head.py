@@ -458,6 +458,16 @@ class KVCacheTest(parameterized.TestCase):
 
 class ParamsTest(absltest.TestCase):
 
+  def test_state_of_other_head_counts_is_refused(self):
+    # The function reads the head counts off the params; a layer whose
+    # state was swapped for one of other shapes (8 heads of 2 dims in place
+    # of 4 of 4: the same 16 columns) is refused, never run as 8 heads.
+    layer = aj.MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
+    other = aj.MultiHeadAttention(16, 8, head_dim=2, rngs=nnx.Rngs(1))
+    nnx.update(layer, nnx.state(other))
+    with self.assertRaisesRegex(ValueError, r"num_heads=4 but params"):
+      layer(jnp.ones((1, 3, 16)))
+
   def test_equals_flax_multi_head_attention(self):
     # flax's nnx.MultiHeadAttention has the same per-head layout (W_q kernel
     # [D, N, H], W_o kernel [N, H, Dout]) and creates its projections in the
