@@ -151,6 +151,15 @@ class LatentAttentionTest(chex.TestCase):
                        causal=False, scale=0.2)
     self.assertGreater(np.abs(want - other).max(), 1e-2)
 
+  def test_right_padded_prefill_hint_names_what_the_layer_has(self):
+    # The latent cache takes no left_padding: the fix offered is q_lengths.
+    mla = _module(seed=3)
+    mla.init_cache(batch_size=2, max_length=8)
+    with self.assertRaisesRegex(ValueError, r"q_lengths=lengths") as caught:
+      mla(_data.normal(1, (2, 4, D)), aj.Mask(kv_lengths=[4, 2]),
+          decode=True)
+    self.assertNotIn("left_padding", str(caught.exception))
+
   def test_absorbed_decode_equals_the_full_forward(self):
     # Prefill 3 tokens, then 1, 1 and a chunk of 3: the absorbed form (W_uk
     # folded into the query, one shared [c_kv, k_pe] head, W_uv after the

@@ -169,7 +169,9 @@ def _at_positions(mask: mask_lib.Mask | None, index, pads, num_slots: int):
       kv_offset=kv_offset)
 
 
-def _right_padding_hint(t: int, rows) -> str:
+def _right_padding_hint(t: int, rows, left_padding: bool = True) -> str:
+  """What a right-padded prefill did and how to fix it; ``left_padding``:
+  whether this layer's cache takes ``init_cache(left_padding=)``."""
   return (
       f"a prefill of T={t} tokens without the mask's q_lengths caches all "
       f"T tokens of every example, but this call's mask hides the last of "
@@ -179,8 +181,9 @@ def _right_padding_hint(t: int, rows) -> str:
       "cache_index would advance by T, and later steps would attend to the "
       "pads. Pass the real lengths as mask=aj.Mask(q_lengths=lengths) (while "
       "decoding, each example's number of new tokens: only those are "
-      "cached), or left-pad the prompts and give "
-      "init_cache(..., left_padding=pads)")
+      "cached)" + (", or left-pad the prompts and give "
+                   "init_cache(..., left_padding=pads)" if left_padding
+                   else ""))
 
 
 def _last_token_hidden(mask: mask_lib.Mask, index, t: int, num_slots: int,
@@ -217,7 +220,8 @@ def _last_token_hidden(mask: mask_lib.Mask, index, t: int, num_slots: int,
 
 
 def _check_right_padding(mask: mask_lib.Mask, index, t: int, num_slots: int,
-                         overflow, pads, num_heads: int) -> jax.Array:
+                         overflow, pads, num_heads: int,
+                         left_padding_hint: bool = True) -> jax.Array:
   """``pad_written [B]`` of this call; raises when it is concrete and set.
 
   Concrete ``kv_lengths`` below ``T`` hide the last token whatever the
@@ -234,19 +238,22 @@ def _check_right_padding(mask: mask_lib.Mask, index, t: int, num_slots: int,
           lengths.ndim) else lengths
       short = np.flatnonzero(np.broadcast_to(most, (b,)) < t)
       if short.size:
-        raise ValueError(_right_padding_hint(t, short.tolist()) + ".")
+        raise ValueError(_right_padding_hint(
+            t, short.tolist(), left_padding_hint) + ".")
   hidden = _last_token_hidden(mask, index, t, num_slots, pads,
                               num_heads) & ~overflow
   if pads is not None:  # a left pad is hidden by design
     hidden = hidden & (index + t - 1 >= pads)
   if not isinstance(hidden, jax.core.Tracer) and np.asarray(hidden).any():
     raise ValueError(_right_padding_hint(
-        t, np.flatnonzero(np.asarray(hidden)).tolist()) + ".")
+        t, np.flatnonzero(np.asarray(hidden)).tolist(),
+        left_padding_hint) + ".")
   return hidden
 
 
 def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
-          score_mod: Any, index, lengths, q_pos, num_heads: int):
+          score_mod: Any, index, lengths, q_pos, num_heads: int,
+          left_padding_hint: bool = True):
   """Writes this call's keys/values; what the queries attend over.
 
   ``lengths`` are the real new tokens per example (``new_lengths``) or
@@ -297,7 +304,7 @@ def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
   pad_written = cache.pad_written
   if check_padding:
     hidden = _check_right_padding(mask, index, t, ck.shape[2], overflow,
-                                  pads, num_heads)
+                                  pads, num_heads, left_padding_hint)
     pad_written = hidden if pad_written is None else pad_written | hidden
   if cache.window is None:  # slots are positions: the mask stays analytic
     mask = _at_positions(mask, index, pads, ck.shape[2])

@@ -676,7 +676,8 @@ def latent_decode(
                                 index, cache.overflow, cache.window)
   rope_keys, latents, m, _, written = cache_step.write(
       kv_cache, k_pe[:, None], c_kv[:, None], m, None, None, index, lengths,
-      q_pos, dims.num_heads)  # [B, 1, S', Hr], [B, 1, S', R]
+      q_pos, dims.num_heads,
+      left_padding_hint=False)  # [B, 1, S', Hr], [B, 1, S', R]
   hn = dims.qk_nope_head_dim
   w_ukv = params["W_ukv"]["kernel"]
   w_uk, w_uv = w_ukv[..., :hn], w_ukv[..., hn:]  # [R, N, Hn], [R, N, Hv]
