@@ -133,11 +133,11 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   unseen = allowed is not None and not (plain and _every_key_seen(bounds, t,
                                                                   s))
   if unseen:  # (one row: its values after the bias and score_mod, below)
-    seen = jnp.any(allowed, axis=0)
+    seen_keys = jnp.any(allowed, axis=0)  # [S]
     if one_row:
-      key, = numerics.zero_unseen(seen, key)
+      key, = numerics.zero_unseen(seen_keys, key)
     else:
-      key, value = numerics.zero_unseen(seen, key, value)
+      key, value = numerics.zero_unseen(seen_keys, key, value)
   if (additive and allowed is not None
       and not (plain and _every_row_sees(bounds, t, s))):
     query, = numerics.zero_unseen(jnp.any(allowed, axis=1), query)
