@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from attention_jax.kernels import base as kernel_base
 from attention_jax.layers import multi_head_params
 from tests import _data
 from tests import reference
@@ -374,6 +375,12 @@ CASES = [
      r"q_len must be positive, got -1"),
     ("padding_mask_float", lambda: aj.padding_mask(jnp.ones((2,)), 4),
      TypeError, r"lengths must be an integer array, got dtype float32"),
+    # The mask is converted once, by the public function: the validated
+    # call's constructor takes only an aj.Mask (or None).
+    ("canonicalize_raw_mask", lambda: kernel_base.canonicalize(
+        Q, K, V, jnp.ones((4, 6), bool)), TypeError,
+     r"canonicalize takes the call's mask as an aj.Mask \(or None\), got "
+     r"\w+"),
 ]
 
 

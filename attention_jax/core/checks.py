@@ -327,8 +327,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                        ) -> Operands:
   """Checks the operands of an attention function and normalises them.
 
-  ``mask`` is a ``Mask`` (``mask.as_mask`` turns the other accepted values
-  into one) or None. The checks are stated in the caller's terms (query
+  ``mask`` is a ``Mask`` or None (the public functions convert what they
+  accept, once, with ``mask.as_mask``). The checks are stated in the caller's terms (query
   heads N against key/value heads K); the operands come back with the head
   axis split when ``K`` divides ``N`` (``grouping``), ready for
   ``broadcast_vmap``. A rule becomes ``block_mask``: a ``BlockMask`` with
@@ -337,9 +337,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   ``(T, S)`` a rule's indices refer to (ring attention: the global ones;
   default the operands').
   """
-  m = mask_lib.as_mask(mask)
-  if m is None:
-    m = mask_lib.Mask()
+  m = mask_lib.Mask() if mask is None else mask
   mask = m.dense
   is_causal = m.causal
   local_window_size = m.window

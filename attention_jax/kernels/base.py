@@ -151,11 +151,18 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   ``mask`` is a ``Mask`` or None (``mask.as_mask`` converts the other
   accepted values); ``scale`` None means ``1 / sqrt(H)``.
   """
+  if mask is None:
+    mask = mask_lib.Mask()
+  if not isinstance(mask, mask_lib.Mask):
+    raise TypeError(
+        f"canonicalize takes the call's mask as an aj.Mask (or None), got "
+        f"{type(mask).__name__}: the public functions convert what they "
+        "accept once (masking.mask.as_mask); convert it the same way first.")
   for name, flag in (("return_weights", return_weights),
                      ("return_lse", return_lse),
                      ("return_max_logits", return_max_logits)):
     checks.check_static_bool(name, flag)
-  ops = checks.attention_operands(query, key, value, mask_lib.as_mask(mask),
+  ops = checks.attention_operands(query, key, value, mask,
                                   bias, sinks=sinks, score_mod=score_mod,
                                   rule_lengths=rule_lengths)
   checks.check_dropout(dropout_rate, dropout_rng)
@@ -165,8 +172,7 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
   return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
                  bool(return_weights), bool(return_lse),
-                 bool(return_max_logits),
-                 mask_lib.as_mask(mask) or mask_lib.Mask())
+                 bool(return_max_logits), mask)
 
 
 def undeclared(kernel: Kernel, problem: Problem) -> str | None:
