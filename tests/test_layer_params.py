@@ -159,13 +159,6 @@ class RefusalTest(parameterized.TestCase):
   def call(self, params, **kwargs):
     return aj.multi_head_attention(params, self.x, self.x, self.x, **kwargs)
 
-  def test_sinks_given_twice(self):
-    with self.assertRaisesRegex(
-        ValueError, r"sinks=<array \[4\]> was given, and "
-        r"params\['sinks'\]\['logits'\] <array \[4\]> holds the layer's "
-        r"learned sinks: give them in one place"):
-      self.call(self.params, t5_bias=T5, sinks=jnp.zeros(N))
-
   def test_t5_table_given_twice(self):
     with self.assertRaisesRegex(
         ValueError, r"score_mod holds a T5 relative bias, and "

@@ -328,14 +328,14 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   """Checks the operands of an attention function and normalises them.
 
   ``mask`` is a ``Mask`` or None (the public functions convert what they
-  accept, once, with ``mask.as_mask``). The checks are stated in the caller's terms (query
-  heads N against key/value heads K); the operands come back with the head
-  axis split when ``K`` divides ``N`` (``grouping``), ready for
-  ``broadcast_vmap``. A rule becomes ``block_mask``: a ``BlockMask`` with
-  tables as given, or one without tables (``kinds is None``) whose tables
-  the kernel builds at its own block sizes. ``rule_lengths`` are the
-  ``(T, S)`` a rule's indices refer to (ring attention: the global ones;
-  default the operands').
+  accept, once, with ``mask.as_mask``). The checks are stated in the
+  caller's terms (query heads N against key/value heads K); the operands
+  come back with the head axis split when ``K`` divides ``N``
+  (``grouping``), ready for ``broadcast_vmap``. A rule becomes
+  ``block_mask``: a ``BlockMask`` with tables as given, or one without
+  tables (``kinds is None``) whose tables the kernel builds at its own block
+  sizes. ``rule_lengths`` are the ``(T, S)`` a rule's indices refer to (ring
+  attention: the global ones; default the operands').
   """
   m = mask_lib.Mask() if mask is None else mask
   mask = m.dense

@@ -573,33 +573,26 @@ def _has_t5(mod) -> bool:
   return any(_has_t5(m) for m in inner)  # a chain holds its modifiers
 
 
-def layer_extras(params: Params, sinks: ArrayLike | None, score_mod: Any,
+def layer_extras(params: Params, score_mod: Any,
                  t5_bias: score_mods.T5Bias | None) -> tuple[Any, Any]:
-  """The call's ``(sinks, score_mod)`` with the layer's learned ones.
+  """The layer's ``(sinks, score_mod)``, read off its parameters.
 
-  ``params["sinks"]["logits"] [N]`` are the sinks; ``params["t5_bias"]
-  ["table"] [R, N]`` becomes ``t5_bias.score_mod(table)``, applied before
-  ``score_mod`` (the module's order: T5 bias, score modifier, soft cap).
-  What ``params`` holds is not given again: sinks in both, or a T5 bias in
-  ``score_mod`` beside a table in ``params``, are refused rather than one
+  ``params["sinks"]["logits"] [N]`` are the sinks (None without them);
+  ``params["t5_bias"]["table"] [R, N]`` becomes ``t5_bias.score_mod(table)``,
+  applied before ``score_mod`` (the module's order: T5 bias, score modifier,
+  soft cap). What ``params`` holds is not given again: a T5 bias in
+  ``score_mod`` beside a table in ``params`` is refused rather than one
   silently winning; a table needs ``t5_bias`` (its buckets' settings) and
   ``t5_bias`` needs a table.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 8, 2,
     ...                            attention_sinks=True)
-    >>> layer_extras(p, None, None, None)[0].shape
+    >>> layer_extras(p, None, None)[0].shape
     (2,)
   """
   multi_head_params.check_t5_bias(t5_bias)
-  if "sinks" in params:
-    if sinks is not None:
-      raise ValueError(
-          f"sinks={_short(sinks)} was given, and params['sinks']['logits'] "
-          f"{_short(params['sinks']['logits'])} holds the layer's learned "
-          "sinks: give them in one place (drop the argument, or the params "
-          "entry).")
-    sinks = params["sinks"]["logits"]
+  sinks = params["sinks"]["logits"] if "sinks" in params else None
   table = params.get("t5_bias", {}).get("table")
   if table is None and t5_bias is not None:
     raise ValueError(
@@ -650,7 +643,6 @@ def multi_head_attention(
     scale: float | None = None,
     is_causal: bool = False,
     score_mod: Any = None,
-    sinks: ArrayLike | None = None,
     t5_bias: score_mods.T5Bias | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -671,9 +663,10 @@ def multi_head_attention(
   The head structure is read from ``params`` (see ``init_multi_head_params``
   for the layout): ``N`` and ``H`` from ``W_q``, ``K`` from ``W_k``, the
   output width from ``W_o``, qk-norm from ``q_norm``/``k_norm``, the
-  output gate from ``W_g``; learned sinks (``sinks``) and a T5 table
-  (``t5_bias``) are used when present, so a module's ``params_dict()``
-  gives the module's numbers.
+  output gate from ``W_g``; learned sinks (``params["sinks"]["logits"]
+  [N]``, the layer's only source of sinks) and a T5 table (with its
+  settings ``t5_bias``) are used when present, so a module's
+  ``params_dict()`` gives the module's numbers.
 
   Args:
     params: from ``init_multi_head_params`` (or a converter such as
@@ -695,8 +688,6 @@ def multi_head_attention(
     is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (static).
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, e.g.
       ``aj.alibi(slopes)``; see ``scaled_dot_product_attention``.
-    sinks: optional float ``[N]``: per-head sink logits; refused when
-      ``params`` holds them (``params["sinks"]["logits"]``, which are used).
     t5_bias: an ``aj.T5Bias`` (static): how distances fall into the buckets
       of ``params["t5_bias"]["table"] [R, N]``, T5's learned relative bias,
       added before ``score_mod``; required with that table, refused
@@ -771,7 +762,7 @@ def multi_head_attention(
   """
   dims = param_dims(params)
   _check_inputs(query, key, value, cache, params, dims, memory)
-  sinks, score_mod = layer_extras(params, sinks, score_mod, t5_bias)
+  sinks, score_mod = layer_extras(params, score_mod, t5_bias)
   checks.check_static_bool("is_causal", is_causal)
   rope = rope_lib.as_rope(rope)
   if rope is None and (positions is not None or kv_positions is not None):
