@@ -66,9 +66,9 @@ REFUSES = {
     "flash": frozenset({"float64"}),
     "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
                         "softcap", "segments", "sinks", "alibi", "t5",
-                        "rule", "max_logits", "positions"}),
+                        "rule", "max_logits"}),
     "ring": frozenset({"mask", "bias", "float64", "positions"}),
-    "pallas_gpu": frozenset({"float64", "max_logits", "positions"}),
+    "pallas_gpu": frozenset({"float64", "max_logits"}),
     # Splash has no bias, no modifier but a soft cap, and a static mask (a
     # dense mask is traced under jit).
     "splash": frozenset({"float64", "bias", "mask", "alibi", "t5",
@@ -91,7 +91,8 @@ SUBSETS = {
         "t5_bias_bidirectional_gqa", "block_mask_prefix_lm",
         "rule_per_example_prefix_window", "everything_combined",
         "max_logits_modified_patterned", "positions_causal_window_rule",
-        "garbage_causal_window_lengths", "garbage_mask_bias_sinks"),
+        "positions_causal_alibi", "garbage_causal_window_lengths",
+        "garbage_mask_bias_sinks"),
     "splash": (
         "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
         "mask_empty_rows", "bias_neg_inf", "bfloat16_causal_lengths",
@@ -313,6 +314,11 @@ CASES = {
     "positions_causal_window_rule": Case(
         t=16, s=40, causal=True, window=(9, 0), lengths=(40, 30),
         rule="per_example_prefix", positions=((3, 21), (0, -2)), lse=True),
+    # ALiBi sees positions too (its distance is q_pos - kv_pos), and the
+    # gradients of a positioned call.
+    "positions_causal_alibi": Case(
+        t=16, s=40, causal=True, lengths=(40, 35), alibi=True,
+        positions=((24, 9), (0, -3)), lse=True),
     # Garbage that a causal window shows to a few rows of some heads (and a
     # NaN key past a length, which no row sees)...
     "garbage_causal_window_lengths": Case(
@@ -656,7 +662,8 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
       def reference_loss_and_outputs(q, k, v, bias, diff):
         out, lse = reference_lib.masked_attention(
             q, k, v, bias, allowed, case.softcap, rows=rows,
-            t5_max_distance=T5_MAX_DISTANCE, **diff)
+            t5_max_distance=T5_MAX_DISTANCE, positions=case.positions,
+            **diff)
         return _loss(out, None if cot_lse is None else lse, f64(cot),
                      f64(cot_lse)), (out, lse)
 

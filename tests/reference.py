@@ -33,7 +33,7 @@ def t5_bucket(relative_position, num_buckets: int, max_distance: int):
 
 def masked_attention(q, k, v, bias, allowed, softcap=None, sinks=None,
                      slopes=None, t5_table=None, t5_max_distance=None,
-                     rows=None, scale=None):
+                     rows=None, scale=None, positions=None):
   """Attention over ``[B, N|K, T|S, H]`` with explicit head repetition;
   ``(out, lse)`` in the inputs' (float64) dtype.
 
@@ -43,6 +43,9 @@ def masked_attention(q, k, v, bias, allowed, softcap=None, sinks=None,
   softmax whose denominator also holds ``exp(sink)``; ``lse = -inf`` and
   output 0 for rows that may see nothing (with a sink: output 0 and ``lse =
   sink``, except ``-inf`` for rows past the query length, ``rows`` False).
+  ``positions``: ``(q_offset [B], kv_offset [B])``, where query row ``i``
+  and key column ``j`` stand (``q_offset + i``, ``kv_offset + j``) for the
+  distances ALiBi and T5 measure; None: ``i`` and ``j``.
   """
   group = q.shape[1] // k.shape[1]
   k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
@@ -51,13 +54,16 @@ def masked_attention(q, k, v, bias, allowed, softcap=None, sinks=None,
   logits = jnp.einsum("BNTH,BNSH->BNTS", q, k) * scale
   if bias is not None:
     logits = logits + jnp.where(allowed, bias, 0.0)
+  i = np.arange(q.shape[2])[None, :, None]  # [1, T, 1]
+  j = np.arange(k.shape[2])[None, None, :]  # [1, 1, S]
+  if positions is not None:  # [B, T, 1], [B, 1, S]
+    i = i + np.asarray(positions[0])[:, None, None]
+    j = j + np.asarray(positions[1])[:, None, None]
   if slopes is not None:  # [N] times the distance i - j
-    distance = np.arange(q.shape[2])[:, None] - np.arange(k.shape[2])[None]
-    logits = logits - slopes[None, :, None, None] * distance[None, None]
+    logits = logits - slopes[None, :, None, None] * (i - j)[:, None]
   if t5_table is not None:  # table[bucket(j - i), n] added per head
-    rel = np.arange(k.shape[2])[None, :] - np.arange(q.shape[2])[:, None]
-    buckets = t5_bucket(rel, t5_table.shape[0], t5_max_distance)
-    logits = logits + jnp.moveaxis(t5_table[buckets], -1, 0)[None]
+    buckets = t5_bucket(j - i, t5_table.shape[0], t5_max_distance)
+    logits = logits + jnp.moveaxis(t5_table[buckets], -1, 1)  # [B|1, N, ..]
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   top = jnp.max(jnp.where(allowed, logits, -jnp.inf), -1, keepdims=True)

@@ -117,6 +117,26 @@ class BlockCountTest(parameterized.TestCase):
       self.assertLessEqual(why.full, want[1])
       self.assertEqual(why.pairs, sum(want))
 
+  def test_positions_place_the_blocks(self):
+    # Top-left causal (positions 0/0, T != S) and per-example offsets with
+    # a window: counted at the mask's positions, as the kernel walks them.
+    t, s, b = 32, 64, 2
+    q = jax.ShapeDtypeStruct((b, 2, t, 8), jnp.float32)
+    k = jax.ShapeDtypeStruct((b, 2, s, 8), jnp.float32)
+    for q_off, kv_off, window in (((0, 0), (0, 0), None),
+                                  ((40, 17), (0, -5), (20, 0))):
+      mask = aj.Mask(causal=True, window=window,
+                     q_offset=jnp.array(q_off), kv_offset=jnp.array(kv_off))
+      why = aj.explain(q, k, k, mask,
+                       implementation=aj.kernels.Flash(16, 16))
+      pos = np.arange(t)[:, None] + np.array(q_off)[:, None, None, None]
+      col = np.arange(s)[None, :] + np.array(kv_off)[:, None, None, None]
+      allowed = col <= pos
+      if window is not None:
+        allowed &= col >= pos - window[0]
+      want = _brute_force(np.broadcast_to(allowed, (b, 2, t, s)), 16, 16)
+      self.assertEqual((why.empty, why.full, why.partial), want)
+
   def test_block_mask_counts_are_its_tables(self):
     t = 64
     bm = aj.block_mask(aj.prefix_lm_mask_fn(20), t, t, block_q=16,

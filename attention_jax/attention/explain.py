@@ -245,9 +245,11 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
   bm = ops.block_mask
   per_head_tables = bm is not None and bool(bm.batch_shape)
   tables = bm.tables if per_head_tables else ()
-  operands = (ops.lengths, ops.q_lengths, ops.q_seg, ops.k_seg, *tables)
-  named = dict(kv_lengths=ops.lengths, q_lengths=ops.q_lengths,
-               segment_ids=ops.q_seg,
+  operands = (ops.kv_lengths, ops.q_lengths, ops.q_seg, ops.k_seg,
+              ops.q_offset, ops.kv_offset, *tables)
+  named = dict(kv_lengths=ops.kv_lengths, q_lengths=ops.q_lengths,
+               segment_ids=ops.q_seg, q_offset=ops.q_offset,
+               kv_offset=ops.kv_offset,
                block_tables=None if bm is None else bm.kinds)
   traced = [name for name, x in named.items()
             if isinstance(x, jax.core.Tracer)]
@@ -263,12 +265,15 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
   # A dense mask only matters by its presence: every visited block is
   # checked against it (flash_core._walk).
   mask = None if ops.mask is None else jnp.ones((1, 1), bool)
-  place = flash_core.Place(s - t)
 
-  def head(length, q_length, q_seg, k_seg, *head_tables):
+  def head(length, q_length, q_seg, k_seg, q_offset, kv_offset,
+           *head_tables):
     head_bm = bm.with_tables(head_tables) if per_head_tables else bm
-    ex = flash_core.padded_extras(st, num_q * bq, num_k * bk, broadcast.Head(
-        mask, None, length, q_length, q_seg, k_seg, None, None, head_bm))
+    ex = flash_core.padded_head(st, num_q * bq, num_k * bk, broadcast.Head(
+        mask=mask, kv_length=length, q_length=q_length, q_seg=q_seg,
+        k_seg=k_seg, block_mask=head_bm, q_offset=q_offset,
+        kv_offset=kv_offset))
+    place = flash_core.Place(*ex.offsets(t, s))  # positions, as the kernel
     if not flash_core.patterned(st, ex):  # every block runs unmasked
       return jnp.array([num_q * num_k, num_q * num_k], jnp.int32)
     seg = flash_core.segment_summary(st, ex)
@@ -289,7 +294,7 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
     return jnp.stack([visited, full]).astype(jnp.int32)
 
   counts = broadcast.broadcast_vmap(
-      head, (0, 0, 1, 1) + (2,) * len(tables), operands)  # [..., 2]
+      head, (0, 0, 1, 1, 0, 0) + (2,) * len(tables), operands)  # [..., 2]
   # Each entry stands for as many heads (the size-1 dims were shared).
   counts = np.asarray(counts).reshape(-1, 2)
   heads = int(np.prod(ops.batch_shape, dtype=np.int64))

@@ -85,20 +85,33 @@ class Result(NamedTuple):
 
 
 class Head(NamedTuple):
-  """One head's operands besides q, k, v, as the kernels see them."""
-  mask: jax.Array | None  # bool [T|1, S|1]
-  bias: jax.Array | None  # float [T|1, S|1]
-  length: jax.Array | None  # int32 scalar: valid keys
-  q_length: jax.Array | None  # int32 scalar: valid queries
-  q_seg: jax.Array | None  # int32 [T]
-  k_seg: jax.Array | None  # int32 [S]
-  sink: jax.Array | None  # float scalar
-  index: tuple | None  # int32 scalars (b, h) for score_mod, or None
-  block_mask: Any  # a BlockMask (this head's [nq, nk] tables) or None
+  """One head's operands besides q, k, v, as the kernels see them (None =
+  absent); a pytree.
+
+  ``lift_heads`` slices them per head; the flash core pads the arrays to
+  whole blocks (``flash_core.padded_head``) and adds the last two fields.
+  """
+  mask: jax.Array | None = None  # bool [T|1, S|1]
+  bias: jax.Array | None = None  # float [T|1, S|1]
+  kv_length: jax.Array | None = None  # int32 scalar: valid keys
+  q_length: jax.Array | None = None  # int32 scalar: valid queries
+  q_seg: jax.Array | None = None  # int32 [T]
+  k_seg: jax.Array | None = None  # int32 [S]
+  sink: jax.Array | None = None  # float scalar
+  index: tuple | None = None  # int32 scalars (b, h) for score_mod, or None
+  block_mask: Any = None  # a BlockMask (this head's [nq, nk] tables) or None
   # int32 scalars: positions of query row 0 and key column 0 (the mask's
   # q_offset/kv_offset), or None for the bottom-right alignment
   q_offset: jax.Array | None = None
   kv_offset: jax.Array | None = None
+  # The values score_mod closes over that may carry gradients
+  # (flash_core.hoist_score_mod), passed whole.
+  mod_consts: tuple = ()
+  # bool scalar: whether any of the call's q, k, v holds a NaN or inf; when
+  # False the flash walk skips looking for the rows that see one (a
+  # lax.cond per block: unbatched, so it stays a branch under the heads'
+  # vmap). None: always look.
+  garbage: jax.Array | None = None
 
   def offsets(self, t: int, s: int):
     """``(offset, q_start, kv_start)``: query row ``r`` stands at key column
@@ -128,18 +141,18 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   tables = bm.tables if per_head_tables else ()
   # (operand, its core ndims): what one head sees of each
   fixed = ((ops.query, 2), (ops.key, 2), (ops.value, 2), (ops.mask, 2),
-           (ops.bias, 2), (ops.lengths, 0), (ops.q_lengths, 0),
+           (ops.bias, 2), (ops.kv_lengths, 0), (ops.q_lengths, 0),
            (ops.q_seg, 1), (ops.k_seg, 1), (ops.sinks, 0), (b, 0), (h, 0),
            (ops.q_offset, 0), (ops.kv_offset, 0))
   operands = (*(x for x, _ in fixed), *tables, *extra)
   core = (*(c for _, c in fixed), *(2,) * len(tables), *extra_core_ndims)
 
-  def per_head(q, k, v, mask, bias, length, q_length, q_seg, k_seg, sink,
+  def per_head(q, k, v, mask, bias, kv_length, q_length, q_seg, k_seg, sink,
                b, h, q_offset, kv_offset, *rest):
     head_bm = bm
     if per_head_tables:
       head_bm = bm.with_tables(rest[:len(tables)])
-    head = Head(mask, bias, length, q_length, q_seg, k_seg, sink,
+    head = Head(mask, bias, kv_length, q_length, q_seg, k_seg, sink,
                 None if b is None else (b, h), head_bm, q_offset, kv_offset)
     return head_fn(q, k, v, head, *rest[len(tables):])
 

@@ -171,7 +171,7 @@ class Operands(NamedTuple):
   value: jax.Array  # [..., S, Hv]
   mask: jax.Array | None  # bool [..., T|1, S|1], at least 2-D
   bias: jax.Array | None  # float [..., T|1, S|1], at least 2-D
-  lengths: jax.Array | None  # int32 [...] key/value lengths
+  kv_lengths: jax.Array | None  # int32 [...] key/value lengths
   q_lengths: jax.Array | None  # int32 [...] query lengths
   q_seg: jax.Array | None  # int32 [..., T] query segment ids
   k_seg: jax.Array | None  # int32 [..., S] key segment ids

@@ -243,7 +243,7 @@ def allowed(ops: Operands, head: Head, t: int, s: int):
   offset, q_start, kv_start = head.offsets(t, s)
   parts = [head.mask, intervals.visible(
       rows, cols, offset, intervals.bounds(ops.causal, ops.window),
-      head.q_length, head.length, q_seg, k_seg)]
+      head.q_length, head.kv_length, q_seg, k_seg)]
   if head.block_mask is not None:
     parts.append(head.block_mask.mask_fn(*head.index, rows + q_start,
                                          cols + kv_start))

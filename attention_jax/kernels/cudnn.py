@@ -105,7 +105,7 @@ def _caller(ops: checks.Operands):
   g = ops.groups
   return (grouping.merge(ops.query, g, -3), grouping.merge(ops.key, g, -3),
           grouping.merge(ops.value, g, -3), grouping.merge(ops.mask, g, -3),
-          grouping.merge(ops.bias, g, -3), grouping.merge(ops.lengths, g,
+          grouping.merge(ops.bias, g, -3), grouping.merge(ops.kv_lengths, g,
                                                           -1),
           grouping.merge(ops.q_lengths, g, -1))
 

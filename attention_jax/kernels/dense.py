@@ -116,7 +116,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     q_seg = None if h.q_seg is None else h.q_seg[:, None]
     k_seg = None if h.k_seg is None else h.k_seg[None, :]
     allowed = and_(h.mask, intervals.visible(
-        rows, cols, offset, bounds, h.q_length, h.length, q_seg, k_seg))
+        rows, cols, offset, bounds, h.q_length, h.kv_length, q_seg, k_seg))
     if h.block_mask is not None:  # the predicate the flash core evaluates
       allowed = and_(allowed, h.block_mask.mask_fn(*h.index, q_at, kv_at))
     return allowed
@@ -210,7 +210,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
 
 def _only_bounds(h) -> bool:
   """Whether the head's pattern is at most a causal bound and a window."""
-  return all(x is None for x in (h.mask, h.length, h.q_length, h.q_seg,
+  return all(x is None for x in (h.mask, h.kv_length, h.q_length, h.q_seg,
                                  h.k_seg, h.block_mask, h.q_offset))
 
 

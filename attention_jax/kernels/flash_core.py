@@ -21,12 +21,13 @@ elsewhere):
 * ``Static``: one head's static configuration (scale, causal/window bounds,
   score modifier, true lengths, block sizes, whether to return the row
   maxima); hashable, the ``nondiff_argnums`` of the custom VJPs.
-* ``Extras``: one head's other operands, padded (mask, bias, lengths,
-  segment ids, block mask, ``(b, h)``, the score modifier's arrays); a
-  pytree. ``Place``: where the local rows and columns stand.
+* ``ex``, a ``broadcast.Head``: one head's other operands, padded (mask,
+  bias, lengths, segment ids, block mask, ``(b, h)``, the score modifier's
+  arrays, the garbage flag); a pytree. ``Place``: where the local rows and
+  columns stand.
 * ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
   score_mod, max_logits)`` builds the ``Static`` and pads q, k, v to whole
-  blocks; ``padded_extras(st, tp, sp, head)`` pads a ``broadcast.Head``;
+  blocks; ``padded_head(st, tp, sp, head)`` pads a ``broadcast.Head``;
   ``hoist_score_mod(st, ex, like, replay_closures=)`` makes the modifier's
   arrays operands.
 * ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp],
@@ -42,7 +43,7 @@ elsewhere):
   ``cotangents = (d_out, d_lse)``; ``out``/``lse`` may be those of a longer
   key sequence of which ``k``/``v`` are one block (ring attention).
 * ``single_head(q, k, v, head, garbage=None, *, out_dtype, **blocks)``
-  (``garbage``: ``Extras.garbage``): one head end to
+  (``garbage``: ``broadcast.Head.garbage``): one head end to
   end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too;
   the rows that see a NaN or inf are ``numerics.poison``'d after it),
   returning ``(out [T, Hv], None, lse [T])`` and, with
@@ -55,7 +56,7 @@ elsewhere):
   once, before any kernel: ``kernels.base.canonicalize``.)
 
 Operands: ``mask`` bool and ``bias`` float are ``[T|1, S|1]`` (size-1 axes
-broadcast), ``length``/``q_length`` int32 scalars (valid keys / queries) or
+broadcast), ``kv_length``/``q_length`` int32 scalars (valid keys / queries) or
 None. Causality and windows are written with an ``offset`` (``intervals``):
 query row ``r`` stands at key position ``r + offset``, and the key blocks a
 query block may see form one interval, the only ones visited.
@@ -80,6 +81,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attention_jax.core import broadcast
 from attention_jax.core import numerics
 from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
@@ -96,26 +98,6 @@ class Static(NamedTuple):
   bk: int
   # forward also returns each row's raw max logit (return_max_logits)
   max_logits: bool = False
-
-
-class Extras(NamedTuple):
-  """One head's operands besides q, k, v (None = absent); a pytree."""
-  mask: jax.Array | None = None  # bool [Tp|1, Sp|1]
-  bias: jax.Array | None = None  # float [Tp|1, Sp|1]
-  length: jax.Array | None = None  # int32 scalar: valid keys
-  q_length: jax.Array | None = None  # int32 scalar: valid queries
-  q_seg: jax.Array | None = None  # int32 [Tp] segment ids
-  k_seg: jax.Array | None = None  # int32 [Sp]
-  block_mask: intervals.BlockMask | None = None  # custom pattern
-  index: tuple | None = None  # int32 scalars (b, h) for score_mod
-  # Values score_mod closes over that may carry gradients (hoist_score_mod),
-  # passed whole.
-  mod_consts: tuple = ()
-  # bool scalar: whether any of the call's q, k, v holds a NaN or inf; when
-  # False the forward walk skips looking for the rows that see one (a
-  # lax.cond per block: unbatched, so it stays a branch under the heads'
-  # vmap). None: always look.
-  garbage: jax.Array | None = None
 
 
 class Place(NamedTuple):
@@ -212,14 +194,14 @@ def _zero_like_all(*operands):
   return zero
 
 
-def patterned(st: Static, ex: Extras) -> bool:
+def patterned(st: Static, ex: broadcast.Head) -> bool:
   """Whether any entry can be blocked by a pattern or mask (static)."""
   return (st.bounds != (None, None) or st.s % st.bk != 0
-          or any(x is not None for x in (ex.mask, ex.length, ex.q_length,
+          or any(x is not None for x in (ex.mask, ex.kv_length, ex.q_length,
                                          ex.q_seg, ex.block_mask)))
 
 
-def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
+def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
                   full: bool, scale=None, want_vjp: bool = False):
   """Float32 logits of one block, where they are allowed, a VJP, raw logits.
 
@@ -287,7 +269,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: Extras, place: Place,
     q_seg = jax.lax.dynamic_slice_in_dim(ex.q_seg, i0, st.bq)[:, None]
     k_seg = jax.lax.dynamic_slice_in_dim(ex.k_seg, j0, st.bk)[None, :]
   ok = both(intervals.visible(rows, cols, place.offset, st.bounds,
-                              ex.q_length, ex.length, q_seg, k_seg))
+                              ex.q_length, ex.kv_length, q_seg, k_seg))
   if ex.mask is not None:
     ok = both(_tile(ex.mask, i0, j0, st.bq, st.bk))
   if ex.block_mask is not None:
@@ -312,7 +294,7 @@ def _nested(lo, hi, full_lo, full_hi):
   return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
 
 
-def segment_summary(st: Static, ex: Extras):
+def segment_summary(st: Static, ex: broadcast.Head):
   """Per-block min/max segment ids ``(q_min, q_max, k_min, k_max)`` or None."""
   if ex.q_seg is None:
     return None
@@ -330,9 +312,9 @@ def _intersect(pattern, segments):
   return _nested(lo, hi, full_lo, full_hi)
 
 
-def key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
+def key_ranges(st: Static, ex: broadcast.Head, place: Place, seg, i, num_k: int):
   """Key blocks query block ``i`` visits, and the full ones among them."""
-  args = (st.bounds, i * st.bq, st.bq, st.bk, num_k, place.offset, ex.length,
+  args = (st.bounds, i * st.bq, st.bq, st.bk, num_k, place.offset, ex.kv_length,
           ex.q_length)
   segments = None
   if seg is not None:
@@ -343,9 +325,9 @@ def key_ranges(st: Static, ex: Extras, place: Place, seg, i, num_k: int):
                      *intervals.full_key_block_range(*args, st.s)), segments)
 
 
-def query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
+def query_ranges(st: Static, ex: broadcast.Head, place: Place, seg, j, num_q: int):
   """Query blocks that visit key block ``j``, and those that see all of it."""
-  args = (st.bounds, j * st.bk, st.bq, st.bk, num_q, place.offset, ex.length,
+  args = (st.bounds, j * st.bk, st.bq, st.bk, num_q, place.offset, ex.kv_length,
           ex.q_length)
   segments = None
   if seg is not None:
@@ -357,7 +339,7 @@ def query_ranges(st: Static, ex: Extras, place: Place, seg, j, num_q: int):
                     segments)
 
 
-def _walk(st: Static, ex: Extras, ranges, listed, count: int, body, carry):
+def _walk(st: Static, ex: broadcast.Head, ranges, listed, count: int, body, carry):
   """Runs ``body(index, full, carry)`` over the blocks one block visits.
 
   ``ranges`` are ``_nested`` intervals; ``listed`` is a block mask's row
@@ -391,7 +373,7 @@ def _walk(st: Static, ex: Extras, ranges, listed, count: int, body, carry):
   return jax.lax.fori_loop(full_hi, hi, masked, carry)
 
 
-def forward(st: Static, q, k, v, ex: Extras, place: Place):
+def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place):
   """Online softmax; ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None,
   code [Tp])``.
 
@@ -423,8 +405,8 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
     def key_block(j, full, carry):
       row_max, total, acc, code, *raw_max = carry
       j0 = j * st.bk
-      kj, k_bad = _key_rows(st, k, j0, ex.length)  # [bk, H]
-      vj, v_bad = _key_rows(st, v, j0, ex.length)  # [bk, Hv]
+      kj, k_bad = _key_rows(st, k, j0, ex.kv_length)  # [bk, H]
+      vj, v_bad = _key_rows(st, v, j0, ex.kv_length)  # [bk, Hv]
       logits, ok, _, raw = _block_logits(st, qi, kj, i0, j0, ex, place,
                                          full, scale=1.0 if defer else None)
       bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
@@ -481,7 +463,7 @@ def forward(st: Static, q, k, v, ex: Extras, place: Place):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: Static, q, k, v, ex: Extras, place: Place):
+def _attend(st: Static, q, k, v, ex: broadcast.Head, place: Place):
   out, lse, max_logits, code = forward(st, q, k, v, ex, place)
   return out.astype(v.dtype), lse, max_logits, code
 
@@ -498,7 +480,7 @@ def _attend_bwd(st, residuals, cotangents):
   # (cotangents[2:]) are dropped.
   dq, dk, dv, dbias, dargs = backward(st, residuals, cotangents[:2])
   # None is a zero cotangent: masks, lengths, ids and tables have none.
-  d_ex = Extras(
+  d_ex = broadcast.Head(
       bias=None if ex.bias is None else dbias.astype(ex.bias.dtype),
       mod_consts=tuple(d.astype(c.dtype)
                        for d, c in zip(dargs, ex.mod_consts)))
@@ -533,8 +515,8 @@ def backward(st, residuals, cotangents):
   def key_block(carry, j):
     dq, dbias, dargs = carry
     j0 = j * st.bk
-    kj, _ = _key_rows(st, k, j0, ex.length)
-    vj, _ = _key_rows(st, v, j0, ex.length)
+    kj, _ = _key_rows(st, k, j0, ex.kv_length)
+    vj, _ = _key_rows(st, v, j0, ex.kv_length)
 
     def query_block(i, full, inner):
       dkj, dvj, dq, dbias, dargs = inner
@@ -595,18 +577,20 @@ def padded(q, k, v, *, scale, is_causal, block_q, block_k, window=None,
       v, 0, sp, 0)
 
 
-def padded_extras(st: Static, tp: int, sp: int, h) -> Extras:
-  """A head's ``broadcast.Head`` operands as ``Extras`` padded to blocks."""
+def padded_head(st: Static, tp: int, sp: int, h: broadcast.Head
+                ) -> broadcast.Head:
+  """A head's operands padded to whole blocks (segment ids edge-padded;
+  a block mask's tables as arrays, indexed by traced blocks)."""
   mask, bias = h.mask, h.bias
   if mask is not None:
     mask = pad_axis(pad_axis(mask, 0, tp, False), 1, sp, False)
   if bias is not None:
     bias = pad_axis(pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
   block_mask = None
-  if h.block_mask is not None:  # its tables are indexed by traced blocks
+  if h.block_mask is not None:
     block_mask = jax.tree.map(jnp.asarray, h.block_mask)
-  return Extras(mask, bias, h.length, h.q_length, _edge_pad(h.q_seg, tp),
-                _edge_pad(h.k_seg, sp), block_mask, h.index)
+  return h._replace(mask=mask, bias=bias, q_seg=_edge_pad(h.q_seg, tp),
+                    k_seg=_edge_pad(h.k_seg, sp), block_mask=block_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -616,7 +600,7 @@ class _Direct:
   ``fn(score, b, h, q_idx, kv_idx, params)``, e.g. a ``ScoreMod``'s.
 
   Hashable (a ``Static`` field): the function and the parameters' tree
-  structure, not the arrays, which travel in ``Extras.mod_consts``.
+  structure, not the arrays, which travel in ``Head.mod_consts``.
   """
   fn: Callable[..., jax.Array]  # fn(score, b, h, q_idx, kv_idx, params)
   treedef: Any
@@ -627,8 +611,8 @@ class _Direct:
                    jax.tree.unflatten(self.treedef, leaves))
 
 
-def hoist_score_mod(st: Static, ex: Extras, like, *,
-                    replay_closures: bool = True) -> tuple[Static, Extras]:
+def hoist_score_mod(st: Static, ex: broadcast.Head, like, *,
+                    replay_closures: bool = True) -> tuple[Static, broadcast.Head]:
   """``score_mod`` with every array it uses made an operand of the kernel.
 
   A custom VJP cannot differentiate a closure over a traced value (JAX
@@ -678,13 +662,13 @@ def hoist_score_mod(st: Static, ex: Extras, like, *,
 def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
   """One head (``broadcast.Head`` operands): pad, attend, strip, sink.
 
-  ``garbage``: ``Extras.garbage``. Returns ``(out, None, lse)``, and
+  ``garbage``: ``broadcast.Head.garbage``. Returns ``(out, None, lse)``, and
   ``max_logits [T]`` too with ``max_logits=True`` among ``blocks``.
   """
   if h.mask is not None:  # keys no query sees (finite garbage): zero them
     k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
-  ex = padded_extras(st, q.shape[0], k.shape[0], h)._replace(garbage=garbage)
+  ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(garbage=garbage)
   st, ex = hoist_score_mod(st, ex, q)
   out, lse, max_logits, code = _attend(st, q, k, v, ex,
                                        Place(*h.offsets(st.t, st.s)))

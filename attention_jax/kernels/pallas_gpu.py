@@ -103,12 +103,11 @@ class PallasGpu(base.Kernel):
   num_stages: int = 2
   interpret: bool = False
   name = "pallas_gpu"
-  # The flash core's features but max logits and positions (its kernels
-  # place query rows bottom-right).
+  # The flash core's features but max logits.
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
                           "q_segment_ids", "kv_segment_ids", "dense",
-                          "rule", "bias", "score_mod", "sinks",
-                          "return_lse"})
+                          "rule", "q_offset", "kv_offset", "bias",
+                          "score_mod", "sinks", "return_lse"})
 
   def __post_init__(self):
     base.check_block_size("block_q", self.block_q)
@@ -316,7 +315,9 @@ def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
 
   rows = i0 + jax.lax.broadcasted_iota(jnp.int32, (st.bq, 1), 0)
   cols = j0 + jax.lax.broadcasted_iota(jnp.int32, (1, st.bk), 1)
-  length, q_length, b, h = tiles.ints
+  # (offset: query row r stands at key column r + offset; the score
+  # modifier and the rule see positions q_start + r, kv_start + c)
+  length, q_length, b, h, offset, q_start, kv_start = tiles.ints
   if tiles.bias is not None:
     logits = logits + tiles.bias.astype(_F32)
     ok = both(logits > -jnp.inf)
@@ -326,7 +327,8 @@ def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
 
     def mod(score, *diff):
       return jnp.broadcast_to(
-          sp.mod(consts, score, b, h, rows, cols, *diff).astype(_F32),
+          sp.mod(consts, score, b, h, q_start + rows, kv_start + cols,
+                 *diff).astype(_F32),
           score.shape)
 
     safe = logits if ok is None else jnp.where(ok, logits, 0.0)
@@ -343,13 +345,14 @@ def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
   q_seg = k_seg = None
   if tiles.q_seg is not None:
     q_seg, k_seg = tiles.q_seg[:, None], tiles.k_seg[None, :]
-  ok = both(intervals.visible(rows, cols, st.s - st.t, st.bounds,
+  ok = both(intervals.visible(rows, cols, offset, st.bounds,
                               q_length if sp.q_length else None,
                               length if sp.length else None, q_seg, k_seg))
   if tiles.mask is not None:
     ok = both(jnp.broadcast_to(tiles.mask != 0, (st.bq, st.bk)))
   if sp.rule is not None:
-    ok = both(jnp.broadcast_to(sp.rule(tiles.rule_consts, b, h, rows, cols),
+    ok = both(jnp.broadcast_to(sp.rule(tiles.rule_consts, b, h,
+                                       q_start + rows, kv_start + cols),
                                (st.bq, st.bk)))
   return logits, ok, mod_vjp
 
@@ -382,7 +385,7 @@ class _Refs(NamedTuple):
   """The kernel operands besides q, k, v (None = absent): refs in a kernel,
   or one block's values read from them (``_tiles``; ``ints`` then scalars,
   ``ranges``/``table`` None)."""
-  ints: Any
+  ints: Any  # int32 [7]: kv length, q length, b, h, offset, q_start, kv_start
   ranges: Any
   table: Any
   q_seg: Any
@@ -397,7 +400,7 @@ class _Refs(NamedTuple):
 def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Refs:
   """Reads one block's operands at rows ``i0``, columns ``j0``."""
   st = sp.st
-  ints = tuple(r.ints[n] for n in range(4))
+  ints = tuple(r.ints[n] for n in range(7))
   q_seg = k_seg = mask = bias = None
   if sp.segments:
     q_seg = r.q_seg[pl.ds(i0, st.bq)]
@@ -714,7 +717,7 @@ def _ranges(st: flash_core.Static, ex, num_q: int, num_k: int, rows: bool,
   Query blocks' key ranges (``rows``) or key blocks' query ranges; with a
   block mask's row ``table`` the listed blocks' span ``[first, last)``.
   """
-  place = flash_core.Place(st.s - st.t)
+  place = flash_core.Place(*ex.offsets(st.t, st.s))
   seg = flash_core.segment_summary(st, ex)
   if rows:
     fn = lambda n: flash_core.key_ranges(st, ex, place, seg, n, num_k)  # noqa: E731
@@ -739,7 +742,7 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
     k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
   hv = v.shape[-1]
   st, q, k, v = _padded(q, k, v, **blocks)
-  ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)
+  ex = flash_core.padded_head(st, q.shape[0], k.shape[0], h)
   st, ex = flash_core.hoist_score_mod(st, ex, q)
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   i32 = jnp.int32
@@ -759,16 +762,17 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
                    jnp.zeros((st.bq, 1), i32), jnp.zeros((1, st.bk), i32))
   listed = bm is not None and bm.kinds is not None
   sp = _Spec(st, None if ex.mask is None else ex.mask.shape, bias is not None,
-             ex.q_seg is not None, ex.length is not None,
+             ex.q_seg is not None, ex.kv_length is not None,
              ex.q_length is not None, listed,
              ex.mask is not None or (bm is not None and not listed),
              flash_core.patterned(st, ex), mod, len(mod_diff), rule, launch)
   zero = jnp.zeros((), i32)
   b_idx, h_idx = (zero, zero) if ex.index is None else ex.index
   ints = jnp.stack([
-      jnp.asarray(st.s if ex.length is None else ex.length, i32),
+      jnp.asarray(st.s if ex.kv_length is None else ex.kv_length, i32),
       jnp.asarray(st.t if ex.q_length is None else ex.q_length, i32),
-      jnp.asarray(b_idx, i32), jnp.asarray(h_idx, i32)])
+      jnp.asarray(b_idx, i32), jnp.asarray(h_idx, i32),
+      *(jnp.asarray(x, i32) for x in ex.offsets(st.t, st.s))])
 
   def fixed(rows: bool):
     table = None

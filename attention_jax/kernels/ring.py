@@ -88,22 +88,22 @@ def needed_steps(st: flash_core.Static, size: int) -> tuple[int, ...]:
   return tuple(steps) or (0,)
 
 
-def _held_block(rg: _Ring, ex: flash_core.Extras, k_seg, step):
-  """The held key block's ``Extras`` (length, segment ids) and ``Place``."""
+def _held_block(rg: _Ring, ex: broadcast.Head, k_seg, step):
+  """The held key block's ``Head`` (length, segment ids) and ``Place``."""
   st = rg.block
   index = jax.lax.axis_index(rg.axis_name)
   src = (index - step) % rg.size  # whose keys arrived after `step` shifts
   local = None
-  if ex.length is not None:
-    local = jnp.clip(ex.length - src * st.s, 0, st.s)
+  if ex.kv_length is not None:
+    local = jnp.clip(ex.kv_length - src * st.s, 0, st.s)
   # global row index*T + r may see global column src*S + c when
   # src*S + c <= index*T + r + P*(S - T)  (bottom-right alignment).
   offset = index * st.t - src * st.s + rg.size * (st.s - st.t)
-  return (ex._replace(length=local, k_seg=k_seg),
+  return (ex._replace(kv_length=local, k_seg=k_seg),
           flash_core.Place(offset, index * st.t, src * st.s))
 
 
-def _local(rg: _Ring, ex: flash_core.Extras) -> flash_core.Extras:
+def _local(rg: _Ring, ex: broadcast.Head) -> broadcast.Head:
   """This device's rows of the query lengths."""
   if ex.q_length is None:
     return ex
@@ -215,7 +215,7 @@ def _ring_bwd(rg, residuals, cotangents):
     dargs = tuple(jax.lax.psum(d, rg.axis_name).astype(c.dtype)
                   for d, c in zip(dargs, ex0.mod_consts))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          flash_core.Extras(mod_consts=dargs))
+          broadcast.Head(mod_consts=dargs))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -224,7 +224,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def _single_head(q, k, v, h, garbage, *, axis_name, size, out_dtype,
                  **blocks):
   st, q, k, v = flash_core.padded(q, k, v, **blocks)
-  ex = flash_core.padded_extras(st, q.shape[0], k.shape[0], h)._replace(
+  ex = flash_core.padded_head(st, q.shape[0], k.shape[0], h)._replace(
       garbage=garbage)
   st, ex = flash_core.hoist_score_mod(st, ex, q, replay_closures=False)
   out, lse, max_logits, code = _ring(
@@ -328,7 +328,7 @@ class Ring(base.Kernel):
         max_logits=problem.return_max_logits, out_dtype=problem.out_dtype)
     # Whether any device holds a NaN or inf (keys travel): one scalar
     # all-reduce, so that a clean call's walks skip looking for the rows
-    # that see one (flash_core.Extras.garbage).
+    # that see one (broadcast.Head.garbage).
     garbage = jax.lax.pmax(numerics.any_nonfinite(
         ops.query, ops.key, ops.value).astype(jnp.int32), self.axis_name) > 0
     return broadcast.lift_heads(head, ops, (garbage,), (0,))

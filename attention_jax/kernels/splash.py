@@ -290,7 +290,7 @@ class Splash(base.Kernel):
     q, k, v = (full(x, 2).astype(dtype)
                for x in (ops.query, ops.key, ops.value))
     rows = dict(q_seg=full(ops.q_seg, 1), k_seg=full(ops.k_seg, 1),
-                kv_len=full(ops.lengths, 0), q_len=full(ops.q_lengths, 0))
+                kv_len=full(ops.kv_lengths, 0), q_len=full(ops.q_lengths, 0))
     sinks = full(ops.sinks, 0)
     static, _ = _static_mask(ops, t, s)
     if static is not None:
