@@ -20,6 +20,7 @@ import attention_jax as aj
 from attention_jax.kernels import base
 from attention_jax.kernels import cudnn
 from tests import _data
+from tests import reference
 
 # Both sides compute in float32 (jax.nn's logits and softmax, the dense
 # path's): they differ only in the order of roundings (eps = 1.2e-7) over at
@@ -39,6 +40,35 @@ def _wired(q, k, v, mask=None, bias=None, *, is_causal=False, window=None,
   return cudnn.attention(q, k, v, mask, bias, kv_lengths, q_lengths,
                          scale=H ** -0.5, is_causal=is_causal, window=window,
                          implementation="xla")
+
+
+def _positioned_allowed(t, s, q_offset, kv_offset, is_causal, window):
+  """Bool ``[B, 1, T, S]``: query row i at ``q_offset + i``, key column j at
+  ``kv_offset + j``, the band written out on those positions."""
+  q_at = np.reshape(q_offset, (-1, 1, 1, 1)) + np.arange(t)[:, None]
+  kv_at = np.reshape(kv_offset, (-1, 1, 1, 1)) + np.arange(s)[None, :]
+  ok = np.ones(np.broadcast_shapes(q_at.shape, kv_at.shape), bool)
+  if is_causal:
+    ok &= kv_at <= q_at
+  if window is not None:
+    left, right = window
+    ok &= (q_at - left <= kv_at) & (kv_at <= q_at + right)
+  return np.broadcast_to(ok, (B, 1, t, s))
+
+
+def _reference(q, k, v, allowed):
+  """float64 NumPy attention over ``allowed`` (rows that see nothing: 0)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  scores = np.einsum("bnth,bnsh->bnts", q, k) * H ** -0.5
+  return reference.softmax(scores, allowed) @ v
+
+
+def _kernel_xla(problem):
+  """The Cudnn kernel's own call (its offsets read off the problem), with
+  jax.nn's xla path in place of cuDNN."""
+  xla = functools.partial(cudnn.attention, implementation="xla")
+  with mock.patch.object(cudnn, "attention", xla):
+    return cudnn.Cudnn()(problem).out
 
 
 def _dense(q, k, v, mask=None, bias=None, *, is_causal=False, window=None,
@@ -95,6 +125,59 @@ class AttentionTest(parameterized.TestCase):
     np.testing.assert_array_equal(out[0, :, :3], 0.0)
     np.testing.assert_array_equal(out[1], 0.0)  # key length 0
     self.assertTrue(np.all(np.abs(out[0, :, 3:]).sum(-1) > 0))
+
+  @parameterized.product(
+      positions=["scalar", "top_left", "per_example"],
+      ts=[(4, 7), (7, 4)],
+      band=["causal", "window", "causal_window", "two_sided"],
+  )
+  def test_positions_match_dense_and_reference(self, positions, ts, band):
+    t, s = ts
+    q_offset, kv_offset = {
+        "scalar": (3, 1),
+        "top_left": (0, 0),  # jax.nn's own alignment, T != S
+        "per_example": (np.array([0, 5]), np.array([0, 2])),
+    }[positions]
+    is_causal, window = {
+        "causal": (True, None), "window": (False, (2, 0)),
+        "causal_window": (True, (1, 3)), "two_sided": (False, (1, 2)),
+    }[band]
+    q, k, v = _qkv(t, s, seed=11)
+    mask = aj.Mask(causal=is_causal, window=window, q_offset=q_offset,
+                   kv_offset=kv_offset, kv_lengths=jnp.array([s, s - 1]))
+    got = _kernel_xla(base.canonicalize(q, k, v, mask))
+    chex.assert_shape(got, (B, N, t, H))
+    allowed = _positioned_allowed(t, s, q_offset, kv_offset, is_causal,
+                                  window) & (np.arange(s) < np.array(
+                                      [s, s - 1])[:, None, None, None])
+    np.testing.assert_allclose(got, _reference(q, k, v, allowed), **F32_TOL)
+    np.testing.assert_allclose(got, aj.scaled_dot_product_attention(
+        q, k, v, mask, implementation="dense"), **F32_TOL)
+
+  def test_top_left_positions_use_jax_nns_own_flags(self):
+    # Concrete q_offset = kv_offset: jax.nn's causal flag and left window
+    # are exact (top-left), so no [T, S] band is built, also for T != S.
+    q, k, v = _qkv(4, 7, seed=12)
+    seen = {}
+    real = jax.nn.dot_product_attention
+
+    def spy(*args, **kwargs):
+      seen.update(is_causal=kwargs["is_causal"], mask=kwargs["mask"],
+                  window=kwargs["local_window_size"])
+      return real(*args, **kwargs)
+
+    mask = aj.Mask(causal=True, window=(2, 0), q_offset=0, kv_offset=0)
+    with mock.patch.object(jax.nn, "dot_product_attention", spy):
+      got = _kernel_xla(base.canonicalize(q, k, v, mask))
+    self.assertEqual(seen, dict(is_causal=True, mask=None, window=(2, 0)))
+    allowed = _positioned_allowed(4, 7, 0, 0, True, (2, 0))
+    np.testing.assert_allclose(got, _reference(q, k, v, allowed), **F32_TOL)
+    # Another offset (here traced) is an explicit band, not jax.nn's flags.
+    with mock.patch.object(jax.nn, "dot_product_attention", spy):
+      jax.jit(lambda q, k, v, o: _kernel_xla(base.canonicalize(
+          q, k, v, aj.Mask(causal=True, q_offset=o))))(q, k, v, 0)
+    self.assertFalse(seen["is_causal"])
+    chex.assert_shape(seen["mask"], (1, 1, 4, 7))
 
   def test_jax_nn_alone_differs_where_the_wiring_steps_in(self):
     # What the wiring corrects: jax.nn's causal diagonal is top-left, and a
@@ -208,10 +291,41 @@ class ProblemTest(parameterized.TestCase):
                                     is_causal=is_causal))
 
   @parameterized.named_parameters(
+      ("scalar", 4, 8, dict(q_offset=3, kv_offset=1), None),
+      ("top_left", 4, 8, dict(q_offset=0, kv_offset=0), None),
+      ("top_left_window", 4, 8, dict(q_offset=0, kv_offset=0), (2, 0)),
+      ("per_example", 8, 4, dict(q_offset=np.array([0, 5])), None),
+  )
+  def test_positions_accepted(self, t, s, positions, window):
+    # Causality at any offset (an explicit band where it is not 0); a
+    # window at offset 0 only, where it is jax.nn's own.
+    q, k, v = _qkv(t, s, jnp.bfloat16)
+    mask = aj.Mask(causal=True, window=window, **positions)
+    self.assertIsNone(cudnn.Cudnn().supports(base.canonicalize(q, k, v,
+                                                               mask)))
+
+  @parameterized.named_parameters(
+      ("bottom_right_chunk", 4, 8, {}, r"offset \(S - T = 4\)"),
+      ("bottom_right_more_queries", 8, 4, {}, r"offset \(S - T = -4\)"),
+      ("scalar_positions", 4, 8, dict(q_offset=3, kv_offset=1),
+       r"offset \(q_offset - kv_offset, not concretely 0\)"),
+      ("per_example", 8, 4, dict(q_offset=np.array([0, 5])),
+       r"offset \(q_offset - kv_offset, not concretely 0\)"),
+  )
+  def test_windows_off_offset_zero_refused(self, t, s, positions, why):
+    # cuDNN's window is top-left: anywhere else it would be a [T, S] mask,
+    # which the automatic choice leaves to the kernels that skip blocks.
+    q, k, v = _qkv(t, s, jnp.bfloat16)
+    mask = aj.Mask(causal=True, window=(2, 0), **positions)
+    self.assertRegex(
+        cudnn.Cudnn().supports(base.canonicalize(q, k, v, mask)),
+        r"^window=\(2, 0\) with query row i at key column i \+ " + why
+        + r".*explicit \[T, S\] mask")
+
+  @parameterized.named_parameters(
       ("two_sided", 8, 8, (3, 2), r"only a left window"),
       ("right_only", 8, 8, (0, 2), r"only a left window"),
-      ("chunk_at_end", 4, 8, (3, 0), r"T=4 != S=8"),
-      ("more_queries", 8, 4, (3, 0), r"T=8 != S=4"),
+      ("right_only_t_ne_s", 4, 8, (0, 2), r"only a left window"),
   )
   def test_window_refused(self, t, s, window, why):
     self.assertRegex(self._problem(t, s, {"window": window}),

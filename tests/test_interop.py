@@ -12,6 +12,7 @@ parameters), one with each, compared on rows that see a key.
 """
 
 import functools
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -21,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import attention_jax as aj
+from attention_jax.attention import dot_product
 from attention_jax.interop import flax_fn
 from attention_jax.interop import jax_nn
 from tests import _data
@@ -104,6 +107,9 @@ class AgreesWithJaxNnTest(parameterized.TestCase):
       ("window_tuple_more_queries", dict(t=6, s=4, local_window_size=(2, 1))),
       ("window_causal_more_keys",
        dict(t=4, s=7, local_window_size=(2, 0), is_causal=True)),
+      ("window_gqa_mask_lengths_more_keys",
+       dict(t=5, s=7, k=2, local_window_size=(3, 1), mask=True,
+            key_value_seq_lengths=(7, 5))),
       ("lengths", dict(t=5, s=6, query_seq_lengths=(3, 5),
                        key_value_seq_lengths=(4, 6))),
       ("lengths_causal_t_ne_s", dict(t=5, s=7, is_causal=True, k=2,
@@ -187,6 +193,82 @@ class AgreesWithJaxNnTest(parameterized.TestCase):
                                     return_residual=True, **kwargs)
     chex.assert_shape(ours[1], (2, 5, 4))
     chex.assert_trees_all_close(ours, theirs, **F32_TOL)
+
+
+def _mask_handed_on(fn, *args, **kwargs):
+  """The ``aj.Mask`` that ``fn`` hands to scaled_dot_product_attention."""
+  seen = []
+  real = dot_product.scaled_dot_product_attention
+
+  def spy(q, k, v, mask=None, **kw):
+    seen.append(mask)
+    return real(q, k, v, mask, **kw)
+
+  with mock.patch.object(dot_product, "scaled_dot_product_attention", spy):
+    fn(*args, **kwargs)
+  (mask,) = seen
+  return mask
+
+
+class TopLeftBandIsPositionsTest(parameterized.TestCase):
+  """jax.nn's and flax's band with T != S is positions, not a [T, S] mask."""
+
+  def test_band_is_positions_the_flash_kernel_takes(self):
+    # The mask handed on holds no [T, S] array: at T * S = 2 ** 21 the
+    # automatic choice picks the flash kernel, which skips blocks by it.
+    shape = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)  # noqa: E731
+    q, kv = shape(1, 1024, 2, 8), shape(1, 2048, 2, 8)  # [B, T|S, N, H]
+    mask = _mask_handed_on(
+        lambda *a, **kw: jax.eval_shape(functools.partial(
+            jax_nn.dot_product_attention, **kw), *a), q, kv, kv,
+        is_causal=True)
+    self.assertIsNone(mask.dense)
+    self.assertTrue(mask.causal and mask.positioned)
+    swapped = lambda x: shape(1, 2, x.shape[1], 8)  # noqa: E731
+    why = aj.explain(swapped(q), swapped(kv), swapped(kv), mask)
+    self.assertEqual(why.kernel, "flash", str(why))
+    # ... and with it the flash kernel gives jax.nn's top-left numbers, on
+    # blocks the band cuts (16 x 16 over 32 x 64).
+    q, k, v = _qkv(b=1, t=32, s=64, n=2, k=2)
+    mask = _mask_handed_on(jax_nn.dot_product_attention, q, k, v,
+                           is_causal=True, local_window_size=(20, 3))
+    swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    ours = swap(aj.scaled_dot_product_attention(
+        swap(q), swap(k), swap(v), mask,
+        implementation=aj.kernels.Flash(block_q=16, block_k=16)))
+    theirs = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(20, 3),
+        implementation="xla")
+    chex.assert_trees_all_close(ours, theirs, **F32_TOL)
+
+  @parameterized.named_parameters(
+      ("causal_more_keys", 4, 7, dict(is_causal=True), True),
+      ("window_more_queries", 6, 4, dict(local_window_size=(2, 1)), True),
+      ("mask_and_window", 4, 7,
+       dict(local_window_size=(1, 0), mask=np.ones((2, 1, 4, 7), bool)),
+       True),
+      ("square", 5, 5, dict(is_causal=True, local_window_size=(2, 0)),
+       False),
+      ("no_band", 4, 7, dict(), False),
+  )
+  def test_positions_only_where_the_alignments_differ(self, t, s, kwargs,
+                                                      positioned):
+    q, k, v = _qkv(t=t, s=s)
+    mask = _mask_handed_on(jax_nn.dot_product_attention, q, k, v, **kwargs)
+    self.assertEqual(mask.positioned, positioned)
+    if positioned:
+      self.assertEqual(mask.offsets(t, s), (0, 0))
+    self.assertEqual(mask.dense is None, "mask" not in kwargs)
+
+  def test_flax_band_is_positions(self):
+    q, k, v = _qkv(t=3, s=6)
+    mask = _mask_handed_on(flax_fn.flax_attention_fn, q, k, v,
+                           is_causal=True)
+    self.assertTrue(mask.causal and mask.positioned)
+    self.assertIsNone(mask.dense)
+    square = _mask_handed_on(flax_fn.flax_attention_fn, q, q, q,
+                             is_causal=True)
+    self.assertTrue(square.causal and not square.positioned)
 
 
 class DocumentedDifferenceTest(absltest.TestCase):

@@ -169,6 +169,54 @@ class MaskTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "no counterpart for segment"):
       aj.Mask(q_segment_ids=jnp.zeros((T,), jnp.int32)).jax_nn_arguments(T, T)
 
+  @parameterized.named_parameters(
+      # (mask fields, T, S, the keywords' band: flags, or a mask)
+      ("top_left_positions", dict(causal=True, window=(2, 0), q_offset=0,
+                                  kv_offset=0), 5, T,
+       dict(is_causal=True, local_window_size=(2, 0))),
+      ("equal_positions_more_queries", dict(causal=True, q_offset=4,
+                                            kv_offset=4), T, 5,
+       dict(is_causal=True)),
+      ("two_sided_square", dict(window=(1, 2)), T, T,
+       dict(local_window_size=(1, 2))),
+      ("wide_causal_window_square", dict(causal=True, window=(T, 3)), T, T,
+       dict(is_causal=True)),
+      ("window_t_ne_s", dict(window=(1, 2)), 5, T, "mask"),
+      ("shifted_positions", dict(causal=True, q_offset=2, kv_offset=1), 5, T,
+       "mask"),
+  )
+  def test_jax_nn_arguments_band(self, fields, t, s, want):
+    # Key lengths short by one leave every row a key (jax.nn averages rows
+    # that see none).
+    mask = aj.Mask(**fields, kv_lengths=jnp.array([s, s - 1]))
+    kw = mask.jax_nn_arguments(t, s)
+    band = {n: x for n, x in kw.items() if n != "key_value_seq_lengths"}
+    if want == "mask":  # the band, explicit: no jax.nn flags
+      self.assertEqual(set(band), {"mask"})
+    else:  # jax.nn's own (top-left) flags are exact: no [T, S] mask
+      self.assertEqual(band, want)
+    # Either way jax.nn computes what the mask means (a float64 reference
+    # written from the definition: positions, else bottom-right).
+    q, k, v = _qkv(t, s)
+    q_at, kv_at = _grid(t, s)
+    q_at = q_at + fields.get("q_offset", s - t if "kv_offset" not in fields
+                             else 0)
+    kv_at = kv_at + fields.get("kv_offset", 0)
+    allowed = np.ones((t, s), bool)
+    if fields.get("causal"):
+      allowed &= kv_at <= q_at
+    if "window" in fields:
+      left, right = fields["window"]
+      allowed &= (q_at - left <= kv_at) & (kv_at <= q_at + right)
+    allowed = allowed[None] & (np.arange(s) < np.array([s, s - 1])[:, None,
+                                                                   None])
+    self.assertTrue(allowed.any(-1).all())
+    swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    theirs = swap(jax.nn.dot_product_attention(swap(q), swap(k), swap(v),
+                                               **kw))
+    np.testing.assert_allclose(theirs, _reference(q, k, v, allowed[:, None]),
+                               atol=TOL)
+
 
 class UnionAndRuleTest(absltest.TestCase):
   """What a union's members and the built-in rules are held to."""

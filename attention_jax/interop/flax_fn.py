@@ -180,7 +180,7 @@ def flax_attention_fn(
                 for name, x in (("bias", bias), ("mask", mask)))
   if mask is not None and mask.dtype != jnp.bool_:
     mask = mask != 0  # flax's masks are float 0/1
-  mask, is_causal, _ = jax_nn.top_left(mask, t, s, is_causal, None)
+  mask = jax_nn.top_left(t, s, causal=is_causal, dense=mask)
   dropout_on = not deterministic and not (
       isinstance(dropout_rate, (int, float)) and dropout_rate == 0.0)
   if dropout_on and broadcast_dropout:
@@ -201,7 +201,7 @@ def flax_attention_fn(
   with context:
     result = dot_product.scaled_dot_product_attention(
         swap(flat(q)), swap(flat(k)), swap(flat(v)), mask, bias=bias,
-        is_causal=is_causal, dropout_rate=dropout_rate if dropout_on else 0.0,
+        dropout_rate=dropout_rate if dropout_on else 0.0,
         dropout_rng=dropout_rng if dropout_on else None,
         implementation=None if module is None and matmul_precision is None
         else "dense",

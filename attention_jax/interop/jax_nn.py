@@ -19,8 +19,10 @@ jax.nn's and what becomes this library's:
   key position ``i``). The rest of the library aligns bottom-right
   (``j <= i + S - T``, the last query at the last key). The two agree when
   ``T == S``, and then the causal flag and window are handed on as they
-  are (so the blockwise and cuDNN paths skip blocked work); when ``T != S``
-  they become an explicit ``[1, 1, T, S]`` mask ANDed with ``mask``.
+  are. When ``T != S`` the mask gives positions instead (``q_offset=0,
+  kv_offset=0``: query ``i`` and key ``i`` at position ``i``), so the band
+  stays structure: no ``[T, S]`` mask is built, the blockwise kernels skip
+  blocks outside it and cuDNN gets jax.nn's own flags where it can.
 * A query that may see no key (a fully masked row, a key/value length of
   0, a window that misses every key, a row of ``-inf`` bias) gets output 0
   and zero gradients here. jax.nn fills blocked logits with a large finite
@@ -110,22 +112,20 @@ def _lengths(name: str, lengths, batch: int) -> jax.Array | None:
   return lengths[:, None]
 
 
-def top_left(mask, t: int, s: int, is_causal: bool, window):
-  """jax.nn's and flax's top-left causal/window band in the library's terms.
+def top_left(t: int, s: int, *, causal: bool = False, window=None,
+             **fields) -> Mask:
+  """A ``Mask`` with jax.nn's and flax's top-left causal/window band.
 
-  Their band is top-left aligned (offset 0); the library's is bottom-right
-  (offset ``S - T``). They agree when ``T == S``, and then the flag and the
-  window are handed on (so blockwise and cuDNN skip blocked work); otherwise
-  the band becomes a ``[1, 1, T, S]`` mask ANDed with ``mask``. Returns
-  ``(mask, is_causal, window)``.
+  Their band is top-left aligned (offset 0), the library's bottom-right
+  (offset ``S - T``). They agree when ``T == S``, and then the mask gives no
+  positions (every kernel takes it); otherwise it gives ``q_offset=0,
+  kv_offset=0``, which aligns its band top-left and keeps it analytic.
+  ``fields`` are the mask's other fields (lengths, ``dense``), which count
+  rows and columns either way.
   """
-  if t == s or not (is_causal or window is not None):
-    return mask, is_causal, window
-  rows = jnp.arange(t)[None, None, :, None]  # [1, 1, T, 1]
-  cols = jnp.arange(s)[None, None, None, :]  # [1, 1, 1, S]
-  band = intervals.visible(rows, cols, 0, intervals.bounds(is_causal, window))
-  mask = band if mask is None else jnp.logical_and(mask != 0, band)
-  return mask, False, None
+  banded = causal or window is not None
+  positions = dict(q_offset=0, kv_offset=0) if t != s and banded else {}
+  return Mask(causal=causal, window=window, **fields, **positions)
 
 
 def dot_product_attention(
@@ -225,12 +225,11 @@ def dot_product_attention(
   q_lengths = _lengths("query_seq_lengths", query_seq_lengths, b)
   kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
   window = intervals.check_window(local_window_size, "local_window_size")
-  mask, is_causal, window = top_left(mask, t, s, is_causal, window)
   swap = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, N, H] <-> [B, N, T, H]
   result = dot_product.scaled_dot_product_attention(
       swap(q), swap(k), swap(v),
-      Mask(causal=is_causal, window=window, q_lengths=q_lengths,
-           kv_lengths=kv_lengths, dense=mask),
+      top_left(t, s, causal=is_causal, window=window, q_lengths=q_lengths,
+               kv_lengths=kv_lengths, dense=mask),
       bias=bias, scale=scale, implementation=IMPLEMENTATIONS[implementation],
       return_lse=return_residual)
   out, lse = result if return_residual else (result, None)

@@ -14,8 +14,12 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
 
 * Alignment. jax.nn's causal mask is ``tril`` and its window
   ``i - left <= j <= i + right``: top-left, query ``i`` at key position
-  ``i``; ours is bottom-right (``i' = i + S - T``). They agree when
-  ``T == S``; otherwise ``attention`` passes our band as an explicit mask.
+  ``i``; ours puts query row ``i`` at key column ``i + offset``, with
+  ``offset = S - T`` (bottom-right) or the mask's positions ``q_offset -
+  kv_offset``. ``intervals.jax_nn_band`` decides: jax.nn's own flags where
+  the offset is concretely 0 (``T == S`` without positions, or positions
+  ``q_offset=0, kv_offset=0`` as ``aj.dot_product_attention`` gives for
+  ``T != S``), an explicit ``[B|1, N|1, T, S]`` band mask otherwise.
 * Rows that may see nothing. jax.nn's xla path fills blocked logits with a
   large finite negative, so such a row is the mean of all values; its cuDNN
   path adds the mask as a large finite negative bias (``-2 << 40`` in
@@ -26,12 +30,12 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
 * Windows. cuDNN has only a left window (``sliding_window_length = left +
   1``, top-left); jax.nn raises for ``right > 0`` unless the mask type is
   plain ``CAUSAL`` (not ``PADDING_CAUSAL``), and without a causal mask
-  cuDNN's band has no right bound. So with ``T == S`` a window whose right
+  cuDNN's band has no right bound. So at offset 0 a window whose right
   bound resolves to 0 (``is_causal``, or ``right == 0``) goes as
   ``is_causal=True, local_window_size=(left, 0)``; every other band goes as
-  an explicit mask, and ``supports`` refuses those windows (two-sided, or
-  ``T != S``) so that the automatic choice never builds a ``[T, S]`` mask
-  for them.
+  an explicit mask (as causality does at other offsets), and ``supports``
+  refuses two-sided windows and windows at other offsets so that the
+  automatic choice never builds a ``[T, S]`` mask for them.
 * Garbage. cuDNN adds its mask as a finite bias, so a NaN or inf key or
   value would reach every row (``0 * NaN`` is NaN) and what it does with one
   is the kernel's. Ours reaches only the rows that may see it, by
@@ -70,10 +74,11 @@ _NOT_IN_JAX_NN = {
 class Cudnn(base.Kernel):
   """jax.nn's fused GPU kernel, where it gives the contract's numbers."""
   name = "cudnn"
-  # jax.nn's arguments; positions, segment ids, rules, sinks, score
-  # modifiers and the lse have no counterpart there.
+  # jax.nn's arguments, and positions (its band or an explicit one,
+  # intervals.jax_nn_band); segment ids, rules, sinks, score modifiers and
+  # the lse have no counterpart there.
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
-                          "dense", "bias"})
+                          "dense", "bias", "q_offset", "kv_offset"})
 
   def supports(self, problem: base.Problem) -> str | None:
     reason = (base.no_weights_or_dropout(problem)
@@ -87,7 +92,7 @@ class Cudnn(base.Kernel):
                   "score_mod": ops.score_mod, "rule": ops.block_mask}
     return problem_of(q, k, v, mask, bias, lengths, problem.return_lse,
                       {n: x for n, x in structured.items() if x is not None},
-                      is_causal=ops.causal)
+                      is_causal=ops.causal, offset=_offset(ops))
 
   def declines(self, problem: base.Problem) -> str | None:
     return base.too_small(problem)
@@ -96,8 +101,16 @@ class Cudnn(base.Kernel):
     q, k, v, mask, bias, lengths, q_lengths = _caller(problem.ops)
     out = attention(q, k, v, mask, bias, lengths, q_lengths,
                     scale=problem.scale, is_causal=problem.ops.causal,
-                    window=problem.ops.window)
+                    window=problem.ops.window, offset=_offset(problem.ops))
     return base.Result(out)
+
+
+def _offset(ops: checks.Operands):
+  """The mask's ``q_offset - kv_offset``, ``[B|1, N|1]`` (heads merged), or
+  None for the bottom-right alignment (as ``broadcast.Head.offsets``)."""
+  if not ops.positioned:
+    return None
+  return grouping.merge(ops.q_offset - ops.kv_offset, ops.groups, -1)
 
 
 def _caller(ops: checks.Operands):
@@ -105,8 +118,8 @@ def _caller(ops: checks.Operands):
   g = ops.groups
   return (grouping.merge(ops.query, g, -3), grouping.merge(ops.key, g, -3),
           grouping.merge(ops.value, g, -3), grouping.merge(ops.mask, g, -3),
-          grouping.merge(ops.bias, g, -3), grouping.merge(ops.kv_lengths, g,
-                                                          -1),
+          grouping.merge(ops.bias, g, -3),
+          grouping.merge(ops.kv_lengths, g, -1),
           grouping.merge(ops.q_lengths, g, -1))
 
 
@@ -120,7 +133,8 @@ def _per_example_problem(name, lengths, batch) -> str | None:
           f"[B] (or [B, 1]) or a scalar, got {shape}")
 
 
-def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
+def _structured_problem(structured, t, s, offset, batch,
+                        is_causal) -> str | None:
   """Why cuDNN cannot give our numbers for the structured arguments."""
   for name, value in structured.items():
     if value is None:
@@ -134,9 +148,15 @@ def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
       if right > 0 and not is_causal:
         return (f"window={value!r}: cuDNN has only a left window "
                 "(jax.nn raises for right > 0 without a plain causal mask)")
-      if t != s:
-        return (f"a window with T={t} != S={s}: cuDNN's window is "
-                "top-left aligned, ours bottom-right")
+      at = s - t if offset is None else offset
+      if not intervals.jax_nn_flags_exact(at, intervals.bounds(is_causal,
+                                                               value)):
+        where = (f"S - T = {s - t}" if offset is None
+                 else "q_offset - kv_offset, not concretely 0")
+        return (f"window={value!r} with query row i at key column i + "
+                f"offset ({where}): cuDNN's window is top-left (offset 0), "
+                "so it would be an explicit [T, S] mask; the flash kernels "
+                "skip the blocks outside it")
     elif name in _NOT_IN_JAX_NN:
       return f"{name}: {_NOT_IN_JAX_NN[name]}"
     else:
@@ -145,13 +165,15 @@ def _structured_problem(structured, t, s, batch, is_causal) -> str | None:
 
 
 def problem_of(query, key, value, mask, bias, lengths, return_lse,
-            structured=None, *, is_causal=False) -> str | None:
+            structured=None, *, is_causal=False, offset=None) -> str | None:
   """Why the cuDNN kernel cannot take these inputs, or None if it can.
 
   ``structured`` maps the pattern arguments in use to their values
   (``window`` as a checked ``(left, right)``; None: none). ``is_causal``
   only widens what is accepted: a causal window ``(left, right > 0)`` is
-  ``(left, 0)``. None is returned only where
+  ``(left, 0)``. ``offset``: the mask's ``q_offset - kv_offset`` (None:
+  ``S - T``); a window is taken only where it is concretely 0. None is
+  returned only where
   ``attention`` gives our numbers, so the automatic choice never changes
   them.
   """
@@ -176,7 +198,8 @@ def problem_of(query, key, value, mask, bias, lengths, return_lse,
       return problem_
   if return_lse:
     return "it does not return the log-sum-exp"
-  return _structured_problem(structured or {}, t, s, batch, is_causal)
+  return _structured_problem(structured or {}, t, s, offset, batch,
+                             is_causal)
 
 
 def _per_example(lengths, batch: int, limit: int) -> jax.Array:
@@ -191,11 +214,18 @@ def _grid(t: int, s: int) -> tuple[jax.Array, jax.Array]:
           jnp.arange(s)[None, None, None, :])
 
 
-def _rows_seeing_something(t, s, b: intervals.Bounds, kv, q, mask, bias):
+def _on_grid(offset):
+  """A scalar offset as it is, a ``[B|1, N|1]`` one as ``[B|1, N|1, 1, 1]``."""
+  return offset if jnp.ndim(offset) == 0 else jnp.asarray(offset)[..., None,
+                                                                   None]
+
+
+def _rows_seeing_something(t, s, offset, b: intervals.Bounds, kv, q, mask,
+                           bias):
   """Bool ``[B|1, N|1, T]``: the rows with a key to see (None: all rows)."""
   rows, cols = _grid(t, s)
   kv_length = None if kv is None else kv[:, None, None, None]  # [B,1,1,1]
-  ok = intervals.visible(rows, cols, s - t, b, kv_length=kv_length)
+  ok = intervals.visible(rows, cols, _on_grid(offset), b, kv_length=kv_length)
   finite_bias = None if bias is None else bias > -jnp.inf  # -inf blocks
   for extra in (mask, finite_bias):
     if extra is not None:
@@ -208,7 +238,8 @@ def _rows_seeing_something(t, s, b: intervals.Bounds, kv, q, mask, bias):
 
 
 def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
-              scale, is_causal, window=None, implementation="cudnn"):
+              scale, is_causal, window=None, offset=None,
+              implementation="cudnn"):
   """jax.nn's fused kernel with our semantics.
 
   Args:
@@ -218,8 +249,11 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
     lengths, q_lengths: key/value and query lengths, ``[B, 1]``, ``[1, 1]``
       or scalar, or None.
     scale: logit multiplier.
-    is_causal: bottom-right causal mask.
-    window: checked ``(left, right)`` or None (bottom-right aligned).
+    is_causal: causal mask (query row ``i`` at key column ``i + offset``).
+    window: checked ``(left, right)`` or None, around the same position.
+    offset: query row ``i`` stands at key column ``i + offset``: the mask's
+      ``q_offset - kv_offset``, an int or ``[B|1, N|1]``; None is ``S - T``
+      (bottom-right).
     implementation: jax.nn's; ``"xla"`` tests this wiring on any backend.
 
   Returns:
@@ -232,16 +266,15 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
   garbage = numerics.any_nonfinite(query, key, value)
   query, key, value, q_code, kv_code = numerics.sanitize(query, key, value)
   kv_code = jnp.repeat(kv_code, heads // key.shape[1], axis=1)  # [B, N, S]
+  offset = s - t if offset is None else offset
   given_mask = mask
-  jax_causal, jax_window = False, None
-  if t == s and b.right == 0:  # top-left == bottom-right: jax.nn's own band
-    jax_causal = True
-    if b.left is not None and b.left < s - 1:
-      jax_window = (b.left, 0)
-  else:  # jax.nn aligns top-left, cuDNN has no right window: explicit mask
-    band = intervals.visible(*_grid(t, s), s - t, b)  # [1, 1, T, S]
-    if band is not None:
-      mask = band if mask is None else mask & band
+  # jax.nn's own band at offset 0 (top-left); an explicit one elsewhere, and
+  # for a right bound (cuDNN has only a left window).
+  jax_band = intervals.jax_nn_band(t, s, offset, b, left_window_only=True)
+  if jax_band.mask is not None:  # [T, S] or [B|1, N|1, T, S]
+    band = jnp.reshape(jax_band.mask, (1,) * (4 - jax_band.mask.ndim)
+                       + jax_band.mask.shape)
+    mask = band if mask is None else mask & band
   if mask is not None:
     mask = jnp.broadcast_to(mask, mask.shape[:2] + (t, s))
   kv = None if lengths is None else _per_example(lengths, batch, s)
@@ -249,9 +282,10 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
   swap = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, T, H] <-> [B, T, N, H]
   out = swap(jax.nn.dot_product_attention(
       swap(query), swap(key), swap(value), bias=bias, mask=mask, scale=scale,
-      is_causal=jax_causal, query_seq_lengths=q, key_value_seq_lengths=kv,
-      local_window_size=jax_window, implementation=implementation))
-  sees = _rows_seeing_something(t, s, b, kv, q, mask, bias)
+      is_causal=jax_band.is_causal, query_seq_lengths=q,
+      key_value_seq_lengths=kv, local_window_size=jax_band.local_window_size,
+      implementation=implementation))
+  sees = _rows_seeing_something(t, s, offset, b, kv, q, mask, bias)
   if sees is not None:  # jax.nn gives a mean of values there, ours is 0
     out = jnp.where(sees[..., None], out, jnp.zeros((), out.dtype))
 
@@ -259,7 +293,7 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
     rows = start + jnp.arange(size)[None, None, :, None]
     cols = jnp.arange(s)[None, None, None, :]
     ok = intervals.visible(
-        rows, cols, s - t, b,
+        rows, cols, _on_grid(offset), b,
         None if q is None else q[:, None, None, None],
         None if kv is None else kv[:, None, None, None])
     for extra in (given_mask, None if bias is None else bias > -jnp.inf):

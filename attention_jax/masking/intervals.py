@@ -16,6 +16,10 @@ a window ``(left, right)`` is jax.nn's ``local_window_size`` (an int ``w``
 means ``(w, w)``). Packed sequences add segment ids: query ``r`` may see
 key ``c`` only when ``q_seg[r] == k_seg[c]``.
 
+``jax_nn_band`` says how ``jax.nn.dot_product_attention`` (top-left
+aligned: offset 0) expresses a band: its own ``is_causal`` and
+``local_window_size`` where they are exact, else an explicit mask.
+
 ``visible`` is the element predicate the dense kernel materialises and the
 flash core evaluates inside partial blocks. At block granularity each
 (query block, key block) pair is *empty* (no allowed entry: never visited,
@@ -124,6 +128,73 @@ def visible(rows, cols, offset, b: Bounds, q_length=None, kv_length=None,
   if q_seg is not None:
     ok = both(q_seg == k_seg)
   return ok
+
+
+class JaxNnBand(NamedTuple):
+  """A band in ``jax.nn.dot_product_attention``'s terms (``jax_nn_band``)."""
+  is_causal: bool
+  local_window_size: tuple[int, int] | None
+  mask: jax.Array | None  # bool [..., T, S] explicit band, or None
+
+
+def _concretely_zero(offset) -> bool:
+  """Whether ``offset`` is known, now, to be 0 everywhere (not traced)."""
+  try:
+    return not np.any(np.asarray(offset))
+  except jax.errors.TracerArrayConversionError:
+    return False
+
+
+def jax_nn_flags_exact(offset, b: Bounds, *,
+                       left_window_only: bool = False) -> bool:
+  """Whether jax.nn's own ``is_causal``/``local_window_size`` express the
+  band ``b`` at ``offset`` exactly (``jax_nn_band`` then builds no mask)."""
+  return _concretely_zero(offset) and (b.right == 0 or not left_window_only)
+
+
+def jax_nn_band(t: int, s: int, offset, b: Bounds, *,
+                left_window_only: bool = False) -> JaxNnBand:
+  """The band ``b`` at ``offset`` as jax.nn expresses it.
+
+  jax.nn aligns top-left for any ``T``, ``S``: its ``is_causal`` is ``j <=
+  i`` and its ``local_window_size=(left, right)`` is ``i - left <= j <= i +
+  right``, i.e. ``visible`` at offset 0. So its own flags are exact only
+  when ``offset`` (``q_offset - kv_offset``, or ``S - T`` for the
+  bottom-right alignment) is concretely 0; a traced offset may not be.
+  ``left_window_only`` (cuDNN: a left window, under causality only) also
+  needs a right bound of 0. Everywhere else ``mask`` is the band itself,
+  ``visible`` over the ``[T, S]`` grid.
+
+  Args:
+    t, s: query and key/value lengths.
+    offset: query row ``r`` stands at key column ``r + offset``; an int or
+      an integer array over the leading dims (e.g. ``[B, 1]``).
+    b: the resolved bounds (``bounds``).
+    left_window_only: the target has jax.nn's cuDNN path's limits.
+
+  Returns:
+    ``JaxNnBand(is_causal, local_window_size, mask)``: ``mask`` is bool
+    ``offset.shape + (T, S)``, or None where the flags say it all (also
+    when nothing is bounded). A left bound that excludes no key is dropped
+    from ``local_window_size``.
+  """
+  if b.left is None and b.right is None:
+    return JaxNnBand(False, None, None)
+  if jax_nn_flags_exact(offset, b, left_window_only=left_window_only):
+    causal = b.right == 0
+    # At offset 0 row T - 1 reaches back furthest: under causality a left
+    # bound >= T - 1 excludes no key (and cuDNN is spared a window).
+    if b.left is None or (causal and b.left >= t - 1):
+      return JaxNnBand(causal, None, None)
+    # jax.nn's window takes both sides; a right bound of S excludes nothing.
+    right = s if b.right is None else b.right
+    return JaxNnBand(causal, (b.left, right), None)
+  offset = jnp.asarray(offset)
+  lead = (1,) * offset.ndim  # rows and columns of the offset's rank
+  rows = jnp.arange(t).reshape(lead + (t, 1))
+  cols = jnp.arange(s).reshape(lead + (1, s))
+  return JaxNnBand(False, None, visible(rows, cols, offset[..., None, None],
+                                        b))
 
 
 def _blocks(first, last, size: int, count: int):

@@ -366,12 +366,16 @@ class Mask:
     """This mask as ``jax.nn.dot_product_attention``'s keywords, for
     ``[B, N, T, S]`` logits (``mask`` then in jax.nn's ``[B, N, T, S]``).
 
-    jax.nn aligns causality and windows top-left; they agree with ours when
-    ``T == S`` and otherwise (or with positions) become an explicit band.
+    jax.nn aligns causality and windows top-left (offset 0); its own
+    ``is_causal``/``local_window_size`` are passed where they are exact,
+    i.e. where query row ``i`` stands at key position ``i`` (``T == S``
+    without positions, or positions whose ``q_offset - kv_offset`` is
+    concretely 0), and otherwise the
+    band becomes an explicit ``mask`` (``intervals.jax_nn_band``).
     Lengths become one per example (``[B]``; a scalar needs ``batch``).
     Segment ids and rules have no jax.nn counterpart: a ``ValueError`` says
-    so. (A row that may
-    see no key is the mean of the values in jax.nn, 0 here.)
+    so. (A row that may see no key is the mean of the values in jax.nn, 0
+    here.)
 
     Example:
       >>> Mask(causal=True, window=(3, 0)).jax_nn_arguments(5, 5)
@@ -388,19 +392,16 @@ class Mask:
     out: dict[str, Any] = {}
     dense = None if self.dense is None else jnp.asarray(self.dense) != 0
     q_off, kv_off = self.offsets(t, s)
-    rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
-    if np.ndim(q_off) or np.ndim(kv_off):  # per example: [B, 1, 1, 1]
-      q_off, kv_off = (_left_aligned(x, 4) for x in (q_off, kv_off))
-      rows, cols = rows[None, None], cols[None, None]  # [1, 1, T|1, S|1]
-    band = intervals.visible(rows, cols, q_off - kv_off,
-                             intervals.bounds(self.causal, self.window))
-    if t == s and not self.positioned:
-      if self.causal:
-        out["is_causal"] = True
-      if self.window is not None:
-        out["local_window_size"] = self.window
-    elif band is not None:
-      dense = band if dense is None else dense & band
+    if np.ndim(q_off) or np.ndim(kv_off):  # per example: [B, 1] (or [B, N])
+      q_off, kv_off = (_left_aligned(x, 2) for x in (q_off, kv_off))
+    band = intervals.jax_nn_band(t, s, q_off - kv_off,
+                                 intervals.bounds(self.causal, self.window))
+    if band.is_causal:
+      out["is_causal"] = True
+    if band.local_window_size is not None:
+      out["local_window_size"] = band.local_window_size
+    if band.mask is not None:  # [T, S] or [B, N|1, T, S]
+      dense = band.mask if dense is None else dense & band.mask
     if dense is not None:
       out["mask"] = dense
     for name, x in (("query_seq_lengths", self.q_lengths),
