@@ -155,9 +155,10 @@ class AttentionTest(parameterized.TestCase):
         q, k, v, mask, implementation="dense"), **F32_TOL)
 
   def test_top_left_positions_use_jax_nns_own_flags(self):
-    # Concrete q_offset = kv_offset: jax.nn's causal flag and left window
-    # are exact (top-left), so no [T, S] band is built, also for T != S.
-    q, k, v = _qkv(4, 7, seed=12)
+    # Concrete q_offset = kv_offset with T == S: jax.nn's causal flag and
+    # left window are exact, so no [T, S] band is built. (For T != S the
+    # band is explicit: cuDNN's own alignment there is unchecked on a GPU.)
+    q, k, v = _qkv(7, 7, seed=12)
     seen = {}
     real = jax.nn.dot_product_attention
 
@@ -170,14 +171,22 @@ class AttentionTest(parameterized.TestCase):
     with mock.patch.object(jax.nn, "dot_product_attention", spy):
       got = _kernel_xla(base.canonicalize(q, k, v, mask))
     self.assertEqual(seen, dict(is_causal=True, mask=None, window=(2, 0)))
-    allowed = _positioned_allowed(4, 7, 0, 0, True, (2, 0))
+    allowed = _positioned_allowed(7, 7, 0, 0, True, (2, 0))
     np.testing.assert_allclose(got, _reference(q, k, v, allowed), **F32_TOL)
     # Another offset (here traced) is an explicit band, not jax.nn's flags.
     with mock.patch.object(jax.nn, "dot_product_attention", spy):
       jax.jit(lambda q, k, v, o: _kernel_xla(base.canonicalize(
           q, k, v, aj.Mask(causal=True, q_offset=o))))(q, k, v, 0)
     self.assertFalse(seen["is_causal"])
+    chex.assert_shape(seen["mask"], (1, 1, 7, 7))
+    q4 = q[:, :, :4]  # top-left with T != S: an explicit band too
+    with mock.patch.object(jax.nn, "dot_product_attention", spy):
+      got = _kernel_xla(base.canonicalize(q4, k, v, aj.Mask(
+          causal=True, q_offset=0, kv_offset=0)))
+    self.assertFalse(seen["is_causal"])
     chex.assert_shape(seen["mask"], (1, 1, 4, 7))
+    allowed = _positioned_allowed(4, 7, 0, 0, True, None)
+    np.testing.assert_allclose(got, _reference(q4, k, v, allowed), **F32_TOL)
 
   def test_jax_nn_alone_differs_where_the_wiring_steps_in(self):
     # What the wiring corrects: jax.nn's causal diagonal is top-left, and a
@@ -293,7 +302,8 @@ class ProblemTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("scalar", 4, 8, dict(q_offset=3, kv_offset=1), None),
       ("top_left", 4, 8, dict(q_offset=0, kv_offset=0), None),
-      ("top_left_window", 4, 8, dict(q_offset=0, kv_offset=0), (2, 0)),
+      ("top_left_window_square", 8, 8, dict(q_offset=0, kv_offset=0),
+       (2, 0)),
       ("per_example", 8, 4, dict(q_offset=np.array([0, 5])), None),
   )
   def test_positions_accepted(self, t, s, positions, window):
@@ -307,10 +317,14 @@ class ProblemTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("bottom_right_chunk", 4, 8, {}, r"offset \(S - T = 4\)"),
       ("bottom_right_more_queries", 8, 4, {}, r"offset \(S - T = -4\)"),
-      ("scalar_positions", 4, 8, dict(q_offset=3, kv_offset=1),
+      ("scalar_positions", 8, 8, dict(q_offset=3, kv_offset=1),
        r"offset \(q_offset - kv_offset, not concretely 0\)"),
-      ("per_example", 8, 4, dict(q_offset=np.array([0, 5])),
+      ("per_example", 8, 8, dict(q_offset=np.array([0, 5])),
        r"offset \(q_offset - kv_offset, not concretely 0\)"),
+      # jax.nn's cuDNN causal alignment for T != S is not checked on a GPU
+      # here: top-left positions with T != S go as an explicit band.
+      ("top_left_t_ne_s", 4, 8, dict(q_offset=0, kv_offset=0),
+       r"offset, T = 4 != S = 8"),
   )
   def test_windows_off_offset_zero_refused(self, t, s, positions, why):
     # cuDNN's window is top-left: anywhere else it would be a [T, S] mask,

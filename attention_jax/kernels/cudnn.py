@@ -17,9 +17,9 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
   ``i``; ours puts query row ``i`` at key column ``i + offset``, with
   ``offset = S - T`` (bottom-right) or the mask's positions ``q_offset -
   kv_offset``. ``intervals.jax_nn_band`` decides: jax.nn's own flags where
-  the offset is concretely 0 (``T == S`` without positions, or positions
-  ``q_offset=0, kv_offset=0`` as ``aj.dot_product_attention`` gives for
-  ``T != S``), an explicit ``[B|1, N|1, T, S]`` band mask otherwise.
+  the offset is concretely 0 and ``T == S`` (jax.nn's cuDNN alignment for
+  ``T != S`` has not been checked on a GPU here), an explicit ``[B|1, N|1,
+  T, S]`` band mask otherwise.
 * Rows that may see nothing. jax.nn's xla path fills blocked logits with a
   large finite negative, so such a row is the mean of all values; its cuDNN
   path adds the mask as a large finite negative bias (``-2 << 40`` in
@@ -149,14 +149,15 @@ def _structured_problem(structured, t, s, offset, batch,
         return (f"window={value!r}: cuDNN has only a left window "
                 "(jax.nn raises for right > 0 without a plain causal mask)")
       at = s - t if offset is None else offset
-      if not intervals.jax_nn_flags_exact(at, intervals.bounds(is_causal,
-                                                               value)):
-        where = (f"S - T = {s - t}" if offset is None
-                 else "q_offset - kv_offset, not concretely 0")
+      if not intervals.jax_nn_flags_exact(
+          t, s, at, intervals.bounds(is_causal, value), cudnn=True):
+        where = (f"offset (S - T = {s - t})" if offset is None
+                 else f"offset, T = {t} != S = {s}" if t != s
+                 else "offset (q_offset - kv_offset, not concretely 0)")
         return (f"window={value!r} with query row i at key column i + "
-                f"offset ({where}): cuDNN's window is top-left (offset 0), "
-                "so it would be an explicit [T, S] mask; the flash kernels "
-                "skip the blocks outside it")
+                f"{where}: cuDNN's window is taken only top-left with T == "
+                "S, so it would be an explicit [T, S] mask; the flash "
+                "kernels skip the blocks outside it")
     elif name in _NOT_IN_JAX_NN:
       return f"{name}: {_NOT_IN_JAX_NN[name]}"
     else:
@@ -172,7 +173,8 @@ def problem_of(query, key, value, mask, bias, lengths, return_lse,
   (``window`` as a checked ``(left, right)``; None: none). ``is_causal``
   only widens what is accepted: a causal window ``(left, right > 0)`` is
   ``(left, 0)``. ``offset``: the mask's ``q_offset - kv_offset`` (None:
-  ``S - T``); a window is taken only where it is concretely 0. None is
+  ``S - T``); a window is taken only where it is concretely 0 and ``T ==
+  S`` (``intervals.jax_nn_flags_exact``). None is
   returned only where
   ``attention`` gives our numbers, so the automatic choice never changes
   them.
@@ -270,7 +272,7 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
   given_mask = mask
   # jax.nn's own band at offset 0 (top-left); an explicit one elsewhere, and
   # for a right bound (cuDNN has only a left window).
-  jax_band = intervals.jax_nn_band(t, s, offset, b, left_window_only=True)
+  jax_band = intervals.jax_nn_band(t, s, offset, b, cudnn=True)
   if jax_band.mask is not None:  # [T, S] or [B|1, N|1, T, S]
     band = jnp.reshape(jax_band.mask, (1,) * (4 - jax_band.mask.ndim)
                        + jax_band.mask.shape)

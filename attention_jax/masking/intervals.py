@@ -145,15 +145,22 @@ def _concretely_zero(offset) -> bool:
     return False
 
 
-def jax_nn_flags_exact(offset, b: Bounds, *,
-                       left_window_only: bool = False) -> bool:
+def jax_nn_flags_exact(t: int, s: int, offset, b: Bounds, *,
+                       cudnn: bool = False) -> bool:
   """Whether jax.nn's own ``is_causal``/``local_window_size`` express the
-  band ``b`` at ``offset`` exactly (``jax_nn_band`` then builds no mask)."""
-  return _concretely_zero(offset) and (b.right == 0 or not left_window_only)
+  band ``b`` at ``offset`` exactly (``jax_nn_band`` then builds no mask).
+
+  ``cudnn``: for jax.nn's cuDNN path, which has only a left window (a
+  right bound of 0) and whose causal alignment for ``T != S`` no GPU run of
+  this library has checked: its flags only where ``T == S`` too.
+  """
+  if cudnn and (b.right != 0 or t != s):
+    return False
+  return _concretely_zero(offset)
 
 
 def jax_nn_band(t: int, s: int, offset, b: Bounds, *,
-                left_window_only: bool = False) -> JaxNnBand:
+                cudnn: bool = False) -> JaxNnBand:
   """The band ``b`` at ``offset`` as jax.nn expresses it.
 
   jax.nn aligns top-left for any ``T``, ``S``: its ``is_causal`` is ``j <=
@@ -161,16 +168,15 @@ def jax_nn_band(t: int, s: int, offset, b: Bounds, *,
   right``, i.e. ``visible`` at offset 0. So its own flags are exact only
   when ``offset`` (``q_offset - kv_offset``, or ``S - T`` for the
   bottom-right alignment) is concretely 0; a traced offset may not be.
-  ``left_window_only`` (cuDNN: a left window, under causality only) also
-  needs a right bound of 0. Everywhere else ``mask`` is the band itself,
-  ``visible`` over the ``[T, S]`` grid.
+  ``cudnn`` asks for more (``jax_nn_flags_exact``). Everywhere else
+  ``mask`` is the band itself, ``visible`` over the ``[T, S]`` grid.
 
   Args:
     t, s: query and key/value lengths.
     offset: query row ``r`` stands at key column ``r + offset``; an int or
       an integer array over the leading dims (e.g. ``[B, 1]``).
     b: the resolved bounds (``bounds``).
-    left_window_only: the target has jax.nn's cuDNN path's limits.
+    cudnn: the target is jax.nn's cuDNN path (``jax_nn_flags_exact``).
 
   Returns:
     ``JaxNnBand(is_causal, local_window_size, mask)``: ``mask`` is bool
@@ -180,7 +186,7 @@ def jax_nn_band(t: int, s: int, offset, b: Bounds, *,
   """
   if b.left is None and b.right is None:
     return JaxNnBand(False, None, None)
-  if jax_nn_flags_exact(offset, b, left_window_only=left_window_only):
+  if jax_nn_flags_exact(t, s, offset, b, cudnn=cudnn):
     causal = b.right == 0
     # At offset 0 row T - 1 reaches back furthest: under causality a left
     # bound >= T - 1 excludes no key (and cuDNN is spared a window).
