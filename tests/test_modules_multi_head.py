@@ -190,9 +190,11 @@ class MatchesReferencesTest(parameterized.TestCase):
         bidirectional=False)).tolist())
     reached = np.abs(np.asarray(grads["t5_table"][...])).sum(-1) > 0
     self.assertEqual(set(np.flatnonzero(reached).tolist()), used)
+    # A prefill, one step, a chunk; the prefill and the chunk have one
+    # length, so the chunk reuses the prefill's eager op programs.
     mha.init_cache(batch_size=2, max_length=9)
-    pieces = [mha(x[:, :4], decode=True), mha(x[:, 4:5], decode=True),
-              mha(x[:, 5:], decode=True)]
+    pieces = [mha(x[:, :3], decode=True), mha(x[:, 3:4], decode=True),
+              mha(x[:, 4:], decode=True)]
     chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
                                 rtol=2e-6)
     with self.assertRaisesRegex(TypeError, r"t5_bias must be an aj\.T5Bias"):
