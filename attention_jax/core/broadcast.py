@@ -89,7 +89,7 @@ class Head(NamedTuple):
   absent); a pytree.
 
   ``lift_heads`` slices them per head; the flash core pads the arrays to
-  whole blocks (``flash_core.padded_head``) and adds the last two fields.
+  whole blocks (``flash_core.padded_head``) and adds the last four fields.
   """
   mask: jax.Array | None = None  # bool [T|1, S|1]
   bias: jax.Array | None = None  # float [T|1, S|1]
@@ -112,6 +112,11 @@ class Head(NamedTuple):
   # lax.cond per block: unbatched, so it stays a branch under the heads'
   # vmap). None: always look.
   garbage: jax.Array | None = None
+  # float32 [Tp] / [Sp]: each query row's / key row's numerics code, made
+  # once per head (flash_core.single_head) so the walk reads them per block
+  # instead of reducing each loaded block; None: the walk reduces.
+  q_code: jax.Array | None = None
+  kv_code: jax.Array | None = None
 
   def offsets(self, t: int, s: int):
     """``(offset, q_start, kv_start)``: query row ``r`` stands at key column

@@ -88,10 +88,14 @@ def finite_values(*arrays):
 def codes(query, key, value):
   """``(q_code [..., T], kv_code [..., S])``, float32: ``BAD_KEY`` for a
   query or key row holding a NaN or inf, else ``BAD_VALUE`` for a value row
-  holding one, else ``CLEAN``. A row reduction each: a kernel makes them
-  only when ``any_nonfinite`` says there is something to find."""
+  holding one, else ``CLEAN``. A row reduction each.
+
+  A row is bad exactly when the sum of ``x * 0`` over it is NaN (``0`` for
+  a finite entry, NaN for NaN or inf): a float sum, which XLA:CPU
+  vectorises, where ``all(isfinite(x), -1)`` (a boolean reduction over a
+  short minor axis) runs about 4x slower."""
   def bad(x):
-    return ~jnp.all(jnp.isfinite(x), axis=-1)
+    return jnp.isnan(jnp.sum(x * jnp.zeros((), x.dtype), axis=-1))
 
   q_code = jnp.where(bad(query), BAD_KEY, CLEAN).astype(jnp.float32)
   kv_code = jnp.where(bad(key), BAD_KEY,

@@ -401,16 +401,25 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place):
   def query_block(i):
     i0 = i * st.bq
     qi, q_bad = _finite(jax.lax.dynamic_slice_in_dim(q, i0, st.bq))  # [bq, H]
+    if ex.q_code is not None:  # (then the reduction above is dead code)
+      q_bad = jax.lax.dynamic_slice_in_dim(ex.q_code, i0, st.bq) > 0
 
     def key_block(j, full, carry):
       row_max, total, acc, code, *raw_max = carry
       j0 = j * st.bk
       kj, k_bad = _key_rows(st, k, j0, ex.kv_length)  # [bk, H]
       vj, v_bad = _key_rows(st, v, j0, ex.kv_length)  # [bk, Hv]
+      if ex.kv_code is None:  # reduce the loaded block (ring: keys travel)
+        bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
+            v_bad, numerics.BAD_VALUE, numerics.CLEAN))  # [bk]
+      else:  # the head's codes (a row reduction per loaded block costs
+        # more than the block's other work on XLA:CPU; then dead code).
+        # Keys past the length need no clearing: a full block lies below
+        # it, and a partial block's `ok` leaves them out.
+        bad = jax.lax.dynamic_slice_in_dim(ex.kv_code, j0, st.bk)  # [bk]
       logits, ok, _, raw = _block_logits(st, qi, kj, i0, j0, ex, place,
                                          full, scale=1.0 if defer else None)
-      bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
-          v_bad, numerics.BAD_VALUE, numerics.CLEAN))[None, :]  # [1, bk]
+      bad = bad[None, :]  # [1, bk]
       if ok is None:  # every row sees every column
         code = jnp.maximum(code, jnp.max(bad))
       else:  # a [bq, bk] pass, made only when there is garbage
@@ -668,7 +677,9 @@ def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
   if h.mask is not None:  # keys no query sees (finite garbage): zero them
     k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
-  ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(garbage=garbage)
+  q_code, kv_code = numerics.codes(q, k, v)  # [Tp], [Sp]: once per head
+  ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(
+      garbage=garbage, q_code=q_code, kv_code=kv_code)
   st, ex = hoist_score_mod(st, ex, q)
   out, lse, max_logits, code = _attend(st, q, k, v, ex,
                                        Place(*h.offsets(st.t, st.s)))
