@@ -67,7 +67,7 @@ REFUSES = {
     "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
                         "softcap", "segments", "sinks", "alibi", "t5",
                         "rule", "max_logits"}),
-    "ring": frozenset({"mask", "bias", "float64", "positions"}),
+    "ring": frozenset({"mask", "bias", "float64"}),
     "pallas_gpu": frozenset({"float64", "max_logits"}),
     # Splash has no bias, no modifier but a soft cap, and a static mask (a
     # dense mask is traced under jit).
@@ -142,14 +142,24 @@ def _ring(query, key, value, mask_parts, **kw):
            for n in arrays}
 
   def local(q, k, v, arrays, kw):
+    # The case's mask is the whole sequence's: in this device's terms once
+    # (what aj.ring_attention does), then the dispatcher as for any kernel.
+    mask, score_mod, kernel = _localize(
+        CONFIGURED["ring"], _mask({**fixed, **arrays}), kw.pop(
+            "score_mod", None), q, k)
     return aj.scaled_dot_product_attention(
-        q, k, v, _mask({**fixed, **arrays}),
-        implementation=CONFIGURED["ring"], return_lse=return_lse,
-        return_max_logits=return_max_logits, **kw)
+        q, k, v, mask, score_mod=score_mod, implementation=kernel,
+        return_lse=return_lse, return_max_logits=return_max_logits, **kw)
 
   return jax.shard_map(local, mesh=mesh,
                        in_specs=(seq, seq, seq, specs, {n: P() for n in kw}),
                        out_specs=out_specs)(query, key, value, arrays, kw)
+
+
+def _localize(kernel, mask, score_mod, q, k):
+  """``kernel.localize`` for ``[B, N, T, H]`` operands of this device."""
+  return kernel.localize(mask, score_mod, q.shape[-2], k.shape[-2],
+                         q.shape[:-2])
 
 
 def _ring_mesh():
@@ -178,8 +188,11 @@ def _call_refused(name, kernel, q, k, v, call) -> str:
   mask, score_mod = call.get("mask"), call.get("score_mod")
 
   def attend(q, k, v):
+    m, mod, chosen = mask, score_mod, kernel
+    if name == "ring":
+      m, mod, chosen = _localize(kernel, mask, score_mod, q, k)
     return aj.scaled_dot_product_attention(
-        q, k, v, mask, score_mod=score_mod, implementation=kernel)
+        q, k, v, m, score_mod=mod, implementation=chosen)
 
   if name == "ring":
     seq = P(None, None, "seq")
@@ -548,9 +561,10 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
       got = _call_refused(name, kernels.get(name) or _kernel(name), q, k, v,
                           call)
       automatic = _call_refused(None, None, q, k, v, call)
-      # Ring names its device's [T / devices, S / devices] blocks: the
-      # message is compared with the shapes left out.
-      unshaped = lambda m: re.sub(r"\[\d+(, \d+)*\]", "[...]", m)
+      # Ring names its device's [T / devices, S / devices] blocks (and
+      # their shapes, (...)): the message is compared with them left out.
+      unshaped = lambda m: re.sub(r"\(\d+(, \d+)*,?\)", "(...)", re.sub(
+          r"\[\d+(, \d+)*\]", "[...]", m))
       self.assertEqual(unshaped(got), unshaped(automatic))
 
     @parameterized.named_parameters(*params)

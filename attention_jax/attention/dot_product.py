@@ -78,25 +78,8 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
       query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
       sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       return_weights=return_weights, return_lse=return_lse,
-      return_max_logits=return_max_logits,
-      rule_lengths=_rule_lengths(candidates, query, key))
+      return_max_logits=return_max_logits)
   return problem, candidates, automatic
-
-
-def _rule_lengths(candidates, query, key):
-  """The ``(T, S)`` a rule's indices refer to, the same for every
-  candidate (ring attention's are global), or None for the operands'."""
-  q_shape, k_shape = checks.shape_of(query), checks.shape_of(key)
-  if len(q_shape) < 2 or len(k_shape) < 2:
-    return None  # the operand checks say what is wrong
-  t, s = q_shape[-2], k_shape[-2]
-  lengths = {kernel.lengths(t, s) for kernel in candidates}
-  if len(lengths) > 1:
-    raise ValueError(
-        f"implementation mixes kernels whose mask rules index different "
-        f"sequences ({sorted(lengths)}): try ring attention on its own.")
-  only = lengths.pop()
-  return None if only == (t, s) else only
 
 
 def scaled_dot_product_attention(

@@ -5,8 +5,9 @@ length, H head dim, Hv value head dim, P devices on the ring axis; ``...``
 leading dims that broadcast.
 
 ``scaled_dot_product_attention`` with ``implementation=kernels.Ring(axis_name,
-block_q, block_k)``, called inside ``jax.shard_map``; the algorithm is
-``kernels/ring.py``.
+block_q, block_k)``, called inside ``jax.shard_map``, after the mask of the
+whole sequence is put in this device's terms (``Ring.localize``: positions,
+its lengths); the algorithm is ``kernels/ring.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import jax
 from jax.typing import ArrayLike
 
 from attention_jax.attention import dot_product
+from attention_jax.core import checks
 from attention_jax.kernels import ring
+from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import BlockMask
 from attention_jax.masking.mask import Mask
 
@@ -60,8 +63,14 @@ def ring_attention(
       T]`` and ``[S]``/``[B, S]`` (sharded like the queries and keys; key
       ids travel round the ring with their keys); a rule (or a
       ``BlockMask`` built for ``[P*T, P*S]``) is evaluated on global
-      indices in every block a device visits. A dense mask would have to
-      travel round the ring with its keys: refused.
+      indices in every block a device visits. Positions
+      (``q_offset``/``kv_offset``) are those of the whole sequence's row 0
+      and column 0, as in any mask (causality, windows, rules and
+      ``score_mod`` then compare and see positions); traced ones make
+      every ring step. A dense mask would have to travel round the ring
+      with its keys: refused. This device's part of the mask is made once
+      (``aj.kernels.Ring.localize``): its positions travel round the ring
+      with its keys.
     axis_name: the mesh axis the sequence is split over (``P`` devices).
     scale: defaults to ``1/sqrt(H)``.
     is_causal: shorthand for ``mask & aj.Mask(causal=True)``.
@@ -103,10 +112,16 @@ def ring_attention(
     >>> ring(x, x, x).shape
     (2, 64, 16)
   """
+  kernel = ring.Ring(axis_name, block_q, block_k)
+  checks.check_static_bool("is_causal", is_causal)
+  mask = mask_lib.as_mask(mask, is_causal=is_causal)
+  q_shape, k_shape = checks.shape_of(query), checks.shape_of(key)
+  if len(q_shape) >= 2 and len(k_shape) >= 2:  # (else the checks say so)
+    mask, score_mod, kernel = kernel.localize(
+        mask, score_mod, q_shape[-2], k_shape[-2], q_shape[:-2])
   out, _, lse, max_logits = dot_product.run(
-      query, key, value, mask, scale=scale, is_causal=is_causal,
-      score_mod=score_mod, sinks=sinks, return_lse=return_lse,
-      return_max_logits=return_max_logits,
-      implementation=ring.Ring(axis_name, block_q, block_k))
+      query, key, value, mask, scale=scale, score_mod=score_mod,
+      sinks=sinks, return_lse=return_lse,
+      return_max_logits=return_max_logits, implementation=kernel)
   extra = (lse,) * bool(return_lse) + (max_logits,) * bool(return_max_logits)
   return (out, *extra) if extra else out

@@ -322,9 +322,7 @@ def _left_aligned(name: str, x, core: int, leading_rank: int, layout: str):
 
 
 def attention_operands(query, key, value, mask=None, bias=None, *,
-                       sinks=None, score_mod=None,
-                       rule_lengths: tuple[int, int] | None = None
-                       ) -> Operands:
+                       sinks=None, score_mod=None) -> Operands:
   """Checks the operands of an attention function and normalises them.
 
   ``mask`` is a ``Mask`` or None (the public functions convert what they
@@ -334,8 +332,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   (``grouping``), ready for ``broadcast_vmap``. A rule becomes
   ``block_mask``: a ``BlockMask`` with tables as given, or one without
   tables (``kinds is None``) whose tables the kernel builds at its own block
-  sizes. ``rule_lengths`` are the ``(T, S)`` a rule's indices refer to (ring
-  attention: the global ones; default the operands').
+  sizes.
   """
   m = mask_lib.Mask() if mask is None else mask
   mask = m.dense
@@ -389,12 +386,11 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     key_segment_ids = _left_aligned("Mask's kv_segment_ids", key_segment_ids,
                                     1, leading_rank, "[S] or [B, S]")
   block_mask = None
-  rule_t, rule_s = rule_lengths or (t, s)
   if isinstance(rule, mask_lib.Union):
     # Each member is held to what it would be held to alone (its arrays are
     # read elementwise, where a misfit would clamp instead of raising).
     for member in rule.members():
-      attention_operands(query, key, value, member, rule_lengths=rule_lengths)
+      attention_operands(query, key, value, member)
   examples = getattr(mask_lib.rule_function(rule), "examples", None)
   if examples is not None:
     lead = q_shape[:-2]
@@ -406,21 +402,17 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
           f"{q_shape} have batch {batch}: give the rule one entry per "
           "example of this batch.")
   if rule is not None and not isinstance(rule, mask_lib.BlockMask):
-    fn = rule.bound(rule_t, rule_s) if isinstance(rule, mask_lib.Union) \
-        else rule
-    rule = mask_lib.BlockMask(fn, rule_t, rule_s, None, None, None, None,
-                              None, None, None)
+    fn = rule.bound(t, s) if isinstance(rule, mask_lib.Union) else rule
+    rule = mask_lib.BlockMask(fn, t, s, None, None, None, None, None, None,
+                              None)
   if rule is not None:
     block_mask = rule
-    check_rule(block_mask.mask_fn, q_shape[:-2], rule_t, rule_s)
-    if block_mask.shape != (rule_t, rule_s):
-      where = (" (the global sequence: ring attention indexes rules over "
-               "all devices)" if rule_lengths else "")
+    check_rule(block_mask.mask_fn, q_shape[:-2], t, s)
+    if block_mask.shape != (t, s):
       raise ValueError(
           f"mask is a BlockMask built for [T, S] = {list(block_mask.shape)}, "
-          f"but its rule indices here run over T = {rule_t}, S = "
-          f"{rule_s}{where}: build it with block_mask(mask_fn, {rule_t}, "
-          f"{rule_s}, ...).")
+          f"but its rule indices here run over T = {t}, S = {s}: build it "
+          f"with block_mask(mask_fn, {t}, {s}, ...).")
     batch = block_mask.batch_shape
     if batch and len(batch) != len(q_shape) - 2:
       raise ValueError(
@@ -454,8 +446,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   batch_shape = broadcast_shapes(what, **leading)
   all_lengths = {}  # lengths and positions: per example (or head) integers
   for name, given, upper in (
-      ("the mask's kv_lengths", key_value_seq_lengths, rule_s),
-      ("the mask's q_lengths", query_seq_lengths, rule_t),
+      ("the mask's kv_lengths", key_value_seq_lengths, s),
+      ("the mask's q_lengths", query_seq_lengths, t),
       ("the mask's q_offset", q_offset, None),  # positions: any integer
       ("the mask's kv_offset", kv_offset, None)):
     lengths = all_lengths[name] = check_lengths(name, given)

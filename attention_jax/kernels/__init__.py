@@ -7,8 +7,9 @@ Each kernel is one file (``base.Kernel``: ``supports``, ``declines``,
 ``__call__`` on a validated ``base.Problem``). ``REGISTRY`` lists the ones
 the automatic choice walks, in its order: the first that supports the
 problem and does not decline it runs. ``Ring`` is not in it: it needs a
-mesh axis (``aj.ring_attention``, or ``implementation=Ring(axis_name)``
-inside ``jax.shard_map``). A kernel's ``name`` is its class's, lower case
+mesh axis and this device's positions (``aj.ring_attention``, or
+``implementation=Ring(axis_name)`` with ``Ring.localize``'s mask, inside
+``jax.shard_map``). A kernel's ``name`` is its class's, lower case
 (``Flash`` is ``"flash"``, ``aj.blockwise_attention``'s kernel); one
 name per kernel.
 

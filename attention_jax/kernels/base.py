@@ -17,8 +17,6 @@ see), the scale, dropout and what to return. A kernel is a ``Kernel``:
   numbers for this problem (a reason is a phrase for an error message);
 * ``declines(problem) -> None | reason``: only for the automatic choice, a
   problem it can run but should not (too small to pay off);
-* ``lengths(t, s)``: the ``(T, S)`` a mask rule's indices refer to (ring
-  attention: the global sequence);
 * ``__call__(problem) -> Result``: ``out [..., N, T, Hv]``, heads merged
   again, and ``weights``/``lse``/``max_logits`` where asked for (None
   otherwise). Kernels never re-validate.
@@ -123,9 +121,6 @@ class Kernel:
   # is trusted (a field or option added later reaches no kernel silently).
   implements: ClassVar[frozenset[str]] = frozenset()
 
-  def lengths(self, t: int, s: int) -> tuple[int, int]:
-    return t, s
-
   def supports(self, problem: Problem) -> str | None:
     """Why this kernel cannot run a call it declares (shapes, dtypes,
     backend), or None; what it does not declare is refused before."""
@@ -144,8 +139,7 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
                  score_mod=None, sinks=None, dropout_rate=0.0,
                  dropout_rng=None, return_weights: bool = False,
                  return_lse: bool = False,
-                 return_max_logits: bool = False,
-                 rule_lengths: tuple[int, int] | None = None) -> Problem:
+                 return_max_logits: bool = False) -> Problem:
   """Every check of an attention call, once; the ``Problem`` kernels run.
 
   ``mask`` is a ``Mask`` or None (``mask.as_mask`` converts the other
@@ -163,8 +157,7 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
                      ("return_max_logits", return_max_logits)):
     checks.check_static_bool(name, flag)
   ops = checks.attention_operands(query, key, value, mask,
-                                  bias, sinks=sinks, score_mod=score_mod,
-                                  rule_lengths=rule_lengths)
+                                  bias, sinks=sinks, score_mod=score_mod)
   checks.check_dropout(dropout_rate, dropout_rng)
   checks.check_call_scale(scale)
   if scale is None:

@@ -189,6 +189,61 @@ class RingAttentionTest(parameterized.TestCase):
                      (0, 1, 2))(q, k, v)  # dense is checked against float64
     chex.assert_trees_all_close(grads, dense, **GRAD_TOL)
 
+  def test_traced_positions_make_every_step(self):
+    # Positions passed into shard_map are traced: the steps a window needs
+    # cannot be known when tracing, so every step is made (the numbers
+    # stay exact); concrete ones skip (test_window_skips_ring_steps).
+    t, s = 16, 32  # 4 and 8 per device, a chunk at its place in a cache
+    q = _data.normal(60, (2, 2, t, 8))
+    k, v = (_data.normal(i, (2, 1, s, 8)) for i in (61, 62))
+    q_at, kv_at = jnp.array([9, 16]), jnp.array([0, -3])  # [B]
+    mask = lambda q_at, kv_at: aj.Mask(causal=True, window=(3, 0),  # noqa: E731
+                                       q_offset=q_at, kv_offset=kv_at)
+    fn = jax.jit(jax.shard_map(
+        lambda q, k, v, q_at, kv_at: aj.ring_attention(
+            q, k, v, mask(q_at, kv_at), axis_name="seq", block_q=2,
+            block_k=4),
+        mesh=_mesh(4), in_specs=(SEQ, SEQ, SEQ, P(), P()), out_specs=SEQ))
+    hlo = fn.lower(q, k, v, q_at, kv_at).compile().as_text()
+    permutes = [line for line in hlo.splitlines()
+                if "collective-permute(" in line]
+    # K and V, shifted in the loop over every one of the P - 1 steps
+    # (a schedule that skips steps unrolls them instead).
+    self.assertLen(permutes, 2)
+    self.assertTrue(all("while/body" in line for line in permutes),
+                    permutes)
+    want = aj.scaled_dot_product_attention(
+        q, k, v, mask(q_at, kv_at), implementation="dense")
+    chex.assert_trees_all_close(fn(q, k, v, q_at, kv_at), want, **FWD_TOL)
+
+  def test_kernel_without_positions_refuses_what_they_place(self):
+    # The kernel reads this device's mask: without positions, causality,
+    # lengths or a score modifier have nowhere to stand, and a global
+    # length would be read as this device's. Refused by name; plain
+    # attention needs none (ring_attention always gives them).
+    x = _data.normal(63, (1, 8, 8))  # [B, T, H], T split over "seq"
+    spec = P(None, "seq")
+    ring = aj.kernels.Ring("seq")
+    calls = {
+        "causal": lambda q: aj.scaled_dot_product_attention(
+            q, q, q, is_causal=True, implementation=ring),
+        "kv_lengths": lambda q: aj.scaled_dot_product_attention(
+            q, q, q, aj.Mask(kv_lengths=3), implementation=ring),
+        "score_mod": lambda q: aj.scaled_dot_product_attention(
+            q, q, q, score_mod=aj.alibi(jnp.ones(1)), implementation=ring),
+    }
+    for name, fn in calls.items():
+      with self.assertRaisesRegex(
+          ValueError, f"needs this device's positions .* for {name}: call "
+          r"aj\.ring_attention"):
+        jax.shard_map(fn, mesh=_mesh(2), in_specs=spec, out_specs=spec)(x)
+    plain = jax.shard_map(
+        lambda q: aj.scaled_dot_product_attention(q, q, q,
+                                                  implementation=ring),
+        mesh=_mesh(2), in_specs=spec, out_specs=spec)
+    chex.assert_trees_all_close(plain(x), aj.blockwise_attention(x, x, x),
+                                **FWD_TOL)
+
   def test_unbound_axis_is_a_value_error(self):
     x = jnp.ones((4, 8))
     with self.assertRaisesRegex(ValueError, "axis_name='seq' is not bound"):
