@@ -3,4 +3,7 @@
 ``kv_cache`` holds the pure cache updates (a linear cache, a ring buffer,
 their overflow flag); ``cache_step`` what one cached decoding step does:
 ``KVCache``, its ``write`` and the call's ``Mask`` over the cache slots.
+``paged_cache`` holds a pool of pages shared by many sequences and its
+bookkeeping (page tables, reference counts, copy on write); attention does
+not read through it yet.
 """

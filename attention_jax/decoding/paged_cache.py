@@ -1,0 +1,354 @@
+"""A paged key/value cache: one pool of pages shared by every sequence.
+
+Shape glossary: B sequences (the batch's rows), K key/value heads, Z tokens
+per page (``page_size``), P pages in the pool, M pages a sequence may hold
+(``max_pages``), T new tokens in this call, H (Hv) key (value) head dim.
+
+A linear cache gives every sequence ``[K, L, H]`` for the longest one; a
+paged cache gives each sequence the pages it fills. ``PagedKVCache`` holds
+the pool (``key_pages [P, K, Z, H]``, ``value_pages [P, K, Z, Hv]``), a page
+table per sequence (``page_table [B, M]``: position ``p`` of sequence ``b``
+lives in page ``page_table[b, p // Z]``, slot ``p % Z``; ``P`` where no page
+is held), each sequence's length, each page's reference count (how many
+sequences hold it; ``0`` is free) and a sticky per-sequence overflow flag.
+
+Everything here is a pure function of arrays, usable inside ``jit`` with
+traced lengths and counts:
+
+- ``append`` writes each sequence's new tokens after its length, taking the
+  pages it starts from the free ones (the reference counts are the free
+  list: a free page is one nobody holds) and copying a page that another
+  sequence also holds before writing into it (copy on write).
+- ``release`` gives a finished sequence's pages back; a page returns to the
+  pool when its last holder lets go.
+- ``share_prefix`` gives an empty sequence the pages of another's first
+  tokens (a common prompt written once).
+
+Pages are handed out in batch order. A sequence whose new pages do not all
+fit in the free ones, or that would pass ``M`` pages, writes nothing, keeps
+its length, and raises its ``overflow`` flag (a value: no host callback in
+a decoding step); ``check_overflow`` raises a ``ValueError`` naming the
+sequences when the flags are concrete.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+import numpy as np
+
+from attention_jax.core import checks
+from attention_jax.core import numerics
+
+
+class PagedKVCache(NamedTuple):
+  """The pool, the page tables and the bookkeeping (a pytree of arrays).
+
+  Attributes:
+    key_pages: ``[P, K, Z, H]`` keys, page by page.
+    value_pages: ``[P, K, Z, Hv]`` values.
+    page_table: int32 ``[B, M]``: sequence ``b``'s ``j``-th page, ``P``
+      where it holds none.
+    lengths: int32 ``[B]``: tokens each sequence holds.
+    refcount: int32 ``[P]``: sequences holding each page; ``0`` is free.
+    overflow: bool ``[B]``: a write of this sequence found no room and was
+      dropped (sticky until ``release``).
+  """
+  key_pages: jax.Array
+  value_pages: jax.Array
+  page_table: jax.Array
+  lengths: jax.Array
+  refcount: jax.Array
+  overflow: jax.Array
+
+  @property
+  def num_pages(self) -> int:
+    return self.key_pages.shape[0]
+
+  @property
+  def page_size(self) -> int:
+    return self.key_pages.shape[2]
+
+  @property
+  def max_pages(self) -> int:
+    return self.page_table.shape[1]
+
+
+def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
+                     head_dim: int, batch_size: int, max_pages: int, *,
+                     value_head_dim: int | None = None,
+                     dtype=jnp.float32) -> PagedKVCache:
+  """An empty cache: every page free, every sequence empty.
+
+  Args:
+    num_pages: ``P``, the pool's pages (shared by every sequence).
+    page_size: ``Z``, tokens per page.
+    num_kv_heads: ``K``.
+    head_dim: ``H`` of the keys.
+    batch_size: ``B``, sequences (rows) served at once.
+    max_pages: ``M``, pages one sequence may hold (its longest length is
+      ``M * Z``).
+    value_head_dim: ``Hv`` of the values; default ``head_dim``.
+    dtype: of the pages.
+
+  Example:
+    >>> c = init_paged_cache(8, 4, 2, 16, batch_size=3, max_pages=5)
+    >>> c.key_pages.shape, c.page_table.shape
+    ((8, 2, 4, 16), (3, 5))
+  """
+  for name, v in (("num_pages", num_pages), ("page_size", page_size),
+                  ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                  ("batch_size", batch_size), ("max_pages", max_pages)):
+    checks.check_positive_int(name, v)
+  hv = head_dim if value_head_dim is None else value_head_dim
+  checks.check_positive_int("value_head_dim", hv)
+  return PagedKVCache(
+      key_pages=jnp.zeros((num_pages, num_kv_heads, page_size, head_dim),
+                          dtype),
+      value_pages=jnp.zeros((num_pages, num_kv_heads, page_size, hv), dtype),
+      page_table=jnp.full((batch_size, max_pages), num_pages, jnp.int32),
+      lengths=jnp.zeros((batch_size,), jnp.int32),
+      refcount=jnp.zeros((num_pages,), jnp.int32),
+      overflow=jnp.zeros((batch_size,), bool))
+
+
+def _concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_cache(cache) -> None:
+  if not isinstance(cache, PagedKVCache):
+    raise TypeError(f"cache must be an aj PagedKVCache (from "
+                    f"init_paged_cache), got {type(cache).__name__}.")
+
+
+def _per_sequence(name: str, x, batch: int, default) -> jax.Array:
+  """int32 ``[B]`` from a scalar, ``[B]`` or None (``default``)."""
+  if x is None:
+    return jnp.broadcast_to(jnp.asarray(default, jnp.int32), (batch,))
+  numerics.integer_array(name, x)
+  if np.ndim(x) not in (0, 1) or (np.ndim(x) == 1
+                                  and np.shape(x)[0] != batch):
+    raise ValueError(f"{name} must be a scalar or [B] = [{batch}], got "
+                     f"shape {np.shape(x)}.")
+  return jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch,))
+
+
+def _serve_in_order(demand: jax.Array, free: jax.Array) -> jax.Array:
+  """bool ``[B]``: whose whole demand fits, handing pages out in batch order.
+
+  A sequence that does not fit takes nothing, so a later, smaller demand
+  may still fit.
+  """
+  def step(used, d):
+    ok = used + d <= free
+    return used + jnp.where(ok, d, 0), ok
+  _, ok = jax.lax.scan(step, jnp.int32(0), demand)
+  return ok
+
+
+def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
+           new_lengths: ArrayLike | None = None) -> PagedKVCache:
+  """Writes each sequence's new tokens after its length.
+
+  A page a sequence starts is taken from the free ones; a partly filled
+  page that another sequence also holds (a shared prefix) is copied to a
+  free page first, and only the copy is written. The whole write of a
+  sequence fits or none of it happens (see the module docstring).
+
+  Args:
+    cache: from ``init_paged_cache`` (or a previous update).
+    key: float ``[B, K, T, H]``, cast to the pages' dtype.
+    value: float ``[B, K, T, Hv]``.
+    new_lengths: int ``[B]`` (or a scalar): how many of the ``T`` tokens
+      are real per sequence (right-padded prompts; ``0`` for a sequence
+      with nothing to add this call). Default: all ``T``.
+
+  Returns:
+    The updated cache; ``lengths`` grows by ``new_lengths`` where the write
+    fitted.
+
+  Example:
+    >>> c = init_paged_cache(4, 2, 1, 1, batch_size=2, max_pages=3)
+    >>> x = jnp.arange(1.0, 4.0)[None, None, :, None].repeat(2, 0)
+    >>> c = append(c, x, x, new_lengths=jnp.array([3, 1]))
+    >>> c.lengths.tolist(), c.page_table.tolist(), c.refcount.tolist()
+    ([3, 1], [[0, 1, 4], [2, 4, 4]], [1, 1, 1, 0])
+  """
+  _check_cache(cache)
+  b, m = cache.page_table.shape
+  p, k, z = cache.num_pages, cache.key_pages.shape[1], cache.page_size
+  for name, x, pages in (("key", key, cache.key_pages),
+                         ("value", value, cache.value_pages)):
+    checks.check_float_array(name, x)
+    if np.ndim(x) != 4 or np.shape(x)[:2] != (b, k) or (
+        np.shape(x)[3] != pages.shape[3]):
+      raise ValueError(
+          f"{name} must be [B, K, T, {'H' if name == 'key' else 'Hv'}] = "
+          f"[{b}, {k}, T, {pages.shape[3]}] to fit the cache's pages "
+          f"{pages.shape}, got {np.shape(x)}.")
+  t = key.shape[2]
+  if value.shape[2] != t:
+    raise ValueError(f"key and value must bring the same T tokens, got "
+                     f"{key.shape} and {value.shape}.")
+  n = _per_sequence("new_lengths", new_lengths, b, t)
+  checks.check_concrete_range("new_lengths", n, t,
+                              " (the real tokens among the T new ones)")
+  n = jnp.clip(n, 0, t)
+  start, end = cache.lengths, cache.lengths + n  # [B]
+
+  # Logical pages this call may touch: start // Z + r, r < R.
+  r_max = -(-t // z) + 1
+  j = start[:, None] // z + jnp.arange(r_max)[None, :]  # [B, R]
+  touched = (j * z < end[:, None]) & (j >= start[:, None] // z) & (
+      n[:, None] > 0)
+  fresh = touched & (j * z >= start[:, None])  # a page not yet started
+  held = jnp.take_along_axis(cache.page_table, jnp.clip(j, 0, m - 1), 1)
+  shared = jnp.where(held < p, cache.refcount[jnp.clip(held, 0, p - 1)], 0)
+  copied = touched & ~fresh & (shared > 1)  # copy on write
+  need = fresh | copied  # [B, R]
+  fits_table = ~(touched & (j >= m)).any(1)  # [B]
+  free = cache.refcount == 0
+  ok = _serve_in_order(jnp.where(fits_table, need.sum(1), m * z + p + 1),
+                       free.sum()) & fits_table  # [B]
+  need = need & ok[:, None]
+  rank = jnp.cumsum(need.reshape(-1)).reshape(b, r_max) - 1  # [B, R]
+  free_ids = jnp.nonzero(free, size=b * r_max, fill_value=p)[0]
+  new_page = jnp.where(need, free_ids[jnp.clip(rank, 0, b * r_max - 1)], p)
+
+  # Copy on write: the copy gets the page's contents, the original loses a
+  # holder (and is free when that was its last).
+  src = jnp.where(copied & ok[:, None], held, p).reshape(-1)
+  dst = jnp.where(copied & ok[:, None], new_page, p).reshape(-1)
+  key_pages = cache.key_pages.at[dst].set(
+      cache.key_pages.at[src].get(mode="fill", fill_value=0), mode="drop")
+  value_pages = cache.value_pages.at[dst].set(
+      cache.value_pages.at[src].get(mode="fill", fill_value=0), mode="drop")
+  refcount = cache.refcount.at[src].add(-1, mode="drop")
+  refcount = refcount.at[new_page.reshape(-1)].add(1, mode="drop")
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], j.shape)
+  page_table = cache.page_table.at[
+      rows, jnp.where(need, j, m)].set(new_page, mode="drop")
+
+  # The tokens: position start + i of sequence b, where the write fitted.
+  pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+  real = (jnp.arange(t)[None, :] < n[:, None]) & ok[:, None]
+  page = jnp.take_along_axis(page_table, jnp.clip(pos // z, 0, m - 1), 1)
+  page = jnp.where(real, page, p)  # [B, T]; P is dropped
+  slot = pos % z
+  key_pages = key_pages.at[page, :, slot].set(
+      jnp.swapaxes(key, 1, 2).astype(key_pages.dtype), mode="drop")
+  value_pages = value_pages.at[page, :, slot].set(
+      jnp.swapaxes(value, 1, 2).astype(value_pages.dtype), mode="drop")
+  return PagedKVCache(
+      key_pages, value_pages, page_table,
+      jnp.where(ok, end, start), refcount,
+      cache.overflow | (~ok & (n > 0)))
+
+
+def release(cache: PagedKVCache, done: ArrayLike) -> PagedKVCache:
+  """Gives the pages of the sequences where ``done`` (bool ``[B]``) back.
+
+  A page returns to the pool when no other sequence holds it; the
+  sequence's row is empty again (length 0, no pages, overflow cleared),
+  ready for a new request.
+
+  Example:
+    >>> c = init_paged_cache(4, 2, 1, 1, batch_size=2, max_pages=2)
+    >>> x = jnp.ones((2, 1, 3, 1))
+    >>> c = release(append(c, x, x), jnp.array([True, False]))
+    >>> c.lengths.tolist(), c.refcount.tolist()
+    ([0, 3], [0, 0, 1, 1])
+  """
+  _check_cache(cache)
+  b, m = cache.page_table.shape
+  done = jnp.asarray(done)
+  if done.dtype != bool or done.shape != (b,):
+    raise ValueError(f"done must be bool [B] = [{b}], got {done.dtype} "
+                     f"{done.shape}.")
+  drop = jnp.where(done[:, None], cache.page_table, cache.num_pages)
+  refcount = cache.refcount.at[drop.reshape(-1)].add(-1, mode="drop")
+  return cache._replace(
+      page_table=jnp.where(done[:, None], cache.num_pages, cache.page_table),
+      lengths=jnp.where(done, 0, cache.lengths), refcount=refcount,
+      overflow=cache.overflow & ~done)
+
+
+def share_prefix(cache: PagedKVCache, source: ArrayLike, target: ArrayLike,
+                 length: ArrayLike) -> PagedKVCache:
+  """Sequence ``target`` starts with ``source``'s first ``length`` tokens.
+
+  No key or value is copied: ``target``'s page table takes the pages that
+  hold those tokens (their reference counts grow), so the prompt is stored
+  once. The last of them may be partly ``source``'s later tokens; whichever
+  sequence writes into a shared page first copies it (``append``).
+
+  Args:
+    cache: the cache.
+    source: int scalar, the sequence whose tokens are shared.
+    target: int scalar, an empty sequence (length 0, no pages); a target
+      that is not empty, or a ``length`` above ``source``'s, raises at
+      trace time when concrete and sets ``target``'s overflow flag (the
+      cache otherwise unchanged) when traced.
+    length: int scalar, tokens shared.
+
+  Example:
+    >>> c = init_paged_cache(4, 2, 1, 1, batch_size=2, max_pages=2)
+    >>> x = jnp.ones((2, 1, 3, 1))
+    >>> c = append(c, x, x, new_lengths=jnp.array([3, 0]))
+    >>> c = share_prefix(c, 0, 1, 3)
+    >>> c.page_table.tolist(), c.refcount.tolist()
+    ([[0, 1], [0, 1]], [2, 2, 0, 0])
+  """
+  _check_cache(cache)
+  b, m = cache.page_table.shape
+  z, p = cache.page_size, cache.num_pages
+  for name, x in (("source", source), ("target", target),
+                  ("length", length)):
+    numerics.integer_array(name, x)
+    if np.ndim(x) != 0:
+      raise ValueError(f"{name} must be an integer scalar, got shape "
+                       f"{np.shape(x)}.")
+  if all(_concrete(x) for x in (source, target, length)):
+    s, tg, n = int(source), int(target), int(length)
+    if not (0 <= s < b and 0 <= tg < b and s != tg):
+      raise ValueError(f"source and target must be two different sequences "
+                       f"in [0, B) = [0, {b}), got {s} and {tg}.")
+    if _concrete(cache.lengths):
+      have = int(cache.lengths[s])
+      if not 0 <= n <= have:
+        raise ValueError(f"length must be in [0, {have}] (source {s} holds "
+                         f"{have} tokens), got {n}.")
+      if int(cache.lengths[tg]) != 0:
+        raise ValueError(f"target {tg} must be empty (release it first); it "
+                         f"holds {int(cache.lengths[tg])} tokens.")
+  source, target, length = (jnp.asarray(x, jnp.int32)
+                            for x in (source, target, length))
+  ok = ((cache.lengths[target] == 0) & (length >= 0)
+        & (length <= cache.lengths[source]))
+  j = jnp.arange(m)
+  pages = jnp.where((j * z < length) & ok, cache.page_table[source], p)
+  refcount = cache.refcount.at[pages].add(1, mode="drop")
+  row = jnp.where(ok, pages, cache.page_table[target])
+  return cache._replace(
+      page_table=cache.page_table.at[target].set(row),
+      lengths=cache.lengths.at[target].set(
+          jnp.where(ok, length, cache.lengths[target])),
+      refcount=refcount,
+      overflow=cache.overflow.at[target].set(cache.overflow[target] | ~ok))
+
+
+def check_overflow(cache: PagedKVCache) -> None:
+  """ValueError naming the sequences whose writes found no room (concrete)."""
+  _check_cache(cache)
+  flags = np.asarray(cache.overflow)
+  if flags.any():
+    raise ValueError(
+        f"paged KV cache overflow in sequences {np.flatnonzero(flags).tolist()}"
+        f": a write needed more free pages than the pool had, or more than "
+        f"max_pages={cache.max_pages} pages of {cache.page_size} tokens; it "
+        "was dropped. Release finished sequences, or build the cache with "
+        "more pages (init_paged_cache).")
