@@ -144,11 +144,26 @@ class PagedCacheTest(chex.TestCase):
     self.assertEqual(cache.lengths.tolist(), [0, 3, 1])
     self.assertFalse(np.asarray(cache.overflow).any())
 
+  def test_a_write_past_max_pages_is_dropped_and_flagged(self):
+    cache = pc.init_paged_cache(B * M, Z, K, H, B, M)  # pages to spare
+    ones = jnp.ones((B, K, T, H))
+    for _ in range(2):
+      cache = _append(cache, ones, ones, jnp.array([3, 0, 0]))  # 6 of 8
+    table = cache.page_table
+    cache = _append(cache, 2 * ones, 2 * ones, jnp.array([3, 1, 0]))
+    # 9 tokens do not fit 4 pages of 2: nothing written, not even the
+    # two that would; the other sequence's write goes ahead.
+    self.assertEqual(cache.lengths.tolist(), [6, 1, 0])
+    self.assertEqual(cache.overflow.tolist(), [True, False, False])
+    np.testing.assert_array_equal(cache.page_table[0], table[0])
+    k0, _ = _tokens(cache, 0)
+    np.testing.assert_array_equal(k0, 1.0)
+
   def test_bad_input_names_the_argument(self):
     cache = pc.init_paged_cache(4, Z, K, H, B, M)
     with self.assertRaisesRegex(ValueError, r"key must be \[B, K, T, H\]"):
       pc.append(cache, jnp.ones((B, K + 1, T, H)), jnp.ones((B, K, T, H)))
-    with self.assertRaisesRegex(TypeError, "new_lengths must be an integer"):
+    with self.assertRaisesRegex(ValueError, r"new_lengths must be integer \[B\]"):
       pc.append(cache, jnp.ones((B, K, T, H)), jnp.ones((B, K, T, H)),
                 new_lengths=jnp.ones(B))
     with self.assertRaisesRegex(ValueError, r"new_lengths must lie in"):

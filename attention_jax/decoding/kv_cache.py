@@ -56,7 +56,8 @@ def _raise_if_full(index, num_new, max_length: int) -> None:
         "max_length.")
 
 
-def _concrete(x) -> bool:
+def is_concrete(x) -> bool:
+  """Not None and not a tracer: a value checks can read at trace time."""
   return x is not None and not isinstance(x, jax.core.Tracer)
 
 
@@ -71,10 +72,10 @@ def check_room(index: ArrayLike, num_new: ArrayLike, max_length: int) -> None:
   earlier slots) and ``cache_overflow`` reports them as a value, so the decoding
   step pays no host callback.
   """
-  if np.max(num_new) > max_length if _concrete(num_new) else False:
+  if np.max(num_new) > max_length if is_concrete(num_new) else False:
     raise ValueError(f"KV cache overflow: a call brings {np.max(num_new)} "
                      f"tokens but max_length is {max_length}.")
-  if _concrete(index) and (num_new is None or _concrete(num_new)):
+  if is_concrete(index) and (num_new is None or is_concrete(num_new)):
     _raise_if_full(index, num_new, max_length)
 
 
@@ -124,7 +125,7 @@ def _per_example_counts(name: str, x, batch: int, meaning: str):
   return x
 
 
-def _check_new_lengths(new_lengths, batch: int, t: int):
+def check_new_lengths(new_lengths, batch: int, t: int):
   """``[B]`` counts of real new tokens (right-padded), or None."""
   if new_lengths is None:
     return None
@@ -143,7 +144,7 @@ def check_left_padding(left_padding, batch: int):
   left_padding = _per_example_counts(
       "left_padding", left_padding, batch,
       "leading pad tokens per example, left-padded prompts")
-  if _concrete(left_padding) and np.asarray(left_padding).min() < 0:
+  if is_concrete(left_padding) and np.asarray(left_padding).min() < 0:
     raise ValueError(
         f"left_padding must be non-negative (leading pad tokens per "
         f"example), got {np.asarray(left_padding).min()}.")
@@ -269,7 +270,7 @@ def update_kv_cache(
   """
   _check_operands(cached_key, cached_value, index, key, value)
   b, t, max_length = key.shape[0], key.shape[2], cached_key.shape[2]
-  lengths = _check_new_lengths(new_lengths, b, t)
+  lengths = check_new_lengths(new_lengths, b, t)
   pads = check_left_padding(left_padding, b)
   check_room(index, t if lengths is None else new_lengths, max_length)
   per_example = (np.ndim(index) == 1 or lengths is not None
@@ -374,7 +375,7 @@ def update_ring_cache(
         f"window must be an int in [0, W) = [0, {slots_n}) for a ring buffer "
         f"of W = {slots_n} slots, got {window!r}: a key must stay in the "
         "buffer until the last query that may see it.")
-  lengths = _check_new_lengths(new_lengths, b, t)
+  lengths = check_new_lengths(new_lengths, b, t)
   pads = check_left_padding(left_padding, b)
   check_room(index, 0, np.iinfo(np.int32).max)  # refuses a negative index
   start = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]

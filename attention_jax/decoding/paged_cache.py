@@ -42,6 +42,7 @@ import numpy as np
 
 from attention_jax.core import checks
 from attention_jax.core import numerics
+from attention_jax.decoding import kv_cache
 
 
 class PagedKVCache(NamedTuple):
@@ -115,26 +116,10 @@ def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
       overflow=jnp.zeros((batch_size,), bool))
 
 
-def _concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
 def _check_cache(cache) -> None:
   if not isinstance(cache, PagedKVCache):
     raise TypeError(f"cache must be an aj PagedKVCache (from "
                     f"init_paged_cache), got {type(cache).__name__}.")
-
-
-def _per_sequence(name: str, x, batch: int, default) -> jax.Array:
-  """int32 ``[B]`` from a scalar, ``[B]`` or None (``default``)."""
-  if x is None:
-    return jnp.broadcast_to(jnp.asarray(default, jnp.int32), (batch,))
-  numerics.integer_array(name, x)
-  if np.ndim(x) not in (0, 1) or (np.ndim(x) == 1
-                                  and np.shape(x)[0] != batch):
-    raise ValueError(f"{name} must be a scalar or [B] = [{batch}], got "
-                     f"shape {np.shape(x)}.")
-  return jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch,))
 
 
 def _serve_in_order(demand: jax.Array, free: jax.Array) -> jax.Array:
@@ -194,10 +179,8 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
   if value.shape[2] != t:
     raise ValueError(f"key and value must bring the same T tokens, got "
                      f"{key.shape} and {value.shape}.")
-  n = _per_sequence("new_lengths", new_lengths, b, t)
-  checks.check_concrete_range("new_lengths", n, t,
-                              " (the real tokens among the T new ones)")
-  n = jnp.clip(n, 0, t)
+  n = kv_cache.check_new_lengths(new_lengths, b, t)  # [B] or None
+  n = jnp.broadcast_to(jnp.clip(t if n is None else n, 0, t), (b,))
   start, end = cache.lengths, cache.lengths + n  # [B]
 
   # Logical pages this call may touch: start // Z + r, r < R.
@@ -206,13 +189,16 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
   touched = (j * z < end[:, None]) & (j >= start[:, None] // z) & (
       n[:, None] > 0)
   fresh = touched & (j * z >= start[:, None])  # a page not yet started
-  held = jnp.take_along_axis(cache.page_table, jnp.clip(j, 0, m - 1), 1)
+  # Only the first touched page can be started already (r = 0, a partly
+  # filled page), so only it can be shared: copy on write looks at it alone.
+  held = cache.page_table[jnp.arange(b), jnp.clip(j[:, 0], 0, m - 1)]  # [B]
   shared = jnp.where(held < p, cache.refcount[jnp.clip(held, 0, p - 1)], 0)
-  copied = touched & ~fresh & (shared > 1)  # copy on write
-  need = fresh | copied  # [B, R]
+  copied = touched[:, 0] & ~fresh[:, 0] & (shared > 1)  # [B]
+  need = fresh.at[:, 0].set(fresh[:, 0] | copied)  # [B, R]
   fits_table = ~(touched & (j >= m)).any(1)  # [B]
   free = cache.refcount == 0
-  ok = _serve_in_order(jnp.where(fits_table, need.sum(1), m * z + p + 1),
+  # A sequence past max_pages asks for nothing and is refused.
+  ok = _serve_in_order(jnp.where(fits_table, need.sum(1), 0),
                        free.sum()) & fits_table  # [B]
   need = need & ok[:, None]
   rank = jnp.cumsum(need.reshape(-1)).reshape(b, r_max) - 1  # [B, R]
@@ -221,8 +207,8 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
 
   # Copy on write: the copy gets the page's contents, the original loses a
   # holder (and is free when that was its last).
-  src = jnp.where(copied & ok[:, None], held, p).reshape(-1)
-  dst = jnp.where(copied & ok[:, None], new_page, p).reshape(-1)
+  src = jnp.where(copied & ok, held, p)  # [B]
+  dst = jnp.where(copied & ok, new_page[:, 0], p)
   key_pages = cache.key_pages.at[dst].set(
       cache.key_pages.at[src].get(mode="fill", fill_value=0), mode="drop")
   value_pages = cache.value_pages.at[dst].set(
@@ -312,12 +298,12 @@ def share_prefix(cache: PagedKVCache, source: ArrayLike, target: ArrayLike,
     if np.ndim(x) != 0:
       raise ValueError(f"{name} must be an integer scalar, got shape "
                        f"{np.shape(x)}.")
-  if all(_concrete(x) for x in (source, target, length)):
+  if all(kv_cache.is_concrete(x) for x in (source, target, length)):
     s, tg, n = int(source), int(target), int(length)
     if not (0 <= s < b and 0 <= tg < b and s != tg):
       raise ValueError(f"source and target must be two different sequences "
                        f"in [0, B) = [0, {b}), got {s} and {tg}.")
-    if _concrete(cache.lengths):
+    if kv_cache.is_concrete(cache.lengths):
       have = int(cache.lengths[s])
       if not 0 <= n <= have:
         raise ValueError(f"length must be in [0, {have}] (source {s} holds "
