@@ -4,9 +4,10 @@ Shape glossary used throughout: B batch, T query length, S key/value length,
 N query heads, K key/value heads, H head dim, D model dim.
 
 ``aj.kernels`` is the kernel interface (the registry the automatic choice
-walks, one class per kernel). Nothing here is jitted internally: wrap calls
-in ``jax.jit`` (with the keyword flags such as ``is_causal`` as static
-arguments) at your boundary.
+walks, one class per kernel); ``aj.paged_cache`` the paged KV cache's pure
+updates (``append``, ``release``, ``share_prefix``, ``check_overflow``).
+Nothing here is jitted internally: wrap calls in ``jax.jit`` (with the
+keyword flags such as ``is_causal`` as static arguments) at your boundary.
 """
 
 from attention_jax import kernels as kernels  # the kernel interface
@@ -18,10 +19,14 @@ from attention_jax.attention.explain import explain
 from attention_jax.attention.ring import ring_attention
 from attention_jax.core.merge import merge_attentions
 from attention_jax.core.softmax import masked_softmax
+from attention_jax.decoding import paged_cache as paged_cache  # its updates
 from attention_jax.decoding.kv_cache import cache_overflow
 from attention_jax.decoding.kv_cache import ring_slot_positions
 from attention_jax.decoding.kv_cache import update_kv_cache
 from attention_jax.decoding.kv_cache import update_ring_cache
+from attention_jax.decoding.paged_attention import paged_attention
+from attention_jax.decoding.paged_cache import PagedKVCache
+from attention_jax.decoding.paged_cache import init_paged_cache
 from attention_jax.interop.checkpoints import LoadedAttention
 from attention_jax.interop.checkpoints import load_attention_weights
 from attention_jax.interop.flax_fn import flax_attention_fn
@@ -99,6 +104,9 @@ __all__ = [
     "update_ring_cache",
     "cache_overflow",
     "ring_slot_positions",
+    "PagedKVCache",
+    "init_paged_cache",
+    "paged_attention",
     "additive_attention",
     "additive_score",
     "causal_mask",

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import attention_jax as aj
+from attention_jax.attention import dot_product
 from tests import _data
 from tests import reference as reference_lib
 
@@ -62,17 +63,17 @@ CONFIGURED = {
 
 # The case features each kernel refuses (its ``supports`` must say so).
 REFUSES = {
-    "dense": frozenset(),
+    "dense": frozenset({"paged"}),
     "flash": frozenset({"float64"}),
     "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
                         "softcap", "segments", "sinks", "alibi", "t5",
-                        "rule", "max_logits"}),
-    "ring": frozenset({"mask", "bias", "float64"}),
-    "pallas_gpu": frozenset({"float64", "max_logits"}),
+                        "rule", "max_logits", "paged"}),
+    "ring": frozenset({"mask", "bias", "float64", "paged"}),
+    "pallas_gpu": frozenset({"float64", "max_logits", "paged"}),
     # Splash has no bias, no modifier but a soft cap, and a static mask (a
     # dense mask is traced under jit).
     "splash": frozenset({"float64", "bias", "mask", "alibi", "t5",
-                         "max_logits", "positions"}),
+                         "max_logits", "positions", "paged"}),
 }
 NEEDS_GPU = frozenset({"cudnn"})
 
@@ -92,7 +93,7 @@ SUBSETS = {
         "rule_per_example_prefix_window", "everything_combined",
         "max_logits_modified_patterned", "positions_causal_window_rule",
         "positions_causal_alibi", "garbage_causal_window_lengths",
-        "garbage_mask_bias_sinks"),
+        "garbage_mask_bias_sinks", "paged_decode_alibi_rule_mqa"),
     "splash": (
         "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
         "mask_empty_rows", "bias_neg_inf", "bfloat16_causal_lengths",
@@ -101,7 +102,7 @@ SUBSETS = {
         "alibi_causal_gqa", "block_mask_prefix_lm",
         "rule_per_example_prefix_window", "union_prefix_lm_segments",
         "max_logits_modified_patterned", "positions_causal_window_rule",
-        "garbage_causal_window_lengths"),
+        "garbage_causal_window_lengths", "paged_decode_alibi_rule_mqa"),
 }
 
 
@@ -250,12 +251,17 @@ class Case:
   # query row i at q_offset + i, key column j at kv_offset + j, for
   # causality, windows and the rule (a decoding step over cache slots).
   positions: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+  # Keys and values in a paged cache's pool of pages of this many tokens
+  # (S a multiple of it), read through a scrambled page table
+  # (``_paged``): pages out of order, NaN in every slot past a length and
+  # in the pages nobody holds.
+  paged: int | None = None
 
   def features(self) -> set[str]:
     used = {self.dtype}
     for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap",
                  "segments", "sinks", "alibi", "t5", "rule", "max_logits",
-                 "positions"):
+                 "positions", "paged"):
       if getattr(self, name):
         used.add(name)
     return used
@@ -341,6 +347,20 @@ CASES = {
     # to some rows (the dense kernel's select path, the flash walk's mask).
     "garbage_mask_bias_sinks": Case(mask=True, bias=True, sinks=True,
                                     softcap=2.0, lse=True, garbage=True),
+    # A chunked prefill into a paged cache: 14 queries at each sequence's
+    # place, a causal window, GQA, sinks and a soft cap, over pages of 7
+    # (the flash column's key blocks) that hold other sequences' tokens
+    # and NaN where nobody wrote.
+    "paged_prefill_window_gqa_sinks": Case(
+        t=14, s=42, causal=True, window=(12, 0), lengths=(42, 23),
+        positions=((28, 9), (0, 0)), sinks=True, softcap=2.5, lse=True,
+        paged=7),
+    # One decoding query per sequence over its pages: MQA, ALiBi and a
+    # per-example prefix rule at positions, one sequence empty.
+    "paged_decode_alibi_rule_mqa": Case(
+        t=1, s=42, kv_heads=1, causal=True, lengths=(31, 0),
+        positions=((30, -1), (0, 0)), alibi=True, rule="per_example_prefix",
+        lse=True, max_logits=True, paged=7),
 }
 
 # (tensor, example, its head, row, feature, value) of each planted entry;
@@ -430,6 +450,33 @@ def _operands(case: Case):
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     bias = None if bias is None else bias.astype(dtype)
   return q, k, v, mask, bias, lengths, q_lengths
+
+
+def _paged(case: Case, k, v, lengths):
+  """``k``, ``v`` ``[B, K, S, H]`` written into a pool of pages of
+  ``case.paged`` tokens through a scrambled page table: ``(Pages, table)``.
+
+  Sequence ``b``'s page ``j`` is a random page of the pool (every sequence's
+  pages interleaved, out of order); slots past its length, its table
+  entries past them (``P``: none) and the pages nobody holds are NaN. The
+  write is differentiable: the pool's gradients reach ``k`` and ``v``.
+  """
+  z = case.paged
+  b, kh, s, h = k.shape
+  m = s // z
+  p = b * m + 3  # three pages nobody holds
+  order = np.random.default_rng(21).permutation(p)[:b * m].reshape(b, m)
+  held = np.arange(m)[None, :] * z < np.asarray(lengths)[:, None]  # [B, M]
+  table = jnp.asarray(np.where(held, order, p), jnp.int32)
+  real = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, :, None]
+
+  def pool(x):  # [B, K, S, H] -> [P, K, Z, H]
+    x = jnp.where(real, x, jnp.nan).reshape(b, kh, m, z, h)
+    x = jnp.moveaxis(x, 2, 1).reshape(b * m, kh, z, h)  # page b * M + j
+    return jnp.full((p, kh, z, h), jnp.nan, x.dtype).at[
+        order.reshape(-1)].set(x)
+
+  return aj.kernels.Pages(pool(k), pool(v), table)
 
 
 def _segment_ids(case: Case):
@@ -612,7 +659,12 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
         kw["return_lse"] = case.lse
         if case.max_logits:
           kw["return_max_logits"] = True
-        if name == "ring":
+        if case.paged:  # keys and values read through the page table
+          result = dot_product.run(
+              q, None, None, _mask(parts), pages=_paged(case, k, v, lengths),
+              implementation=kernels.get(name) or _kernel(name), **kw)
+          result = tuple(x for x in result[:1] + result[2:] if x is not None)
+        elif name == "ring":
           result = _ring(q, k, v, parts, **kw)
         else:
           result = aj.scaled_dot_product_attention(

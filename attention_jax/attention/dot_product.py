@@ -35,16 +35,17 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
         is_causal: bool = False, score_mod=None, sinks=None,
         dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
         return_weights: bool = False, return_lse: bool = False,
-        return_max_logits: bool = False):
+        return_max_logits: bool = False, pages=None):
   """``scaled_dot_product_attention`` returning one ``kernels.Result``
   (weights, lse, max_logits None unless asked for): the path every entry
-  point shares."""
+  point shares. ``pages`` (``kernels.base.Pages``, key and value None):
+  a paged cache's keys and values (``aj.paged_attention``)."""
   problem, candidates, automatic = prepare(
       query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
       score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, implementation=implementation,
       return_weights=return_weights, return_lse=return_lse,
-      return_max_logits=return_max_logits)
+      return_max_logits=return_max_logits, pages=pages)
   kernel = kernels.choose(candidates, problem, automatic)
   result = kernel(problem)
   if not isinstance(result, base.Result):
@@ -68,7 +69,7 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
             is_causal: bool = False, score_mod=None, sinks=None,
             dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
             return_weights: bool = False, return_lse: bool = False,
-            return_max_logits: bool = False):
+            return_max_logits: bool = False, pages=None):
   """A call normalised once: ``(problem, kernels to try, automatic)``
   (what ``run`` runs and ``aj.explain`` reports)."""
   checks.check_static_bool("is_causal", is_causal)
@@ -78,7 +79,7 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
       query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
       sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       return_weights=return_weights, return_lse=return_lse,
-      return_max_logits=return_max_logits)
+      return_max_logits=return_max_logits, pages=pages)
   return problem, candidates, automatic
 
 

@@ -321,6 +321,59 @@ def _left_aligned(name: str, x, core: int, leading_rank: int, layout: str):
     return jnp.reshape(x, shape)
 
 
+def paged_operands(query, key_pages, value_pages, table, mask):
+  """Checks a paged call; the logical keys and values the pages stand for.
+
+  ``query [B, N, T, H]`` against ``key_pages [P, K, Z, H]``,
+  ``value_pages [P, K, Z, Hv]`` and ``table`` int ``[B, M]``; the mask
+  must give ``kv_lengths`` (each example's length: what lies past it in
+  its pages is not its own). Returns ``ShapeDtypeStruct``s ``[B, K, M * Z,
+  H]`` and ``[B, K, M * Z, Hv]`` for ``attention_operands`` to check like
+  keys and values (nothing of that size is built).
+  """
+  for name, x in (("query", query), ("key_pages", key_pages),
+                  ("value_pages", value_pages)):
+    check_float_array(name, x)
+  q_shape, k_shape, v_shape = map(shape_of, (query, key_pages, value_pages))
+  if len(q_shape) != 4:
+    raise ValueError(f"a paged call takes query [B, N, T, H], got "
+                     f"{q_shape}.")
+  if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[:3] != v_shape[:3]:
+    raise ValueError(
+        f"key_pages and value_pages must be [P, K, Z, H] and [P, K, Z, Hv] "
+        f"with the same P, K, Z, got {k_shape} and {v_shape}.")
+  if not jnp.issubdtype(jnp.result_type(table), jnp.integer):
+    raise TypeError(f"the page table must be integer [B, M], got "
+                    f"{jnp.result_type(table)}.")
+  t_shape = shape_of(table)
+  if len(t_shape) != 2 or t_shape[0] != q_shape[0]:
+    raise ValueError(
+        f"the page table must be [B, M] with the query's B = {q_shape[0]}, "
+        f"got {t_shape}.")
+  if mask is None or mask.kv_lengths is None:
+    raise ValueError(
+        "a paged call needs the mask's kv_lengths (each example's length; "
+        "its pages hold nothing of its own past it): "
+        "aj.paged_attention gives the cache's lengths.")
+  b, m = t_shape
+  k, z = k_shape[1], k_shape[2]
+  return (jax.ShapeDtypeStruct((b, k, m * z, k_shape[3]),
+                               jnp.result_type(key_pages)),
+          jax.ShapeDtypeStruct((b, k, m * z, v_shape[3]),
+                               jnp.result_type(value_pages)))
+
+
+def _split_heads(x, groups):
+  """``grouping.split`` of a key or value, or of the ``ShapeDtypeStruct``
+  a paged call's pages stand for."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    if groups is None:
+      return x
+    shape = x.shape[:-3] + (groups.num_kv_heads, 1) + x.shape[-2:]
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return grouping.split(jnp.asarray(x), groups, -3)
+
+
 def attention_operands(query, key, value, mask=None, bias=None, *,
                        sinks=None, score_mod=None) -> Operands:
   """Checks the operands of an attention function and normalises them.
@@ -488,8 +541,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   if score_mod is not None or block_mask is not None:
     head_index = _head_index(batch_shape, groups)
   window = local_window_size  # checked by Mask
-  query, key, value = (grouping.split(jnp.asarray(x), groups, -3)
-                       for x in (query, key, value))
+  query = grouping.split(jnp.asarray(query), groups, -3)
+  key, value = (_split_heads(x, groups) for x in (key, value))
   mask, bias = (grouping.split(x, groups, -3) for x in (mask, bias))
   if block_mask is not None and block_mask.batch_shape:
     block_mask = block_mask.with_tables(

@@ -92,7 +92,7 @@ def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
   over [B, N|1, T, S'], score_mod over absolute positions)``.
   """
   mask = mask_lib.Mask() if mask is None else mask
-  _check_unplaced(mask)
+  check_unplaced(mask)
   qp, kp = q_pos[:, :, None], key_pos[:, None, :]  # [B, T, 1], [B|1, 1, S']
   if mask.window is not None:
     left, right = mask.window
@@ -122,7 +122,7 @@ def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
   return out, score_mod
 
 
-def _check_unplaced(mask: mask_lib.Mask) -> None:
+def check_unplaced(mask: mask_lib.Mask) -> None:
   """What a cache's slots cannot carry: segment ids, unions, positions."""
   if mask.q_segment_ids is not None:
     raise ValueError(
@@ -154,7 +154,7 @@ def _at_positions(mask: mask_lib.Mask | None, index, pads, num_slots: int):
   hidden by a key-padding mask ``[B, 1, 1, L]``.
   """
   mask = mask_lib.Mask() if mask is None else mask
-  _check_unplaced(mask)
+  check_unplaced(mask)
   q_offset, kv_offset, dense = index, None, mask.dense
   if pads is not None:
     shift = jnp.asarray(pads, jnp.int32)  # [B]

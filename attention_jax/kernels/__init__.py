@@ -42,6 +42,7 @@ from attention_jax.core.softmax import masked_softmax
 from attention_jax.kernels.base import MASK_FIELDS
 from attention_jax.kernels.base import OPTIONS
 from attention_jax.kernels.base import Kernel
+from attention_jax.kernels.base import Pages
 from attention_jax.kernels.base import Problem
 from attention_jax.kernels.base import Result
 from attention_jax.kernels.base import float32_only
@@ -68,7 +69,8 @@ REGISTRY: tuple[Kernel, ...] = (
 )
 
 __all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
-           "Flash", "Head", "Kernel", "Operands", "PallasGpu", "Problem",
+           "Flash", "Head", "Kernel", "Operands", "Pages", "PallasGpu",
+           "Problem",
            "Registration", "Result", "Ring", "Splash", "allowed", "by_name",
            "candidates", "choose", "compute_dtype", "float32_only",
            "lift_heads", "masked_logsumexp", "masked_softmax",
@@ -120,7 +122,12 @@ def verdicts(kernels: Sequence[Kernel], problem: Problem, automatic: bool):
   for kernel in kernels:
     # supports' reasons say most (and suggest a fix); what a kernel does not
     # declare is refused even when its supports() does not know the feature.
-    reason = kernel.supports(problem) or undeclared(kernel, problem)
+    # A paged call's keys and values are pages, which only a kernel that
+    # declares them may read: the others are not asked.
+    reason = (undeclared(kernel, problem)
+              if "pages" in problem.features - kernel.implements else None)
+    reason = reason or kernel.supports(problem) or undeclared(kernel,
+                                                              problem)
     if reason is not None:
       yield kernel, "refuses", reason
       continue

@@ -48,6 +48,25 @@ from attention_jax.masking import mask as mask_lib
 Result = broadcast.Result
 
 
+class Pages(NamedTuple):
+  """Keys and values read through a page table (a paged cache); a pytree.
+
+  Position ``p`` of example ``b`` lives in page ``table[b, p // Z]``, slot
+  ``p % Z``; an entry ``>= P`` (no page) is past the example's length.
+  The call's ``ops.key``/``ops.value`` are then ``ShapeDtypeStruct``s of
+  the logical ``[B, K, M * Z, H]`` the pages stand for: nothing the size
+  of the keys is gathered; a kernel that declares ``pages`` reads them
+  page by page.
+  """
+  key_pages: jax.Array  # [P, K, Z, H]
+  value_pages: jax.Array  # [P, K, Z, Hv]
+  table: jax.Array  # int32 [B, M]
+
+  @property
+  def page_size(self) -> int:
+    return self.key_pages.shape[2]
+
+
 class Problem(NamedTuple):
   """One attention call, validated."""
   ops: checks.Operands  # operands, heads grouped, the mask's fields
@@ -59,6 +78,7 @@ class Problem(NamedTuple):
   return_lse: bool = False
   return_max_logits: bool = False
   mask: mask_lib.Mask | None = None  # the call's normalised mask, whole
+  pages: Pages | None = None  # keys and values in pages (a paged cache)
 
   @property
   def features(self) -> frozenset[str]:
@@ -83,7 +103,8 @@ class Problem(NamedTuple):
       if name == "dropout_rate":
         if self.dropout_on:
           found.add(name)
-      elif value is not default and value != default:
+      elif value is not default and (isinstance(value, tuple)
+                                     or value != default):
         found.add(name)
     return frozenset(found)
 
@@ -110,7 +131,7 @@ MASK_FIELDS = frozenset({
     "kv_segment_ids", "dense", "rule", "q_offset", "kv_offset"})
 OPTIONS = frozenset({
     "bias", "sinks", "score_mod", "dropout_rate", "return_weights",
-    "return_lse", "return_max_logits"})
+    "return_lse", "return_max_logits", "pages"})
 
 
 class Kernel:
@@ -139,11 +160,14 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
                  score_mod=None, sinks=None, dropout_rate=0.0,
                  dropout_rng=None, return_weights: bool = False,
                  return_lse: bool = False,
-                 return_max_logits: bool = False) -> Problem:
+                 return_max_logits: bool = False,
+                 pages: Pages | None = None) -> Problem:
   """Every check of an attention call, once; the ``Problem`` kernels run.
 
   ``mask`` is a ``Mask`` or None (``mask.as_mask`` converts the other
-  accepted values); ``scale`` None means ``1 / sqrt(H)``.
+  accepted values); ``scale`` None means ``1 / sqrt(H)``. With ``pages``
+  (a paged cache) ``key`` and ``value`` are None: the pages stand for
+  them (``checks.paged_operands``).
   """
   if mask is None:
     mask = mask_lib.Mask()
@@ -156,6 +180,11 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
                      ("return_lse", return_lse),
                      ("return_max_logits", return_max_logits)):
     checks.check_static_bool(name, flag)
+  if pages is not None:
+    if key is not None or value is not None:
+      raise TypeError("a paged call reads its keys and values from the "
+                      "pages: pass key=None and value=None with pages=.")
+    key, value = checks.paged_operands(query, *pages, mask)
   ops = checks.attention_operands(query, key, value, mask,
                                   bias, sinks=sinks, score_mod=score_mod)
   checks.check_dropout(dropout_rate, dropout_rng)
@@ -163,9 +192,11 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   if scale is None:
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
+  if pages is not None:
+    pages = Pages(*(jnp.asarray(x) for x in pages))
   return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
                  bool(return_weights), bool(return_lse),
-                 bool(return_max_logits), mask)
+                 bool(return_max_logits), mask, pages)
 
 
 def undeclared(kernel: Kernel, problem: Problem) -> str | None:

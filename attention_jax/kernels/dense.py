@@ -37,7 +37,7 @@ class Dense(base.Kernel):
   """Materialises one head's ``[T, S]`` scores: every feature, O(T * S)."""
   name = "dense"
   # Every mask field and option: the reference the others are checked by.
-  implements = base.MASK_FIELDS | base.OPTIONS
+  implements = base.MASK_FIELDS | (base.OPTIONS - {"pages"})
 
   def supports(self, problem: base.Problem) -> str | None:
     del problem

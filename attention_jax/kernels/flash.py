@@ -40,7 +40,8 @@ class Flash(base.Kernel):
   block_k: int | None = None
   name = "flash"
   implements = base.MASK_FIELDS | {"bias", "sinks", "score_mod",
-                                   "return_lse", "return_max_logits"}
+                                   "return_lse", "return_max_logits",
+                                   "pages"}
 
   def __post_init__(self):
     base.check_block_size("block_q", self.block_q)
@@ -48,12 +49,35 @@ class Flash(base.Kernel):
 
   def supports(self, problem: base.Problem) -> str | None:
     return (base.no_weights_or_dropout(problem)
-            or base.float32_only(problem))
+            or base.float32_only(problem) or self._paged(problem))
+
+  def _paged(self, problem: base.Problem) -> str | None:
+    """What it cannot do with pages: arrays over the logical key axis."""
+    if problem.pages is None:
+      return None
+    ops, z = problem.ops, problem.pages.page_size
+    if ops.mask is not None or ops.bias is not None:
+      return ("it reads a paged cache page by page and takes no dense mask "
+              "or bias over its slots (a [T, M * Z] array): say it with "
+              "the mask's fields, a rule or a score modifier")
+    if ops.block_mask is not None and ops.block_mask.kinds is not None:
+      return ("it reads a paged cache page by page, so a BlockMask's "
+              "tables (built for other blocks) do not apply: pass the rule "
+              "itself, aj.MaskRule(fn)")
+    if self.block_k is not None and self.block_k != z:
+      return (f"over a paged cache its key blocks are the pages: block_k="
+              f"{self.block_k} differs from the page size {z} (leave "
+              "block_k unset)")
+    return None
 
   def declines(self, problem: base.Problem) -> str | None:
+    if problem.pages is not None:  # the kernel that reads pages on CPU
+      return None
     return base.too_small(problem)
 
   def __call__(self, problem: base.Problem):
+    if problem.pages is not None:
+      return self._paged_call(problem)
     ops = problem.ops
     block_q, block_k = flash_core.block_sizes(ops, self.block_q,
                                               self.block_k)
@@ -68,6 +92,36 @@ class Flash(base.Kernel):
     # inf anywhere the walk makes no pass looking for rows that see one.
     garbage = numerics.any_nonfinite(ops.query, ops.key, ops.value)
     return broadcast.lift_heads(head, ops, (garbage,), (0,))
+
+
+  def _paged_call(self, problem: base.Problem):
+    """Every head reads its example's pages from the shared pool.
+
+    The pool is not mapped over heads: each head gets its key/value head
+    index and its example's page-table row (in place of the keys and
+    values ``lift_heads`` would slice) and loads one page per key block.
+    """
+    ops, pages = problem.ops, problem.pages
+    block_q, _ = flash_core.block_sizes(ops, self.block_q, None)
+    lead = ops.key.shape[:-2]  # [B, K|N|1, 1?]: the logical keys' heads
+    heads = jnp.arange(lead[1], dtype=jnp.int32).reshape(
+        (1, lead[1]) + (1,) * (len(lead) - 2) + (1, 1))  # core [1, 1]
+    rows = jnp.asarray(pages.table, jnp.int32).reshape(
+        (lead[0],) + (1,) * (len(lead) - 1) + (1, -1))  # core [1, M]
+    config = dict(scale=problem.scale, is_causal=ops.causal,
+                  window=ops.window, score_mod=ops.score_mod,
+                  block_q=block_q, block_k=pages.page_size,
+                  max_logits=problem.return_max_logits,
+                  out_dtype=problem.out_dtype)
+
+    def head(q, kv_head, row, h):
+      kv_head, row = kv_head[0, 0], row[0]
+      return flash_core.paged_head(
+          q, flash_core.PagedRows(pages.key_pages, kv_head, row),
+          flash_core.PagedRows(pages.value_pages, kv_head, row), h,
+          **config)
+
+    return broadcast.lift_heads(head, ops._replace(key=heads, value=rows))
 
 
 def with_rule_tables(ops: checks.Operands, block_q: int, block_k: int):

@@ -168,14 +168,53 @@ def _finite(rows):
   return jnp.where(ok, rows, jnp.zeros_like(rows)), ~jnp.all(ok, axis=-1)
 
 
+class PagedRows(NamedTuple):
+  """One head's keys (or values) in a paged cache's pool; a pytree.
+
+  Stands for the ``[M * Z, H]`` rows ``pool[row[j], head]`` (page by page)
+  without building them: ``_key_rows`` loads one page per key block
+  (``bk = Z``). ``row`` entries ``>= P`` (no page) lie past the head's
+  length; their load is clamped to a real page and zeroed there.
+  """
+  pool: jax.Array  # [P, K, Z, H]
+  head: jax.Array  # int32 scalar: the key/value head
+  row: jax.Array  # int32 [M]: this example's pages
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return (self.row.shape[0] * self.pool.shape[2], self.pool.shape[3])
+
+  @property
+  def dtype(self):
+    return self.pool.dtype
+
+  def page(self, j0, bk: int):
+    """The rows ``[j0, j0 + bk)``: one page (``bk = Z``)."""
+    p = jax.lax.dynamic_index_in_dim(self.row, j0 // bk, keepdims=False)
+    page = jax.lax.dynamic_slice(
+        self.pool, (p, self.head, 0, 0), (1, 1) + self.pool.shape[2:])
+    return page[0, 0]  # [Z, H]
+
+  def cotangent(self, d_rows) -> PagedRows:
+    """The pool's share of a cotangent of the ``[M * Z, H]`` rows."""
+    m, z = self.row.shape[0], self.pool.shape[2]
+    d_pool = jnp.zeros(self.pool.shape, d_rows.dtype).at[
+        self.row, self.head].add(d_rows.reshape(m, z, -1), mode="drop")
+    return PagedRows(d_pool.astype(self.pool.dtype), None, None)
+
+
 def _key_rows(st: Static, x, j0, length):
   """Rows ``[j0, j0 + bk)`` of keys or values, zero past ``length``, finite
   (``_finite``), and ``[bk]`` bool: the rows below ``length`` that held a
   NaN or inf.
 
-  Rows past ``S`` are already the zeros ``_single_head`` padded with.
+  Rows past ``S`` are already the zeros ``_single_head`` padded with. ``x``
+  may be ``PagedRows`` (a page per block), which need ``length``.
   """
-  rows = jax.lax.dynamic_slice_in_dim(x, j0, st.bk)
+  if isinstance(x, PagedRows):
+    rows = x.page(j0, st.bk)
+  else:
+    rows = jax.lax.dynamic_slice_in_dim(x, j0, st.bk)
   if length is not None:
     valid = j0 + jnp.arange(st.bk) < length
     rows = jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
@@ -493,6 +532,8 @@ def _attend_bwd(st, residuals, cotangents):
       bias=None if ex.bias is None else dbias.astype(ex.bias.dtype),
       mod_consts=tuple(d.astype(c.dtype)
                        for d, c in zip(dargs, ex.mod_consts)))
+  if isinstance(k, PagedRows):  # gradients into the pool, page by page
+    return dq.astype(q.dtype), k.cotangent(dk), v.cotangent(dv), d_ex, None
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_ex,
           None)
 
@@ -568,20 +609,25 @@ def backward(st, residuals, cotangents):
   (dq, dbias, dargs), (dk, dv) = jax.lax.scan(
       key_block, (jnp.zeros(q.shape, f32) + zero, dbias0, dargs0),
       jnp.arange(num_k))
-  return dq, dk.reshape(k.shape), dv.reshape(v.shape), dbias, dargs
+  return dq, dk.reshape(k.shape), dv.reshape(v.shape), dbias, dargs  # [Sp, H]
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def padded(q, k, v, *, scale, is_causal, block_q, block_k, window=None,
-           score_mod=None, max_logits: bool = False):
-  """One head's static config and q, k, v padded to whole blocks."""
-  t, s = q.shape[0], k.shape[0]
-  bq, bk = min(block_q, t), min(block_k, s)
-  tp, sp = _cdiv(t, bq) * bq, _cdiv(s, bk) * bk
-  st = Static(float(scale), intervals.bounds(bool(is_causal), window),
-              score_mod, t, s, bq, bk, bool(max_logits))
+def static(t: int, s: int, *, scale, is_causal, block_q, block_k,
+           window=None, score_mod=None, max_logits: bool = False) -> Static:
+  """One head's static config for ``T = t`` queries over ``S = s`` keys."""
+  return Static(float(scale), intervals.bounds(bool(is_causal), window),
+                score_mod, t, s, min(block_q, t), min(block_k, s),
+                bool(max_logits))
+
+
+def padded(q, k, v, **config):
+  """One head's static config (``static``) and q, k, v padded to whole
+  blocks."""
+  st = static(q.shape[0], k.shape[0], **config)
+  tp, sp = _cdiv(st.t, st.bq) * st.bq, _cdiv(st.s, st.bk) * st.bk
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 
@@ -680,6 +726,27 @@ def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
   q_code, kv_code = numerics.codes(q, k, v)  # [Tp], [Sp]: once per head
   ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(
       garbage=garbage, q_code=q_code, kv_code=kv_code)
+  return _attend_head(st, q, k, v, ex, h, out_dtype)
+
+
+def paged_head(q, k: PagedRows, v: PagedRows, h, *, out_dtype, **blocks):
+  """One head over a paged cache's pages (``PagedRows``), key blocks of one
+  page (``block_k`` is the page size); as ``single_head`` otherwise.
+
+  Keys and values are never padded or gathered: each key block loads its
+  page, zero past the head's ``kv_length`` (which a paged call has), and
+  the block ranges visit only the pages below it that the pattern lets a
+  query block see. Garbage is looked for in each loaded block (the
+  per-head codes of ``single_head`` would read the whole pool).
+  """
+  st = static(q.shape[0], k.shape[0], **blocks)
+  q = pad_axis(q, 0, _cdiv(st.t, st.bq) * st.bq, 0)
+  ex = padded_head(st, q.shape[0], k.shape[0], h)
+  return _attend_head(st, q, k, v, ex, h, out_dtype)
+
+
+def _attend_head(st: Static, q, k, v, ex: broadcast.Head, h, out_dtype):
+  """The custom-VJP walk of one padded head, stripped, sinks, poisoned."""
   st, ex = hoist_score_mod(st, ex, q)
   out, lse, max_logits, code = _attend(st, q, k, v, ex,
                                        Place(*h.offsets(st.t, st.s)))

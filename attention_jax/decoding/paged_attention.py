@@ -1,0 +1,116 @@
+"""Attention over a paged KV cache, read page by page.
+
+Shape glossary: B sequences, N query heads, K key/value heads, T new tokens
+(queries) per sequence, Z tokens per page, M pages a sequence may hold, P
+pages in the pool, H (Hv) key (value) head dim.
+
+``paged_attention`` is a decoding step's attention after
+``paged_cache.append``: each sequence's queries are its newest tokens and
+attend over everything it holds, read from the pool through its page
+table. The layer's mask (causal, window, rule, ``q_lengths`` for ragged new
+tokens) is placed at the sequences' positions, as a linear cache places it
+(``cache_step``): query ``i`` of sequence ``b`` stands at position
+``lengths[b] - new[b] + i``, key slot ``p`` at ``p``, and nothing past
+``lengths[b]`` is seen. The call reaches the kernels as one record
+(``kernels.base.Pages`` in the ``Problem``): the flash kernel declares
+pages and loads one page per key block; a kernel that does not is refused
+by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+import numpy as np
+
+from attention_jax.attention import dot_product
+from attention_jax.core import checks
+from attention_jax.decoding import cache_step
+from attention_jax.decoding import paged_cache
+from attention_jax.kernels import base
+from attention_jax.masking import mask as mask_lib
+
+
+def placed_mask(mask: mask_lib.Mask | None, lengths, t: int):
+  """The layer's mask at a paged cache's positions (see the module doc).
+
+  ``lengths [B]`` are the sequences' lengths after this call's write; the
+  mask's ``q_lengths [B]`` (if any) their real new tokens, else all ``T``.
+  """
+  mask = mask_lib.Mask() if mask is None else mask
+  cache_step.check_unplaced(mask)  # the linear cache's refusals
+  if mask.kv_lengths is not None:
+    raise ValueError(
+        "the mask gives kv_lengths, but a paged cache's lengths say how "
+        "many keys each sequence holds: drop them from the mask.")
+  lengths = jnp.asarray(lengths, jnp.int32)
+  new = cache_step.new_lengths(mask, lengths.shape[0], t)
+  new = jnp.int32(t) if new is None else new
+  return mask_lib.Mask(
+      causal=mask.causal, window=mask.window, q_lengths=mask.q_lengths,
+      kv_lengths=lengths, dense=mask.dense,
+      rule=mask_lib.rule_function(mask.rule), q_offset=lengths - new,
+      kv_offset=jnp.zeros_like(lengths))
+
+
+def paged_attention(
+    query: ArrayLike,
+    cache: paged_cache.PagedKVCache,
+    mask: mask_lib.Mask | None = None,
+    *,
+    scale: float | ArrayLike | None = None,
+    score_mod: Any = None,
+    sinks: ArrayLike | None = None,
+    implementation: Any = None,
+    return_lse: bool = False,
+    return_max_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, ...]:
+  """Each sequence's newest tokens attend over what its pages hold.
+
+  Args:
+    query: float ``[B, N, T, H]``: the queries of the ``T`` tokens just
+      written with ``paged_cache.append`` (right-padded when the mask's
+      ``q_lengths`` says how many are real).
+    cache: the ``PagedKVCache`` after that write (``K`` dividing ``N``:
+      grouped-query attention).
+    mask: the layer's mask (``causal``, ``window``, a rule, ``q_lengths``),
+      placed at the sequences' positions; no positions, ``kv_lengths`` or
+      segment ids (the cache gives them).
+    scale, score_mod, sinks: as in ``scaled_dot_product_attention``; a
+      score modifier and a rule see positions in the sequence.
+    implementation: as in ``scaled_dot_product_attention``; a kernel that
+      does not read pages (``"flash"`` does) is refused by name.
+    return_lse, return_max_logits: also return them (``[B, N, T]``).
+
+  Returns:
+    ``[B, N, T, Hv]``, then lse and max_logits as asked for. A sequence
+    with no tokens (length 0) gets output 0 and lse ``-inf``; rows past
+    ``q_lengths`` are not meaningful.
+
+  Example:
+    >>> c = aj.init_paged_cache(8, 4, 1, 16, batch_size=2, max_pages=4)
+    >>> kv = jnp.ones((2, 1, 6, 16))
+    >>> c = aj.paged_cache.append(c, kv, kv, new_lengths=jnp.array([6, 3]))
+    >>> q = jnp.ones((2, 4, 6, 16))
+    >>> out = aj.paged_attention(q, c, aj.Mask(causal=True,
+    ...                          q_lengths=jnp.array([6, 3])))
+    >>> out.shape
+    (2, 4, 6, 16)
+  """
+  if not isinstance(cache, paged_cache.PagedKVCache):
+    raise TypeError(f"cache must be an aj PagedKVCache (init_paged_cache), "
+                    f"got {type(cache).__name__}.")
+  t = np.shape(query)[-2] if np.ndim(query) >= 2 else 0
+  checks.check_min_rank("query", query, 2, "[B, N, T, H]")
+  placed = placed_mask(mask, cache.lengths, t)
+  pages = base.Pages(cache.key_pages, cache.value_pages, cache.page_table)
+  out, _, lse, max_logits = dot_product.run(
+      query, None, None, placed, scale=scale, score_mod=score_mod,
+      sinks=sinks, implementation=implementation, return_lse=return_lse,
+      return_max_logits=return_max_logits, pages=pages)
+  extra = (lse,) * bool(return_lse) + (max_logits,) * bool(
+      return_max_logits)
+  return (out, *extra) if extra else out
