@@ -41,7 +41,10 @@ from attention_jax.attention import dot_product
 from attention_jax.core import checks
 from attention_jax.core import numerics
 from attention_jax.decoding import cache_step
+from attention_jax.decoding import paged_attention as paged_lib
+from attention_jax.decoding import paged_cache
 from attention_jax.decoding.cache_step import KVCache
+from attention_jax.decoding.paged_cache import PagedKVCache
 from attention_jax.layers import multi_head_params
 from attention_jax.layers import sharding
 from attention_jax.layers.multi_head_params import init_multi_head_params  # noqa: F401 (doctests)
@@ -489,8 +492,9 @@ def _rotary_positions(positions, kv_positions, t: int, s: int, b: int,
           "at `positions`.")
     if positions is None:  # each example's cache position, counted from
       # its first real token when it is left-padded
-      rot = q_pos if cache.left_padding is None else (
-          q_pos - jnp.asarray(cache.left_padding, jnp.int32)[:, None])
+      pads = getattr(cache, "left_padding", None)  # (a paged cache: none)
+      rot = q_pos if pads is None else (
+          q_pos - jnp.asarray(pads, jnp.int32)[:, None])
       rot = rot[:, None, :]  # [B, 1, T]
     else:
       rot = _as_positions("positions", positions, b, t, "T")
@@ -555,12 +559,54 @@ def _check_inputs(query, key, value, cache: KVCache | None,
   if q_shape[0] != k_shape[0]:
     raise ValueError(f"query {q_shape} and key {k_shape} must have the same "
                      "batch size B.")
+  batch = None if cache is None else _cache_batch(cache)
   if cache is not None and (k_shape[:2] != q_shape[:2]
-                            or q_shape[0] != cache.key.shape[0]):
+                            or q_shape[0] != batch):
     raise ValueError(
         f"decoding appends this call's tokens: query {q_shape} and key "
         f"{k_shape} must share [B, T], and B must equal the cache's batch "
-        f"{cache.key.shape[0]}.")
+        f"{batch}.")
+
+
+def _cache_batch(cache: KVCache | PagedKVCache) -> int:
+  if isinstance(cache, PagedKVCache):
+    return cache.page_table.shape[0]
+  return cache.key.shape[0]
+
+
+def _paged_step(k, v, m: Mask | None, cache: PagedKVCache, lengths, *,
+                bias, scale, dropout_rate, attention_fn, return_weights,
+                return_lse, return_max_logits):
+  """A decoding step on a paged cache: the write, and the function that
+  attends over it (``attend``'s signature; the layer's mask is causal)."""
+  for name, bad in (("bias", bias is not None),
+                    ("dropout_rate", not (isinstance(dropout_rate, (int, float))
+                                          and dropout_rate == 0)),
+                    ("return_weights", return_weights)):
+    if bad:
+      raise ValueError(
+          f"{name} is not supported while decoding from a paged cache (its "
+          "kernel reads pages block by page and forms no [T, S] array): "
+          "say a bias with a score modifier, decode without dropout.")
+  given = resolve_attention_fn(attention_fn).given
+  if callable(given) and not isinstance(given, kernels.Kernel):
+    raise ValueError(
+        f"attention_fn={given!r} is a function over keys and values, but a "
+        "paged cache's keys and values stay in its pages: give a kernel "
+        "(a name such as 'flash', an aj.kernels instance) or None, which "
+        "aj.paged_attention runs.")
+  cache = paged_cache.append(cache, k, v, new_lengths=lengths)
+  fields = {} if m is None else _fields(m)
+  placed = mask_lib.Mask(**{**fields, "causal": True})
+
+  def attend(q, k, v, m, bias, score_mod, sinks, dropout_rng):
+    del k, v, m, bias, dropout_rng  # the pages, the placed layer mask
+    return paged_lib.paged_attention(
+        q, cache, placed, scale=scale, score_mod=score_mod, sinks=sinks,
+        implementation=given, return_lse=return_lse,
+        return_max_logits=return_max_logits)
+
+  return cache, attend
 
 
 def _has_t5(mod) -> bool:
@@ -656,7 +702,7 @@ def multi_head_attention(
     memory: Memory | None = None,
     precision: Precision = None,
     head_axis: str | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
 ) -> Any:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
@@ -734,7 +780,11 @@ def multi_head_attention(
       passes): this call's keys and values are written at ``cache.index``
       and the queries attend to every filled slot, at their positions
       (``cache_step.write``); a dense mask and the bias are then over the
-      ``L`` cache slots (``[B, N, T, L]``).
+      ``L`` cache slots (``[B, N, T, L]``). A ``PagedKVCache``: the tokens
+      are appended to each sequence's pages (``paged_cache.append``) and
+      the queries attend causally over them through the page table
+      (``aj.paged_attention``; no bias, dropout or weights; ``attention_fn``
+      a kernel or None).
 
   Order per head: projection, qk-norm, rotary positions, cache write,
   attention, output gate (``W_g``), ``W_o``.
@@ -780,8 +830,12 @@ def multi_head_attention(
        else checks.shape_of(key)[1])
   sharding.check_heads_divide(dims.num_heads, dims.num_kv_heads, head_axis)
   b, t = q_shape[:2]
+  paged = isinstance(cache, PagedKVCache)
   if cache is None:
     full, layout = (b, dims.num_heads, t, s), "[B, N, T, S]"
+  elif paged:
+    full = (b, dims.num_heads, t, cache.max_pages * cache.page_size)
+    layout = "[B, N, T, M * Z] (decoding: a paged cache's slots)"
   else:
     full = (b, dims.num_heads, t, cache.key.shape[2])
     layout = "[B, N, T, L] (decoding: L cache slots)"
@@ -814,7 +868,8 @@ def multi_head_attention(
       k = rms_norm(k, params["k_norm"]["scale"])
   q_pos = None
   if cache is not None:  # every example at its own position
-    index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
+    index = cache.lengths if paged else jnp.broadcast_to(
+        jnp.asarray(cache.index, jnp.int32), (b,))
     lengths = cache_step.new_lengths(m, b, t)
     q_pos = index[:, None] + jnp.arange(t)[None, :]  # [B, T] absolute
   if rope is not None:
@@ -825,16 +880,23 @@ def multi_head_attention(
       seq_len = jnp.maximum(jnp.max(q_rot), jnp.max(k_rot)) + 1
     q = rope_lib.apply_rope(q, q_rot, rope=rope, seq_len=seq_len)
     k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
-  if cache is not None:
-    k, v, m, score_mod, cache = cache_step.write(
-        cache, k, v, m, bias, score_mod, index, lengths, q_pos,
-        dims.num_heads)
   def attend(q, k, v, m, bias, score_mod, sinks, dropout_rng):
     return attend_heads(
         q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         attention_fn=attention_fn, return_weights=return_weights,
         return_lse=return_lse, return_max_logits=return_max_logits)
+
+  if paged:
+    cache, attend = _paged_step(
+        k, v, m, cache, lengths, bias=bias, scale=scale,
+        dropout_rate=dropout_rate, attention_fn=attention_fn,
+        return_weights=return_weights, return_lse=return_lse,
+        return_max_logits=return_max_logits)
+  elif cache is not None:
+    k, v, m, score_mod, cache = cache_step.write(
+        cache, k, v, m, bias, score_mod, index, lengths, q_pos,
+        dims.num_heads)
 
   # Explicit mesh axes: the per-head attention runs with them auto, its
   # results sharded as the queries' [B, N, T] (sharding.auto_like).

@@ -32,6 +32,7 @@ from jax.typing import ArrayLike
 from attention_jax.core import checks
 from attention_jax.decoding import cache_step
 from attention_jax.decoding import kv_cache
+from attention_jax.decoding import paged_cache
 from attention_jax.layers import multi_head
 from attention_jax.layers import multi_head_params
 from attention_jax.layers import sharding
@@ -376,6 +377,10 @@ class MultiHeadAttention(nnx.Module):
     self.cache_overflow: nnx.Cache | None = nnx.data(None)
     self.cache_pad_written: nnx.Cache | None = nnx.data(None)
     self.cache_left_padding: nnx.Cache | None = nnx.data(None)
+    # A paged cache (init_paged_cache): cached_key/cached_value hold the
+    # pools, cache_index the lengths.
+    self.cache_page_table: nnx.Cache | None = nnx.data(None)
+    self.cache_refcount: nnx.Cache | None = nnx.data(None)
     self.cache_window: int | None = None
     self.memory_key: nnx.Cache | None = nnx.data(None)
     self.memory_value: nnx.Cache | None = nnx.data(None)
@@ -497,7 +502,77 @@ class MultiHeadAttention(nnx.Module):
     self.cache_left_padding = (None if left_padding is None
                                else nnx.Cache(left_padding))  # [B]
     self.cache_window = window
+    self.cache_page_table = self.cache_refcount = None
     self.memory_key = self.memory_value = None  # one cache at a time
+
+  def init_paged_cache(self, batch_size: int, *, num_pages: int,
+                       page_size: int, max_pages: int,
+                       dtype: jnp.dtype | None = None) -> None:
+    """Creates an empty paged KV cache (``aj.init_paged_cache``).
+
+    One pool of ``num_pages`` pages of ``page_size`` tokens serves the
+    ``batch_size`` sequences (rows), each holding at most ``max_pages``
+    pages: memory follows the tokens held, not ``B`` times the longest.
+    ``decode=True`` then appends each call's tokens to each sequence's
+    pages and attends causally through its page table (ragged new tokens
+    with the mask's ``q_lengths``). A finished sequence's pages return to
+    the pool with ``update_paged_cache(aj.paged_cache.release, done)``;
+    ``update_paged_cache(aj.paged_cache.share_prefix, src, dst, n)``
+    gives a new sequence another's prompt without copying it.
+
+    Example:
+      >>> mha = aj.MultiHeadAttention(8, 2, rngs=nnx.Rngs(0))
+      >>> mha.init_paged_cache(2, num_pages=6, page_size=4, max_pages=3)
+      >>> out = mha(jnp.ones((2, 5, 8)), decode=True,
+      ...           mask=aj.Mask(q_lengths=jnp.array([5, 2])))
+      >>> mha.cache_index[...].tolist()
+      [5, 2]
+      >>> mha.update_paged_cache(aj.paged_cache.release,
+      ...                        jnp.array([True, False]))
+      >>> mha.cache_index[...].tolist()
+      [0, 2]
+    """
+    checks.check_positive_int("batch_size", batch_size)
+    dtype = dtype or self.dtype or self.param_dtype
+    cache = paged_cache.init_paged_cache(
+        num_pages, page_size, self.num_kv_heads, self.head_dim, batch_size,
+        max_pages, dtype=dtype)
+    self.cached_key = nnx.Cache(cache.key_pages)  # [P, K, Z, H]
+    self.cached_value = nnx.Cache(cache.value_pages)
+    self.cache_index = nnx.Cache(cache.lengths)  # [B]
+    self.cache_overflow = nnx.Cache(cache.overflow)  # [B]
+    self.cache_page_table = nnx.Cache(cache.page_table)  # [B, M]
+    self.cache_refcount = nnx.Cache(cache.refcount)  # [P]
+    self.cache_pad_written = self.cache_left_padding = None
+    self.cache_window = None
+    self.memory_key = self.memory_value = None  # one cache at a time
+
+  def _paged(self) -> paged_cache.PagedKVCache:
+    return paged_cache.PagedKVCache(
+        self.cached_key[...], self.cached_value[...],
+        self.cache_page_table[...], self.cache_index[...],
+        self.cache_refcount[...], self.cache_overflow[...])
+
+  def _store_paged(self, cache: paged_cache.PagedKVCache) -> None:
+    self.cached_key[...] = cache.key_pages
+    self.cached_value[...] = cache.value_pages
+    self.cache_page_table[...] = cache.page_table
+    self.cache_index[...] = cache.lengths
+    self.cache_refcount[...] = cache.refcount
+    self.cache_overflow[...] = cache.overflow
+
+  def update_paged_cache(self, fn, *args, **kwargs) -> None:
+    """Replaces the paged cache by ``fn(cache, *args, **kwargs)``: one of
+    ``aj.paged_cache``'s pure updates (``release``, ``share_prefix``,
+    ``append``)."""
+    if self.cache_page_table is None:
+      raise ValueError("update_paged_cache needs a paged cache: call "
+                       "init_paged_cache(...) first.")
+    cache = fn(self._paged(), *args, **kwargs)
+    if not isinstance(cache, paged_cache.PagedKVCache):
+      raise TypeError(f"{getattr(fn, '__name__', fn)} returned "
+                      f"{type(cache).__name__}, not a PagedKVCache.")
+    self._store_paged(cache)
 
   def init_cross_cache(self, memory: ArrayLike, *,
                        dtype: jnp.dtype | None = None) -> None:
@@ -543,6 +618,7 @@ class MultiHeadAttention(nnx.Module):
     self.cached_key = self.cached_value = None
     self.cache_index = self.cache_overflow = None
     self.cache_pad_written = self.cache_left_padding = None
+    self.cache_page_table = self.cache_refcount = None
     self.cache_window = None
 
   def check_cache(self) -> None:
@@ -562,6 +638,9 @@ class MultiHeadAttention(nnx.Module):
     """
     if self.cache_overflow is None:
       cache_step.raise_if_overflowed(None, None, 0, "KV cache")
+    if self.cache_page_table is not None:
+      paged_cache.check_overflow(self._paged())
+      return
     cache_step.raise_if_overflowed(
         self.cache_overflow[...], self.cache_index[...],
         self.cached_key.shape[2], "KV cache",
@@ -689,10 +768,13 @@ class MultiHeadAttention(nnx.Module):
                          "(cross-attention).")
       pads = (None if self.cache_left_padding is None
               else self.cache_left_padding[...])
-      cache = cache_step.KVCache(
-          self.cached_key[...], self.cached_value[...],
-          self.cache_index[...], self.cache_overflow[...], self.cache_window,
-          pads, self.cache_pad_written[...])
+      if self.cache_page_table is not None:
+        cache = self._paged()
+      else:
+        cache = cache_step.KVCache(
+            self.cached_key[...], self.cached_value[...],
+            self.cache_index[...], self.cache_overflow[...],
+            self.cache_window, pads, self.cache_pad_written[...])
     checks.check_static_bool("is_causal", is_causal)
     call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)
     if self.mask is not None:
@@ -712,7 +794,10 @@ class MultiHeadAttention(nnx.Module):
         rope=self.rope, positions=positions, kv_positions=kv_positions,
         precision=self.precision, head_axis=self.head_axis, cache=cache,
         memory=memory)
-    if decode:
+    if decode and self.cache_page_table is not None:
+      result, cache = result
+      self._store_paged(cache)
+    elif decode:
       result, cache = result
       self.cached_key[...] = cache.key
       self.cached_value[...] = cache.value
