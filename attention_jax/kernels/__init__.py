@@ -56,6 +56,7 @@ from attention_jax.kernels.flash import Flash
 from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
 from attention_jax.kernels.splash import Splash
+from attention_jax.kernels.split_kv import SplitKV
 from attention_jax.masking import intervals
 
 # Rebound (never mutated) by register/unregister: a tuple read through the
@@ -71,7 +72,7 @@ REGISTRY: tuple[Kernel, ...] = (
 __all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
            "Flash", "Head", "Kernel", "Operands", "Pages", "PallasGpu",
            "Problem",
-           "Registration", "Result", "Ring", "Splash", "allowed", "by_name",
+           "Registration", "Result", "Ring", "Splash", "SplitKV", "allowed", "by_name",
            "candidates", "choose", "compute_dtype", "float32_only",
            "lift_heads", "masked_logsumexp", "masked_softmax",
            "no_max_logits", "no_weights_or_dropout", "register", "too_small",

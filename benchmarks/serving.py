@@ -1,0 +1,157 @@
+"""Decode-step attention for serving: ``python -m benchmarks.serving``.
+
+Two tables, one process, each row a median of ``--repeats`` timed calls
+after a compiling one (outputs checked against each other first):
+
+* **split-KV**: one query per sequence (``B=1``) over ``S`` keys, the
+  keys in one linear buffer: the dense kernel (one ``[1, S]`` row), the
+  flash kernel's single walk, and ``aj.kernels.SplitKV(C)`` (``C`` chunks
+  of that walk, merged) for each ``--splits``; ratio to the single walk.
+* **paged vs linear**: a decode step of ``B`` sequences at the same lengths
+  (``--lengths``), once through ``aj.paged_attention`` (pages of ``Z``
+  tokens, each sequence's pages scattered over the pool) and once over a
+  linear ``[B, K, L, H]`` cache with the same mask at positions (the flash
+  kernel with ``block_k = Z``, and the automatic choice); ratio paged /
+  linear.
+
+Shape glossary: B sequences, N query heads, K key/value heads, H head dim,
+S keys, Z page size, L linear cache slots.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_jax as aj
+
+_KEYS = flags.DEFINE_list("keys", ["8192", "32768"],
+                          "split-KV: key counts S of the one-query rows.")
+_SPLITS = flags.DEFINE_list("splits", ["2", "4", "8", "16"],
+                            "split-KV: chunk counts C.")
+_BATCH = flags.DEFINE_integer("batch", 8, "paged vs linear: sequences B.")
+_LENGTHS = flags.DEFINE_list("lengths", ["1024", "4096"],
+                             "paged vs linear: each sequence's length.")
+_PAGE = flags.DEFINE_integer("page_size", 256, "paged: tokens per page Z.")
+_HEADS = flags.DEFINE_integer("heads", 8, "query heads N.")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "key/value heads K.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "head dim H.")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "timed calls per row.")
+
+
+def _time(fn, *args, repeats: int) -> float:
+  """Median seconds of ``repeats`` calls (after one that compiles)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def split_kv_rows(s: int, splits, *, n: int, k: int, h: int, repeats: int):
+  """``[(name, seconds, ratio to the single walk)]`` for one query over
+  ``s`` keys."""
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((1, n, 1, h)), jnp.float32)
+  kv = jnp.asarray(rng.standard_normal((2, 1, k, s, h)), jnp.float32)
+  mask = aj.Mask(causal=True)
+  impls = {"dense (one row)": "dense", "flash (one walk)": "flash"}
+  impls.update({f"split_kv C={c}": aj.kernels.SplitKV(int(c))
+                for c in splits})
+  fns = {name: jax.jit(lambda q, kv, impl=impl: aj.scaled_dot_product_attention(
+      q, kv[0], kv[1], mask, implementation=impl)) for name, impl in
+         impls.items()}
+  want = fns["dense (one row)"](q, kv)
+  for name, fn in fns.items():  # a fast wrong answer is worthless
+    np.testing.assert_allclose(fn(q, kv), want, atol=1e-5, rtol=1e-5,
+                               err_msg=name)
+  times = {name: _time(fn, q, kv, repeats=repeats) for name, fn in fns.items()}
+  walk = times["flash (one walk)"]
+  return [(name, t, t / walk) for name, t in times.items()]
+
+
+def paged_rows(b: int, length: int, z: int, *, n: int, k: int, h: int,
+               repeats: int):
+  """``[(name, seconds, ratio to paged)]``: one decode step of ``b``
+  sequences of ``length`` tokens, paged and linear."""
+  rng = np.random.default_rng(1)
+  m = -(-length // z) + 1  # room for the step's token
+  p = b * m
+  keys = rng.standard_normal((b, k, length, h)).astype(np.float32)
+  values = rng.standard_normal((b, k, length, h)).astype(np.float32)
+  cache = aj.init_paged_cache(p, z, k, h, batch_size=b, max_pages=m)
+  # Scatter the sequences over the pool: write them round-robin in chunks.
+  for start in range(0, length, z):
+    chunk = slice(start, min(start + z, length))
+    cache = aj.paged_cache.append(cache, jnp.asarray(keys[:, :, chunk]),
+                                  jnp.asarray(values[:, :, chunk]))
+  q = jnp.asarray(rng.standard_normal((b, n, 1, h)), jnp.float32)
+  lengths = jnp.full((b,), length, jnp.int32)
+  slots = m * z
+  pad = [(0, 0), (0, 0), (0, slots - length), (0, 0)]
+  lin_k, lin_v = (jnp.asarray(np.pad(x, pad)) for x in (keys, values))
+  mask = aj.Mask(causal=True, kv_lengths=lengths, q_offset=lengths - 1,
+                 kv_offset=jnp.zeros_like(lengths))
+  fns = {
+      "paged (flash, pages of Z)": (jax.jit(
+          lambda q, c: aj.paged_attention(q, c, aj.Mask(causal=True))),
+                                    (q, cache)),
+      "linear (flash, block_k=Z)": (jax.jit(
+          lambda q, k_, v_: aj.scaled_dot_product_attention(
+              q, k_, v_, mask, implementation=aj.kernels.Flash(
+                  block_k=z))), (q, lin_k, lin_v)),
+      "linear (automatic)": (jax.jit(
+          lambda q, k_, v_: aj.scaled_dot_product_attention(q, k_, v_, mask)),
+                             (q, lin_k, lin_v)),
+  }
+  want = fns["linear (automatic)"][0](*fns["linear (automatic)"][1])
+  for name, (fn, args) in fns.items():
+    np.testing.assert_allclose(fn(*args), want, atol=1e-5, rtol=1e-5,
+                               err_msg=name)
+  times = {name: _time(fn, *args, repeats=repeats)
+           for name, (fn, args) in fns.items()}
+  paged = times["paged (flash, pages of Z)"]
+  return [(name, t, t / paged) for name, t in times.items()]
+
+
+def _table(header, rows) -> str:
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  n, k, h = _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value
+  print(f"{platform.processor() or platform.machine()}, "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; "
+        f"N={n} K={k} H={h} float32, medians of {_REPEATS.value}")
+  rows = []
+  for s in map(int, _KEYS.value):
+    for name, t, ratio in split_kv_rows(s, _SPLITS.value, n=n, k=k, h=h,
+                                        repeats=_REPEATS.value):
+      rows.append((str(s), name, f"{t * 1e3:.2f}", f"{ratio:.2f}"))
+  print("\nOne query over S keys (B=1):\n")
+  print(_table(("S", "kernel", "ms", "/ one walk"), rows))
+  rows = []
+  for length in map(int, _LENGTHS.value):
+    for name, t, ratio in paged_rows(_BATCH.value, length, _PAGE.value, n=n,
+                                     k=k, h=h, repeats=_REPEATS.value):
+      rows.append((str(length), name, f"{t * 1e3:.2f}", f"{ratio:.2f}"))
+  print(f"\nA decode step, B={_BATCH.value} sequences at equal lengths, "
+        f"Z={_PAGE.value}:\n")
+  print(_table(("length", "cache", "ms", "/ paged"), rows))
+
+
+if __name__ == "__main__":
+  app.run(main)
