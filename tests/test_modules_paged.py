@@ -98,6 +98,22 @@ class PagedModuleTest(chex.TestCase):
       np.testing.assert_allclose(
           out[b:b + 1], _copy(alone)(x[b:b + 1], decode=True), **TOL)
 
+  def test_an_int8_cache_decodes_close_to_the_float_one(self):
+    outs = {}
+    for dtype in (jnp.float32, "int8"):
+      paged = _layer()
+      paged.init_paged_cache(B, num_pages=9, page_size=3, max_pages=6,
+                             dtype=dtype)
+      outs[str(dtype)] = [paged(_tokens(1, 5), decode=True)]
+      outs[str(dtype)] += [paged(_tokens(2 + i, 1), decode=True)
+                           for i in range(3)]
+      self.assertEqual(paged.cached_key[...].dtype,
+                       jnp.int8 if dtype == "int8" else jnp.float32)
+    for f, q in zip(outs[str(jnp.float32)], outs["int8"]):
+      # int8 keys/values within max|x| / 254 per entry; D = 16 outputs
+      # move by a few 1e-3
+      np.testing.assert_allclose(q, f, atol=2e-2)
+
   def test_under_jit_and_overflow_is_reported(self):
     paged = _layer()
     paged.init_paged_cache(B, num_pages=3, page_size=2, max_pages=2)

@@ -321,7 +321,8 @@ def _left_aligned(name: str, x, core: int, leading_rank: int, layout: str):
     return jnp.reshape(x, shape)
 
 
-def paged_operands(query, key_pages, value_pages, table, mask):
+def paged_operands(query, key_pages, value_pages, table, mask,
+                   key_scales=None, value_scales=None):
   """Checks a paged call; the logical keys and values the pages stand for.
 
   ``query [B, N, T, H]`` against ``key_pages [P, K, Z, H]``,
@@ -329,12 +330,28 @@ def paged_operands(query, key_pages, value_pages, table, mask):
   must give ``kv_lengths`` (each example's length: what lies past it in
   its pages is not its own). Returns ``ShapeDtypeStruct``s ``[B, K, M * Z,
   H]`` and ``[B, K, M * Z, Hv]`` for ``attention_operands`` to check like
-  keys and values (nothing of that size is built).
+  keys and values (nothing of that size is built). Quantised pages (int8,
+  float8_e4m3fn) come with float32 scales ``[P, K, Z]`` and stand for
+  float32 keys and values.
   """
-  for name, x in (("query", query), ("key_pages", key_pages),
-                  ("value_pages", value_pages)):
-    check_float_array(name, x)
+  check_float_array("query", query)
   q_shape, k_shape, v_shape = map(shape_of, (query, key_pages, value_pages))
+  dtypes = []
+  for name, x, scales in (("key_pages", key_pages, key_scales),
+                          ("value_pages", value_pages, value_scales)):
+    if scales is None:
+      check_float_array(name, x)
+      dtypes.append(jnp.result_type(x))
+      continue
+    stored = jnp.result_type(x)
+    if stored not in (jnp.int8, jnp.float8_e4m3fn):
+      raise TypeError(f"{name} with scales must be int8 or float8_e4m3fn "
+                      f"(quantised pages), got {stored}.")
+    check_float_array(f"{name}' scales", scales)
+    if shape_of(scales) != shape_of(x)[:3]:
+      raise ValueError(f"{name}' scales must be [P, K, Z] = "
+                       f"{list(shape_of(x)[:3])}, got {shape_of(scales)}.")
+    dtypes.append(jnp.dtype(jnp.float32))
   if len(q_shape) != 4:
     raise ValueError(f"a paged call takes query [B, N, T, H], got "
                      f"{q_shape}.")
@@ -357,10 +374,8 @@ def paged_operands(query, key_pages, value_pages, table, mask):
         "aj.paged_attention gives the cache's lengths.")
   b, m = t_shape
   k, z = k_shape[1], k_shape[2]
-  return (jax.ShapeDtypeStruct((b, k, m * z, k_shape[3]),
-                               jnp.result_type(key_pages)),
-          jax.ShapeDtypeStruct((b, k, m * z, v_shape[3]),
-                               jnp.result_type(value_pages)))
+  return (jax.ShapeDtypeStruct((b, k, m * z, k_shape[3]), dtypes[0]),
+          jax.ShapeDtypeStruct((b, k, m * z, v_shape[3]), dtypes[1]))
 
 
 def _split_heads(x, groups):

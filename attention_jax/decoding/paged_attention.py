@@ -106,7 +106,8 @@ def paged_attention(
   t = np.shape(query)[-2] if np.ndim(query) >= 2 else 0
   checks.check_min_rank("query", query, 2, "[B, N, T, H]")
   placed = placed_mask(mask, cache.lengths, t)
-  pages = base.Pages(cache.key_pages, cache.value_pages, cache.page_table)
+  pages = base.Pages(cache.key_pages, cache.value_pages, cache.page_table,
+                     cache.key_scales, cache.value_scales)
   out, _, lse, max_logits = dot_product.run(
       query, None, None, placed, scale=scale, score_mod=score_mod,
       sinks=sinks, implementation=implementation, return_lse=return_lse,

@@ -21,8 +21,10 @@ with a NaN or inf gets a non-finite scale and dequantises to non-finite
 values, so it stays garbage (which attention keeps from rows that may not
 see it) instead of becoming a finite number made up.
 
-These are the write and read of a quantised cache; the caches themselves
-(linear and paged) do not store quantised pages yet.
+These are the write and read of a quantised cache: the paged cache stores
+its pages so (``init_paged_cache(..., dtype="int8")``: quantised on
+``append``, dequantised page by page inside the flash walk); the linear
+cache does not yet.
 """
 
 from __future__ import annotations

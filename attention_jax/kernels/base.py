@@ -61,6 +61,11 @@ class Pages(NamedTuple):
   key_pages: jax.Array  # [P, K, Z, H]
   value_pages: jax.Array  # [P, K, Z, Hv]
   table: jax.Array  # int32 [B, M]
+  # float32 [P, K, Z]: quantised pages (int8, float8_e4m3fn) hold
+  # ``x / scale`` per token and head; a kernel declaring "page_scales"
+  # dequantises each page as it loads it.
+  key_scales: jax.Array | None = None
+  value_scales: jax.Array | None = None
 
   @property
   def page_size(self) -> int:
@@ -96,6 +101,8 @@ class Problem(NamedTuple):
                    if x is not None and x is not False)
     found.update(name for name in _CALL_OPERANDS
                  if getattr(self.ops, name) is not None)
+    if self.pages is not None and self.pages.key_scales is not None:
+      found.add("page_scales")  # quantised pages: dequantised on load
     for name, default in type(self)._field_defaults.items():
       if name in _NOT_FEATURES:
         continue
@@ -131,7 +138,7 @@ MASK_FIELDS = frozenset({
     "kv_segment_ids", "dense", "rule", "q_offset", "kv_offset"})
 OPTIONS = frozenset({
     "bias", "sinks", "score_mod", "dropout_rate", "return_weights",
-    "return_lse", "return_max_logits", "pages"})
+    "return_lse", "return_max_logits", "pages", "page_scales"})
 
 
 class Kernel:
@@ -184,7 +191,9 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
     if key is not None or value is not None:
       raise TypeError("a paged call reads its keys and values from the "
                       "pages: pass key=None and value=None with pages=.")
-    key, value = checks.paged_operands(query, *pages, mask)
+    key, value = checks.paged_operands(
+        query, pages.key_pages, pages.value_pages, pages.table, mask,
+        pages.key_scales, pages.value_scales)
   ops = checks.attention_operands(query, key, value, mask,
                                   bias, sinks=sinks, score_mod=score_mod)
   checks.check_dropout(dropout_rate, dropout_rng)
@@ -193,7 +202,7 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
   if pages is not None:
-    pages = Pages(*(jnp.asarray(x) for x in pages))
+    pages = Pages(*(None if x is None else jnp.asarray(x) for x in pages))
   return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
                  bool(return_weights), bool(return_lse),
                  bool(return_max_logits), mask, pages)

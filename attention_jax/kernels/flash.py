@@ -41,7 +41,7 @@ class Flash(base.Kernel):
   name = "flash"
   implements = base.MASK_FIELDS | {"bias", "sinks", "score_mod",
                                    "return_lse", "return_max_logits",
-                                   "pages"}
+                                   "pages", "page_scales"}
 
   def __post_init__(self):
     base.check_block_size("block_q", self.block_q)
@@ -117,9 +117,10 @@ class Flash(base.Kernel):
     def head(q, kv_head, row, h):
       kv_head, row = kv_head[0, 0], row[0]
       return flash_core.paged_head(
-          q, flash_core.PagedRows(pages.key_pages, kv_head, row),
-          flash_core.PagedRows(pages.value_pages, kv_head, row), h,
-          **config)
+          q, flash_core.PagedRows(pages.key_pages, kv_head, row,
+                                  pages.key_scales),
+          flash_core.PagedRows(pages.value_pages, kv_head, row,
+                               pages.value_scales), h, **config)
 
     return broadcast.lift_heads(head, ops._replace(key=heads, value=rows))
 

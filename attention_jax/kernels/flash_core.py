@@ -174,11 +174,15 @@ class PagedRows(NamedTuple):
   Stands for the ``[M * Z, H]`` rows ``pool[row[j], head]`` (page by page)
   without building them: ``_key_rows`` loads one page per key block
   (``bk = Z``). ``row`` entries ``>= P`` (no page) lie past the head's
-  length; their load is clamped to a real page and zeroed there.
+  length; their load is clamped to a real page and zeroed there. With
+  ``scales`` the pool is quantised (int8, float8_e4m3fn) and a page is
+  dequantised as it is loaded (float32 ``q * scale``): no dequantised
+  copy of the pool or of a sequence exists.
   """
   pool: jax.Array  # [P, K, Z, H]
   head: jax.Array  # int32 scalar: the key/value head
   row: jax.Array  # int32 [M]: this example's pages
+  scales: jax.Array | None = None  # float32 [P, K, Z]: quantised pool
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -186,17 +190,25 @@ class PagedRows(NamedTuple):
 
   @property
   def dtype(self):
-    return self.pool.dtype
+    return jnp.dtype(jnp.float32) if self.scales is not None else (
+        self.pool.dtype)
 
   def page(self, j0, bk: int):
     """The rows ``[j0, j0 + bk)``: one page (``bk = Z``)."""
     p = jax.lax.dynamic_index_in_dim(self.row, j0 // bk, keepdims=False)
     page = jax.lax.dynamic_slice(
-        self.pool, (p, self.head, 0, 0), (1, 1) + self.pool.shape[2:])
-    return page[0, 0]  # [Z, H]
+        self.pool, (p, self.head, 0, 0), (1, 1) + self.pool.shape[2:])[0, 0]
+    if self.scales is None:
+      return page  # [Z, H]
+    scale = jax.lax.dynamic_slice(self.scales, (p, self.head, 0),
+                                  (1, 1, self.pool.shape[2]))[0, 0]  # [Z]
+    return page.astype(jnp.float32) * scale[:, None]  # [Z, H]
 
   def cotangent(self, d_rows) -> PagedRows:
-    """The pool's share of a cotangent of the ``[M * Z, H]`` rows."""
+    """The pool's share of a cotangent of the ``[M * Z, H]`` rows (none
+    for a quantised pool: it is a store, not a parameter)."""
+    if self.scales is not None:
+      return PagedRows(None, None, None, None)
     m, z = self.row.shape[0], self.pool.shape[2]
     d_pool = jnp.zeros(self.pool.shape, d_rows.dtype).at[
         self.row, self.head].add(d_rows.reshape(m, z, -1), mode="drop")

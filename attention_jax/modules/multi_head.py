@@ -381,6 +381,8 @@ class MultiHeadAttention(nnx.Module):
     # pools, cache_index the lengths.
     self.cache_page_table: nnx.Cache | None = nnx.data(None)
     self.cache_refcount: nnx.Cache | None = nnx.data(None)
+    self.cache_key_scales: nnx.Cache | None = nnx.data(None)  # quantised
+    self.cache_value_scales: nnx.Cache | None = nnx.data(None)
     self.cache_window: int | None = None
     self.memory_key: nnx.Cache | None = nnx.data(None)
     self.memory_value: nnx.Cache | None = nnx.data(None)
@@ -503,6 +505,7 @@ class MultiHeadAttention(nnx.Module):
                                else nnx.Cache(left_padding))  # [B]
     self.cache_window = window
     self.cache_page_table = self.cache_refcount = None
+    self.cache_key_scales = self.cache_value_scales = None
     self.memory_key = self.memory_value = None  # one cache at a time
 
   def init_paged_cache(self, batch_size: int, *, num_pages: int,
@@ -515,7 +518,10 @@ class MultiHeadAttention(nnx.Module):
     pages: memory follows the tokens held, not ``B`` times the longest.
     ``decode=True`` then appends each call's tokens to each sequence's
     pages and attends causally through its page table (ragged new tokens
-    with the mask's ``q_lengths``). A finished sequence's pages return to
+    with the mask's ``q_lengths``). ``dtype="int8"`` or
+    ``"float8_e4m3fn"`` stores quantised pages with a scale per token and
+    key/value head (dequantised page by page as attention reads them). A
+    finished sequence's pages return to
     the pool with ``update_paged_cache(aj.paged_cache.release, done)``;
     ``update_paged_cache(aj.paged_cache.share_prefix, src, dst, n)``
     gives a new sequence another's prompt without copying it.
@@ -543,15 +549,21 @@ class MultiHeadAttention(nnx.Module):
     self.cache_overflow = nnx.Cache(cache.overflow)  # [B]
     self.cache_page_table = nnx.Cache(cache.page_table)  # [B, M]
     self.cache_refcount = nnx.Cache(cache.refcount)  # [P]
+    scales = cache.key_scales is not None
+    self.cache_key_scales = nnx.Cache(cache.key_scales) if scales else None
+    self.cache_value_scales = (nnx.Cache(cache.value_scales) if scales
+                               else None)  # [P, K, Z]
     self.cache_pad_written = self.cache_left_padding = None
     self.cache_window = None
     self.memory_key = self.memory_value = None  # one cache at a time
 
   def _paged(self) -> paged_cache.PagedKVCache:
+    scales = (None, None) if self.cache_key_scales is None else (
+        self.cache_key_scales[...], self.cache_value_scales[...])
     return paged_cache.PagedKVCache(
         self.cached_key[...], self.cached_value[...],
         self.cache_page_table[...], self.cache_index[...],
-        self.cache_refcount[...], self.cache_overflow[...])
+        self.cache_refcount[...], self.cache_overflow[...], *scales)
 
   def _store_paged(self, cache: paged_cache.PagedKVCache) -> None:
     self.cached_key[...] = cache.key_pages
@@ -560,6 +572,9 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index[...] = cache.lengths
     self.cache_refcount[...] = cache.refcount
     self.cache_overflow[...] = cache.overflow
+    if self.cache_key_scales is not None:
+      self.cache_key_scales[...] = cache.key_scales
+      self.cache_value_scales[...] = cache.value_scales
 
   def update_paged_cache(self, fn, *args, **kwargs) -> None:
     """Replaces the paged cache by ``fn(cache, *args, **kwargs)``: one of
@@ -619,6 +634,7 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index = self.cache_overflow = None
     self.cache_pad_written = self.cache_left_padding = None
     self.cache_page_table = self.cache_refcount = None
+    self.cache_key_scales = self.cache_value_scales = None
     self.cache_window = None
 
   def check_cache(self) -> None:
