@@ -59,6 +59,7 @@ CONFIGURED = {
     "pallas_gpu": aj.kernels.PallasGpu(block_q=16, block_k=16,
                                        interpret=True),
     "splash": aj.kernels.Splash(interpret=True),  # 128-blocks: one each here
+    "paged_tpu": aj.kernels.PagedTpu(interpret=True),
 }
 
 # The case features each kernel refuses (its ``supports`` must say so).
@@ -75,6 +76,12 @@ REFUSES = {
     "splash": frozenset({"float64", "bias", "mask", "alibi", "t5",
                          "max_logits", "positions", "paged"}),
 }
+# A TPU paged decoding step: one bfloat16 query per sequence, seeing the
+# keys up to its position (its columns run only SUBSETS' cases).
+REFUSES["paged_tpu"] = frozenset({
+    "float32", "float64", "float16", "mask", "bias", "lse", "q_lengths",
+    "window", "softcap", "segments", "sinks", "alibi", "t5", "rule",
+    "max_logits"})
 NEEDS_GPU = frozenset({"cudnn"})
 
 
@@ -103,6 +110,11 @@ SUBSETS = {
         "rule_per_example_prefix_window", "union_prefix_lm_segments",
         "max_logits_modified_patterned", "positions_causal_window_rule",
         "garbage_causal_window_lengths", "paged_decode_alibi_rule_mqa"),
+    # It reads paged caches only: the paged cases (the float32 ones are
+    # refused) and two refusals.
+    "paged_tpu": (
+        "paged_prefill_window_gqa_sinks", "paged_decode_alibi_rule_mqa",
+        "paged_decode_bfloat16_gqa", "mask_empty_rows", "float64"),
 }
 
 
@@ -361,6 +373,11 @@ CASES = {
         t=1, s=42, kv_heads=1, causal=True, lengths=(31, 0),
         positions=((30, -1), (0, 0)), alibi=True, rule="per_example_prefix",
         lse=True, max_logits=True, paged=7),
+    # A bfloat16 decoding step over pages (what a TPU kernel multiplies
+    # exactly): GQA, one sequence empty.
+    "paged_decode_bfloat16_gqa": Case(
+        t=1, s=42, causal=True, lengths=(29, 0), positions=((28, -1), (0, 0)),
+        dtype="bfloat16", paged=7),
 }
 
 # (tensor, example, its head, row, feature, value) of each planted entry;

@@ -215,7 +215,8 @@ class ChoiceTest(parameterized.TestCase):
     self.assertEqual(
         [(v.name, v.verdict) for v in why.verdicts],
         [("cudnn", "refuses"), ("splash", "refuses"),
-         ("pallas_gpu", "refuses"), ("flash", "runs"),
+         ("paged_tpu", "refuses"), ("pallas_gpu", "refuses"),
+         ("flash", "runs"),
          ("dense", "not tried")])
     self.assertIn("it needs a GPU, the backend is 'cpu'", why.reason("cudnn"))
     self.assertIn("needs a TPU", why.reason("splash"))
@@ -250,7 +251,8 @@ class ChoiceTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "dropout_rng"):
       aj.explain(q, q, q, dropout_rate=0.5)
     with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'splash', "
-                                "'pallas_gpu', 'flash', 'dense'\\]"):
+                                "'paged_tpu', 'pallas_gpu', 'flash', "
+                                "'dense'\\]"):
       aj.explain(q, q, q, implementation="flahs")
 
 

@@ -149,3 +149,21 @@ class PagedAttentionTest(chex.TestCase):
                                                           bool)))
     with self.assertRaisesRegex(TypeError, "PagedKVCache"):
       aj.paged_attention(q, (x, x))
+
+
+class PagedGarbageTest(chex.TestCase):
+
+  def test_a_nan_a_row_sees_spoils_that_row_alone_in_every_paged_kernel(self):
+    cache = pc.init_paged_cache(6, Z, K, H, 2, M, dtype=jnp.bfloat16)
+    x = jnp.ones((2, K, 5, H), jnp.bfloat16)
+    cache = pc.append(cache, x, x)
+    bad = cache.page_table[0, 1]  # sequence 0's second page, slot 0
+    cache = cache._replace(key_pages=cache.key_pages.at[bad, 0, 0, 0].set(
+        jnp.nan))
+    q = jnp.ones((2, N, 1, H), jnp.bfloat16)
+    for impl in ("flash", aj.kernels.PagedTpu(interpret=True),
+                 aj.kernels.SplitKV(2)):
+      out = np.asarray(aj.paged_attention(q, cache, aj.Mask(causal=True),
+                                          implementation=impl), np.float32)
+      self.assertFalse(np.isfinite(out[0]).any(), impl)
+      np.testing.assert_array_equal(out[1], 1.0)

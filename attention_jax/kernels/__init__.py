@@ -53,6 +53,7 @@ from attention_jax.kernels.base import undeclared
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
+from attention_jax.kernels.paged_tpu import PagedTpu
 from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
 from attention_jax.kernels.splash import Splash
@@ -64,13 +65,15 @@ from attention_jax.masking import intervals
 REGISTRY: tuple[Kernel, ...] = (
     Cudnn(),  # GPU only
     Splash(),  # TPU only
+    PagedTpu(),  # TPU only: a paged cache's decoding step
     PallasGpu(),  # GPU only
     Flash(),
     Dense(),
 )
 
 __all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
-           "Flash", "Head", "Kernel", "Operands", "Pages", "PallasGpu",
+           "Flash", "Head", "Kernel", "Operands", "PagedTpu", "Pages",
+           "PallasGpu",
            "Problem",
            "Registration", "Result", "Ring", "Splash", "SplitKV", "allowed", "by_name",
            "candidates", "choose", "compute_dtype", "float32_only",
