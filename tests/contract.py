@@ -60,6 +60,8 @@ CONFIGURED = {
                                        interpret=True),
     "splash": aj.kernels.Splash(interpret=True),  # 128-blocks: one each here
     "paged_tpu": aj.kernels.PagedTpu(interpret=True),
+    # Two partitions of the pages (split-KV inside the kernel).
+    "paged_gpu": aj.kernels.PagedGpu(splits=2, interpret=True),
 }
 
 # The case features each kernel refuses (its ``supports`` must say so).
@@ -82,6 +84,11 @@ REFUSES["paged_tpu"] = frozenset({
     "float32", "float64", "float16", "mask", "bias", "lse", "q_lengths",
     "window", "softcap", "segments", "sinks", "alibi", "t5", "rule",
     "max_logits"})
+# A GPU paged decoding step: one query per sequence, its visible slots one
+# interval (length, causality and a window at its position).
+REFUSES["paged_gpu"] = frozenset({
+    "float64", "mask", "bias", "q_lengths", "softcap", "segments", "alibi",
+    "t5", "rule", "max_logits"})
 NEEDS_GPU = frozenset({"cudnn"})
 
 
@@ -115,6 +122,10 @@ SUBSETS = {
     "paged_tpu": (
         "paged_prefill_window_gqa_sinks", "paged_decode_alibi_rule_mqa",
         "paged_decode_bfloat16_gqa", "mask_empty_rows", "float64"),
+    "paged_gpu": (
+        "paged_prefill_window_gqa_sinks", "paged_decode_alibi_rule_mqa",
+        "paged_decode_bfloat16_gqa", "paged_decode_window_sinks_gqa",
+        "mask_empty_rows", "float64"),
 }
 
 
@@ -375,6 +386,11 @@ CASES = {
         lse=True, max_logits=True, paged=7),
     # A bfloat16 decoding step over pages (what a TPU kernel multiplies
     # exactly): GQA, one sequence empty.
+    # A float32 decoding step with a window (a lower bound inside a page),
+    # sinks and the lse, over pages.
+    "paged_decode_window_sinks_gqa": Case(
+        t=1, s=42, causal=True, window=(16, 0), lengths=(40, 11),
+        positions=((39, 10), (0, 0)), sinks=True, lse=True, paged=7),
     "paged_decode_bfloat16_gqa": Case(
         t=1, s=42, causal=True, lengths=(29, 0), positions=((28, -1), (0, 0)),
         dtype="bfloat16", paged=7),

@@ -215,7 +215,8 @@ class ChoiceTest(parameterized.TestCase):
     self.assertEqual(
         [(v.name, v.verdict) for v in why.verdicts],
         [("cudnn", "refuses"), ("splash", "refuses"),
-         ("paged_tpu", "refuses"), ("pallas_gpu", "refuses"),
+         ("paged_tpu", "refuses"), ("paged_gpu", "refuses"),
+         ("pallas_gpu", "refuses"),
          ("flash", "runs"),
          ("dense", "not tried")])
     self.assertIn("it needs a GPU, the backend is 'cpu'", why.reason("cudnn"))
@@ -251,7 +252,8 @@ class ChoiceTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "dropout_rng"):
       aj.explain(q, q, q, dropout_rate=0.5)
     with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'splash', "
-                                "'paged_tpu', 'pallas_gpu', 'flash', "
+                                "'paged_tpu', 'paged_gpu', 'pallas_gpu', "
+                                "'flash', "
                                 "'dense'\\]"):
       aj.explain(q, q, q, implementation="flahs")
 

@@ -127,7 +127,7 @@ class PagedAttentionTest(chex.TestCase):
     x = jnp.ones((1, K, 2, H))
     cache = pc.append(cache, x, x)
     q = jnp.ones((1, N, 1, H))
-    for name in ("dense", "cudnn", "splash", "pallas_gpu"):
+    for name in ("dense", "cudnn", "splash", "pallas_gpu"):  # (no pages)
       with self.assertRaisesRegex(ValueError, r"does not implement [a-z_, ]*\bpages\b"):
         aj.paged_attention(q, cache, implementation=name)
     with self.assertRaisesRegex(ValueError, "block_k=4 differs from the page "
@@ -162,7 +162,7 @@ class PagedGarbageTest(chex.TestCase):
         jnp.nan))
     q = jnp.ones((2, N, 1, H), jnp.bfloat16)
     for impl in ("flash", aj.kernels.PagedTpu(interpret=True),
-                 aj.kernels.SplitKV(2)):
+                 aj.kernels.PagedGpu(interpret=True), aj.kernels.SplitKV(2)):
       out = np.asarray(aj.paged_attention(q, cache, aj.Mask(causal=True),
                                           implementation=impl), np.float32)
       self.assertFalse(np.isfinite(out[0]).any(), impl)

@@ -259,7 +259,8 @@ CASES = [
     ("sdpa_unknown_implementation", lambda: sdpa(Q, K, V,
                                                  implementation="flashy"),
      ValueError, r"implementation must be None, a kernel, a sequence of them, "
-     r"or one of \['cudnn', 'splash', 'paged_tpu', 'pallas_gpu', 'flash', "
+     r"or one of \['cudnn', 'splash', 'paged_tpu', 'paged_gpu', 'pallas_gpu', "
+     r"'flash', "
      r"'dense'\], "
      r"got 'flashy'"),
     ("sdpa_blockwise_dropout", lambda: sdpa(

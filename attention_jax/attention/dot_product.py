@@ -147,8 +147,9 @@ def scaled_dot_product_attention(
       Kept weights are scaled by ``1 / (1 - dropout_rate)``.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
     implementation: ``None`` (automatic), a kernel name (``"dense"``,
-      ``"flash"``, ``"cudnn"``, ``"splash"``, ``"paged_tpu"`` (paged
-      calls only), ``"pallas_gpu"``), an ``aj.kernels`` kernel
+      ``"flash"``, ``"cudnn"``, ``"splash"``, ``"paged_tpu"``,
+      ``"paged_gpu"`` (those two: paged calls only), ``"pallas_gpu"``), an
+      ``aj.kernels`` kernel
       (``aj.kernels.Flash(block_q=512)``, ``aj.kernels.Ring("seq")``, one
       of your own) or a sequence of them to try in order. ``None`` walks
       ``aj.kernels.REGISTRY``: cuDNN (GPU), splash (TPU), Pallas GPU, the

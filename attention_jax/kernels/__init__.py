@@ -53,6 +53,7 @@ from attention_jax.kernels.base import undeclared
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
+from attention_jax.kernels.paged_gpu import PagedGpu
 from attention_jax.kernels.paged_tpu import PagedTpu
 from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
@@ -66,13 +67,15 @@ REGISTRY: tuple[Kernel, ...] = (
     Cudnn(),  # GPU only
     Splash(),  # TPU only
     PagedTpu(),  # TPU only: a paged cache's decoding step
+    PagedGpu(),  # GPU only: a paged cache's decoding step
     PallasGpu(),  # GPU only
     Flash(),
     Dense(),
 )
 
 __all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
-           "Flash", "Head", "Kernel", "Operands", "PagedTpu", "Pages",
+           "Flash", "Head", "Kernel", "Operands", "PagedGpu", "PagedTpu",
+           "Pages",
            "PallasGpu",
            "Problem",
            "Registration", "Result", "Ring", "Splash", "SplitKV", "allowed", "by_name",

@@ -50,15 +50,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
-from attention_jax.core import grouping
 from attention_jax.kernels import base
-from attention_jax.kernels import flash_core
+from attention_jax.kernels import paged_decode
 
 
 def _compute_block(m: int) -> int:
@@ -81,52 +78,34 @@ class PagedTpu(base.Kernel):
                       f"{self.interpret!r}.")
 
   def supports(self, problem: base.Problem) -> str | None:
-    if problem.pages is None:
-      return "it reads a paged cache only (aj.paged_attention)"
+    reason = paged_decode.refusal(problem)
+    if reason:
+      return reason
     if not self.interpret and jax.default_backend() != "tpu":
       return ("it runs on a TPU (PagedTpu(interpret=True) runs it in the "
               "Pallas interpreter anywhere)")
-    ops = problem.ops
-    if ops.query.shape[-2] != 1:
-      return (f"it decodes one query per sequence, got T = "
-              f"{ops.query.shape[-2]} (prefill with the flash kernel)")
     if jnp.dtype(problem.out_dtype) != jnp.bfloat16:
       return ("a TPU multiplies float32 in bfloat16 passes, which misses "
               "float32's tolerance: give bfloat16 queries and pages (or "
               "use the flash kernel)")
-    if ops.kv_lengths is not None and any(
-        d != 1 for d in ops.kv_lengths.shape[1:]):
-      return "it takes one length per sequence, not per head"
-    if ops.causal and not ops.positioned:
-      return ("causality needs the query's position (the mask's q_offset/"
-              "kv_offset, which aj.paged_attention gives)")
     return None
 
   def __call__(self, problem: base.Problem):
-    ops, pages = problem.ops, problem.pages
-    b = pages.table.shape[0]
-    q = jnp.asarray(ops.query)
-    n = math.prod(q.shape[1:-2])  # the query heads, grouped or not
-    q = q.reshape(b, n, q.shape[-1])  # [B, N, H] (T = 1)
-    lengths = jnp.broadcast_to(
-        jnp.asarray(ops.kv_lengths, jnp.int32).reshape(b, -1)[:, 0], (b,))
-    if ops.causal:  # the keys at positions up to the query's
-      shift = (jnp.asarray(ops.q_offset, jnp.int32).reshape(b, -1)[:, 0]
-               - jnp.asarray(ops.kv_offset, jnp.int32).reshape(b, -1)[:, 0])
-      lengths = jnp.clip(shift + 1, 0, lengths)
-    out = _attend(self.interpret, float(problem.scale), q, pages, lengths)
-    out = out.reshape(ops.query.shape[:-1] + (out.shape[-1],))
-    return broadcast.Result(grouping.merge(out, ops.groups, -3))
+    st, arrays = paged_decode.step(problem)
+    return paged_decode.result(problem, _run(st, self.interpret, arrays))
 
 
-def _kernel(interpret: bool, scale: float, q, pages: base.Pages, lengths):
-  """The Pallas call: ``[B, N, H]`` outputs, 0 where ``lengths`` is 0."""
+def _forward(st: paged_decode.Static, interpret: bool,
+             a: paged_decode.Arrays):
+  """The Pallas call: ``[B, N, Hv]``, 0 where a sequence sees nothing."""
   from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
   from jax.experimental.pallas.ops.tpu.paged_attention import (  # noqa: PLC0415
-    paged_attention_kernel as tpu_paged,
+      paged_attention_kernel as tpu_paged,
   )
 
+  pages = a.pages
   p, k, z, _ = pages.key_pages.shape
+  _, lengths = paged_decode.span(st, a)  # causal: up to the query's slot
   table = jnp.minimum(jnp.asarray(pages.table, jnp.int32), p - 1)
 
   def finite(pool):  # fused into the transposing copy: no pass of its own
@@ -143,10 +122,11 @@ def _kernel(interpret: bool, scale: float, q, pages: base.Pages, lengths):
   pos = jnp.arange(table.shape[1] * z)  # [M * Z]
   slot_bad = (k_bad | v_bad)[table[:, pos // z], :, pos % z]  # [B, MZ, K]
   seen = slot_bad & (pos[None, :, None] < lengths[:, None, None])
-  seen = jnp.repeat(jnp.any(seen, axis=1), q.shape[1] // k, axis=1)  # [B, N]
-  qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
+  seen = jnp.repeat(jnp.any(seen, axis=1), a.query.shape[1] // k,
+                    axis=1)  # [B, N]
+  q = (a.query.astype(jnp.float32) * st.scale).astype(a.query.dtype)
   call = functools.partial(
-      tpu_paged.paged_attention, qs, k_pages, v_pages, lengths, table,
+      tpu_paged.paged_attention, q, k_pages, v_pages, lengths, table,
       pages_per_compute_block=_compute_block(table.shape[1]))
   if interpret:
     with pltpu.force_tpu_interpret_mode():
@@ -158,43 +138,4 @@ def _kernel(interpret: bool, scale: float, q, pages: base.Pages, lengths):
   return jnp.where(seen[..., None], jnp.nan, out)
 
 
-def _flash_reference(scale: float, q, pages: base.Pages, lengths):
-  """The same attention by the flash core over the pages (its VJP is the
-  backward): ``[B, N, H]``."""
-  n, k = q.shape[1], pages.key_pages.shape[1]
-  z = pages.key_pages.shape[2]
-
-  def one(q_row, row, length, head):  # [H], [M], scalar, scalar
-    kv_head = head // (n // k)
-    out, _, _ = flash_core.paged_head(
-        q_row[None], flash_core.PagedRows(pages.key_pages, kv_head, row),
-        flash_core.PagedRows(pages.value_pages, kv_head, row),
-        broadcast.Head(kv_length=length), scale=scale, is_causal=False,
-        block_q=1, block_k=z, out_dtype=q.dtype)
-    return out[0]
-
-  heads = jnp.arange(n, dtype=jnp.int32)
-  per_head = jax.vmap(one, in_axes=(0, None, None, 0))
-  return jax.vmap(per_head, in_axes=(0, 0, 0, None))(
-      q, jnp.asarray(pages.table, jnp.int32), lengths, heads)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(interpret, scale, q, pages, lengths):
-  return _kernel(interpret, scale, q, pages, lengths)
-
-
-def _attend_fwd(interpret, scale, q, pages, lengths):
-  return _kernel(interpret, scale, q, pages, lengths), (q, pages, lengths)
-
-
-def _attend_bwd(interpret, scale, residuals, d_out):
-  del interpret
-  q, pages, lengths = residuals
-  _, vjp = jax.vjp(lambda q, pages: _flash_reference(scale, q, pages,
-                                                     lengths), q, pages)
-  dq, d_pages = vjp(d_out)
-  return dq, d_pages, None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_run = paged_decode.with_flash_backward(_forward, returns_lse=False)
