@@ -114,6 +114,21 @@ class PagedModuleTest(chex.TestCase):
       # move by a few 1e-3
       np.testing.assert_allclose(q, f, atol=2e-2)
 
+  def test_a_quantised_linear_cache_is_kept_in_pages(self):
+    linear, quantised = _layer(), _layer()
+    linear.init_cache(B, max_length=12)
+    quantised.init_cache(B, max_length=12, dtype="float8_e4m3fn")
+    self.assertEqual(quantised.cached_key[...].dtype, jnp.float8_e4m3fn)
+    self.assertEqual(quantised.cache_page_table[...].shape, (B, 1))
+    mask = aj.Mask(q_lengths=jnp.array([5, 3]))
+    want = linear(_tokens(1, 5), decode=True, mask=mask)
+    got = quantised(_tokens(1, 5), decode=True, mask=mask)
+    # float8 keys/values: 3 mantissa bits, outputs within a few 1e-2
+    np.testing.assert_allclose(got[0], want[0], atol=6e-2)
+    np.testing.assert_allclose(got[1, :3], want[1, :3], atol=6e-2)
+    with self.assertRaisesRegex(ValueError, "ring buffer .* not supported"):
+      _layer(window=(3, 0)).init_cache(B, dtype="int8")
+
   def test_under_jit_and_overflow_is_reported(self):
     paged = _layer()
     paged.init_paged_cache(B, num_pages=3, page_size=2, max_pages=2)

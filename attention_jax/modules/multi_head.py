@@ -33,6 +33,7 @@ from attention_jax.core import checks
 from attention_jax.decoding import cache_step
 from attention_jax.decoding import kv_cache
 from attention_jax.decoding import paged_cache
+from attention_jax.decoding import quantize
 from attention_jax.layers import multi_head
 from attention_jax.layers import multi_head_params
 from attention_jax.layers import sharding
@@ -476,7 +477,13 @@ class MultiHeadAttention(nnx.Module):
         ``w`` with causal decoding) with ``w < W``; defaults to ``w + 1``
         when neither ``max_length`` nor ``window`` is given.
       dtype: cache dtype; defaults to the module's ``dtype`` or
-        ``param_dtype``.
+        ``param_dtype``. ``"int8"`` or ``"float8_e4m3fn"``: a quantised
+        linear cache, kept in pages (``init_paged_cache`` with ``B *
+        ceil(L / Z)`` pages of ``Z = min(L, 128)`` tokens: the bytes of a
+        linear cache, every row room for ``L`` tokens), quantised on
+        write with a scale per token and key/value head and dequantised
+        page by page as attention reads it; not with a ring buffer or
+        ``left_padding``.
       left_padding: optional integer ``[B]``: each example's leading pad
         tokens, for prompts left-padded to one length ``T`` and prefilled
         with ``decode=True`` (pads included: every example advances by
@@ -489,6 +496,18 @@ class MultiHeadAttention(nnx.Module):
     """
     checks.check_positive_int("batch_size", batch_size)
     length, window = cache_step.cache_slots(self.mask, max_length, window)
+    if isinstance(dtype, str) and dtype in quantize.FORMATS:
+      if window is not None or left_padding is not None:
+        raise ValueError(
+            f"a quantised cache (dtype={dtype!r}) is kept in pages, which "
+            "hold each row's tokens from its first: a ring buffer "
+            "(window) or left_padding is not supported with it; give "
+            "max_length and right-pad prompts (mask=aj.Mask(q_lengths=...)).")
+      z = min(length, 128)
+      m = -(-length // z)
+      self.init_paged_cache(batch_size, num_pages=batch_size * m,
+                            page_size=z, max_pages=m, dtype=dtype)
+      return
     if left_padding is not None:
       left_padding = kv_cache.check_left_padding(left_padding, batch_size)
     dtype = dtype or self.dtype or self.param_dtype
