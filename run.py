@@ -7,7 +7,9 @@ docs/experiments.md). ``--experiment=logit_scale`` measures the 1/sqrt(d_k)
 logit scale instead; ``--experiment=lm`` trains a character-level causal
 language model on Python's help topics and generates with the KV cache;
 ``--experiment=dates`` translates dates written out by Babel in 8 locales
-into ISO (and ISO into Vietnamese), with the copy task's models.
+into ISO (and ISO into Vietnamese), with the copy task's models;
+``--experiment=serve`` serves text requests with the LM by continuous
+batching over a paged KV cache, against static padded batches.
 
 The flags are generated from the experiments' config dataclasses
 (``experiments/config_flags.py``): names, defaults, help and bounds are
@@ -29,6 +31,7 @@ from experiments import lm
 from experiments import logit_scale
 from experiments import parallel
 from experiments import seq2seq
+from experiments import serve
 
 # --experiment value -> (config dataclass, the function that runs it).
 EXPERIMENTS = {
@@ -36,6 +39,7 @@ EXPERIMENTS = {
     "logit_scale": (logit_scale.LogitScaleConfig, logit_scale.run),
     "lm": (lm.LMConfig, lm.run),
     "dates": (dates.DatesConfig, dates.run),
+    "serve": (serve.ServeConfig, serve.run),
 }
 
 _EXPERIMENT = flags.DEFINE_enum(
@@ -44,7 +48,8 @@ _EXPERIMENT = flags.DEFINE_enum(
     "alignment). logit_scale: why attention divides by sqrt(d_k). lm: a "
     "causal character-level language model on Python's help topics. dates: "
     "dates in 8 languages to ISO and back to Vietnamese (real data, "
-    "reordering, field alignment).")
+    "reordering, field alignment). serve: the LM serving requests by "
+    "continuous batching over a paged KV cache, against static batches.")
 config_flags.define_flags(
     [parallel.DistributedConfig, *(c for c, _ in EXPERIMENTS.values())],
     flags.FLAGS)

@@ -11,7 +11,11 @@ and rotary positions restart at each document; ids that are all equal make
 the row one sequence (what a model unaware of the packing does).
 
 The same module generates with the KV cache of each attention layer
-(``init_cache``, then ``decode``); a window layer gets a ring buffer.
+(``init_cache``, then ``decode``); a window layer gets a ring buffer. Or
+with a paged cache (``init_paged_cache``): one pool of pages per layer shared
+by the rows, ``decode`` with per-row ``lengths`` appending each row's new
+tokens (0: the row is idle this call), ``release`` freeing finished rows'
+pages for new requests (continuous batching, ``experiments/serve.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 
 from flax import nnx
+import jax
+import jax.numpy as jnp
 
 import attention_jax as aj
 from experiments import config_flags
@@ -144,8 +150,37 @@ class DecoderLM(nnx.Module):
       else:
         block.attention.init_cache(batch_size)
 
+  def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
+                       max_pages: int) -> None:
+    """Empty paged KV caches, one pool per layer (``aj.MultiHeadAttention.
+    init_paged_cache``): ``num_pages`` pages of ``page_size`` tokens shared
+    by ``batch_size`` rows, each holding at most ``max_pages`` pages.
+
+    ``decode(tokens, lengths)`` then appends ``lengths[b]`` tokens to row
+    ``b`` (0: idle this call); ``release(done)`` empties finished rows.
+    """
+    for block in self.blocks:
+      block.attention.init_paged_cache(batch_size, num_pages=num_pages,
+                                       page_size=page_size,
+                                       max_pages=max_pages)
+
+  def release(self, done) -> None:
+    """Frees the pages of the rows where ``done`` (bool ``[B]``), in every
+    layer; those rows are empty again (length 0), ready for new requests."""
+    for block in self.blocks:
+      block.attention.update_paged_cache(aj.paged_cache.release, done)
+
+  def pages_in_use(self) -> jax.Array:
+    """int32 scalar: pages of the pool held by some row (every layer holds
+    the same pages of its own pool; the first layer's are counted)."""
+    refcount = self.blocks[0].attention.cache_refcount
+    if refcount is None:
+      raise ValueError("pages_in_use needs a paged cache: call "
+                       "init_paged_cache(...) first.")
+    return jnp.sum(refcount[...] > 0, dtype=jnp.int32)
+
   def check_cache(self) -> None:
-    """Raises if a decoding call overflowed a linear cache."""
+    """Raises if a decoding call overflowed a linear or paged cache."""
     for block in self.blocks:
       block.attention.check_cache()
 
@@ -153,7 +188,9 @@ class DecoderLM(nnx.Module):
     """Appends ``tokens [B, T]`` to the caches; logits ``[B, T, V]``.
 
     ``lengths [B]``: real tokens per example of a right-padded prefill
-    (each example then continues from its own position).
+    (each example then continues from its own position); with a paged
+    cache, the tokens each row appends this call (0: idle), so one call can
+    prefill new rows while the others decode one token each.
     """
     x = self.embed(tokens)
     for block in self.blocks:

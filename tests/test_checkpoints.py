@@ -718,3 +718,26 @@ class QwenWindowLayersTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class ServingTest(parameterized.TestCase):
+  """A loaded layer serves from a paged cache unchanged: its prompt
+  prefilled, then a token at a time through the page table, it gives the
+  checkpoint's own (golden) outputs."""
+
+  @parameterized.parameters("llama", "gemma2", "qwen3", "gpt_oss")
+  def test_paged_decoding_gives_the_checkpoints_outputs(self, family):
+    z, sd, cfg = _golden(family)
+    layer = 0
+    loaded = checkpoints.load_attention_weights(sd, family=family, config=cfg,
+                                                layer=layer)
+    mha = loaded.module()
+    x = jnp.asarray(z[f"in/{layer}"])  # [B, T, D]
+    b, t = x.shape[:2]
+    mha.init_paged_cache(b, num_pages=b * t, page_size=2, max_pages=t)
+    outs = [mha(x[:, :3], decode=True)]
+    outs += [mha(x[:, i:i + 1], decode=True) for i in range(3, t)]
+    want = z[f"out/{layer}"]
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), want,
+                               atol=REL_TOL * scale, rtol=0)
