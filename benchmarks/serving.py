@@ -1,5 +1,6 @@
 """Decode-step attention for serving: ``python -m benchmarks.serving``.
 
+Flags are prefixed ``--serving_`` (other benchmarks share absl's flags).
 Two tables, one process, each row a median of ``--repeats`` timed calls
 after a compiling one (outputs checked against each other first):
 
@@ -32,18 +33,18 @@ import numpy as np
 
 import attention_jax as aj
 
-_KEYS = flags.DEFINE_list("keys", ["8192", "32768"],
+_KEYS = flags.DEFINE_list("serving_keys", ["8192", "32768"],
                           "split-KV: key counts S of the one-query rows.")
-_SPLITS = flags.DEFINE_list("splits", ["2", "4", "8", "16"],
+_SPLITS = flags.DEFINE_list("serving_splits", ["2", "4", "8", "16"],
                             "split-KV: chunk counts C.")
-_BATCH = flags.DEFINE_integer("batch", 8, "paged vs linear: sequences B.")
-_LENGTHS = flags.DEFINE_list("lengths", ["1024", "4096"],
+_BATCH = flags.DEFINE_integer("serving_batch", 8, "paged vs linear: sequences B.")
+_LENGTHS = flags.DEFINE_list("serving_lengths", ["1024", "4096"],
                              "paged vs linear: each sequence's length.")
-_PAGE = flags.DEFINE_integer("page_size", 256, "paged: tokens per page Z.")
-_HEADS = flags.DEFINE_integer("heads", 8, "query heads N.")
-_KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "key/value heads K.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "head dim H.")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "timed calls per row.")
+_PAGE = flags.DEFINE_integer("serving_page_size", 256, "paged: tokens per page Z.")
+_HEADS = flags.DEFINE_integer("serving_heads", 8, "query heads N.")
+_KV_HEADS = flags.DEFINE_integer("serving_kv_heads", 2, "key/value heads K.")
+_HEAD_DIM = flags.DEFINE_integer("serving_head_dim", 64, "head dim H.")
+_REPEATS = flags.DEFINE_integer("serving_repeats", 7, "timed calls per row.")
 
 
 def _time(fn, *args, repeats: int) -> float:
