@@ -68,18 +68,13 @@ class PagedGpu(base.Kernel):
   def __post_init__(self):
     base.check_block_size("splits", self.splits)
     base.check_block_size("num_warps", self.num_warps)
-    if not isinstance(self.interpret, bool):
-      raise TypeError(f"interpret must be a Python bool, got "
-                      f"{self.interpret!r}.")
+    paged_decode.check_interpret(self.interpret)
 
   def supports(self, problem: base.Problem) -> str | None:
-    reason = paged_decode.refusal(problem)
+    reason = paged_decode.refusal(problem, backend="gpu",
+                                  interpret=self.interpret, kernel="PagedGpu")
     if reason:
       return reason
-    if not self.interpret and jax.default_backend() != "gpu":
-      return ("it needs a GPU, the backend is "
-              f"{jax.default_backend()!r} (PagedGpu(interpret=True) runs it "
-              "anywhere, slowly)")
     reason = base.float32_only(problem)
     if reason:
       return reason

@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from attention_jax.kernels import base
@@ -73,17 +72,13 @@ class PagedTpu(base.Kernel):
                           "kv_offset"})
 
   def __post_init__(self):
-    if not isinstance(self.interpret, bool):
-      raise TypeError(f"interpret must be a Python bool, got "
-                      f"{self.interpret!r}.")
+    paged_decode.check_interpret(self.interpret)
 
   def supports(self, problem: base.Problem) -> str | None:
-    reason = paged_decode.refusal(problem)
+    reason = paged_decode.refusal(problem, backend="tpu",
+                                  interpret=self.interpret, kernel="PagedTpu")
     if reason:
       return reason
-    if not self.interpret and jax.default_backend() != "tpu":
-      return ("it runs on a TPU (PagedTpu(interpret=True) runs it in the "
-              "Pallas interpreter anywhere)")
     if jnp.dtype(problem.out_dtype) != jnp.bfloat16:
       return ("a TPU multiplies float32 in bfloat16 passes, which misses "
               "float32's tolerance: give bfloat16 queries and pages (or "
