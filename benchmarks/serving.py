@@ -1,19 +1,21 @@
 """Decode-step attention for serving: ``python -m benchmarks.serving``.
 
 Flags are prefixed ``--serving_`` (other benchmarks share absl's flags).
-Two tables, one process, each row a median of ``--repeats`` timed calls
-after a compiling one (outputs checked against each other first):
+Two tables, one process, each row a median of ``--serving_repeats`` timed
+calls after a compiling one, the rows of a table timed in turns (outputs
+checked against each other first):
 
 * **split-KV**: one query per sequence (``B=1``) over ``S`` keys, the
   keys in one linear buffer: the dense kernel (one ``[1, S]`` row), the
   flash kernel's single walk, and ``aj.kernels.SplitKV(C)`` (``C`` chunks
   of that walk, merged) for each ``--splits``; ratio to the single walk.
 * **paged vs linear**: a decode step of ``B`` sequences at the same lengths
-  (``--lengths``), once through ``aj.paged_attention`` (pages of ``Z``
-  tokens, each sequence's pages scattered over the pool) and once over a
-  linear ``[B, K, L, H]`` cache with the same mask at positions (the flash
-  kernel with ``block_k = Z``, and the automatic choice); ratio paged /
-  linear.
+  (``--lengths``), through ``aj.paged_attention`` (pages of ``Z`` tokens,
+  each sequence's pages scattered over the pool; the automatic choice,
+  whose flash key blocks are whole pages, and one page per block) and over
+  a linear ``[B, K, L, H]`` cache with the same mask at positions (the
+  automatic choice and the flash kernel); ratio to the linear automatic
+  choice.
 
 Shape glossary: B sequences, N query heads, K key/value heads, H head dim,
 S keys, Z page size, L linear cache slots.
@@ -47,15 +49,20 @@ _HEAD_DIM = flags.DEFINE_integer("serving_head_dim", 64, "head dim H.")
 _REPEATS = flags.DEFINE_integer("serving_repeats", 7, "timed calls per row.")
 
 
-def _time(fn, *args, repeats: int) -> float:
-  """Median seconds of ``repeats`` calls (after one that compiles)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+def _time(fns: dict, repeats: int) -> dict:
+  """``{name: median seconds}`` of ``repeats`` calls of each ``(fn, args)``
+  (after one that compiles), taken in turns (one call of each per round):
+  drift of a shared machine's speed lands on every row alike, not on
+  whichever ran during it."""
+  for fn, args in fns.values():
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, (fn, args) in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def split_kv_rows(s: int, splits, *, n: int, k: int, h: int, repeats: int):
@@ -75,15 +82,16 @@ def split_kv_rows(s: int, splits, *, n: int, k: int, h: int, repeats: int):
   for name, fn in fns.items():  # a fast wrong answer is worthless
     np.testing.assert_allclose(fn(q, kv), want, atol=1e-5, rtol=1e-5,
                                err_msg=name)
-  times = {name: _time(fn, q, kv, repeats=repeats) for name, fn in fns.items()}
+  times = _time({name: (fn, (q, kv)) for name, fn in fns.items()}, repeats)
   walk = times["flash (one walk)"]
   return [(name, t, t / walk) for name, t in times.items()]
 
 
 def paged_rows(b: int, length: int, z: int, *, n: int, k: int, h: int,
                repeats: int):
-  """``[(name, seconds, ratio to paged)]``: one decode step of ``b``
-  sequences of ``length`` tokens, paged and linear."""
+  """``[(name, seconds, ratio to the linear cache's automatic choice)]``:
+  one decode step of ``b`` sequences of ``length`` tokens, paged and
+  linear."""
   rng = np.random.default_rng(1)
   m = -(-length // z) + 1  # room for the step's token
   p = b * m
@@ -102,26 +110,28 @@ def paged_rows(b: int, length: int, z: int, *, n: int, k: int, h: int,
   lin_k, lin_v = (jnp.asarray(np.pad(x, pad)) for x in (keys, values))
   mask = aj.Mask(causal=True, kv_lengths=lengths, q_offset=lengths - 1,
                  kv_offset=jnp.zeros_like(lengths))
+  def paged(kernel):
+    return jax.jit(lambda q, c: aj.paged_attention(
+        q, c, aj.Mask(causal=True), implementation=kernel)), (q, cache)
+
+  def linear(kernel):
+    return jax.jit(lambda q, k_, v_: aj.scaled_dot_product_attention(
+        q, k_, v_, mask, implementation=kernel)), (q, lin_k, lin_v)
+
   fns = {
-      "paged (flash, pages of Z)": (jax.jit(
-          lambda q, c: aj.paged_attention(q, c, aj.Mask(causal=True))),
-                                    (q, cache)),
-      "linear (flash, block_k=Z)": (jax.jit(
-          lambda q, k_, v_: aj.scaled_dot_product_attention(
-              q, k_, v_, mask, implementation=aj.kernels.Flash(
-                  block_k=z))), (q, lin_k, lin_v)),
-      "linear (automatic)": (jax.jit(
-          lambda q, k_, v_: aj.scaled_dot_product_attention(q, k_, v_, mask)),
-                             (q, lin_k, lin_v)),
+      "linear (automatic)": linear(None),
+      "linear (flash)": linear("flash"),
+      "paged (automatic: whole pages per key block)": paged(None),
+      "paged (flash, one page per key block)": paged(
+          aj.kernels.Flash(block_k=z)),
   }
   want = fns["linear (automatic)"][0](*fns["linear (automatic)"][1])
   for name, (fn, args) in fns.items():
     np.testing.assert_allclose(fn(*args), want, atol=1e-5, rtol=1e-5,
                                err_msg=name)
-  times = {name: _time(fn, *args, repeats=repeats)
-           for name, (fn, args) in fns.items()}
-  paged = times["paged (flash, pages of Z)"]
-  return [(name, t, t / paged) for name, t in times.items()]
+  times = _time(fns, repeats)
+  base = times["linear (automatic)"]
+  return [(name, t, t / base) for name, t in times.items()]
 
 
 def _table(header, rows) -> str:
@@ -151,7 +161,7 @@ def main(argv):
       rows.append((str(length), name, f"{t * 1e3:.2f}", f"{ratio:.2f}"))
   print(f"\nA decode step, B={_BATCH.value} sequences at equal lengths, "
         f"Z={_PAGE.value}:\n")
-  print(_table(("length", "cache", "ms", "/ paged"), rows))
+  print(_table(("length", "cache", "ms", "/ linear (automatic)"), rows))
 
 
 if __name__ == "__main__":

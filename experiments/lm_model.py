@@ -72,13 +72,15 @@ class Block(nnx.Module):
 
   def __call__(self, x, *, segment_ids=None, decode=False, lengths=None,
                return_weights=False):
-    """``x [B, T, D]`` -> ``(x, weights [B, N, T, S] or None)``."""
+    """``x [B, T, D]`` -> ``(x, aux)``: ``aux`` is the attention output
+    ``[B, T, D]`` when decoding, else the weights ``[B, N, T, S]`` with
+    ``return_weights`` or None."""
     h = self.norm1(x)
     if decode:
       out = self.attention(
           h, decode=True,
           mask=None if lengths is None else aj.Mask(q_lengths=lengths))
-      weights = None
+      weights = out
     else:
       # kv_segment_ids default to the queries' (packed self-attention).
       mask = (None if segment_ids is None
@@ -151,10 +153,12 @@ class DecoderLM(nnx.Module):
         block.attention.init_cache(batch_size)
 
   def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
-                       max_pages: int) -> None:
+                       max_pages: int, dtype=None) -> None:
     """Empty paged KV caches, one pool per layer (``aj.MultiHeadAttention.
     init_paged_cache``): ``num_pages`` pages of ``page_size`` tokens shared
-    by ``batch_size`` rows, each holding at most ``max_pages`` pages.
+    by ``batch_size`` rows, each holding at most ``max_pages`` pages, stored
+    as ``dtype`` (None: the layer's; ``"int8"`` or ``"float8_e4m3fn"``:
+    quantised with a scale per token and head).
 
     ``decode(tokens, lengths)`` then appends ``lengths[b]`` tokens to row
     ``b`` (0: idle this call); ``release(done)`` empties finished rows.
@@ -162,7 +166,7 @@ class DecoderLM(nnx.Module):
     for block in self.blocks:
       block.attention.init_paged_cache(batch_size, num_pages=num_pages,
                                        page_size=page_size,
-                                       max_pages=max_pages)
+                                       max_pages=max_pages, dtype=dtype)
 
   def release(self, done) -> None:
     """Frees the pages of the rows where ``done`` (bool ``[B]``), in every
@@ -184,8 +188,9 @@ class DecoderLM(nnx.Module):
     for block in self.blocks:
       block.attention.check_cache()
 
-  def decode(self, tokens, lengths=None):
-    """Appends ``tokens [B, T]`` to the caches; logits ``[B, T, V]``.
+  def decode(self, tokens, lengths=None, *, return_attention=False):
+    """Appends ``tokens [B, T]`` to the caches; logits ``[B, T, V]``, and
+    with ``return_attention`` each layer's attention output ``[B, T, D]``.
 
     ``lengths [B]``: real tokens per example of a right-padded prefill
     (each example then continues from its own position); with a paged
@@ -193,6 +198,9 @@ class DecoderLM(nnx.Module):
     prefill new rows while the others decode one token each.
     """
     x = self.embed(tokens)
+    outs = []
     for block in self.blocks:
-      x, _ = block(x, decode=True, lengths=lengths)
-    return self._logits(x)
+      x, out = block(x, decode=True, lengths=lengths)
+      outs.append(out)
+    logits = self._logits(x)
+    return (logits, outs) if return_attention else logits

@@ -42,6 +42,11 @@ The model is the LM experiment's ``segments`` checkpoint
 training; otherwise one is trained here for ``serve_steps`` steps of the
 LM's batches and loss (checkpointed in the workdir: a rerun restores it).
 
+Then the validation text is read through a float32, bfloat16, int8 and
+float8_e4m3fn paged cache (``cache_accuracy``): bits per character, greedy
+agreement with the float32 cache, each layer's attention error and the
+cache bytes per token.
+
 Writes ``results.json`` (every number, every request), ``report.md`` (also
 printed) and ``pages_in_use.png`` to the workdir (default ``runs/serve``).
 Raises ``RuntimeError`` after writing them if a request's tokens differ
@@ -66,6 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cache_accuracy
 from experiments import checkpoints
 from experiments import config_flags
 from experiments import lm
@@ -121,6 +127,11 @@ class ServeConfig:
   prefill_chunk: int = config_flags.field(
       64, "serve: most prompt tokens a row prefills in one step (0: its "
       "whole prompt at once).", name="serve_prefill_chunk", lower_bound=0)
+  accuracy_rows: int = config_flags.field(
+      0, "serve: validation rows (of --lm seq_len transitions) read through "
+      "a float32, bfloat16, int8 and float8_e4m3fn paged cache for the "
+      "accuracy table (0: every row, all the validation text).",
+      name="serve_accuracy_rows", lower_bound=0)
   lm_checkpoint: str = config_flags.field(
       os.path.join("runs", "lm", "checkpoints", "segments"),
       "serve: the LM experiment's segments checkpoint, loaded when it was "
@@ -699,6 +710,13 @@ def run(config: ServeConfig) -> dict:
   t0 = time.perf_counter()
   alone = generate_alone(model, requests)
   alone_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  rows = cache_accuracy.validation_rows(corpus.valid, config.seq_len)
+  if config.accuracy_rows:
+    rows = cache_accuracy.Rows(rows.tokens[:config.accuracy_rows],
+                               rows.lengths[:config.accuracy_rows])
+  accuracy = cache_accuracy.cache_accuracy(model, rows)
+  accuracy_s = time.perf_counter() - t0
 
   per_token = cache_bytes_per_token(model)
   z = config.page_size
@@ -745,7 +763,9 @@ def run(config: ServeConfig) -> dict:
           "arrival_steps": [r.arrival for r in requests],
           "documents": [r.document for r in requests]},
       "systems": report.jsonable(systems), "comparison": comparison,
+      "cache_accuracy": report.jsonable(accuracy),
       "seconds": {"serving_both_passes": serving_s, "alone": alone_s,
+                  "cache_accuracy": accuracy_s,
                   "total": time.perf_counter() - t_start},
       "static_batches": report.jsonable(static["batches"]),
       "requests": {"paged": report.jsonable(paged["records"]),
@@ -845,6 +865,7 @@ def _report(config: ServeConfig, corpus: lm_data.Corpus,
       "token; TPOT: (finish - first token) / (tokens - 1); useful token "
       "share: prompt and generated tokens over the token rows the model "
       "computed (rows x T per call, padding included).\n"]
+  parts += _accuracy_section(config, payload["cache_accuracy"])
   parts.append("## Samples (paged)\n")
   records = payload["requests"]["paged"]
   for r in requests[:3]:
@@ -852,3 +873,29 @@ def _report(config: ServeConfig, corpus: lm_data.Corpus,
     out = corpus.vocab.decode(records[r.index]["tokens"])
     parts.append("```text\n" + text + "\u2502" + out + "\n```\n")
   return "\n".join(parts)
+
+
+def _accuracy_section(config: ServeConfig, accuracy: dict) -> list[str]:
+  formats = list(accuracy)
+  ref = accuracy[formats[0]]
+  rows = []
+  for f in formats:
+    a = accuracy[f]
+    errors = " / ".join(f"{e:.2g}" for e in a["attention_max_abs_error"])
+    rows.append([f, a["bits_per_char"], f"{100 * a['greedy_agreement']:.2f}%",
+                 errors, a["bytes_per_token"],
+                 f"{a['bytes_per_token'] / ref['bytes_per_token']:.3f}"])
+  scale = " / ".join(f"{v:.2g}" for v in ref["attention_max_abs"])
+  return [
+      "## Quantised caches\n",
+      f"The validation text ({ref['positions']} transitions, in rows of at "
+      f"most {config.seq_len}) read through a paged cache of each format "
+      "(teacher forcing, 24 tokens per call, each call's tokens written "
+      "before they attend). Greedy agreement: positions whose argmax equals "
+      f"the {formats[0]} cache's. Attention error: the largest |output - "
+      f"{formats[0]} output| per layer (the {formats[0]} outputs reach "
+      f"{scale}).\n",
+      report.markdown_table(
+          ["cache", "bits/char", "greedy agreement",
+           "attention max abs error per layer", "bytes per token",
+           f"bytes vs {formats[0]}"], rows) + "\n"]

@@ -17,7 +17,8 @@ class ServingBenchmarkSmokeTest(absltest.TestCase):
 
   def test_paged_rows(self):
     rows = serving.paged_rows(2, 21, 4, n=2, k=1, h=8, repeats=1)
-    self.assertEqual(len(rows), 3)
+    self.assertLen(rows, 4)
+    self.assertEqual(rows[0][0], "linear (automatic)")
     self.assertEqual(rows[0][2], 1.0)
 
 

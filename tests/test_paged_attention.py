@@ -25,19 +25,25 @@ B, N, K, Z, M, T, H = 3, 2, 1, 2, 4, 3, 4  # sequences, heads, page size, ...
 P = 7  # fewer pages than B * M: sequences compete for them
 
 
-def _attend(window):
+def _attend(window, block_k):
   mask = aj.Mask(causal=True, window=window)
+  kernel = aj.kernels.Flash(block_k=block_k)
 
   @jax.jit
   def step(cache, q, k, v, n):
     cache = pc.append(cache, k, v, new_lengths=n)
-    out = aj.paged_attention(q, cache, mask & aj.Mask(q_lengths=n))
+    out = aj.paged_attention(q, cache, mask & aj.Mask(q_lengths=n),
+                             implementation=kernel)
     return cache, out
 
   return step
 
 
-_STEPS = {w: _attend(w) for w in (None, (2, 0))}
+# Key blocks of the flash walk: the rule's (here every page of a row in one
+# block), one page (a slice of the pool), 3 pages (gathered; the row of 4
+# padded to 6 "no page" entries: 2 blocks).
+_BLOCK_K = (None, Z, 3 * Z)
+_STEPS = {(w, bk): _attend(w, bk) for w in (None, (2, 0)) for bk in _BLOCK_K}
 _release = jax.jit(pc.release)
 _share = jax.jit(pc.share_prefix)
 
@@ -63,6 +69,7 @@ class PagedAttentionTest(chex.TestCase):
   @hypothesis.settings(max_examples=12, deadline=None)
   @hypothesis.given(
       window=st.sampled_from([None, (2, 0)]),
+      block_k=st.sampled_from(_BLOCK_K),
       seed=st.integers(0, 2**16),
       schedule=st.lists(st.tuples(
           st.sampled_from(["append", "append", "append", "release",
@@ -71,7 +78,7 @@ class PagedAttentionTest(chex.TestCase):
           st.integers(0, B - 1), st.integers(0, B - 1),
           st.integers(0, M * Z)), min_size=1, max_size=8))
   def test_equals_the_sequences_attention_over_random_schedules(
-      self, window, seed, schedule):
+      self, window, block_k, seed, schedule):
     rng = np.random.default_rng(seed)
     cache = pc.init_paged_cache(P, Z, K, H, B, M)
     cache = cache._replace(key_pages=jnp.full_like(cache.key_pages, jnp.nan),
@@ -85,8 +92,9 @@ class PagedAttentionTest(chex.TestCase):
                 for _ in range(2))
         q = rng.standard_normal((B, N, T, H)).astype(np.float32)
         n = np.array(counts, np.int32)
-        cache, out = _STEPS[window](cache, jnp.asarray(q), jnp.asarray(k),
-                                    jnp.asarray(v), jnp.asarray(n))
+        cache, out = _STEPS[window, block_k](
+            cache, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+            jnp.asarray(n))
         for b in range(B):
           if cache.overflow[b]:  # no room: nothing written (model unchanged)
             cache = _release(cache, jnp.arange(B) == b)
@@ -130,9 +138,9 @@ class PagedAttentionTest(chex.TestCase):
     for name in ("dense", "cudnn", "splash", "pallas_gpu"):  # (no pages)
       with self.assertRaisesRegex(ValueError, r"does not implement [a-z_, ]*\bpages\b"):
         aj.paged_attention(q, cache, implementation=name)
-    with self.assertRaisesRegex(ValueError, "block_k=4 differs from the page "
-                                "size 2"):
-      aj.paged_attention(q, cache, implementation=aj.kernels.Flash(block_k=4))
+    with self.assertRaisesRegex(ValueError, "block_k=3 is not a multiple "
+                                "of the page size 2"):
+      aj.paged_attention(q, cache, implementation=aj.kernels.Flash(block_k=3))
 
   def test_what_the_cache_says_is_not_taken_from_the_mask(self):
     cache = pc.init_paged_cache(4, Z, K, H, 1, M)

@@ -32,7 +32,7 @@ def _tiny(workdir, **changes):
   config = serve.ServeConfig(
       workdir=workdir, requests=6, min_prompt=4, max_prompt=24,
       min_output=2, max_output=10, arrival_rate=0.5, slots=2, page_size=4,
-      num_pages=10, prefill_chunk=4, lm_checkpoint="",
+      num_pages=10, prefill_chunk=4, lm_checkpoint="", accuracy_rows=3,
       model=lm_model.LMModelConfig(d_model=16, num_heads=2, num_layers=1,
                                    ffn_dim=32),
       train=training.TrainConfig(steps=3, batch_size=4, learning_rate=1e-2,
@@ -53,7 +53,8 @@ class ServeRunTest(absltest.TestCase):
                   self._a_later_request_reuses_released_pages,
                   self._a_new_row_prefills_while_another_decodes,
                   self._requests_follow_the_workload,
-                  self._metrics_are_consistent):
+                  self._metrics_are_consistent,
+                  self._reports_the_quantised_caches):
       with self.subTest(check.__name__):
         check()
 
@@ -159,6 +160,22 @@ class ServeRunTest(absltest.TestCase):
     longest = max(b["length"] for b in self.payload["static_batches"])
     self.assertEqual(self.payload["systems"]["static"]["cache_bytes"],
                      2 * longest * per_token)
+
+  def _reports_the_quantised_caches(self):
+    accuracy = self.payload["cache_accuracy"]
+    self.assertEqual(list(accuracy), ["float32", "bfloat16", "int8",
+                                      "float8_e4m3fn"])
+    # 3 rows of at most seq_len transitions, the same positions for each.
+    positions = {a["positions"] for a in accuracy.values()}
+    self.assertLen(positions, 1)
+    self.assertBetween(positions.pop(), 3, 3 * self.config.seq_len)
+    self.assertEqual(accuracy["float32"]["greedy_agreement"], 1.0)
+    self.assertEqual(accuracy["float32"]["attention_max_abs_error"], [0.0])
+    # 2 heads of 8 dims, keys and values: int8 values and a float32 scale
+    # per token and head.
+    self.assertEqual(accuracy["int8"]["bytes_per_token"], 2 * 2 * (8 + 4))
+    with open(os.path.join(self.workdir, "report.md")) as f:
+      self.assertIn("| int8 |", f.read())
 
 
 class ServeConfigTest(absltest.TestCase):

@@ -13,7 +13,7 @@ tokens) is placed at the sequences' positions, as a linear cache places it
 ``lengths[b] - new[b] + i``, key slot ``p`` at ``p``, and nothing past
 ``lengths[b]`` is seen. The call reaches the kernels as one record
 (``kernels.base.Pages`` in the ``Problem``): the flash kernel declares
-pages and loads one page per key block; a kernel that does not is refused
+pages and loads whole pages per key block; a kernel that does not is refused
 by name.
 """
 

@@ -64,10 +64,10 @@ class Flash(base.Kernel):
       return ("it reads a paged cache page by page, so a BlockMask's "
               "tables (built for other blocks) do not apply: pass the rule "
               "itself, aj.MaskRule(fn)")
-    if self.block_k is not None and self.block_k != z:
-      return (f"over a paged cache its key blocks are the pages: block_k="
-              f"{self.block_k} differs from the page size {z} (leave "
-              "block_k unset)")
+    if self.block_k is not None and self.block_k % z:
+      return (f"over a paged cache its key blocks are whole pages: block_k="
+              f"{self.block_k} is not a multiple of the page size {z} "
+              "(leave block_k unset)")
     return None
 
   def declines(self, problem: base.Problem) -> str | None:
@@ -99,18 +99,30 @@ class Flash(base.Kernel):
 
     The pool is not mapped over heads: each head gets its key/value head
     index and its example's page-table row (in place of the keys and
-    values ``lift_heads`` would slice) and loads one page per key block.
+    values ``lift_heads`` would slice) and loads whole pages per key block.
     """
     ops, pages = problem.ops, problem.pages
-    block_q, _ = flash_core.block_sizes(ops, self.block_q, None)
+    block_q, block_k = flash_core.block_sizes(ops, self.block_q,
+                                              self.block_k)
+    z = pages.page_size
+    # Whole pages per key block: the rule's block_k rounded down to pages
+    # (at least one). Fewer, larger blocks: a decode step over 1024 keys in
+    # pages of 64 walks 2 blocks of 8 pages instead of 16 of one.
+    g = max(1, block_k // z)
+    table = jnp.asarray(pages.table, jnp.int32)  # [B, M]
+    m = table.shape[-1]
+    g = min(g, m)
+    # The row padded to whole blocks with "no page" (past every length).
+    table = jnp.pad(table, ((0, 0), (0, -m % g)),
+                    constant_values=pages.key_pages.shape[0])
     lead = ops.key.shape[:-2]  # [B, K|N|1, 1?]: the logical keys' heads
     heads = jnp.arange(lead[1], dtype=jnp.int32).reshape(
         (1, lead[1]) + (1,) * (len(lead) - 2) + (1, 1))  # core [1, 1]
-    rows = jnp.asarray(pages.table, jnp.int32).reshape(
-        (lead[0],) + (1,) * (len(lead) - 1) + (1, -1))  # core [1, M]
+    rows = table.reshape(
+        (lead[0],) + (1,) * (len(lead) - 1) + (1, -1))  # core [1, M']
     config = dict(scale=problem.scale, is_causal=ops.causal,
                   window=ops.window, score_mod=ops.score_mod,
-                  block_q=block_q, block_k=pages.page_size,
+                  block_q=block_q, block_k=g * z,
                   max_logits=problem.return_max_logits,
                   out_dtype=problem.out_dtype)
 

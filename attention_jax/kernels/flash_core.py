@@ -172,9 +172,10 @@ class PagedRows(NamedTuple):
   """One head's keys (or values) in a paged cache's pool; a pytree.
 
   Stands for the ``[M * Z, H]`` rows ``pool[row[j], head]`` (page by page)
-  without building them: ``_key_rows`` loads one page per key block
-  (``bk = Z``). ``row`` entries ``>= P`` (no page) lie past the head's
-  length; their load is clamped to a real page and zeroed there. With
+  without building them: ``_key_rows`` loads the ``bk / Z`` pages of one
+  key block (``bk`` a multiple of ``Z``; ``M`` a multiple of ``bk / Z``).
+  ``row`` entries ``>= P`` (no page) lie past the head's length; their
+  load is clamped to a real page and zeroed there. With
   ``scales`` the pool is quantised (int8, float8_e4m3fn) and a page is
   dequantised as it is loaded (float32 ``q * scale``): no dequantised
   copy of the pool or of a sequence exists.
@@ -194,15 +195,22 @@ class PagedRows(NamedTuple):
         self.pool.dtype)
 
   def page(self, j0, bk: int):
-    """The rows ``[j0, j0 + bk)``: one page (``bk = Z``)."""
-    p = jax.lax.dynamic_index_in_dim(self.row, j0 // bk, keepdims=False)
-    page = jax.lax.dynamic_slice(
-        self.pool, (p, self.head, 0, 0), (1, 1) + self.pool.shape[2:])[0, 0]
-    if self.scales is None:
-      return page  # [Z, H]
-    scale = jax.lax.dynamic_slice(self.scales, (p, self.head, 0),
-                                  (1, 1, self.pool.shape[2]))[0, 0]  # [Z]
-    return page.astype(jnp.float32) * scale[:, None]  # [Z, H]
+    """The rows ``[j0, j0 + bk)``: the ``g = bk / Z`` pages of one block."""
+    z, h = self.pool.shape[2:]
+    if bk == z:  # one page: a slice of the pool
+      p = jax.lax.dynamic_index_in_dim(self.row, j0 // z, keepdims=False)
+      pages = jax.lax.dynamic_slice(self.pool, (p, self.head, 0, 0),
+                                    (1, 1, z, h))[:, 0]  # [1, Z, H]
+      scales = None if self.scales is None else jax.lax.dynamic_slice(
+          self.scales, (p, self.head, 0), (1, 1, z))[:, 0]  # [1, Z]
+    else:  # g pages by index, clamped (past the length: zeroed later)
+      p = jnp.minimum(jax.lax.dynamic_slice_in_dim(self.row, j0 // z, bk // z),
+                      self.pool.shape[0] - 1)  # [g]
+      pages = self.pool[p, self.head]  # [g, Z, H]
+      scales = None if self.scales is None else self.scales[p, self.head]
+    if scales is not None:
+      pages = pages.astype(jnp.float32) * scales[..., None]
+    return pages.reshape(bk, h)  # [bk, H]
 
   def cotangent(self, d_rows) -> PagedRows:
     """The pool's share of a cotangent of the ``[M * Z, H]`` rows (none
@@ -221,7 +229,7 @@ def _key_rows(st: Static, x, j0, length):
   NaN or inf.
 
   Rows past ``S`` are already the zeros ``_single_head`` padded with. ``x``
-  may be ``PagedRows`` (a page per block), which need ``length``.
+  may be ``PagedRows`` (whole pages per block), which need ``length``.
   """
   if isinstance(x, PagedRows):
     rows = x.page(j0, st.bk)
@@ -742,8 +750,9 @@ def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
 
 
 def paged_head(q, k: PagedRows, v: PagedRows, h, *, out_dtype, **blocks):
-  """One head over a paged cache's pages (``PagedRows``), key blocks of one
-  page (``block_k`` is the page size); as ``single_head`` otherwise.
+  """One head over a paged cache's pages (``PagedRows``), key blocks of
+  whole pages (``block_k`` a multiple of the page size dividing the row's
+  ``M * Z``); as ``single_head`` otherwise.
 
   Keys and values are never padded or gathered: each key block loads its
   page, zero past the head's ``kv_length`` (which a paged call has), and
