@@ -11,8 +11,8 @@ checked against each other first):
   of that walk, merged) for each ``--splits``; ratio to the single walk.
 * **paged vs linear**: a decode step of ``B`` sequences at the same lengths
   (``--lengths``), through ``aj.paged_attention`` (pages of ``Z`` tokens,
-  each sequence's pages scattered over the pool; the automatic choice,
-  whose flash key blocks are whole pages, and one page per block) and over
+  each sequence's pages scattered over the pool; the automatic choice, a
+  page per flash key block, and blocks of 8 pages) and over
   a linear ``[B, K, L, H]`` cache with the same mask at positions (the
   automatic choice and the flash kernel); ratio to the linear automatic
   choice.
@@ -121,9 +121,9 @@ def paged_rows(b: int, length: int, z: int, *, n: int, k: int, h: int,
   fns = {
       "linear (automatic)": linear(None),
       "linear (flash)": linear("flash"),
-      "paged (automatic: whole pages per key block)": paged(None),
-      "paged (flash, one page per key block)": paged(
-          aj.kernels.Flash(block_k=z)),
+      "paged (automatic: one page per key block)": paged(None),
+      "paged (flash, 8 pages per key block)": paged(
+          aj.kernels.Flash(block_k=8 * z)),
   }
   want = fns["linear (automatic)"][0](*fns["linear (automatic)"][1])
   for name, (fn, args) in fns.items():

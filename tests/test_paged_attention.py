@@ -39,10 +39,10 @@ def _attend(window, block_k):
   return step
 
 
-# Key blocks of the flash walk: the rule's (here every page of a row in one
-# block), one page (a slice of the pool), 3 pages (gathered; the row of 4
+# Key blocks of the flash walk: one page (the default: a slice of the
+# pool), a row's 4 pages in one block (gathered), 3 pages (the row of 4
 # padded to 6 "no page" entries: 2 blocks).
-_BLOCK_K = (None, Z, 3 * Z)
+_BLOCK_K = (None, M * Z, 3 * Z)
 _STEPS = {(w, bk): _attend(w, bk) for w in (None, (2, 0)) for bk in _BLOCK_K}
 _release = jax.jit(pc.release)
 _share = jax.jit(pc.share_prefix)

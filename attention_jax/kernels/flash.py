@@ -102,16 +102,15 @@ class Flash(base.Kernel):
     values ``lift_heads`` would slice) and loads whole pages per key block.
     """
     ops, pages = problem.ops, problem.pages
-    block_q, block_k = flash_core.block_sizes(ops, self.block_q,
-                                              self.block_k)
+    block_q, _ = flash_core.block_sizes(ops, self.block_q, None)
     z = pages.page_size
-    # Whole pages per key block: the rule's block_k rounded down to pages
-    # (at least one). Fewer, larger blocks: a decode step over 1024 keys in
-    # pages of 64 walks 2 blocks of 8 pages instead of 16 of one.
-    g = max(1, block_k // z)
+    # Key blocks of g whole pages: one unless block_k asks for more. One
+    # page is a slice of the pool, more are gathered; fewer, larger blocks
+    # measured no faster on a 2-core CPU (a decode step of 8 rows over
+    # 1024-4096 tokens in pages of 16-256: benchmarks/serving.py), so one.
+    g = 1 if self.block_k is None else self.block_k // z
     table = jnp.asarray(pages.table, jnp.int32)  # [B, M]
     m = table.shape[-1]
-    g = min(g, m)
     # The row padded to whole blocks with "no page" (past every length).
     table = jnp.pad(table, ((0, 0), (0, -m % g)),
                     constant_values=pages.key_pages.shape[0])
