@@ -71,14 +71,14 @@ class Block(nnx.Module):
                                        model_axis=model_axis)
 
   def __call__(self, x, *, segment_ids=None, decode=False, lengths=None,
-               return_weights=False):
+               rows=None, return_weights=False):
     """``x [B, T, D]`` -> ``(x, aux)``: ``aux`` is the attention output
     ``[B, T, D]`` when decoding, else the weights ``[B, N, T, S]`` with
     ``return_weights`` or None."""
     h = self.norm1(x)
     if decode:
       out = self.attention(
-          h, decode=True,
+          h, decode=True, cache_rows=rows,
           mask=None if lengths is None else aj.Mask(q_lengths=lengths))
       weights = out
     else:
@@ -188,9 +188,13 @@ class DecoderLM(nnx.Module):
     for block in self.blocks:
       block.attention.check_cache()
 
-  def decode(self, tokens, lengths=None, *, return_attention=False):
+  def decode(self, tokens, lengths=None, *, rows=None,
+             return_attention=False):
     """Appends ``tokens [B, T]`` to the caches; logits ``[B, T, V]``, and
     with ``return_attention`` each layer's attention output ``[B, T, D]``.
+
+    ``rows [B']`` (a paged cache): ``tokens [B', T]`` are for these rows of
+    the cache only; the others are not computed (``cache_rows``).
 
     ``lengths [B]``: real tokens per example of a right-padded prefill
     (each example then continues from its own position); with a paged
@@ -200,7 +204,7 @@ class DecoderLM(nnx.Module):
     x = self.embed(tokens)
     outs = []
     for block in self.blocks:
-      x, out = block(x, decode=True, lengths=lengths)
+      x, out = block(x, decode=True, lengths=lengths, rows=rows)
       outs.append(out)
     logits = self._logits(x)
     return (logits, outs) if return_attention else logits

@@ -6,15 +6,17 @@ both times:
 
 * ``paged`` (continuous batching): ``slots`` rows share one pool of
   ``num_pages`` pages of ``page_size`` tokens per layer
-  (``DecoderLM.init_paged_cache``). A host-side scheduler runs one jitted
-  model call per step: it releases the rows that finished in the step
-  before (their pages return to the pool), admits waiting requests into
-  free rows while the pool's unreserved pages cover the request's prompt
-  and its output (so no write can overflow and nothing is preempted), then
-  runs a mixed step: new rows prefill their prompt (at most
-  ``prefill_chunk`` tokens per step), running rows decode one token, idle
-  rows append nothing (``lengths`` 0). Each row's next token is the argmax
-  at its last real position.
+  (``DecoderLM.init_paged_cache``). A host-side scheduler runs a step of
+  at most two jitted model calls: it releases the rows that finished in
+  the step before (their pages return to the pool), admits waiting
+  requests into free rows while the pool's unreserved pages cover the
+  request's prompt and its output (so no write can overflow and nothing is
+  preempted), then the rows still in their prompt prefill their next
+  ``prefill_chunk`` tokens in one call over those rows alone (``rows``:
+  the cache's other rows are not computed; their count bucketed to a
+  power of two), and the rows with a token decode one more in one call
+  over all rows (``lengths`` 0 for the others). Each row's next token is
+  the argmax at its last real position.
 * ``static`` (the baseline, today's padded linear cache): batches of up to
   ``slots`` waiting requests in arrival order, each batch's cache
   ``init_cache(slots, L)`` for its longest prompt plus its longest output,
@@ -23,11 +25,12 @@ both times:
 
 Requests arrive at model steps drawn from a Poisson process of
 ``arrival_rate`` requests per step (seeded); each system counts its own
-model calls as steps (an idle system skips to the next arrival), so the
-schedules are deterministic and a request's arrival time is the wall time
-at which its system reached that step. Prompts are ``[BOS]`` and a random
-stretch of a validation document (``lm_data``), of a random length; each
-request asks for a random number of tokens (no stop token).
+steps (a static call is a step; an idle system skips to the next
+arrival), so the schedules are deterministic and a request's arrival time
+is the wall time at which its system reached that step. Prompts are
+``[BOS]`` and a random stretch of a validation document (``lm_data``), of
+a random length; each request asks for a random number of tokens (no stop
+token).
 
 Every request's tokens are checked against generating it alone (greedy,
 ``init_cache(1, L)``, a ragged prefill, then one ``decode`` per token). Each
@@ -253,13 +256,14 @@ def split(model: nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _paged_step(graphdef, cache, rest, done, tokens, lengths):
-  """Releases the rows ``done [B]``, appends ``tokens [B, T]`` (``lengths``
-  real per row); the argmax at each row's last real token ``[B]``, the pages
-  in use and the first layer's page table ``[B, M]``."""
+def _paged_step(graphdef, cache, rest, done, tokens, lengths, rows):
+  """Releases the rows ``done [B]``, then appends ``tokens [R, T]``
+  (``lengths [R]`` real) to the cache rows ``rows [R]`` (None: all ``B``);
+  the argmax at each row's last real token ``[R]``, the pages in use and
+  the first layer's page table ``[B, M]``."""
   model = nnx.merge(graphdef, cache, rest)
   model.release(done)
-  logits = model.decode(tokens, lengths)  # [B, T, V]
+  logits = model.decode(tokens, lengths, rows=rows)  # [R, T, V]
   last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
   table = model.blocks[0].attention.cache_page_table[...]
   return (nnx.state(model, nnx.Cache), jnp.argmax(last, -1).astype(jnp.int32),
@@ -349,36 +353,65 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
         rows[row] = {"request": i, "fed": 0}
         records[i].update(admit_step=step, row=row)
     reserved_in_step = reserved
-    feeds = {}
-    for row, active in enumerate(rows):
-      if active is not None:
-        request, record = requests[active["request"]], records[active["request"]]
-        fed = active["fed"]
-        feeds[row] = (request.prompt[fed:fed + chunk]
-                      if fed < len(request.prompt) else record["tokens"][-1:])
-    t = bucket(max(len(f) for f in feeds.values()), chunk)
-    tokens = np.full((b, t), lm_data.PAD, np.int32)
-    lengths = np.zeros(b, np.int32)
-    for row, feed in feeds.items():
-      tokens[row, :len(feed)] = feed
-      lengths[row] = len(feed)
-    before = clock.now()
-    cache, nxt, in_use, table = _paged_step(
-        graphdef, cache, rest, jnp.asarray(done), jnp.asarray(tokens),
-        jnp.asarray(lengths))
-    nxt, in_use = np.asarray(nxt), int(in_use)
+    # Rows still in their prompt prefill in one call over those rows alone
+    # (cache_rows: nobody else is computed); rows with a token decode in
+    # one call over all B rows (T = 1; the others append nothing).
+    prefilling = [row for row, a in enumerate(rows) if a is not None
+                  and a["fed"] < len(requests[a["request"]].prompt)]
+    decoding = [row for row, a in enumerate(rows) if a is not None
+                and a["fed"] >= len(requests[a["request"]].prompt)]
+    calls, emitted = [], {}
+    if prefilling:
+      r = bucket(len(prefilling), b)
+      # Padding entries: other rows (distinct, as cache_rows needs) that
+      # append nothing.
+      picked = prefilling + [row for row in range(b)
+                             if row not in prefilling][:r - len(prefilling)]
+      feeds = {}
+      for row in prefilling:
+        active = rows[row]
+        prompt = requests[active["request"]].prompt
+        feeds[row] = prompt[active["fed"]:active["fed"] + chunk]
+      t = bucket(max(len(f) for f in feeds.values()), chunk)
+      tokens = np.full((r, t), lm_data.PAD, np.int32)
+      lengths = np.zeros(r, np.int32)
+      for i, row in enumerate(prefilling):
+        tokens[i, :len(feeds[row])] = feeds[row]
+        lengths[i] = len(feeds[row])
+      before = clock.now()
+      cache, nxt, in_use, table = _paged_step(
+          graphdef, cache, rest, jnp.asarray(done), jnp.asarray(tokens),
+          jnp.asarray(lengths), jnp.asarray(picked, np.int32))
+      nxt, in_use = np.asarray(nxt), int(in_use)
+      calls.append({"rows": r, "T": t, "s": clock.now() - before})
+      token_rows += r * t
+      done = np.zeros(b, bool)
+      for i, row in enumerate(prefilling):
+        active = rows[row]
+        active["fed"] += len(feeds[row])
+        if active["fed"] >= len(requests[active["request"]].prompt):
+          emitted[row] = int(nxt[i])  # the prompt's last token: a token
+    if decoding:
+      tokens = np.full((b, 1), lm_data.PAD, np.int32)
+      lengths = np.zeros(b, np.int32)
+      for row in decoding:
+        tokens[row, 0] = records[rows[row]["request"]]["tokens"][-1]
+        lengths[row] = 1
+      before = clock.now()
+      cache, nxt, in_use, table = _paged_step(
+          graphdef, cache, rest, jnp.asarray(done), jnp.asarray(tokens),
+          jnp.asarray(lengths), None)
+      nxt, in_use = np.asarray(nxt), int(in_use)
+      calls.append({"rows": b, "T": 1, "s": clock.now() - before})
+      token_rows += b
+      done = np.zeros(b, bool)
+      emitted.update({row: int(nxt[row]) for row in decoding})
     now = clock.now()
-    token_rows += b * t
-    done = np.zeros(b, bool)
-    for row in feeds:
+    for row, token in emitted.items():
       active = rows[row]
       i = active["request"]
       record = records[i]
-      if active["fed"] < len(requests[i].prompt):
-        active["fed"] += len(feeds[row])
-        if active["fed"] < len(requests[i].prompt):
-          continue  # more of its prompt next step
-      record["tokens"].append(int(nxt[row]))
+      record["tokens"].append(token)
       if len(record["tokens"]) == 1:
         record.update(first_token_step=step, first_token_s=now)
       if len(record["tokens"]) == requests[i].max_tokens:
@@ -388,8 +421,10 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
         rows[row], done[row] = None, True
         reserved -= pages_needed(requests[i], z)
         finished += 1
-    log.append({"step": step, "T": t, "seconds": now,
-                "call_s": now - before, "active": len(feeds),
+    log.append({"step": step, "calls": calls, "seconds": now,
+                "call_s": sum(c["s"] for c in calls),
+                "active": len(prefilling) + len(decoding),
+                "prefilling": len(prefilling), "decoding": len(decoding),
                 "waiting": len(queue), "pages_in_use": in_use,
                 "pages_reserved": reserved_in_step})
     step += 1
@@ -397,7 +432,7 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
   # The last finished rows: release them (a T = 1 call appending nothing).
   cache, _, in_use, _ = _paged_step(
       graphdef, cache, rest, jnp.asarray(done),
-      jnp.zeros((b, 1), jnp.int32), jnp.zeros(b, jnp.int32))
+      jnp.zeros((b, 1), jnp.int32), jnp.zeros(b, jnp.int32), None)
   nnx.update(model, cache)
   model.check_cache()
   return {"records": records, "log": log, "wall_s": wall, "steps": step,
@@ -461,7 +496,8 @@ def serve_static(model: lm_model.DecoderLM, requests: list[Request],
           if len(record["tokens"]) == requests[i].max_tokens:
             record.update(finish_step=step, finish_s=now)
             finished += 1
-      log.append({"step": step, "T": t if k == 0 else 1, "seconds": now,
+      call = {"rows": b, "T": t if k == 0 else 1, "s": now - before}
+      log.append({"step": step, "calls": [call], "seconds": now,
                   "call_s": now - before, "cache_tokens": b * length,
                   "allocated_tokens": b * allocated, "waiting": len(queue)})
       step += 1
@@ -545,12 +581,14 @@ def _stats(values) -> dict:
 
 
 def _call_ms(log: list[dict]) -> dict:
-  """``{T: {"calls", "mean_ms"}}``: model calls by padded length ``T``."""
+  """``{"RxT": {"calls", "mean_ms"}}``: model calls by their padded shape
+  (``R`` rows of ``T`` new tokens), host scheduling excluded."""
   by = collections.defaultdict(list)
   for s in log:
-    by[s["T"]].append(s["call_s"])
-  return {t: {"calls": len(v), "mean_ms": 1000 * float(np.mean(v))}
-          for t, v in sorted(by.items())}
+    for c in s["calls"]:
+      by[c["rows"], c["T"]].append(c["s"])
+  return {f"{r}x{t}": {"calls": len(v), "mean_ms": 1000 * float(np.mean(v))}
+          for (r, t), v in sorted(by.items())}
 
 
 def cache_bytes_per_token(model: lm_model.DecoderLM) -> int:
@@ -574,10 +612,11 @@ def metrics(run: dict, requests: list[Request]) -> dict:
   return {"generated_tokens": generated,
           "prompt_tokens": sum(len(r.prompt) for r in requests),
           "wall_s": run["wall_s"], "tokens_per_s": generated / run["wall_s"],
-          "model_calls": len(run["log"]), "token_rows": run["token_rows"],
+          "model_calls": sum(len(s["calls"]) for s in run["log"]),
+          "model_steps": len(run["log"]), "token_rows": run["token_rows"],
           "useful_share": (generated + sum(len(r.prompt) for r in requests))
           / run["token_rows"],
-          "call_ms_by_T": _call_ms(run["log"]),
+          "call_ms_by_shape": _call_ms(run["log"]),
           "ttft_s": _stats(ttft), "ttft_steps": _stats(ttft_steps),
           "tpot_s": _stats(tpot), "latency_s": _stats(latency)}
 
@@ -812,14 +851,12 @@ def _report(config: ServeConfig, corpus: lm_data.Corpus,
            else ""),
         s["compile_pass_wall_s"]])
   paged = systems["paged"]
-  ts = sorted({int(t) for name in ("paged", "static")
-               for t in systems[name]["call_ms_by_T"]})
   call_rows = []
   for name in ("paged", "static"):
-    calls = systems[name]["call_ms_by_T"]
-    call_rows.append([name] + [
-        f"{calls[str(t)]['mean_ms']:.1f} ms x {calls[str(t)]['calls']}"
-        if str(t) in calls else "-" for t in ts])
+    calls = systems[name]["call_ms_by_shape"]
+    call_rows.append([name, ", ".join(
+        f"{shape}: {c['mean_ms']:.1f} ms x {c['calls']}"
+        for shape, c in calls.items())])
   parts = [
       "# Continuous batching over a paged KV cache\n",
       f"Model: {payload['model']['source']}; {m.num_layers} layers, "
@@ -856,10 +893,9 @@ def _report(config: ServeConfig, corpus: lm_data.Corpus,
       f"pages a finished request released; a free row waited for pages in "
       f"{paged['pages_blocked_steps']} steps. Static: "
       f"{systems['static']['batches']} batches.\n",
-      "Mean wall time per model call by padded new tokens per row T "
-      "(rows x T token rows each call; host scheduling included):\n",
-      report.markdown_table(["system", *(f"T={t}" for t in ts)],
-                            call_rows) + "\n",
+      "Mean wall time per model call by its padded shape (rows x new "
+      "tokens per row), and how many:\n",
+      report.markdown_table(["system", "calls"], call_rows) + "\n",
       "Times are wall clock of the second pass (the first compiles every "
       "shape; its wall time is the last column). TTFT: arrival to first "
       "token; TPOT: (finish - first token) / (tokens - 1); useful token "

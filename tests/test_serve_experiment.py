@@ -120,6 +120,14 @@ class ServeRunTest(absltest.TestCase):
     mixed = [(a["index"], b["index"]) for a in records for b in records
              if a["first_token_step"] < b["admit_step"] < a["finish_step"]]
     self.assertNotEmpty(mixed)
+    # Such a step makes two calls: the prefilling row alone (1 x T), then
+    # every row decoding one token (2 x 1).
+    steps = [s for s in self.payload["paged_log"]
+             if s["prefilling"] == 1 and s["decoding"] == 1]
+    self.assertNotEmpty(steps)
+    for s in steps:
+      self.assertEqual([(c["rows"], c["T"] if c["rows"] == 2 else "T")
+                        for c in s["calls"]], [(1, "T"), (2, 1)])
 
   def _requests_follow_the_workload(self):
     corpus = lm_data.build_corpus(self.config.seq_len,

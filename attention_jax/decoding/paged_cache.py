@@ -23,6 +23,8 @@ traced lengths and counts:
   pool when its last holder lets go.
 - ``share_prefix`` gives an empty sequence the pages of another's first
   tokens (a common prompt written once).
+- ``take_rows`` / ``put_rows``: the cache as a few of its sequences see it
+  (the same pool), for a call that computes only those, and back.
 
 Pages are handed out in batch order. A sequence whose new pages do not all
 fit in the free ones, or that would pass ``M`` pages, writes nothing, keeps
@@ -367,6 +369,85 @@ def share_prefix(cache: PagedKVCache, source: ArrayLike, target: ArrayLike,
           jnp.where(ok, length, cache.lengths[target])),
       refcount=refcount,
       overflow=cache.overflow.at[target].set(cache.overflow[target] | ~ok))
+
+
+def _first_of(rows: jax.Array, b: int) -> jax.Array:
+  """bool ``[R]``: ``rows[i]`` is in ``[0, B)`` and not named before ``i``."""
+  r = rows.shape[0]
+  earlier = jnp.tril(rows[:, None] == rows[None, :], -1).any(1)  # [R]
+  return (rows >= 0) & (rows < b) & ~earlier & (r > 0)
+
+
+def take_rows(cache: PagedKVCache, rows: ArrayLike) -> PagedKVCache:
+  """The cache as ``R`` of its sequences see it: the same pool and counts,
+  their page tables, lengths and flags (``rows`` int ``[R]``).
+
+  A call may then append to and attend over a few sequences (those that
+  prefill a prompt) without computing every row; ``put_rows`` writes them
+  back. ``rows`` must be distinct sequences in ``[0, B)``: concrete ones
+  that are not raise. Traced, a row named again after its first mention
+  sees a full table, so nothing is written for it (its output is garbage),
+  and ``put_rows`` raises its overflow flag; an entry out of range is
+  treated alike but has no flag to raise.
+
+  Example:
+    >>> c = init_paged_cache(6, 2, 1, 1, batch_size=3, max_pages=2)
+    >>> part = take_rows(c, jnp.array([2]))
+    >>> part = append(part, jnp.ones((1, 1, 3, 1)), jnp.ones((1, 1, 3, 1)))
+    >>> c = put_rows(c, part, jnp.array([2]))
+    >>> c.lengths.tolist(), c.page_table.tolist()
+    ([0, 0, 3], [[6, 6], [6, 6], [0, 1]])
+  """
+  _check_cache(cache)
+  rows = _check_rows(rows, cache.page_table.shape[0])
+  b, m = cache.page_table.shape
+  first = _first_of(rows, b)
+  at = jnp.clip(rows, 0, b - 1)
+  # A repeated row: a full table (lengths M * Z, no pages), so append finds
+  # no room and writes nothing.
+  return cache._replace(
+      page_table=jnp.where(first[:, None], cache.page_table[at],
+                           cache.num_pages),
+      lengths=jnp.where(first, cache.lengths[at], m * cache.page_size),
+      overflow=jnp.where(first, cache.overflow[at], False))
+
+
+def put_rows(cache: PagedKVCache, part: PagedKVCache,
+             rows: ArrayLike) -> PagedKVCache:
+  """``cache`` with ``take_rows(cache, rows)``, since updated, written back:
+  the pool and counts of ``part``, its rows' tables, lengths and flags.
+
+  A row of ``rows`` named twice keeps its first mention's and has its
+  overflow flag raised (``take_rows``).
+  """
+  _check_cache(cache)
+  b = cache.page_table.shape[0]
+  rows = _check_rows(rows, b)
+  if part.page_table.shape != (rows.shape[0],) + cache.page_table.shape[1:]:
+    raise ValueError(
+        f"part must be take_rows(cache, rows) for these {rows.shape[0]} rows "
+        f"(page_table [{rows.shape[0]}, {cache.max_pages}]), got page_table "
+        f"{part.page_table.shape}.")
+  first = _first_of(rows, b)
+  at = jnp.where(first, rows, b)  # b: dropped
+  again = jnp.where(~first & (rows >= 0) & (rows < b), rows, b)
+  return part._replace(
+      page_table=cache.page_table.at[at].set(part.page_table, mode="drop"),
+      lengths=cache.lengths.at[at].set(part.lengths, mode="drop"),
+      overflow=cache.overflow.at[at].set(part.overflow, mode="drop").at[
+          again].set(True, mode="drop"))
+
+
+def _check_rows(rows, b: int) -> jax.Array:
+  numerics.integer_array("rows", rows)
+  if np.ndim(rows) != 1:
+    raise ValueError(f"rows must be int [R], got shape {np.shape(rows)}.")
+  if kv_cache.is_concrete(rows):
+    named = np.asarray(rows).tolist()
+    if any(not 0 <= r < b for r in named) or len(set(named)) != len(named):
+      raise ValueError(f"rows must be distinct sequences in [0, B) = "
+                       f"[0, {b}), got {named}.")
+  return jnp.asarray(rows, jnp.int32)
 
 
 def check_overflow(cache: PagedKVCache) -> None:

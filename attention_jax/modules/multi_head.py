@@ -707,6 +707,7 @@ class MultiHeadAttention(nnx.Module):
       positions: ArrayLike | None = None,
       kv_positions: ArrayLike | None = None,
       decode: bool = False,
+      cache_rows: ArrayLike | None = None,
   ) -> jax.Array | tuple[jax.Array, ...]:
     """Attends ``query`` to ``key``/``value``.
 
@@ -760,6 +761,11 @@ class MultiHeadAttention(nnx.Module):
         Left-padded prompts: ``init_cache(..., left_padding=)``.
         With a cross-attention cache (``init_cross_cache``): attend to the
         stored memory (``key``/``value`` not given).
+      cache_rows: with ``decode`` and a paged cache (``init_paged_cache``),
+        int ``[B']``: the cache's sequences this call's ``B'`` examples are
+        (distinct; ``aj.paged_cache.take_rows``); the others neither write
+        nor are computed (a call that prefills the new requests' prompts
+        while the rest wait). Masks and lengths are over the ``B'``.
 
     Returns:
       ``output [B, T, Dout]``, or a tuple of it followed by what was asked
@@ -795,6 +801,12 @@ class MultiHeadAttention(nnx.Module):
     rate = 0.0 if deterministic else self.dropout_rate
     dropout_rng = _rngs.dropout_key(rngs, self.rngs) if rate > 0 else None
     cache = None
+    if cache_rows is not None and not (decode and
+                                       self.cache_page_table is not None):
+      raise ValueError(
+          "cache_rows picks sequences of a paged cache while decoding: "
+          "pass decode=True after init_paged_cache(...) (a linear cache's "
+          "rows are its batch: slice the cache instead).")
     if decode:
       if self.cache_index is None:
         raise ValueError("decode=True needs a cache: call "
@@ -804,7 +816,9 @@ class MultiHeadAttention(nnx.Module):
       pads = (None if self.cache_left_padding is None
               else self.cache_left_padding[...])
       if self.cache_page_table is not None:
-        cache = self._paged()
+        cache = full = self._paged()
+        if cache_rows is not None:
+          cache = paged_cache.take_rows(full, cache_rows)
       else:
         cache = cache_step.KVCache(
             self.cached_key[...], self.cached_value[...],
@@ -831,6 +845,8 @@ class MultiHeadAttention(nnx.Module):
         memory=memory)
     if decode and self.cache_page_table is not None:
       result, cache = result
+      if cache_rows is not None:
+        cache = paged_cache.put_rows(full, cache, cache_rows)
       self._store_paged(cache)
     elif decode:
       result, cache = result
