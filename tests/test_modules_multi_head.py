@@ -111,8 +111,8 @@ class MatchesReferencesTest(parameterized.TestCase):
         jax.tree.map(np.asarray, params), x, x, x, is_causal=True,
         scale=scale)
     mha.init_cache(batch_size=2, max_length=6)
-    steps = [mha(x[:, :3], decode=True), mha(x[:, 3:4], decode=True),
-             mha(x[:, 4:], decode=True)]
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    steps = [step(mha, x[:, :3]), step(mha, x[:, 3:4]), step(mha, x[:, 4:])]
     chex.assert_trees_all_close(jnp.concatenate(steps, 1),
                                 want_self.astype(np.float32), **TOL)
     with self.assertRaisesRegex(ValueError, "set the scale in one place"):
@@ -191,10 +191,10 @@ class MatchesReferencesTest(parameterized.TestCase):
     reached = np.abs(np.asarray(grads["t5_table"][...])).sum(-1) > 0
     self.assertEqual(set(np.flatnonzero(reached).tolist()), used)
     # A prefill, one step, a chunk; the prefill and the chunk have one
-    # length, so the chunk reuses the prefill's eager op programs.
+    # length, so the chunk reuses the prefill's program.
     mha.init_cache(batch_size=2, max_length=9)
-    pieces = [mha(x[:, :3], decode=True), mha(x[:, 3:4], decode=True),
-              mha(x[:, 4:], decode=True)]
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    pieces = [step(mha, x[:, :3]), step(mha, x[:, 3:4]), step(mha, x[:, 4:])]
     chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
                                 rtol=2e-6)
     with self.assertRaisesRegex(TypeError, r"t5_bias must be an aj\.T5Bias"):
@@ -267,13 +267,14 @@ class KVCacheTest(parameterized.TestCase):
     mask = None if q_lengths is None else aj.Mask(q_lengths=q_lengths)
     full = mha(x, mask=mask, is_causal=True)
     mha.init_cache(batch_size=2, max_length=11)
+    step = nnx.jit(lambda m, x, n: m(
+        x, mask=None if n is None else aj.Mask(q_lengths=n), decode=True))
     pieces = []
     for start, stop in ((0, 5), (5, 6), (6, 8)):
-      step_mask = None
+      n = None
       if q_lengths is not None:  # this call's rows of the lengths
-        step_mask = aj.Mask(
-            q_lengths=jnp.clip(q_lengths - start, 0, stop - start))
-      pieces.append(mha(x[:, start:stop], mask=step_mask, decode=True))
+        n = jnp.clip(q_lengths - start, 0, stop - start)
+      pieces.append(step(mha, x[:, start:stop], n))
     chex.assert_trees_all_close(jnp.concatenate(pieces, 1), full, atol=2e-6,
                                 rtol=2e-6)
 
@@ -322,7 +323,8 @@ class KVCacheTest(parameterized.TestCase):
         p64, x, x, x, is_causal=True, rope_base=100.0,
         query_positions=np.arange(6), key_positions=np.arange(6))
     mha.init_cache(batch_size=2, max_length=8)
-    chunks = [mha(x[:, :4], decode=True), mha(x[:, 4:], decode=True)]
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    chunks = [step(mha, x[:, :4]), step(mha, x[:, 4:])]
     chex.assert_trees_all_close(jnp.concatenate(chunks, 1),
                                 full.astype(np.float32), **TOL)
 
