@@ -48,7 +48,8 @@ def pages_in_use(path: str, paged_log: list[dict], static_log: list[dict],
             label="paged: active rows")
   rows.step(step, [s["waiting"] for s in paged_log], where="post",
             linestyle="--", label="paged: requests waiting")
-  rows.set_xlabel("model step (paged: a prefill and a decode call at most; static: one call)")
+  rows.set_xlabel("model step (paged: a prefill and a decode call at most; "
+                  "static: one call)")
   rows.set_ylabel("requests")
   rows.legend(fontsize=8, loc="upper right")
   fig.tight_layout()
