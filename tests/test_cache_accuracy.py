@@ -76,6 +76,12 @@ class CacheAccuracyTest(absltest.TestCase):
       # small against the outputs (float8 keeps 3 mantissa bits: ~6%).
       self.assertTrue((errors > 0).all(), f)
       self.assertTrue((errors < 0.1 * scale).all(), f)
+    # float8's rounding (3 mantissa bits) flips the argmax of this untrained
+    # model's flat logits somewhere among the 23 positions (1 here); the
+    # agreement counts positions, so it is a multiple of 1 / 23.
+    agreement = r["float8_e4m3fn"]["greedy_agreement"]
+    self.assertBetween(agreement, 0.5, 1 - 1 / 23)
+    self.assertAlmostEqual(agreement * 23, round(agreement * 23))
     # 2 layers x keys and values x 1 KV head per query head (2) x 8 dims.
     self.assertEqual(r["float32"]["bytes_per_token"], 2 * 2 * 2 * 8 * 4)
     self.assertEqual(r["bfloat16"]["bytes_per_token"], 2 * 2 * 2 * 8 * 2)
