@@ -18,6 +18,14 @@ log-sum-exp where the implementation returns it, and the gradients of a
 random projection of both (``q``, ``k``, ``v``; for multi-head attention the
 input and every parameter).
 
+The paged level (``--paged``, on by default): a decoding step through
+``aj.paged_attention`` (B sequences of ragged lengths, their pages
+scattered over the pool; causal, and a window with sinks; float32 and
+bfloat16) for "auto", the flash kernel and the paged kernels
+(``PAGED_KERNELS``, checked at this level only), output and lse against a
+float64 reference over each sequence's keys (forward only), then a decode
+step timed at the longest length.
+
 The case grid: plain, causal, causal cross-attention (``T < S``, bottom-right
 aligned), grouped-query (``K = N / 4``, causal), key padding lengths (one
 example of length 0, whose rows see nothing), a causal sliding window,
@@ -115,7 +123,17 @@ KNOWN_REFUSALS = {
                "t5": "splash's only score modifier is a soft cap"},
 }
 # The backend each accelerator kernel needs (unless interpreted).
-BACKENDS = {"cudnn": "gpu", "pallas_gpu": "gpu", "splash": "tpu"}
+BACKENDS = {"cudnn": "gpu", "pallas_gpu": "gpu", "splash": "tpu",
+            "paged_gpu": "gpu", "paged_tpu": "tpu"}
+# Kernels that read a paged cache only: checked at the paged level alone.
+PAGED_KERNELS = ("paged_gpu", "paged_tpu")
+PAGED_CASES = ("decode_causal", "decode_window_sinks")
+# What a paged kernel is known to refuse at the paged level.
+KNOWN_PAGED_REFUSALS = {
+    "paged_tpu": {"float32": "a TPU multiplies float32 in bfloat16 passes",
+                  "window": "JAX's TPU paged attention has no window",
+                  "sinks": "JAX's TPU paged attention has no sinks"},
+}
 # The T5 case's buckets and reach (tests/contract.py's choice).
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128
 
@@ -127,14 +145,19 @@ def kernel_names() -> tuple[str, ...]:
 
 def implementations(level: str = "sdpa") -> tuple[str, ...]:
   """What is checked at ``level``: "auto", every registered kernel, and (for
-  ``scaled_dot_product_attention``, ``level="sdpa"``) "ring"."""
-  return (AUTO, *kernel_names()) + ((RING,) if level == "sdpa" else ())
+  ``scaled_dot_product_attention``, ``level="sdpa"``) "ring"; at
+  ``level="paged"`` (``aj.paged_attention``) "auto", the flash kernel and
+  the paged kernels."""
+  if level == "paged":
+    return (AUTO, "flash", *PAGED_KERNELS)
+  names = tuple(n for n in kernel_names() if n not in PAGED_KERNELS)
+  return (AUTO, *names) + ((RING,) if level == "sdpa" else ())
 
 
 def _define_flags():
   """The command line's flags, defined only when run as a program."""
   global _QUICK, _OUT, _REPEATS, _CASES, _TIMING, _IMPLS, _PATTERNS
-  global _BUDGET, _INTERPRET
+  global _BUDGET, _INTERPRET, _PAGED
   _QUICK = flags.DEFINE_bool(
       "quick", False, "Tiny shapes everywhere (a CPU smoke run, seconds).")
   _OUT = flags.DEFINE_string("out", None, "Write the results here (JSON).")
@@ -152,6 +175,9 @@ def _define_flags():
       "budget_s", 420.0, "Seconds the whole run may take before the pattern "
       "timings skip their remaining points (8 minutes on one GPU, with "
       "start-up and the last compiles).")
+  _PAGED = flags.DEFINE_bool(
+      "paged", True, "Check and time a decoding step through a paged cache "
+      f"({PAGED_CASES}): 'auto', the flash kernel, {PAGED_KERNELS}.")
   _INTERPRET = flags.DEFINE_list(
       "interpret", [], "Registered accelerator kernels to run in Pallas's "
       "interpreter (e.g. pallas_gpu on CPU: slow, a correctness check).")
@@ -693,6 +719,176 @@ def check_mha(case: Case, dtype: str, impls) -> list[dict]:
 # Timing.
 
 
+# --------------------------------------------------------------------------
+# The paged level: a decoding step through aj.paged_attention (forward).
+
+
+def paged_sizes(quick: bool) -> tuple[int, int, int, int, int, int]:
+  """``(B, N, K, H, Z, L)``: sequences, heads, page size, longest length.
+  H and Z are powers of two >= 16 (the Triton kernel's dots need them)."""
+  if quick:
+    return 2, 4, 2, 16, 16, 80
+  if jax.default_backend() in ("gpu", "tpu"):
+    return 8, 8, 2, 128, 64, 4096
+  return 8, 8, 2, 64, 64, 1024
+
+
+def _paged_cache(dtype: str, quick: bool, lengths=None):
+  """A paged cache of B sequences (ragged unless ``lengths``), their pages
+  scattered over the pool (written round-robin a page at a time); and
+  the keys and values ``[B, K, L, H]`` it holds (float32)."""
+  b, _, k, h, z, length = paged_sizes(quick)
+  if lengths is None:  # ragged: the longest, and shorter ones down to 1/3
+    lengths = np.linspace(length, max(1, length // 3), b).astype(np.int32)
+  lengths = np.asarray(lengths, np.int32)
+  m = -(-int(lengths.max()) // z)
+  keys = np.asarray(_normal(1, (b, k, m * z, h), dtype), np.float32)
+  values = np.asarray(_normal(2, (b, k, m * z, h), dtype), np.float32)
+  cache = aj.init_paged_cache(b * m, z, k, h, batch_size=b, max_pages=m,
+                              dtype=dtype)
+  for start in range(0, m * z, z):
+    n = np.clip(lengths - start, 0, z).astype(np.int32)
+    cache = aj.paged_cache.append(
+        cache, jnp.asarray(keys[:, :, start:start + z], dtype),
+        jnp.asarray(values[:, :, start:start + z], dtype),
+        new_lengths=jnp.asarray(n))
+  return cache, keys, values, lengths
+
+
+def _paged_case(name: str):
+  """``(mask, sinks?, window)`` of a paged case: the newest token of each
+  sequence attends causally (to a window of 64 tokens with sinks)."""
+  if name == "decode_causal":
+    return aj.Mask(causal=True), False, None
+  return aj.Mask(causal=True, window=(63, 0)), True, 63
+
+
+def _paged_reference(q, keys, values, lengths, window, sinks, scale):
+  """float64 ``[B, N, Hv]`` and lse ``[B, N]``: query ``q [B, N, H]`` of
+  each sequence's last token over its keys ``[B, K, L, H]``."""
+  b, n, _ = q.shape
+  k = keys.shape[1]
+  out = np.zeros((b, n, values.shape[-1]))
+  lse = np.zeros((b, n))
+  for i in range(b):
+    j = np.arange(lengths[i])
+    ok = j <= lengths[i] - 1
+    if window is not None:
+      ok &= j >= lengths[i] - 1 - window
+    for h in range(n):
+      kv = h // (n // k)
+      s = scale * keys[i, kv, :lengths[i]] @ q[i, h]
+      s = np.where(ok, s, -np.inf)
+      top = s.max()
+      if sinks is not None:
+        top = max(top, sinks[h])
+      w = np.exp(s - top)
+      total = w.sum() + (np.exp(sinks[h] - top) if sinks is not None else 0)
+      out[i, h] = (w / total) @ values[i, kv, :lengths[i]]
+      lse[i, h] = top + np.log(total)
+  return out, lse
+
+
+def check_paged(dtype: str, impls, quick: bool) -> list[dict]:
+  """Both paged cases in ``dtype``: each implementation's output and lse
+  against the float64 reference (forward only: a decoding step)."""
+  b, n, k, h, z, _ = paged_sizes(quick)
+  cache, keys, values, lengths = _paged_cache(dtype, quick)
+  q = _normal(0, (b, n, 1, h), dtype)
+  rows = []
+  for name in PAGED_CASES:
+    mask, with_sinks, window = _paged_case(name)
+    sinks = (jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
+             if with_sinks else None)
+    ref_out, ref_lse = _paged_reference(
+        np.asarray(q, np.float64)[:, :, 0], keys, values, lengths, window,
+        None if sinks is None else np.asarray(sinks), h ** -0.5)
+    features = {dtype, "window", "sinks"} if with_sinks else {dtype}
+    for impl in impls:
+      row = {"level": "paged", "case": name, "dtype": dtype, "impl": impl,
+             "shape": f"B{b} N{n} K{k} T1 L{int(lengths.max())} H{h} Z{z}",
+             "status": None, "out_err": None, "lse_err": None,
+             "grad_err": None, "grad_worst": None, "reason": None}
+      rows.append(row)
+      needs = BACKENDS.get(impl)
+      if (needs is not None and impl not in _INTERPRETED
+          and jax.default_backend() != needs):
+        row["status"] = "SKIP"
+        row["reason"] = (f"unavailable: it needs a {needs.upper()}, the "
+                         f"backend is {jax.default_backend()!r}")
+        continue
+      kernel = None if impl == AUTO else (
+          aj.kernels.Flash() if impl == "flash" else _kernel(impl))
+      # A kernel that returns no lse (PagedTpu) has its output checked.
+      with_lse = kernel is None or "return_lse" in kernel.implements
+      call = jax.jit(lambda q, c, s, kernel=kernel, mask=mask, lse=with_lse:
+                     aj.paged_attention(q, c, mask, sinks=s,
+                                        implementation=kernel,
+                                        return_lse=lse))
+      try:
+        with jax.default_matmul_precision("highest"):
+          got = jax.tree.map(np.asarray, call(q, cache, sinks))
+          out, lse = got if with_lse else (got, None)
+      except (ValueError, TypeError) as err:
+        known = KNOWN_PAGED_REFUSALS.get(impl, {})
+        reasons = [known[f] for f in sorted(features) if f in known]
+        row["status"] = "SKIP" if reasons else "FAIL"
+        row["reason"] = (f"refused ({'; '.join(reasons)}): " if reasons
+                         else f"{type(err).__name__}: ") + str(
+                             err).splitlines()[0]
+        continue
+      except Exception as err:  # noqa: BLE001 - reported as a FAIL row
+        row["status"], row["reason"] = "FAIL", f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+        continue
+      row["out_err"] = _err(out[:, :, 0], ref_out)
+      if lse is not None:
+        row["lse_err"] = _err(lse[:, :, 0], ref_lse)
+      tol = TOLERANCES[dtype]
+      row["status"] = ("PASS" if max(row["out_err"], row["lse_err"] or 0.0)
+                       <= tol["fwd"] else "FAIL")
+      row["tolerance"] = tol
+  return rows
+
+
+def time_paged(quick: bool, repeats: int, impls,
+               dtype: str = "bfloat16") -> list[dict]:
+  """A decode step of B sequences all at the longest length, each
+  implementation that takes it, in ``dtype``; median ms."""
+  b, n, _, h, z, length = paged_sizes(quick)
+  cache, *_ = _paged_cache(dtype, quick, lengths=[length] * b)
+  q = _normal(0, (b, n, 1, h), dtype)
+  rows = []
+  for impl in impls:
+    row = {"shape": f"B{b} N{n} T1 L{length} H{h} Z{z} (paged)",
+           "dtype": dtype, "impl": impl, "mode": "fwd", "ms": None,
+           "compile_s": None, "reason": None}
+    rows.append(row)
+    needs = BACKENDS.get(impl)
+    if needs is not None and jax.default_backend() != needs:
+      row["reason"] = f"needs a {needs.upper()}"  # (not timed interpreted)
+      continue
+    kernel = None if impl == AUTO else (
+        aj.kernels.Flash() if impl == "flash" else _kernel(impl))
+    call = jax.jit(lambda q, c, kernel=kernel: aj.paged_attention(
+        q, c, aj.Mask(causal=True), implementation=kernel))
+    try:
+      start = time.perf_counter()
+      jax.block_until_ready(call(q, cache))
+      first = time.perf_counter() - start
+    except ValueError as err:
+      row["reason"] = f"refused: {str(err).splitlines()[0]}"
+      continue
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(call(q, cache))
+      times.append(time.perf_counter() - start)
+    row["ms"] = 1e3 * statistics.median(times)
+    row["compile_s"] = max(first - row["ms"] / 1e3, 0.0)
+  return rows
+
+
 def time_impls(z: Sizes, repeats: int, impls=None,
                dtypes=DTYPES) -> list[dict]:
   """fwd and fwd+bwd of each implementation, causal, in each dtype."""
@@ -888,7 +1084,8 @@ def machine() -> str:
 def run_check(quick: bool = False, cases=(), repeats: int = 5,
               timing: bool = True, out: str | None = None,
               dtypes=DTYPES, impls=(), patterns: bool = False,
-              budget_s: float = 420.0, interpret=()) -> dict:
+              budget_s: float = 420.0, interpret=(),
+              paged: bool = True) -> dict:
   """Runs the checks (and timings), prints both tables; returns the results.
 
   ``results["failed"]`` counts FAIL rows; ``main`` exits non-zero on any.
@@ -902,12 +1099,15 @@ def run_check(quick: bool = False, cases=(), repeats: int = 5,
   if unknown:
     raise ValueError(f"unknown cases {sorted(unknown)}; known: {CASES}")
   known = implementations("sdpa")  # "auto", the registry's names, "ring"
+  known += tuple(i for i in implementations("paged") if i not in known)
   unknown = set(impls) - set(known)
   if unknown:
     raise ValueError(f"unknown implementations {sorted(unknown)}; known: "
                      f"{known}")
-  sdpa_impls = [i for i in known if not impls or i in impls]
+  sdpa_impls = [i for i in implementations("sdpa") if not impls or i in impls]
   mha_impls = [i for i in implementations("mha") if not impls or i in impls]
+  paged_impls = [i for i in implementations("paged")
+                 if not impls or i in impls]
   print(f"{machine()}; checks at B,N,T,H = {z.check}", flush=True)
   checks = []
   for name in names:
@@ -916,8 +1116,13 @@ def run_check(quick: bool = False, cases=(), repeats: int = 5,
       checks += check_sdpa(case, dtype, sdpa_impls)
       if name in MHA_CASES:
         checks += check_mha(case, dtype, mha_impls)
+  if paged and paged_impls:
+    for dtype in dtypes:
+      checks += check_paged(dtype, paged_impls, quick)
   print(f"\n{checks_table(checks)}\n", flush=True)
   timings = time_impls(z, repeats, sdpa_impls, dtypes) if timing else []
+  if timing and paged and paged_impls:
+    timings += time_paged(quick, repeats, paged_impls)
   if timings:
     print(f"{timing_table(timings)}\n", flush=True)
   by_pattern = []
@@ -948,7 +1153,7 @@ def main(argv):
   results = run_check(_QUICK.value, _CASES.value, _REPEATS.value,
                       _TIMING.value, _OUT.value, impls=_IMPLS.value,
                       patterns=_PATTERNS.value, budget_s=_BUDGET.value,
-                      interpret=_INTERPRET.value)
+                      interpret=_INTERPRET.value, paged=_PAGED.value)
   if results["failed"]:
     sys.exit(1)
 

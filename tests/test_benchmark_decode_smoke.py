@@ -111,6 +111,21 @@ class GpuCheckSmokeTest(absltest.TestCase):
         {("auto", "fwd"), ("flash", "fwd+bwd")}, timed)
     self.assertTrue((pathlib.Path(out) / "r.json").exists())
 
+  def test_the_paged_level_checks_a_decoding_step(self):
+    rows = gpu_check.check_paged(
+        "float32", ("auto", "flash", "paged_gpu", "paged_tpu"), quick=True)
+    by = {(r["case"], r["impl"]): r for r in rows}
+    for case in gpu_check.PAGED_CASES:
+      for impl in ("auto", "flash"):
+        self.assertEqual(by[case, impl]["status"], "PASS", (case, impl))
+        self.assertIsNotNone(by[case, impl]["lse_err"])
+    if jax.default_backend() == "cpu":
+      self.assertIn("needs a GPU", by["decode_causal", "paged_gpu"]["reason"])
+      self.assertIn("needs a TPU", by["decode_causal", "paged_tpu"]["reason"])
+    # The paged kernels are checked here only: a dense call is not theirs.
+    for level in ("sdpa", "mha"):
+      self.assertNotIn("paged_gpu", gpu_check.implementations(level))
+
   def test_pattern_timings_run_or_say_why(self):
     rows = gpu_check.time_patterns(quick=True, repeats=1,
                                    impls=("flash", "jax.nn"),
