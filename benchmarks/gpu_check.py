@@ -872,21 +872,27 @@ def time_paged(quick: bool, repeats: int, impls,
         aj.kernels.Flash() if impl == "flash" else _kernel(impl))
     call = jax.jit(lambda q, c, kernel=kernel: aj.paged_attention(
         q, c, aj.Mask(causal=True), implementation=kernel))
-    try:
-      start = time.perf_counter()
-      jax.block_until_ready(call(q, cache))
-      first = time.perf_counter() - start
-    except ValueError as err:
-      row["reason"] = f"refused: {str(err).splitlines()[0]}"
-      continue
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(call(q, cache))
-      times.append(time.perf_counter() - start)
-    row["ms"] = 1e3 * statistics.median(times)
-    row["compile_s"] = max(first - row["ms"] / 1e3, 0.0)
+    _time_row(row, call, (q, cache), repeats)
   return rows
+
+
+def _time_row(row: dict, call, args, repeats: int) -> None:
+  """Fills ``row``'s ``ms`` (median of ``repeats`` calls after a compiling
+  one) and ``compile_s``, or its ``reason`` when the call is refused."""
+  try:
+    start = time.perf_counter()
+    jax.block_until_ready(call(*args))
+    first = time.perf_counter() - start
+  except ValueError as err:
+    row["reason"] = f"refused: {str(err).splitlines()[0]}"
+    return
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(call(*args))
+    times.append(time.perf_counter() - start)
+  row["ms"] = 1e3 * statistics.median(times)
+  row["compile_s"] = max(first - row["ms"] / 1e3, 0.0)
 
 
 def time_impls(z: Sizes, repeats: int, impls=None,
@@ -914,20 +920,7 @@ def time_impls(z: Sizes, repeats: int, impls=None,
           call = jax.jit(jax.grad(
               lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
               (0, 1, 2)))
-        try:
-          start = time.perf_counter()
-          jax.block_until_ready(call(q, k, v))
-          first = time.perf_counter() - start
-        except ValueError as err:
-          row["reason"] = f"refused: {str(err).splitlines()[0]}"
-          continue
-        times = []
-        for _ in range(repeats):
-          start = time.perf_counter()
-          jax.block_until_ready(call(q, k, v))
-          times.append(time.perf_counter() - start)
-        row["ms"] = 1e3 * statistics.median(times)
-        row["compile_s"] = max(first - row["ms"] / 1e3, 0.0)
+        _time_row(row, call, (q, k, v), repeats)
   return rows
 
 
