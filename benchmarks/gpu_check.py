@@ -789,6 +789,19 @@ def _paged_reference(q, keys, values, lengths, window, sinks, scale):
   return out, lse
 
 
+def _paged_kernel(impl: str, *, interpreted: bool):
+  """``(kernel or None for "auto", why it cannot run here or None)``; with
+  ``interpreted``, a kernel asked for with ``--interpret`` runs anywhere."""
+  needs = BACKENDS.get(impl)
+  if (needs is not None and jax.default_backend() != needs
+      and not (interpreted and impl in _INTERPRETED)):
+    return None, (f"it needs a {needs.upper()}, the backend is "
+                  f"{jax.default_backend()!r}")
+  if impl == AUTO:
+    return None, None
+  return (aj.kernels.Flash() if impl == "flash" else _kernel(impl)), None
+
+
 def check_paged(dtype: str, impls, quick: bool) -> list[dict]:
   """Both paged cases in ``dtype``: each implementation's output and lse
   against the float64 reference (forward only: a decoding step)."""
@@ -810,15 +823,10 @@ def check_paged(dtype: str, impls, quick: bool) -> list[dict]:
              "status": None, "out_err": None, "lse_err": None,
              "grad_err": None, "grad_worst": None, "reason": None}
       rows.append(row)
-      needs = BACKENDS.get(impl)
-      if (needs is not None and impl not in _INTERPRETED
-          and jax.default_backend() != needs):
-        row["status"] = "SKIP"
-        row["reason"] = (f"unavailable: it needs a {needs.upper()}, the "
-                         f"backend is {jax.default_backend()!r}")
+      kernel, why = _paged_kernel(impl, interpreted=True)
+      if why:
+        row["status"], row["reason"] = "SKIP", f"unavailable: {why}"
         continue
-      kernel = None if impl == AUTO else (
-          aj.kernels.Flash() if impl == "flash" else _kernel(impl))
       # A kernel that returns no lse (PagedTpu) has its output checked.
       with_lse = kernel is None or "return_lse" in kernel.implements
       call = jax.jit(lambda q, c, s, kernel=kernel, mask=mask, lse=with_lse:
@@ -864,12 +872,10 @@ def time_paged(quick: bool, repeats: int, impls,
            "dtype": dtype, "impl": impl, "mode": "fwd", "ms": None,
            "compile_s": None, "reason": None}
     rows.append(row)
-    needs = BACKENDS.get(impl)
-    if needs is not None and jax.default_backend() != needs:
-      row["reason"] = f"needs a {needs.upper()}"  # (not timed interpreted)
+    kernel, why = _paged_kernel(impl, interpreted=False)  # not timed so
+    if why:
+      row["reason"] = why
       continue
-    kernel = None if impl == AUTO else (
-        aj.kernels.Flash() if impl == "flash" else _kernel(impl))
     call = jax.jit(lambda q, c, kernel=kernel: aj.paged_attention(
         q, c, aj.Mask(causal=True), implementation=kernel))
     _time_row(row, call, (q, cache), repeats)
