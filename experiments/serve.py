@@ -255,7 +255,16 @@ def split(model: nnx.Module):
   return nnx.split(model, nnx.Cache, ...)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+@functools.lru_cache(maxsize=4)
+def programs(graphdef) -> tuple:
+  """``(paged_step, linear_step)`` jitted for this model, the caches
+  donated (updated in place). The graph definition is bound here, once: as
+  a static argument it would be hashed on every call, which cost this
+  model's decode step more host time than its computation."""
+  return tuple(jax.jit(functools.partial(step, graphdef), donate_argnums=0)
+               for step in (_paged_step, _linear_step))
+
+
 def _paged_step(graphdef, cache, rest, done, tokens, lengths, rows):
   """Releases the rows ``done [B]``, then appends ``tokens [R, T]``
   (``lengths [R]`` real) to the cache rows ``rows [R]`` (None: all ``B``);
@@ -270,7 +279,6 @@ def _paged_step(graphdef, cache, rest, done, tokens, lengths, rows):
           model.pages_in_use(), table)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _linear_step(graphdef, cache, rest, tokens, lengths):
   """Appends ``tokens [B, T]`` to a linear cache (``lengths [B]`` real per
   row, or None: all); the argmax ``[B]`` and logits ``[B, V]`` at each row's
@@ -331,6 +339,7 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
   chunk = config.prefill_chunk or config.max_prompt
   model.init_paged_cache(b, config.num_pages, z, max_pages(config))
   graphdef, cache, rest = split(model)
+  paged_step, _ = programs(graphdef)
   records = _new_records(requests)
   queue, rows = collections.deque(), [None] * b
   done = np.zeros(b, bool)
@@ -379,8 +388,8 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
         tokens[i, :len(feeds[row])] = feeds[row]
         lengths[i] = len(feeds[row])
       before = clock.now()
-      cache, nxt, in_use, table = _paged_step(
-          graphdef, cache, rest, jnp.asarray(done), jnp.asarray(tokens),
+      cache, nxt, in_use, table = paged_step(
+          cache, rest, jnp.asarray(done), jnp.asarray(tokens),
           jnp.asarray(lengths), jnp.asarray(picked, np.int32))
       nxt, in_use = np.asarray(nxt), int(in_use)
       calls.append({"rows": r, "T": t, "s": clock.now() - before})
@@ -398,8 +407,8 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
         tokens[row, 0] = records[rows[row]["request"]]["tokens"][-1]
         lengths[row] = 1
       before = clock.now()
-      cache, nxt, in_use, table = _paged_step(
-          graphdef, cache, rest, jnp.asarray(done), jnp.asarray(tokens),
+      cache, nxt, in_use, table = paged_step(
+          cache, rest, jnp.asarray(done), jnp.asarray(tokens),
           jnp.asarray(lengths), None)
       nxt, in_use = np.asarray(nxt), int(in_use)
       calls.append({"rows": b, "T": 1, "s": clock.now() - before})
@@ -430,8 +439,8 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
     step += 1
   wall = clock.now()
   # The last finished rows: release them (a T = 1 call appending nothing).
-  cache, _, in_use, _ = _paged_step(
-      graphdef, cache, rest, jnp.asarray(done),
+  cache, _, in_use, _ = paged_step(
+      cache, rest, jnp.asarray(done),
       jnp.zeros((b, 1), jnp.int32), jnp.zeros(b, jnp.int32), None)
   nnx.update(model, cache)
   model.check_cache()
@@ -467,6 +476,7 @@ def serve_static(model: lm_model.DecoderLM, requests: list[Request],
                     "allocated_length": allocated, "start_step": step})
     model.init_cache(b, allocated)
     graphdef, cache, rest = split(model)
+    _, linear_step = programs(graphdef)
     t = bucket(longest_prompt, allocated)
     tokens = np.full((b, t), lm_data.PAD, np.int32)
     lengths = np.zeros(b, np.int32)
@@ -475,14 +485,14 @@ def serve_static(model: lm_model.DecoderLM, requests: list[Request],
       tokens[row, :len(prompt)], lengths[row] = prompt, len(prompt)
       records[i].update(admit_step=step, row=row)
     before = clock.now()
-    cache, nxt, _ = _linear_step(graphdef, cache, rest, jnp.asarray(tokens),
+    cache, nxt, _ = linear_step(cache, rest, jnp.asarray(tokens),
                                  jnp.asarray(lengths))
     token_rows += b * t
     for k in range(longest_output):
       if k:  # feed every row's last token (finished rows too: padding)
         clock.arrive(step, queue)
         before = clock.now()
-        cache, nxt, _ = _linear_step(graphdef, cache, rest,
+        cache, nxt, _ = linear_step(cache, rest,
                                      jnp.asarray(nxt)[:, None], None)
         token_rows += b
       nxt_host = np.asarray(nxt)
@@ -518,15 +528,16 @@ def generate_alone(model: lm_model.DecoderLM, requests: list[Request]
   for request in requests:
     model.init_cache(1, length)
     graphdef, cache, rest = split(model)
+    _, linear_step = programs(graphdef)
     p = len(request.prompt)
     tokens = np.full((1, bucket(p, length)), lm_data.PAD, np.int32)
     tokens[0, :p] = request.prompt
-    cache, nxt, logits = _linear_step(graphdef, cache, rest,
+    cache, nxt, logits = linear_step(cache, rest,
                                       jnp.asarray(tokens),
                                       jnp.asarray([p], jnp.int32))
     got, rows = [nxt], [logits]
     for _ in range(request.max_tokens - 1):
-      cache, nxt, logits = _linear_step(graphdef, cache, rest,
+      cache, nxt, logits = linear_step(cache, rest,
                                         nxt[:, None], None)
       got.append(nxt)
       rows.append(logits)

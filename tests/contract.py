@@ -509,7 +509,13 @@ def _paged(case: Case, k, v, lengths):
     return jnp.full((p, kh, z, h), jnp.nan, x.dtype).at[
         order.reshape(-1)].set(x)
 
-  return aj.kernels.Pages(pool(k), pool(v), table)
+  # The decoding cases vouch that what the rows hold is finite (as a
+  # paged cache does while nothing held was written a NaN or inf), so a
+  # kernel may skip its search for them; the prefill case does not, so
+  # the search runs. The pool's NaN past the lengths must stay out either
+  # way.
+  finite = jnp.bool_(True) if case.t == 1 else None
+  return aj.kernels.Pages(pool(k), pool(v), table, finite=finite)
 
 
 def _segment_ids(case: Case):

@@ -164,10 +164,9 @@ class PagedGarbageTest(chex.TestCase):
   def test_a_nan_a_row_sees_spoils_that_row_alone_in_every_paged_kernel(self):
     cache = pc.init_paged_cache(6, Z, K, H, 2, M, dtype=jnp.bfloat16)
     x = jnp.ones((2, K, 5, H), jnp.bfloat16)
-    cache = pc.append(cache, x, x)
-    bad = cache.page_table[0, 1]  # sequence 0's second page, slot 0
-    cache = cache._replace(key_pages=cache.key_pages.at[bad, 0, 0, 0].set(
-        jnp.nan))
+    # Sequence 0's token 2 (its second page, slot 0): a NaN key.
+    cache = pc.append(cache, x.at[0, 0, 2, 0].set(jnp.nan), x)
+    self.assertFalse(bool(pc.all_finite(cache)))
     q = jnp.ones((2, N, 1, H), jnp.bfloat16)
     for impl in ("flash", aj.kernels.PagedTpu(interpret=True),
                  aj.kernels.PagedGpu(interpret=True), aj.kernels.SplitKV(2)):
@@ -175,3 +174,31 @@ class PagedGarbageTest(chex.TestCase):
                                           implementation=impl), np.float32)
       self.assertFalse(np.isfinite(out[0]).any(), impl)
       np.testing.assert_array_equal(out[1], 1.0)
+
+  def test_a_nan_written_where_the_window_hides_it_reaches_no_row(self):
+    # Written through append, the NaN marks its page, so the flash walk
+    # searches the blocks it loads: the page of tokens 8-11 is loaded for
+    # the query at 12 (window 2: tokens 10-12), and token 9's NaN value
+    # must not reach it (0 * NaN would). Garbage past the length (the
+    # NaN pool) stays out as ever.
+    z = 4
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((1, 1, 13, H)).astype(np.float32)
+            for _ in range(2))
+    q = rng.standard_normal((1, N, 1, H)).astype(np.float32)
+    cache = pc.init_paged_cache(8, z, 1, H, 1, 4)
+    cache = cache._replace(key_pages=jnp.full_like(cache.key_pages, jnp.nan),
+                           value_pages=jnp.full_like(cache.value_pages,
+                                                     jnp.nan))
+    cache = pc.append(cache, jnp.asarray(k).at[0, 0, 9].set(jnp.nan),
+                      jnp.asarray(v).at[0, 0, 9].set(jnp.nan))
+    self.assertFalse(bool(pc.all_finite(cache)))
+    window = (2, 0)
+    want = _reference(q[0], k[0, 0], v[0, 0], window)  # no NaN anywhere
+    for impl in ("flash", aj.kernels.Flash(block_k=2 * z)):
+      got = aj.paged_attention(jnp.asarray(q), cache,
+                               aj.Mask(causal=True, window=window),
+                               implementation=impl)
+      # float32 against float64 over 3 keys: rounding only.
+      np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-5,
+                                 atol=1e-6)

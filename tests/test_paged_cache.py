@@ -159,6 +159,32 @@ class PagedCacheTest(chex.TestCase):
     k0, _ = _tokens(cache, 0)
     np.testing.assert_array_equal(k0, 1.0)
 
+  def test_pages_written_a_nan_are_marked_until_they_are_handed_out_again(
+      self):
+    # all_finite is what lets attention skip searching each block for NaN
+    # and inf: it must be False exactly while a held page was written one.
+    c = pc.init_paged_cache(4, 2, 1, 1, batch_size=2, max_pages=2)
+    x = jnp.ones((2, 1, 3, 1))
+    c = pc.append(c, x.at[0, 0, 2].set(jnp.inf), x,
+                  new_lengths=jnp.array([3, 1]))
+    # Sequence 0 holds pages 0, 1 (the inf in page 1), sequence 1 page 2.
+    self.assertEqual(c.nonfinite.tolist(), [False, True, False, False])
+    self.assertFalse(bool(pc.all_finite(c)))
+    # Sequence 1 shares sequence 0's first 3 tokens and writes: the shared
+    # partly filled page 1 is copied (to page 2, free again), mark and all.
+    c = pc.release(c, jnp.array([False, True]))
+    c = pc.share_prefix(c, 0, 1, 3)
+    c = pc.append(c, x, x, new_lengths=jnp.array([0, 1]))
+    self.assertEqual(c.page_table.tolist(), [[0, 1], [0, 2]])
+    self.assertEqual(c.nonfinite.tolist(), [False, True, True, False])
+    # Released, the marked pages are nobody's: the cache is finite again,
+    # and a page handed out anew starts unmarked.
+    c = pc.release(c, jnp.array([True, True]))
+    self.assertTrue(bool(pc.all_finite(c)))
+    c = pc.append(c, x, x, new_lengths=jnp.array([3, 3]))
+    self.assertEqual(c.nonfinite.tolist(), [False] * 4)
+    self.assertIsNone(pc.all_finite(c._replace(nonfinite=None)))
+
   def test_bad_input_names_the_argument(self):
     cache = pc.init_paged_cache(4, Z, K, H, B, M)
     with self.assertRaisesRegex(ValueError, r"key must be \[B, K, T, H\]"):

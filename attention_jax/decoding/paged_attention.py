@@ -107,7 +107,8 @@ def paged_attention(
   checks.check_min_rank("query", query, 2, "[B, N, T, H]")
   placed = placed_mask(mask, cache.lengths, t)
   pages = base.Pages(cache.key_pages, cache.value_pages, cache.page_table,
-                     cache.key_scales, cache.value_scales)
+                     cache.key_scales, cache.value_scales,
+                     paged_cache.all_finite(cache))
   out, _, lse, max_logits = dot_product.run(
       query, None, None, placed, scale=scale, score_mod=score_mod,
       sinks=sinks, implementation=implementation, return_lse=return_lse,

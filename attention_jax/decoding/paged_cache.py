@@ -65,6 +65,11 @@ class PagedKVCache(NamedTuple):
       ``quantize.quantize``; attention dequantises each page as it loads
       it), else None.
     value_scales: the values' scales ``[P, K, Z]``, or None.
+    nonfinite: bool ``[P]``: a NaN or inf was written to the page since it
+      last left the free list. Attention skips its search for such values
+      in every loaded block while no held page has one (the check would
+      cost a decoding step as much as the attention itself on a CPU).
+      None: unknown, every block is searched.
   """
   key_pages: jax.Array
   value_pages: jax.Array
@@ -74,6 +79,7 @@ class PagedKVCache(NamedTuple):
   overflow: jax.Array
   key_scales: jax.Array | None = None
   value_scales: jax.Array | None = None
+  nonfinite: jax.Array | None = None
 
   @property
   def quantized(self) -> str | None:
@@ -142,7 +148,17 @@ def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
       lengths=jnp.zeros((batch_size,), jnp.int32),
       refcount=jnp.zeros((num_pages,), jnp.int32),
       overflow=jnp.zeros((batch_size,), bool),
-      key_scales=scales, value_scales=scales)
+      key_scales=scales, value_scales=scales,
+      nonfinite=jnp.zeros((num_pages,), bool))
+
+
+def all_finite(cache: PagedKVCache) -> jax.Array | None:
+  """bool scalar: no page a sequence holds was written a NaN or inf (slots
+  below each sequence's length are finite); None when the cache does not
+  track it (``nonfinite`` None)."""
+  if cache.nonfinite is None:
+    return None
+  return ~jnp.any(cache.nonfinite & (cache.refcount > 0))
 
 
 def _check_cache(cache) -> None:
@@ -247,6 +263,10 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
   key_pages, value_pages, key_scales, value_scales = map(
       copied_page, (cache.key_pages, cache.value_pages, cache.key_scales,
                     cache.value_scales))
+  nonfinite = cache.nonfinite
+  if nonfinite is not None:  # a new page starts clean, a copy as its source
+    nonfinite = copied_page(nonfinite.at[new_page.reshape(-1)].set(
+        False, mode="drop"))
   refcount = cache.refcount.at[src].add(-1, mode="drop")
   refcount = refcount.at[new_page.reshape(-1)].add(1, mode="drop")
   rows = jnp.broadcast_to(jnp.arange(b)[:, None], j.shape)
@@ -273,10 +293,13 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
 
   key_pages, key_scales = written(key_pages, key_scales, key)
   value_pages, value_scales = written(value_pages, value_scales, value)
+  if nonfinite is not None:  # the pages a NaN or inf is written to
+    bad = ~(jnp.isfinite(key).all((1, 3)) & jnp.isfinite(value).all((1, 3)))
+    nonfinite = nonfinite.at[jnp.where(bad, page, p)].set(True, mode="drop")
   return PagedKVCache(
       key_pages, value_pages, page_table,
       jnp.where(ok, end, start), refcount,
-      cache.overflow | (~ok & (n > 0)), key_scales, value_scales)
+      cache.overflow | (~ok & (n > 0)), key_scales, value_scales, nonfinite)
 
 
 def release(cache: PagedKVCache, done: ArrayLike) -> PagedKVCache:

@@ -66,6 +66,11 @@ class Pages(NamedTuple):
   # dequantises each page as it loads it.
   key_scales: jax.Array | None = None
   value_scales: jax.Array | None = None
+  # bool scalar: True vouches that every key and value below each
+  # example's length is finite (the paged cache tracks what it was
+  # written), so a kernel need not search loaded pages for NaN or inf;
+  # False or None: it must (garbage a row may not see never reaches it).
+  finite: jax.Array | None = None
 
   @property
   def page_size(self) -> int:

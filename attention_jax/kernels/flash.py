@@ -129,9 +129,10 @@ class Flash(base.Kernel):
       kv_head, row = kv_head[0, 0], row[0]
       return flash_core.paged_head(
           q, flash_core.PagedRows(pages.key_pages, kv_head, row,
-                                  pages.key_scales),
+                                  pages.key_scales, pages.finite),
           flash_core.PagedRows(pages.value_pages, kv_head, row,
-                               pages.value_scales), h, **config)
+                               pages.value_scales, pages.finite), h,
+          **config)
 
     return broadcast.lift_heads(head, ops._replace(key=heads, value=rows))
 

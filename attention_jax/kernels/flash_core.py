@@ -178,12 +178,16 @@ class PagedRows(NamedTuple):
   load is clamped to a real page and zeroed there. With
   ``scales`` the pool is quantised (int8, float8_e4m3fn) and a page is
   dequantised as it is loaded (float32 ``q * scale``): no dequantised
-  copy of the pool or of a sequence exists.
+  copy of the pool or of a sequence exists. ``finite``
+  (``base.Pages.finite``, the same for every head) True: the rows below
+  the head's length are finite, so a loaded block is not searched for NaN
+  or inf (it is still zeroed past the length).
   """
   pool: jax.Array  # [P, K, Z, H]
   head: jax.Array  # int32 scalar: the key/value head
   row: jax.Array  # int32 [M]: this example's pages
   scales: jax.Array | None = None  # float32 [P, K, Z]: quantised pool
+  finite: jax.Array | None = None  # bool scalar, unmapped over heads
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -232,13 +236,36 @@ def _key_rows(st: Static, x, j0, length):
   may be ``PagedRows`` (whole pages per block), which need ``length``.
   """
   if isinstance(x, PagedRows):
+    if x.finite is not None and length is not None:
+      # One branch for the whole call: the search for NaN and inf (two
+      # passes over the block) only where the cache cannot vouch.
+      return jax.lax.cond(
+          x.finite, lambda: _zero_past(st, x.page(j0, st.bk), j0, length),
+          lambda: _cleaned(st, x.page(j0, st.bk), j0, length))
     rows = x.page(j0, st.bk)
   else:
     rows = jax.lax.dynamic_slice_in_dim(x, j0, st.bk)
-  if length is not None:
-    valid = j0 + jnp.arange(st.bk) < length
-    rows = jnp.where(valid[:, None], rows, jnp.zeros_like(rows))
-  return _finite(rows)
+  if length is None:
+    return _finite(rows)
+  return _cleaned(st, rows, j0, length)
+
+
+def _cleaned(st: Static, rows, j0, length):
+  """``_key_rows`` of loaded rows: zero past ``length`` (unused page
+  slots may hold anything) or not finite, and the rows below it that held
+  a NaN or inf. One select for both: two cost XLA:CPU a pass each."""
+  valid = (j0 + jnp.arange(st.bk) < length)[:, None]  # [bk, 1]
+  ok = jnp.isfinite(rows)
+  return (jnp.where(ok & valid, rows, jnp.zeros_like(rows)),
+          valid[:, 0] & ~jnp.all(ok, axis=-1))
+
+
+def _zero_past(st: Static, rows, j0, length):
+  """``_key_rows`` of rows known finite below ``length``: zero past it
+  (stale slots of a page may hold anything), none bad."""
+  valid = (j0 + jnp.arange(st.bk) < length)[:, None]  # [bk, 1]
+  return (jnp.where(valid, rows, jnp.zeros_like(rows)),
+          jnp.zeros((st.bk,), bool))
 
 
 def _zero_like_all(*operands):

@@ -384,6 +384,7 @@ class MultiHeadAttention(nnx.Module):
     self.cache_refcount: nnx.Cache | None = nnx.data(None)
     self.cache_key_scales: nnx.Cache | None = nnx.data(None)  # quantised
     self.cache_value_scales: nnx.Cache | None = nnx.data(None)
+    self.cache_nonfinite: nnx.Cache | None = nnx.data(None)
     self.cache_window: int | None = None
     self.memory_key: nnx.Cache | None = nnx.data(None)
     self.memory_value: nnx.Cache | None = nnx.data(None)
@@ -525,6 +526,7 @@ class MultiHeadAttention(nnx.Module):
     self.cache_window = window
     self.cache_page_table = self.cache_refcount = None
     self.cache_key_scales = self.cache_value_scales = None
+    self.cache_nonfinite = None
     self.memory_key = self.memory_value = None  # one cache at a time
 
   def init_paged_cache(self, batch_size: int, *, num_pages: int,
@@ -572,6 +574,7 @@ class MultiHeadAttention(nnx.Module):
     self.cache_key_scales = nnx.Cache(cache.key_scales) if scales else None
     self.cache_value_scales = (nnx.Cache(cache.value_scales) if scales
                                else None)  # [P, K, Z]
+    self.cache_nonfinite = nnx.Cache(cache.nonfinite)  # [P]
     self.cache_pad_written = self.cache_left_padding = None
     self.cache_window = None
     self.memory_key = self.memory_value = None  # one cache at a time
@@ -582,7 +585,8 @@ class MultiHeadAttention(nnx.Module):
     return paged_cache.PagedKVCache(
         self.cached_key[...], self.cached_value[...],
         self.cache_page_table[...], self.cache_index[...],
-        self.cache_refcount[...], self.cache_overflow[...], *scales)
+        self.cache_refcount[...], self.cache_overflow[...], *scales,
+        self.cache_nonfinite[...])
 
   def _store_paged(self, cache: paged_cache.PagedKVCache) -> None:
     self.cached_key[...] = cache.key_pages
@@ -591,6 +595,7 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index[...] = cache.lengths
     self.cache_refcount[...] = cache.refcount
     self.cache_overflow[...] = cache.overflow
+    self.cache_nonfinite[...] = cache.nonfinite
     if self.cache_key_scales is not None:
       self.cache_key_scales[...] = cache.key_scales
       self.cache_value_scales[...] = cache.value_scales
@@ -654,6 +659,7 @@ class MultiHeadAttention(nnx.Module):
     self.cache_pad_written = self.cache_left_padding = None
     self.cache_page_table = self.cache_refcount = None
     self.cache_key_scales = self.cache_value_scales = None
+    self.cache_nonfinite = None
     self.cache_window = None
 
   def check_cache(self) -> None:
