@@ -1,8 +1,8 @@
 """Continuous batching over a paged KV cache, against static padded batches.
 
 ``python run.py --experiment=serve`` serves one workload of text requests
-with the LM experiment's ``lm_model.DecoderLM`` twice, greedy decoding
-both times:
+with the LM experiment's ``lm_model.DecoderLM`` in two systems, greedy
+decoding in both:
 
 * ``paged`` (continuous batching): ``slots`` rows share one pool of
   ``num_pages`` pages of ``page_size`` tokens per layer
@@ -30,14 +30,18 @@ arrival), so the schedules are deterministic and a request's arrival time
 is the wall time at which its system reached that step. Prompts are
 ``[BOS]`` and a random stretch of a validation document (``lm_data``), of
 a random length; each request asks for a random number of tokens (no stop
-token).
+token). Both lengths are drawn ``log_uniform`` by default (as many
+requests of 16-64 tokens as of 256-1024: most short, a few long, as in
+chat traffic) or ``uniform`` (``lengths``).
 
 Every request's tokens are checked against generating it alone (greedy,
 ``init_cache(1, L)``, a ragged prefill, then one ``decode`` per token). Each
-system runs the workload twice: the first pass compiles every shape it
-meets (prompt lengths bucketed to powers of two, static cache lengths to
-multiples of ``STATIC_LENGTH_MULTIPLE``, so there are few), the second is
-timed; both passes must give the same tokens.
+system first runs the workload once to compile every shape it meets (prompt
+lengths bucketed to powers of two, static cache lengths to multiples of
+``STATIC_LENGTH_MULTIPLE``, so there are few); then ``timed_passes``
+rounds time one pass of each system in turns, and each system's median
+pass is reported (with the ratio round by round); every pass must give the
+same tokens.
 
 The model is the LM experiment's ``segments`` checkpoint
 (``serve_lm_checkpoint``) when it was written with the same settings
@@ -89,6 +93,9 @@ from experiments import training
 # batches of similar lengths reuse one compiled program.
 STATIC_LENGTH_MULTIPLE = 64
 
+# How a request's prompt and output lengths are drawn in [low, high].
+LENGTH_DISTRIBUTIONS = ("log_uniform", "uniform")
+
 _TRAIN_FLAGS = {k: v for k, v in config_flags.training_flags(
     "serve", "training steps when no LM checkpoint is loaded.",
     "rows per training batch.").items() if k != "mesh"}
@@ -112,8 +119,13 @@ class ServeConfig:
       16, "serve: fewest tokens a request generates.",
       name="serve_min_output", lower_bound=1, not_above="max_output")
   max_output: int = config_flags.field(
-      64, "serve: most tokens a request generates.",
+      256, "serve: most tokens a request generates.",
       name="serve_max_output", lower_bound=1)
+  lengths: str = config_flags.field(
+      "log_uniform", "serve: how prompt and output lengths are drawn "
+      "between their bounds: log_uniform (most requests short, a few long: "
+      "the heavy tail of chat traffic) or uniform.", name="serve_lengths",
+      choices=LENGTH_DISTRIBUTIONS)
   arrival_rate: float = config_flags.field(
       0.25, "serve: mean requests arriving per model step (Poisson "
       "arrivals, seeded by --seed).", name="serve_arrival_rate",
@@ -125,11 +137,16 @@ class ServeConfig:
       64, "serve: tokens per page of the paged cache.",
       name="serve_page_size", lower_bound=1)
   num_pages: int = config_flags.field(
-      80, "serve: pages in the paged cache's pool (each layer has one).",
+      48, "serve: pages in the paged cache's pool (each layer has one).",
       name="serve_num_pages", lower_bound=1)
   prefill_chunk: int = config_flags.field(
-      64, "serve: most prompt tokens a row prefills in one step (0: its "
+      256, "serve: most prompt tokens a row prefills in one step (0: its "
       "whole prompt at once).", name="serve_prefill_chunk", lower_bound=0)
+  timed_passes: int = config_flags.field(
+      3, "serve: timed passes of the workload per system, paged and static "
+      "in turns after one compiling pass each; the median pass (by wall "
+      "time) is reported, the spread of the rounds beside it.",
+      name="serve_timed_passes", lower_bound=1)
   accuracy_rows: int = config_flags.field(
       0, "serve: validation rows (of --lm seq_len transitions) read through "
       "a float32, bfloat16, int8 and float8_e4m3fn paged cache for the "
@@ -187,8 +204,10 @@ def workload(config: ServeConfig, corpus: lm_data.Corpus) -> list[Request]:
   n = config.requests
   gaps = rng.exponential(1.0 / config.arrival_rate, n)
   arrivals = np.floor(np.cumsum(gaps) - gaps[0]).astype(int)  # first at 0
-  prompt_lengths = rng.integers(config.min_prompt, config.max_prompt + 1, n)
-  outputs = rng.integers(config.min_output, config.max_output + 1, n)
+  prompt_lengths = draw_lengths(rng, config.lengths, config.min_prompt,
+                                config.max_prompt, n)
+  outputs = draw_lengths(rng, config.lengths, config.min_output,
+                         config.max_output, n)
   docs = lm.documents_of(corpus.valid)  # each [BOS, c_1, ...]
   longest = max(len(d) for d in docs)
   if config.max_prompt > longest:
@@ -205,6 +224,21 @@ def workload(config: ServeConfig, corpus: lm_data.Corpus) -> list[Request]:
     requests.append(Request(i, int(arrivals[i]), prompt.astype(np.int32),
                             int(outputs[i]), corpus.valid_names[j]))
   return requests
+
+
+def draw_lengths(rng: np.random.Generator, distribution: str, low: int,
+                 high: int, n: int) -> np.ndarray:
+  """``n`` int lengths in ``[low, high]``: ``"uniform"``, or
+  ``"log_uniform"`` (uniform in log length: as many requests in 16-64 as
+  in 256-1024, so the mean is far below the midpoint, as in chat traffic,
+  where most requests are short and a few long)."""
+  if distribution == "uniform":
+    return rng.integers(low, high + 1, n)
+  if distribution == "log_uniform":
+    x = np.exp(rng.uniform(np.log(low), np.log(high + 1), n))
+    return np.clip(np.floor(x).astype(int), low, high)
+  raise ValueError(f"distribution must be one of {LENGTH_DISTRIBUTIONS}, "
+                   f"got {distribution!r}.")
 
 
 def bucket(n: int, cap: int) -> int:
@@ -715,11 +749,19 @@ def build_model(config: ServeConfig, corpus: lm_data.Corpus
 # The experiment
 
 
-def _timed_twice(fn, model, requests, config) -> tuple[dict, dict]:
-  """``fn`` once to compile (its wall time reported), then timed."""
-  warm = fn(model, requests, config)
-  timed = fn(model, requests, config)
-  return warm, timed
+def _timed_passes(model, requests, config) -> dict:
+  """Each system's compiling pass, then ``config.timed_passes`` rounds of
+  one timed pass each in turns (so a slow spell of the machine falls on
+  both): ``{"paged"|"static": (compile pass, median pass by wall time,
+  every timed pass)}``."""
+  fns = {"paged": serve_paged, "static": serve_static}
+  warm = {name: fn(model, requests, config) for name, fn in fns.items()}
+  passes = {name: [] for name in fns}
+  for _ in range(config.timed_passes):
+    for name, fn in fns.items():
+      passes[name].append(fn(model, requests, config))
+  return {name: (warm[name], sorted(runs, key=lambda r: r["wall_s"])[
+      (len(runs) - 1) // 2], runs) for name, runs in passes.items()}
 
 
 def _reused_pages(run: dict) -> int:
@@ -754,8 +796,9 @@ def run(config: ServeConfig) -> dict:
   print(f"[serve] model: {source['source']}")
 
   t0 = time.perf_counter()
-  paged_warm, paged = _timed_twice(serve_paged, model, requests, config)
-  static_warm, static = _timed_twice(serve_static, model, requests, config)
+  passes = _timed_passes(model, requests, config)
+  paged_warm, paged, paged_runs = passes["paged"]
+  static_warm, static, static_runs = passes["static"]
   serving_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   alone = generate_alone(model, requests)
@@ -791,14 +834,20 @@ def run(config: ServeConfig) -> dict:
       batches=len(static["batches"]),
       compile_pass_wall_s=static_warm["wall_s"],
       check=compare(static["records"], alone))
-  for name, warm, timed in (("paged", paged_warm, paged),
-                            ("static", static_warm, static)):
+  for name, warm, runs in (("paged", paged_warm, paged_runs),
+                           ("static", static_warm, static_runs)):
     systems[name]["passes_equal"] = all(
-        a["tokens"] == b["tokens"]
+        a["tokens"] == b["tokens"] for timed in runs
         for a, b in zip(warm["records"], timed["records"]))
+    systems[name]["timed_pass_wall_s"] = [r["wall_s"] for r in runs]
   paged_m, static_m = systems["paged"], systems["static"]
   comparison = {
       "tokens_per_s_ratio": paged_m["tokens_per_s"] / static_m["tokens_per_s"],
+      # Each round's paged pass against its static pass (wall time of the
+      # same tokens): the spread of the ratio on this machine.
+      "tokens_per_s_ratio_by_round": [
+          s["wall_s"] / p["wall_s"] for p, s in zip(paged_runs,
+                                                    static_runs)],
       "ttft_mean_ratio": paged_m["ttft_s"]["mean"] / static_m["ttft_s"]["mean"],
       "cache_bytes_ratio": paged_m["cache_bytes"] / static_m["cache_bytes"],
       "peak_in_use_bytes_ratio": (paged_m["peak_in_use_bytes"]
@@ -831,7 +880,7 @@ def run(config: ServeConfig) -> dict:
     print(text)
   problems = [f"{name}: {s['check']}" for name, s in systems.items()
               if s["check"]["mismatches"]]
-  problems += [f"{name}: its compile pass and timed pass gave different "
+  problems += [f"{name}: its compile pass and timed passes gave different "
                "tokens" for name, s in systems.items()
                if not s["passes_equal"]]
   if problems:
@@ -874,7 +923,8 @@ def _report(config: ServeConfig, corpus: lm_data.Corpus,
       f"D={m.d_model}, {m.num_heads} heads, vocabulary "
       f"{corpus.vocab.size}. Cache: {payload['bytes_per_token']} bytes per "
       "token (keys and values, every layer, float32).\n",
-      f"Workload: {len(requests)} requests, prompts {min(prompts)}-"
+      f"Workload: {len(requests)} requests, lengths drawn "
+      f"{config.lengths.replace('_', '-')}: prompts {min(prompts)}-"
       f"{max(prompts)} tokens (mean {np.mean(prompts):.0f}) from the "
       f"validation documents, {min(outputs)}-{max(outputs)} generated "
       f"tokens each (mean {np.mean(outputs):.1f}, greedy), arriving at "
@@ -892,7 +942,10 @@ def _report(config: ServeConfig, corpus: lm_data.Corpus,
            "TPOT mean (ms)", "model calls", "useful token share",
            "cache MiB", "same tokens as alone", "compile pass wall s"],
           rows) + "\n",
-      f"Paged / static: {c['tokens_per_s_ratio']:.2f}x the tokens/s, "
+      f"Paged / static: {c['tokens_per_s_ratio']:.2f}x the tokens/s "
+      f"(median passes; round by round "
+      f"{', '.join(f'{r:.2f}' for r in c['tokens_per_s_ratio_by_round'])}"
+      f"x), "
       f"{c['ttft_mean_ratio']:.2f}x the mean TTFT, "
       f"{c['cache_bytes_ratio']:.2f}x the cache bytes (pool against the "
       f"largest static batch's {systems['static']['cache_bytes']} bytes; "
@@ -907,11 +960,12 @@ def _report(config: ServeConfig, corpus: lm_data.Corpus,
       "Mean wall time per model call by its padded shape (rows x new "
       "tokens per row), and how many:\n",
       report.markdown_table(["system", "calls"], call_rows) + "\n",
-      "Times are wall clock of the second pass (the first compiles every "
-      "shape; its wall time is the last column). TTFT: arrival to first "
-      "token; TPOT: (finish - first token) / (tokens - 1); useful token "
-      "share: prompt and generated tokens over the token rows the model "
-      "computed (rows x T per call, padding included).\n"]
+      "Times are wall clock of each system's median timed pass (a first "
+      "pass compiles every shape; its wall time is the last column). "
+      "TTFT: arrival to first token; TPOT: (finish - first token) / "
+      "(tokens - 1); useful token share: prompt and generated tokens "
+      "over the token rows the model computed (rows x T per call, "
+      "padding included).\n"]
   parts += _accuracy_section(config, payload["cache_accuracy"])
   parts.append("## Samples (paged)\n")
   records = payload["requests"]["paged"]

@@ -65,6 +65,10 @@ class ServeRunTest(absltest.TestCase):
     with open(os.path.join(self.workdir, "results.json")) as f:
       saved = json.load(f)
     self.assertEqual(saved["systems"]["paged"]["check"]["matching"], 6)
+    # Three timed rounds (the default), each system's pass in each.
+    for name in ("paged", "static"):
+      self.assertLen(saved["systems"][name]["timed_pass_wall_s"], 3)
+    self.assertLen(saved["comparison"]["tokens_per_s_ratio_by_round"], 3)
     with open(os.path.join(self.workdir, "report.md")) as f:
       text = f.read()
     self.assertIn("| paged |", text)
@@ -192,6 +196,22 @@ class ServeConfigTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "cannot hold the longest"):
       serve.check_config(_tiny("", num_pages=8))
 
+  def test_lengths_are_drawn_log_uniform_or_uniform_within_bounds(self):
+    n = 4000
+    log_uniform = serve.draw_lengths(np.random.default_rng(0), "log_uniform",
+                                     16, 1024, n)
+    uniform = serve.draw_lengths(np.random.default_rng(0), "uniform", 16,
+                                 1024, n)
+    for x in (log_uniform, uniform):
+      self.assertEqual((x.min(), x.max()), (16, x.max()))
+      self.assertBetween(x.max(), 1000, 1024)
+    # Medians: the bounds' geometric mean (128) against their midpoint
+    # (520); the ranges are about three standard errors of 4000 draws.
+    self.assertBetween(np.median(log_uniform), 115, 143)
+    self.assertBetween(np.median(uniform), 490, 550)
+    with self.assertRaisesRegex(ValueError, "distribution must be one of"):
+      serve.draw_lengths(np.random.default_rng(0), "normal", 1, 2, 3)
+
   def test_bucket(self):
     self.assertEqual([serve.bucket(n, 64) for n in (1, 2, 3, 5, 33, 64)],
                      [1, 2, 4, 8, 64, 64])
@@ -209,13 +229,14 @@ class ServeFlagsTest(absltest.TestCase):
         "run.py", "--experiment=serve", "--serve_requests=5",
         "--serve_slots=3", "--serve_page_size=8", "--serve_num_pages=50",
         "--serve_max_prompt=100", "--serve_prefill_chunk=0", "--seed=2",
-        "--serve_steps=7", "--lm_d_model=32", "--workdir=/w"])
+        "--serve_steps=7", "--lm_d_model=32", "--workdir=/w",
+        "--serve_lengths=uniform"])
     run.check_flags(run.flags.FLAGS)
     got = config_flags.from_flags(serve.ServeConfig, run.flags.FLAGS)
     want = serve.ServeConfig()
     self.assertEqual(got, dataclasses.replace(
         want, workdir="/w", requests=5, slots=3, page_size=8, num_pages=50,
-        max_prompt=100, prefill_chunk=0,
+        max_prompt=100, prefill_chunk=0, lengths="uniform",
         model=dataclasses.replace(want.model, d_model=32),
         train=dataclasses.replace(want.train, steps=7, seed=2)))
 
