@@ -39,6 +39,7 @@ from attention_jax.layers.additive import init_additive_params
 from attention_jax.layers.additive import precompute_additive_keys
 from attention_jax.layers.latent import init_latent_cache
 from attention_jax.layers.latent import init_latent_params
+from attention_jax.layers.latent import init_paged_latent_cache
 from attention_jax.layers.latent import latent_attention
 from attention_jax.layers.latent import latent_decode
 from attention_jax.layers.luong import init_luong_params
@@ -120,6 +121,7 @@ __all__ = [
     "init_additive_params",
     "init_latent_cache",
     "init_latent_params",
+    "init_paged_latent_cache",
     "init_luong_params",
     "init_multi_head_params",
     "latent_attention",

@@ -184,6 +184,72 @@ class LatentAttentionTest(chex.TestCase):
         _decode(ring, x[:, i:i + 1]) for i in range(4, 8)]
     chex.assert_trees_all_close(np.concatenate(pieces, 1), full, **TOL)
 
+  def test_a_paged_latent_cache_decodes_ragged_rows_as_the_full_forward(self):
+    # Two rows through a pool of pages of 2 tokens: a ragged prefill (5 and
+    # 2 tokens), then row 0 one token while row 1 catches up with 3; row 0
+    # is released and a new sequence starts there while row 1 finishes.
+    # Each row must equal its full causal forward (TOL: the absorbed
+    # form's rounding, as for the linear cache).
+    x = _data.normal(1, (2, 8, D))
+    fresh = _data.normal(2, (1, 3, D))
+    mla = _module(seed=3)
+    full, full_fresh = _call(mla, x, is_causal=True), _call(
+        mla, fresh, is_causal=True)
+    mla.init_paged_cache(2, num_pages=7, page_size=2, max_pages=4)
+    lengths = lambda *n: aj.Mask(q_lengths=jnp.array(n))  # noqa: E731
+    first = _decode(mla, x[:, :5], lengths(5, 2))
+    chex.assert_trees_all_close(first[0], full[0, :5], **TOL)
+    chex.assert_trees_all_close(first[1, :2], full[1, :2], **TOL)
+    pad = jnp.zeros((2, D))
+    second = _decode(mla, jnp.stack([jnp.concatenate([x[0, 5:6], pad]),
+                                     x[1, 2:5]]), lengths(1, 3))
+    chex.assert_trees_all_close(second[0, :1], full[0, 5:6], **TOL)
+    chex.assert_trees_all_close(second[1], full[1, 2:5], **TOL)
+    mla.update_paged_cache(aj.paged_cache.release, jnp.array([True, False]))
+    third = _decode(mla, jnp.stack([fresh[0], x[1, 5:8]]), lengths(3, 3))
+    chex.assert_trees_all_close(third[0], full_fresh[0], **TOL)
+    chex.assert_trees_all_close(third[1], full[1, 5:8], **TOL)
+    mla.check_cache()  # no overflow
+    pages = mla.cache_pages.get_value()
+    self.assertEqual(pages.lengths.tolist(), [3, 8])
+    self.assertIsNone(pages.value_pages)  # the latent is stored once
+    self.assertEqual(pages.key_pages.shape, (7, 1, 2, R + HR))
+    self.assertEqual(mla.cache_bytes_per_token, (R + HR) * 4)
+
+  def test_a_quantised_paged_latent_cache_stays_close_at_a_quarter_of_the_bytes(
+      self):
+    x = _data.normal(1, (2, 6, D))
+    mla = _module(seed=3)
+    full = _call(mla, x, is_causal=True)
+    mla.init_paged_cache(2, num_pages=6, page_size=4, max_pages=3,
+                         dtype="int8")
+    got = _decode(mla, x)
+    # int8 with a float32 scale per token: R + Hr bytes and 4.
+    self.assertEqual(mla.cache_bytes_per_token, R + HR + 4)
+    # Rounding each latent to 1/254 of its row's largest entry moves these
+    # O(1) outputs by about 1e-2; a wrong scale or position moves them by
+    # O(1).
+    chex.assert_trees_all_close(got, full, atol=5e-2, rtol=0)
+    self.assertGreater(float(jnp.abs(got - full).max()), 1e-5)  # quantised
+
+  def test_a_paged_latent_cache_refuses_what_it_cannot_do(self):
+    mla = _module()
+    mla.init_paged_cache(1, num_pages=4, page_size=2, max_pages=2)
+    with self.assertRaisesRegex(ValueError, "return_weights is not supported"):
+      mla(_data.normal(1, (1, 2, D)), decode=True, return_weights=True)
+    params = mla.params_dict()
+    not_latent = aj.init_paged_cache(4, 2, 1, R + HR, batch_size=1,
+                                     max_pages=2)  # values stored apart
+    with self.assertRaisesRegex(ValueError, "init_paged_latent_cache"):
+      aj.latent_decode(params, _data.normal(1, (1, 2, D)), not_latent)
+    with self.assertRaisesRegex(ValueError, "value must be None"):
+      aj.paged_cache.append(mla.cache_pages.get_value(),
+                            jnp.ones((1, 1, 2, R + HR)),
+                            jnp.ones((1, 1, 2, R + HR)))
+    with self.assertRaisesRegex(ValueError, "leave it out"):
+      aj.init_paged_cache(4, 2, 1, 8, batch_size=1, max_pages=2,
+                          value_head_dim=8, values_in_keys=True)
+
   def test_cache_bytes_per_token_against_multi_head_attention(self):
     # Measured from the buffers: MLA caches R + Hr numbers per token, MHA of
     # the same width (D=32, N=K=4, H=8) caches 2 * K * H.

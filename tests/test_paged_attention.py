@@ -202,3 +202,29 @@ class PagedGarbageTest(chex.TestCase):
       # float32 against float64 over 3 keys: rounding only.
       np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-5,
                                  atol=1e-6)
+
+
+class ValuesInKeysTest(chex.TestCase):
+
+  def test_a_cache_whose_values_are_its_keys_attends_with_them_everywhere(
+      self):
+    # MLA's latent cache stores [c_kv, k_pe] once: each paged kernel must
+    # treat the key pages as the values too, as dense attention with
+    # value = key does.
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((2, 1, 7, H)).astype(np.float32)
+    q = rng.standard_normal((2, N, 1, H)).astype(np.float32)
+    cache = pc.init_paged_cache(8, Z, 1, H, 2, M, values_in_keys=True)
+    cache = pc.append(cache, jnp.asarray(k), None,
+                      new_lengths=jnp.array([7, 4]))
+    self.assertIsNone(cache.value_pages)
+    for b, n in enumerate((7, 4)):
+      want = aj.scaled_dot_product_attention(
+          q[b:b + 1], k[b:b + 1, :, :n], k[b:b + 1, :, :n])
+      for impl in ("flash", aj.kernels.SplitKV(2),
+                   aj.kernels.PagedGpu(interpret=True)):
+        got = aj.paged_attention(jnp.asarray(q), cache,
+                                 aj.Mask(causal=True), implementation=impl)
+        # float32, the same sums in other orders (blocks, chunks).
+        np.testing.assert_allclose(np.asarray(got)[b], np.asarray(want)[0],
+                                   rtol=1e-5, atol=1e-6, err_msg=str(impl))

@@ -86,7 +86,8 @@ def paged_attention(
     return_lse, return_max_logits: also return them (``[B, N, T]``).
 
   Returns:
-    ``[B, N, T, Hv]``, then lse and max_logits as asked for. A sequence
+    ``[B, N, T, Hv]`` (``H`` for a cache whose values are its keys), then
+    lse and max_logits as asked for. A sequence
     with no tokens (length 0) gets output 0 and lse ``-inf``; rows past
     ``q_lengths`` are not meaningful.
 
@@ -106,9 +107,12 @@ def paged_attention(
   t = np.shape(query)[-2] if np.ndim(query) >= 2 else 0
   checks.check_min_rank("query", query, 2, "[B, N, T, H]")
   placed = placed_mask(mask, cache.lengths, t)
-  pages = base.Pages(cache.key_pages, cache.value_pages, cache.page_table,
-                     cache.key_scales, cache.value_scales,
-                     paged_cache.all_finite(cache))
+  in_keys = cache.value_pages is None  # values_in_keys: the keys are values
+  pages = base.Pages(
+      cache.key_pages, cache.key_pages if in_keys else cache.value_pages,
+      cache.page_table, cache.key_scales,
+      cache.key_scales if in_keys else cache.value_scales,
+      paged_cache.all_finite(cache))
   out, _, lse, max_logits = dot_product.run(
       query, None, None, placed, scale=scale, score_mod=score_mod,
       sinks=sinks, implementation=implementation, return_lse=return_lse,

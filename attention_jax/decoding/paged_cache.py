@@ -11,6 +11,10 @@ table per sequence (``page_table [B, M]``: position ``p`` of sequence ``b``
 lives in page ``page_table[b, p // Z]``, slot ``p % Z``; ``P`` where no page
 is held), each sequence's length, each page's reference count (how many
 sequences hold it; ``0`` is free) and a sticky per-sequence overflow flag.
+A cache made with ``values_in_keys`` stores one pool: the values are the
+keys themselves (MLA's latent cache, where each token's key is ``[c_kv,
+k_pe]`` and its value ``c_kv``, the key's first columns; attention then
+returns the weighted keys, whose first columns are the weighted values).
 
 Everything here is a pure function of arrays, usable inside ``jit`` with
 traced lengths and counts:
@@ -53,7 +57,8 @@ class PagedKVCache(NamedTuple):
 
   Attributes:
     key_pages: ``[P, K, Z, H]`` keys, page by page.
-    value_pages: ``[P, K, Z, Hv]`` values.
+    value_pages: ``[P, K, Z, Hv]`` values; None when the values are the
+      keys (``values_in_keys``).
     page_table: int32 ``[B, M]``: sequence ``b``'s ``j``-th page, ``P``
       where it holds none.
     lengths: int32 ``[B]``: tokens each sequence holds.
@@ -72,7 +77,7 @@ class PagedKVCache(NamedTuple):
       None: unknown, every block is searched.
   """
   key_pages: jax.Array
-  value_pages: jax.Array
+  value_pages: jax.Array | None
   page_table: jax.Array
   lengths: jax.Array
   refcount: jax.Array
@@ -104,7 +109,8 @@ class PagedKVCache(NamedTuple):
 def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
                      head_dim: int, batch_size: int, max_pages: int, *,
                      value_head_dim: int | None = None,
-                     dtype=jnp.float32) -> PagedKVCache:
+                     dtype=jnp.float32,
+                     values_in_keys: bool = False) -> PagedKVCache:
   """An empty cache: every page free, every sequence empty.
 
   Args:
@@ -116,6 +122,10 @@ def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
     max_pages: ``M``, pages one sequence may hold (its longest length is
       ``M * Z``).
     value_head_dim: ``Hv`` of the values; default ``head_dim``.
+    values_in_keys: store no values: they are the keys (``value_pages``
+      None; ``append`` takes ``value=None``; ``paged_attention`` uses the
+      key pages as values, so its output has ``H`` columns). MLA's latent
+      cache (``aj.latent_decode``) keeps ``[c_kv, k_pe]`` so, once.
     dtype: of the pages: a float dtype, or ``"int8"`` /
       ``"float8_e4m3fn"`` for quantised pages with a float32 scale per
       token and key/value head (``quantize``; about half the bytes of
@@ -130,6 +140,10 @@ def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
                   ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                   ("batch_size", batch_size), ("max_pages", max_pages)):
     checks.check_positive_int(name, v)
+  checks.check_static_bool("values_in_keys", values_in_keys)
+  if values_in_keys and value_head_dim is not None:
+    raise ValueError(f"value_head_dim={value_head_dim} is given, but with "
+                     "values_in_keys the values are the keys: leave it out.")
   hv = head_dim if value_head_dim is None else value_head_dim
   checks.check_positive_int("value_head_dim", hv)
   scales = None
@@ -143,13 +157,29 @@ def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
   return PagedKVCache(
       key_pages=jnp.zeros((num_pages, num_kv_heads, page_size, head_dim),
                           dtype),
-      value_pages=jnp.zeros((num_pages, num_kv_heads, page_size, hv), dtype),
+      value_pages=None if values_in_keys else jnp.zeros(
+          (num_pages, num_kv_heads, page_size, hv), dtype),
       page_table=jnp.full((batch_size, max_pages), num_pages, jnp.int32),
       lengths=jnp.zeros((batch_size,), jnp.int32),
       refcount=jnp.zeros((num_pages,), jnp.int32),
       overflow=jnp.zeros((batch_size,), bool),
-      key_scales=scales, value_scales=scales,
+      key_scales=scales, value_scales=None if values_in_keys else scales,
       nonfinite=jnp.zeros((num_pages,), bool))
+
+
+def bytes_per_slot(cache: PagedKVCache) -> int:
+  """Bytes of the pool (pages and scales, keys and values) per slot: its
+  bytes over ``P * Z``.
+
+  Example:
+    >>> bytes_per_slot(init_paged_cache(8, 4, 2, 16, 1, 2))  # 2 * 2 * 16 * 4
+    256
+  """
+  arrays = (cache.key_pages, cache.value_pages, cache.key_scales,
+            cache.value_scales)
+  total = sum(x.size * jnp.dtype(x.dtype).itemsize for x in arrays
+              if x is not None)
+  return int(total) // (cache.num_pages * cache.page_size)
 
 
 def all_finite(cache: PagedKVCache) -> jax.Array | None:
@@ -180,7 +210,7 @@ def _serve_in_order(demand: jax.Array, free: jax.Array) -> jax.Array:
   return ok
 
 
-def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
+def append(cache: PagedKVCache, key: jax.Array, value: jax.Array | None, *,
            new_lengths: ArrayLike | None = None) -> PagedKVCache:
   """Writes each sequence's new tokens after its length.
 
@@ -192,7 +222,8 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
   Args:
     cache: from ``init_paged_cache`` (or a previous update).
     key: float ``[B, K, T, H]``, cast to the pages' dtype.
-    value: float ``[B, K, T, Hv]``.
+    value: float ``[B, K, T, Hv]``; None for a cache whose values are its
+      keys (``values_in_keys``).
     new_lengths: int ``[B]`` (or a scalar): how many of the ``T`` tokens
       are real per sequence (right-padded prompts; ``0`` for a sequence
       with nothing to add this call). Default: all ``T``.
@@ -211,8 +242,17 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
   _check_cache(cache)
   b, m = cache.page_table.shape
   p, k, z = cache.num_pages, cache.key_pages.shape[1], cache.page_size
+  if (value is None) != (cache.value_pages is None):
+    raise ValueError(
+        "value must be None for a cache whose values are its keys "
+        "(values_in_keys), and only then; got value="
+        f"{None if value is None else np.shape(value)} for a cache "
+        f"{'with' if cache.value_pages is None else 'without'} "
+        "values_in_keys.")
   for name, x, pages in (("key", key, cache.key_pages),
                          ("value", value, cache.value_pages)):
+    if pages is None:
+      continue
     checks.check_float_array(name, x)
     if np.ndim(x) != 4 or np.shape(x)[:2] != (b, k) or (
         np.shape(x)[3] != pages.shape[3]):
@@ -221,7 +261,8 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
           f"[{b}, {k}, T, {pages.shape[3]}] to fit the cache's pages "
           f"{pages.shape}, got {np.shape(x)}.")
   t = key.shape[2]
-  if value.shape[2] != t:
+  value_t = t if value is None else value.shape[2]
+  if value_t != t:
     raise ValueError(f"key and value must bring the same T tokens, got "
                      f"{key.shape} and {value.shape}.")
   n = kv_cache.check_new_lengths(new_lengths, b, t)  # [B] or None
@@ -292,9 +333,12 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array, *,
     return pages, scales
 
   key_pages, key_scales = written(key_pages, key_scales, key)
-  value_pages, value_scales = written(value_pages, value_scales, value)
+  if value is not None:
+    value_pages, value_scales = written(value_pages, value_scales, value)
   if nonfinite is not None:  # the pages a NaN or inf is written to
-    bad = ~(jnp.isfinite(key).all((1, 3)) & jnp.isfinite(value).all((1, 3)))
+    bad = ~jnp.isfinite(key).all((1, 3))  # [B, T]
+    if value is not None:
+      bad |= ~jnp.isfinite(value).all((1, 3))
     nonfinite = nonfinite.at[jnp.where(bad, page, p)].set(True, mode="drop")
   return PagedKVCache(
       key_pages, value_pages, page_table,

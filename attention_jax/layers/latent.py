@@ -73,6 +73,7 @@ import numpy as np
 from attention_jax.core import checks
 from attention_jax.core import numerics
 from attention_jax.decoding import cache_step
+from attention_jax.decoding import paged_cache
 from attention_jax.layers import multi_head
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import Mask
@@ -617,7 +618,13 @@ def latent_decode(
   Args:
     params: MLA params.
     x: float ``[B, T, D]``, this call's tokens.
-    cache: a ``LatentCache`` (``init_latent_cache``).
+    cache: a ``LatentCache`` (``init_latent_cache``), or a paged latent
+      cache (``init_paged_latent_cache``): the tokens' ``[c_kv, k_pe]``
+      are appended to each sequence's pages (``q_lengths`` of them per
+      row, 0: idle) and attended through its page table
+      (``aj.paged_attention``, the pages serving as keys and, their first
+      ``R`` columns, as values; no weights, ``attention_fn`` a kernel or
+      None).
     mask: an ``aj.Mask`` restated over cache slots as
       ``MultiHeadAttention`` decodes (``cache_step.write``): a window and a
       rule at absolute slot positions, ``q_lengths [B]`` the real new
@@ -658,6 +665,11 @@ def latent_decode(
   checks.check_scale(scale)
   rope = rope_lib.as_rope(rope)
   b, t, _ = x.shape
+  if isinstance(cache, paged_cache.PagedKVCache):
+    return _paged_decode(params, x, cache, mask_lib.as_mask(mask), dims,
+                         positions=positions, rope=rope, scale=scale,
+                         attention_fn=attention_fn, precision=precision,
+                         return_weights=return_weights)
   _check_cache(cache, dims, b)
   m = mask_lib.as_mask(mask)
   if m is not None and m.dense is not None:
@@ -701,3 +713,82 @@ def latent_decode(
   if return_weights:
     return output, weights, new_cache
   return output, new_cache
+
+
+def init_paged_latent_cache(params: Params, batch_size: int, *,
+                            num_pages: int, page_size: int, max_pages: int,
+                            dtype=None) -> paged_cache.PagedKVCache:
+  """An empty paged latent cache for ``latent_decode``: one pool of
+  ``num_pages`` pages of ``page_size`` tokens, each token's ``[c_kv, k_pe]``
+  (``R + Hr`` numbers, once: ``values_in_keys``, a single key head),
+  shared by ``batch_size`` sequences of at most ``max_pages`` pages.
+
+  Args:
+    params: MLA params (R and Hr are read from them).
+    batch_size, num_pages, page_size, max_pages: as ``aj.init_paged_cache``.
+    dtype: the pages' dtype (None: ``W_dkv``'s kernel's), or ``"int8"`` /
+      ``"float8_e4m3fn"``: quantised with a scale per token.
+
+  Example:
+    >>> p = jax.eval_shape(lambda: init_latent_params(  # shapes suffice
+    ...     jax.random.key(0), 32, 4, kv_lora_rank=16, qk_nope_head_dim=8,
+    ...     qk_rope_head_dim=4, v_head_dim=8))
+    >>> c = init_paged_latent_cache(p, 2, num_pages=6, page_size=4,
+    ...                             max_pages=3)
+    >>> c.key_pages.shape, c.value_pages  # [P, 1, Z, R + Hr]: no values
+    ((6, 1, 4, 20), None)
+  """
+  dims = latent_dims(params)
+  return paged_cache.init_paged_cache(
+      num_pages, page_size, 1, dims.kv_lora_rank + dims.qk_rope_head_dim,
+      batch_size, max_pages, dtype=dtype or params["W_dkv"]["kernel"].dtype,
+      values_in_keys=True)
+
+
+def _paged_decode(params, x, cache: paged_cache.PagedKVCache, m, dims, *,
+                  positions, rope, scale, attention_fn, precision,
+                  return_weights):
+  """``latent_decode`` over a paged latent cache (see there)."""
+  b, t, _ = x.shape
+  r, hr = dims.kv_lora_rank, dims.qk_rope_head_dim
+  kp = checks.shape_of(cache.key_pages)
+  if (cache.value_pages is not None or len(kp) != 4 or kp[1] != 1
+      or kp[3] != r + hr or cache.page_table.shape[0] != b):
+    raise ValueError(
+        f"a paged latent cache must hold [P, 1, Z, R + Hr] = [P, 1, Z, "
+        f"{r + hr}] key pages, no value pages (values_in_keys) and {b} "
+        f"sequences for x's batch: make it with init_paged_latent_cache; "
+        f"got key_pages {kp}, value_pages "
+        f"{None if cache.value_pages is None else cache.value_pages.shape}, "
+        f"page_table {cache.page_table.shape}.")
+  lengths = cache_step.new_lengths(m, b, t)
+  index = cache.lengths  # [B]: each sequence's tokens before this call
+  rot = (index[:, None] + jnp.arange(t)[None, :] if positions is None
+         else _check_positions(positions, b, t))  # [B, T]
+  q_nope, q_pe, c_kv, k_pe = _projections(params, x, x, rot, rope, dims,
+                                          precision)
+  key = jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)],
+                        axis=-1)[:, None]  # [B, 1, T, R + Hr]
+  hn = dims.qk_nope_head_dim
+  if scale is None:  # the full forward's scale, not 1 / sqrt(R + Hr)
+    scale = default_scale(hn + hr, rope)
+  cache, attend = multi_head.paged_step(
+      key, None, m, cache, lengths, bias=None, scale=scale, dropout_rate=0.0,
+      attention_fn=attention_fn, return_weights=return_weights,
+      return_lse=False, return_max_logits=False)
+  w_ukv = params["W_ukv"]["kernel"]
+  w_uk, w_uv = w_ukv[..., :hn], w_ukv[..., hn:]  # [R, N, Hn], [R, N, Hv]
+  q_lat = jnp.einsum("BNTH,RNH->BNTR", q_nope, w_uk,
+                     precision=precision)  # [B, N, T, R]
+  query = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)],
+                          axis=-1)  # [B, N, T, R + Hr]
+  # The pages are the values too: the weighted [c_kv, k_pe], of which the
+  # first R columns are the weighted latents.
+  out = attend(query, None, None, None, None, None, None,
+               None)  # [B, N, T, R + Hr]
+  out_lat = out[..., :r]
+  heads = jnp.einsum("BNTR,RNH->BNTH", out_lat, w_uv.astype(out_lat.dtype),
+                     precision=precision)  # [B, N, T, Hv]
+  output = multi_head.output_projection(heads, params["W_o"],
+                                        precision=precision)  # [B, T, Dout]
+  return output, cache

@@ -574,11 +574,13 @@ def _cache_batch(cache: KVCache | PagedKVCache) -> int:
   return cache.key.shape[0]
 
 
-def _paged_step(k, v, m: Mask | None, cache: PagedKVCache, lengths, *,
-                bias, scale, dropout_rate, attention_fn, return_weights,
-                return_lse, return_max_logits):
+def paged_step(k, v, m: Mask | None, cache: PagedKVCache, lengths, *,
+               bias, scale, dropout_rate, attention_fn, return_weights,
+               return_lse, return_max_logits):
   """A decoding step on a paged cache: the write, and the function that
-  attends over it (``attend``'s signature; the layer's mask is causal)."""
+  attends over it (``attend``'s signature; the layer's mask is causal).
+  ``v`` None: a cache whose values are its keys (``values_in_keys``; the
+  latent layer's)."""
   for name, bad in (("bias", bias is not None),
                     ("dropout_rate", not (isinstance(dropout_rate, (int, float))
                                           and dropout_rate == 0)),
@@ -888,7 +890,7 @@ def multi_head_attention(
         return_lse=return_lse, return_max_logits=return_max_logits)
 
   if paged:
-    cache, attend = _paged_step(
+    cache, attend = paged_step(
         k, v, m, cache, lengths, bias=bias, scale=scale,
         dropout_rate=dropout_rate, attention_fn=attention_fn,
         return_weights=return_weights, return_lse=return_lse,

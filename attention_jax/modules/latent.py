@@ -38,6 +38,7 @@ import numpy as np
 
 from attention_jax.core import checks
 from attention_jax.decoding import cache_step
+from attention_jax.decoding import paged_cache
 from attention_jax.layers import latent
 from attention_jax.layers import multi_head
 from attention_jax.masking import mask as mask_lib
@@ -187,6 +188,9 @@ class MultiHeadLatentAttention(nnx.Module):
     self.cache_index: nnx.Cache | None = nnx.data(None)
     self.cache_overflow: nnx.Cache | None = nnx.data(None)
     self.cache_window: int | None = None
+    # A paged latent cache (init_paged_cache): one aj.PagedKVCache whose
+    # key pages hold [c_kv, k_pe] per token (values_in_keys).
+    self.cache_pages: nnx.Cache | None = nnx.data(None)
 
   def _layers(self) -> dict[str, Projection | NormScale]:
     return {name: getattr(self, name)
@@ -251,14 +255,64 @@ class MultiHeadLatentAttention(nnx.Module):
     self.cache_index = nnx.Cache(cache.index)  # [B]
     self.cache_overflow = nnx.Cache(cache.overflow)  # [B]
     self.cache_window = window
+    self.cache_pages = None  # one cache at a time
+
+  def init_paged_cache(self, batch_size: int, *, num_pages: int,
+                       page_size: int, max_pages: int,
+                       dtype: jnp.dtype | str | None = None) -> None:
+    """Creates an empty paged latent cache (``aj.init_paged_latent_cache``).
+
+    One pool of ``num_pages`` pages of ``page_size`` tokens, each token's
+    ``[c_kv, k_pe]`` once, serves ``batch_size`` sequences of at most
+    ``max_pages`` pages; ``decode=True`` then appends each call's tokens
+    (``q_lengths [B]`` of them per row, 0: idle) and attends through the
+    page table, as ``MultiHeadAttention``'s paged cache.
+    ``update_paged_cache(aj.paged_cache.release, done)`` returns finished
+    rows' pages. ``dtype``: as ``init_cache``'s, or ``"int8"`` /
+    ``"float8_e4m3fn"`` (quantised, a scale per token).
+
+    Example:
+      >>> mla = MultiHeadLatentAttention(
+      ...     32, 4, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+      ...     v_head_dim=8, rngs=nnx.Rngs(0))
+      >>> mla.init_paged_cache(2, num_pages=6, page_size=4, max_pages=3)
+      >>> out = mla(jnp.ones((2, 5, 32)), decode=True,
+      ...           mask=aj.Mask(q_lengths=jnp.array([5, 2])))
+      >>> pages = mla.cache_pages.get_value()  # an aj.PagedKVCache
+      >>> pages.lengths.tolist(), mla.cache_bytes_per_token
+      ([5, 2], 112)
+    """
+    checks.check_positive_int("batch_size", batch_size)
+    self.cache_pages = nnx.Cache(latent.init_paged_latent_cache(
+        self.params_dict(), batch_size, num_pages=num_pages,
+        page_size=page_size, max_pages=max_pages,
+        dtype=dtype or self.dtype or self.param_dtype))
+    self.cached_latent = self.cached_rope_key = None
+    self.cache_index = self.cache_overflow = None
+    self.cache_window = None
+
+  def update_paged_cache(self, fn, *args, **kwargs) -> None:
+    """Replaces the paged cache by ``fn(cache, *args, **kwargs)``: one of
+    ``aj.paged_cache``'s pure updates (``release``, ``share_prefix``)."""
+    if self.cache_pages is None:
+      raise ValueError("update_paged_cache needs a paged cache: call "
+                       "init_paged_cache(...) first.")
+    cache = fn(self.cache_pages.get_value(), *args, **kwargs)
+    if not isinstance(cache, paged_cache.PagedKVCache):
+      raise TypeError(f"{getattr(fn, '__name__', fn)} returned "
+                      f"{type(cache).__name__}, not a PagedKVCache.")
+    self.cache_pages.set_value(cache)
 
   @property
   def cache_bytes_per_token(self) -> int:
     """Bytes the cache spends per token and example (one layer).
 
     Measured from the cache buffers: ``(nbytes of cached_latent and
-    cached_rope_key) / (B * L)``, i.e. ``(R + Hr) * itemsize``.
+    cached_rope_key) / (B * L)``, i.e. ``(R + Hr) * itemsize``; for a
+    paged cache the pool's pages (and scales) over its ``P * Z`` slots.
     """
+    if self.cache_pages is not None:
+      return paged_cache.bytes_per_slot(self.cache_pages.get_value())
     if self.cached_latent is None:
       raise ValueError("no cache: call init_cache(batch_size, max_length) "
                        "first.")
@@ -274,6 +328,9 @@ class MultiHeadLatentAttention(nnx.Module):
     Overflow is recorded inside the step (``cache_overflow [B]``, sticky);
     call this where a host sync is cheap, as ``MultiHeadAttention``'s.
     """
+    if self.cache_pages is not None:
+      paged_cache.check_overflow(self.cache_pages.get_value())
+      return
     if self.cache_overflow is None:
       cache_step.raise_if_overflowed(None, None, 0, "latent cache")
     cache_step.raise_if_overflowed(
@@ -332,6 +389,14 @@ class MultiHeadLatentAttention(nnx.Module):
           self.params_dict(), x, call_mask, positions=positions,
           rope=self.rope, scale=self.scale, attention_fn=self._resolved_attention(),
           precision=self.precision, return_weights=return_weights)
+    if self.cache_pages is not None:
+      *result, cache = latent.latent_decode(
+          self.params_dict(), x, self.cache_pages.get_value(), call_mask,
+          positions=positions, rope=self.rope, scale=self.scale,
+          attention_fn=self._resolved_attention(), precision=self.precision,
+          return_weights=return_weights)
+      self.cache_pages.set_value(cache)
+      return tuple(result) if return_weights else result[0]
     if self.cache_index is None:
       raise ValueError("decode=True needs a cache: call "
                        "init_cache(batch_size, max_length) first.")
