@@ -690,24 +690,15 @@ def latent_decode(
       kv_cache, k_pe[:, None], c_kv[:, None], m, None, None, index, lengths,
       q_pos, dims.num_heads,
       left_padding_hint=False)  # [B, 1, S', Hr], [B, 1, S', R]
-  hn = dims.qk_nope_head_dim
-  w_ukv = params["W_ukv"]["kernel"]
-  w_uk, w_uv = w_ukv[..., :hn], w_ukv[..., hn:]  # [R, N, Hn], [R, N, Hv]
-  q_lat = jnp.einsum("BNTH,RNH->BNTR", q_nope, w_uk,
-                     precision=precision)  # [B, N, T, R]
-  query = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)],
-                          axis=-1)  # [B, N, T, R + Hr]
+  query = _absorbed_query(params, q_nope, q_pe, dims, precision)
   key = jnp.concatenate([latents, rope_keys], axis=-1)  # [B, 1, S', R + Hr]
   if scale is None:  # the full forward's scale, not 1 / sqrt(R + Hr)
-    scale = default_scale(hn + dims.qk_rope_head_dim, rope)
+    scale = default_scale(dims.qk_nope_head_dim + dims.qk_rope_head_dim, rope)
   result = multi_head.attend_heads(query, key, latents, m, scale=scale,
                                    attention_fn=attention_fn,
                                    return_weights=return_weights)
   out_lat, weights = result if return_weights else (result, None)
-  heads = jnp.einsum("BNTR,RNH->BNTH", out_lat, w_uv.astype(out_lat.dtype),
-                     precision=precision)  # [B, N, T, Hv]
-  output = multi_head.output_projection(heads, params["W_o"],
-                                        precision=precision)  # [B, T, Dout]
+  output = _absorbed_output(params, out_lat, dims, precision)  # [B, T, Dout]
   new_cache = LatentCache(written.value[:, 0], written.key[:, 0],
                           written.index, written.overflow, written.window)
   if return_weights:
@@ -769,26 +760,34 @@ def _paged_decode(params, x, cache: paged_cache.PagedKVCache, m, dims, *,
                                           precision)
   key = jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)],
                         axis=-1)[:, None]  # [B, 1, T, R + Hr]
-  hn = dims.qk_nope_head_dim
   if scale is None:  # the full forward's scale, not 1 / sqrt(R + Hr)
-    scale = default_scale(hn + hr, rope)
+    scale = default_scale(dims.qk_nope_head_dim + hr, rope)
   cache, attend = multi_head.paged_step(
       key, None, m, cache, lengths, bias=None, scale=scale, dropout_rate=0.0,
       attention_fn=attention_fn, return_weights=return_weights,
       return_lse=False, return_max_logits=False)
-  w_ukv = params["W_ukv"]["kernel"]
-  w_uk, w_uv = w_ukv[..., :hn], w_ukv[..., hn:]  # [R, N, Hn], [R, N, Hv]
-  q_lat = jnp.einsum("BNTH,RNH->BNTR", q_nope, w_uk,
-                     precision=precision)  # [B, N, T, R]
-  query = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)],
-                          axis=-1)  # [B, N, T, R + Hr]
+  query = _absorbed_query(params, q_nope, q_pe, dims, precision)
   # The pages are the values too: the weighted [c_kv, k_pe], of which the
   # first R columns are the weighted latents.
   out = attend(query, None, None, None, None, None, None,
                None)  # [B, N, T, R + Hr]
-  out_lat = out[..., :r]
+  return _absorbed_output(params, out[..., :r], dims, precision), cache
+
+
+def _absorbed_query(params, q_nope, q_pe, dims: LatentDims, precision):
+  """``[q_nope W_uk, q_pe]`` ``[B, N, T, R + Hr]``: ``W_uk`` (the key half
+  of ``W_ukv``) folded into the query."""
+  w_uk = params["W_ukv"]["kernel"][..., :dims.qk_nope_head_dim]  # [R, N, Hn]
+  q_lat = jnp.einsum("BNTH,RNH->BNTR", q_nope, w_uk,
+                     precision=precision)  # [B, N, T, R]
+  return jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
+
+
+def _absorbed_output(params, out_lat, dims: LatentDims, precision):
+  """Each head's latent output ``[B, N, T, R]`` through ``W_uv`` (the
+  value half of ``W_ukv``), then ``W_o``: ``[B, T, Dout]``."""
+  w_uv = params["W_ukv"]["kernel"][..., dims.qk_nope_head_dim:]  # [R, N, Hv]
   heads = jnp.einsum("BNTR,RNH->BNTH", out_lat, w_uv.astype(out_lat.dtype),
                      precision=precision)  # [B, N, T, Hv]
-  output = multi_head.output_projection(heads, params["W_o"],
-                                        precision=precision)  # [B, T, Dout]
-  return output, cache
+  return multi_head.output_projection(heads, params["W_o"],
+                                      precision=precision)
