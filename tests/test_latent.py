@@ -216,13 +216,14 @@ class LatentAttentionTest(chex.TestCase):
     self.assertEqual(pages.key_pages.shape, (7, 1, 2, R + HR))
     self.assertEqual(mla.cache_bytes_per_token, (R + HR) * 4)
 
-  def test_a_quantised_paged_latent_cache_stays_close_at_a_quarter_of_the_bytes(
+  def test_a_quantised_latent_cache_stays_close_at_a_quarter_of_the_bytes(
       self):
     x = _data.normal(1, (2, 6, D))
     mla = _module(seed=3)
     full = _call(mla, x, is_causal=True)
-    mla.init_paged_cache(2, num_pages=6, page_size=4, max_pages=3,
-                         dtype="int8")
+    mla.init_cache(2, 6, dtype="int8")  # kept in pages: 2 x 1 of 6
+    self.assertEqual(mla.cache_pages.get_value().key_pages.shape,
+                     (2, 1, 6, R + HR))
     got = _decode(mla, x)
     # int8 with a float32 scale per token: R + Hr bytes and 4.
     self.assertEqual(mla.cache_bytes_per_token, R + HR + 4)
@@ -246,6 +247,9 @@ class LatentAttentionTest(chex.TestCase):
       aj.paged_cache.append(mla.cache_pages.get_value(),
                             jnp.ones((1, 1, 2, R + HR)),
                             jnp.ones((1, 1, 2, R + HR)))
+    with self.assertRaisesRegex(ValueError, "ring buffer"):
+      _module(mask=aj.Mask(causal=True, window=(2, 0))).init_cache(
+          1, dtype="int8")
     with self.assertRaisesRegex(ValueError, "leave it out"):
       aj.init_paged_cache(4, 2, 1, 8, batch_size=1, max_pages=2,
                           value_head_dim=8, values_in_keys=True)

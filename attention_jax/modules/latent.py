@@ -39,6 +39,7 @@ import numpy as np
 from attention_jax.core import checks
 from attention_jax.decoding import cache_step
 from attention_jax.decoding import paged_cache
+from attention_jax.decoding import quantize
 from attention_jax.layers import latent
 from attention_jax.layers import multi_head
 from attention_jax.masking import mask as mask_lib
@@ -242,9 +243,24 @@ class MultiHeadLatentAttention(nnx.Module):
       window: ``W`` slots of a ring buffer; needs a layer mask window ``(w,
         0)`` with ``w < W``.
       dtype: cache dtype; defaults to ``dtype`` or ``param_dtype``.
+        ``"int8"`` or ``"float8_e4m3fn"``: a quantised linear cache, kept
+        in pages as ``MultiHeadAttention``'s (``init_paged_cache`` with
+        ``B * ceil(L / Z)`` pages of ``Z = min(L, 128)`` tokens: every row
+        room for ``L`` tokens), a scale per token; not with a ring buffer.
     """
     checks.check_positive_int("batch_size", batch_size)
     length, window = cache_step.cache_slots(self.mask, max_length, window)
+    if isinstance(dtype, str) and dtype in quantize.FORMATS:
+      if window is not None:
+        raise ValueError(
+            f"a quantised cache (dtype={dtype!r}) is kept in pages, which "
+            "hold each row's tokens from its first: a ring buffer (window) "
+            "is not supported with it; give max_length.")
+      z = min(length, 128)
+      m = -(-length // z)
+      self.init_paged_cache(batch_size, num_pages=batch_size * m,
+                            page_size=z, max_pages=m, dtype=dtype)
+      return
     cache = latent.LatentCache(
         *(jnp.zeros((batch_size, length, width),
                     dtype or self.dtype or self.param_dtype)
