@@ -132,6 +132,9 @@ class PagedModuleTest(chex.TestCase):
     np.testing.assert_allclose(got[1, :3], want[1, :3], atol=6e-2)
     with self.assertRaisesRegex(ValueError, "ring buffer .* not supported"):
       _layer(window=(3, 0)).init_cache(B, dtype="int8")
+    with self.assertRaisesRegex(ValueError, "left_padding is not supported"):
+      _layer().init_cache(B, 8, dtype="int8",
+                          left_padding=jnp.zeros((B,), jnp.int32))
 
   def test_under_jit_and_overflow_is_reported(self):
     paged = _layer()

@@ -167,6 +167,36 @@ def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
       nonfinite=jnp.zeros((num_pages,), bool))
 
 
+def linear_pages(dtype, batch_size: int, length: int, *,
+                 window: int | None = None,
+                 left_padding=None) -> dict[str, int]:
+  """``init_paged_cache``'s sizes for a quantised linear cache of ``length``
+  tokens kept in pages (a module's ``init_cache(dtype="int8")``): pages of
+  ``Z = min(L, 128)`` tokens, each of the ``B`` rows room for ``L`` (the
+  bytes of a linear cache).
+
+  Raises:
+    ValueError: a ring buffer (``window``) or ``left_padding``: pages hold
+      each row's tokens from its first.
+
+  Example:
+    >>> linear_pages("int8", 2, 300)
+    {'num_pages': 6, 'page_size': 128, 'max_pages': 3}
+  """
+  given = [name for name, x in (("a ring buffer (window)", window),
+                                ("left_padding", left_padding))
+           if x is not None]
+  if given:
+    raise ValueError(
+        f"a quantised cache (dtype={dtype!r}) is kept in pages, which hold "
+        f"each row's tokens from its first: {' and '.join(given)} is not "
+        "supported with it; give max_length and right-pad prompts "
+        "(mask=aj.Mask(q_lengths=...)).")
+  z = min(length, 128)
+  m = -(-length // z)
+  return dict(num_pages=batch_size * m, page_size=z, max_pages=m)
+
+
 def bytes_per_slot(cache: PagedKVCache) -> int:
   """Bytes of the pool (pages and scales, keys and values) per slot: its
   bytes over ``P * Z``.

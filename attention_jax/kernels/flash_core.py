@@ -240,7 +240,8 @@ def _key_rows(st: Static, x, j0, length):
       # One branch for the whole call: the search for NaN and inf (two
       # passes over the block) only where the cache cannot vouch.
       return jax.lax.cond(
-          x.finite, lambda: _zero_past(st, x.page(j0, st.bk), j0, length),
+          x.finite,
+          lambda: _cleaned(st, x.page(j0, st.bk), j0, length, search=False),
           lambda: _cleaned(st, x.page(j0, st.bk), j0, length))
     rows = x.page(j0, st.bk)
   else:
@@ -250,22 +251,18 @@ def _key_rows(st: Static, x, j0, length):
   return _cleaned(st, rows, j0, length)
 
 
-def _cleaned(st: Static, rows, j0, length):
+def _cleaned(st: Static, rows, j0, length, *, search: bool = True):
   """``_key_rows`` of loaded rows: zero past ``length`` (unused page
-  slots may hold anything) or not finite, and the rows below it that held
-  a NaN or inf. One select for both: two cost XLA:CPU a pass each."""
+  slots may hold anything) or, with ``search``, not finite; and the rows
+  below it that held a NaN or inf (none without ``search``: the caller
+  knows them finite). One select for both: two cost XLA:CPU a pass each."""
   valid = (j0 + jnp.arange(st.bk) < length)[:, None]  # [bk, 1]
+  if not search:
+    return (jnp.where(valid, rows, jnp.zeros_like(rows)),
+            jnp.zeros((st.bk,), bool))
   ok = jnp.isfinite(rows)
   return (jnp.where(ok & valid, rows, jnp.zeros_like(rows)),
           valid[:, 0] & ~jnp.all(ok, axis=-1))
-
-
-def _zero_past(st: Static, rows, j0, length):
-  """``_key_rows`` of rows known finite below ``length``: zero past it
-  (stale slots of a page may hold anything), none bad."""
-  valid = (j0 + jnp.arange(st.bk) < length)[:, None]  # [bk, 1]
-  return (jnp.where(valid, rows, jnp.zeros_like(rows)),
-          jnp.zeros((st.bk,), bool))
 
 
 def _zero_like_all(*operands):

@@ -251,15 +251,8 @@ class MultiHeadLatentAttention(nnx.Module):
     checks.check_positive_int("batch_size", batch_size)
     length, window = cache_step.cache_slots(self.mask, max_length, window)
     if isinstance(dtype, str) and dtype in quantize.FORMATS:
-      if window is not None:
-        raise ValueError(
-            f"a quantised cache (dtype={dtype!r}) is kept in pages, which "
-            "hold each row's tokens from its first: a ring buffer (window) "
-            "is not supported with it; give max_length.")
-      z = min(length, 128)
-      m = -(-length // z)
-      self.init_paged_cache(batch_size, num_pages=batch_size * m,
-                            page_size=z, max_pages=m, dtype=dtype)
+      self.init_paged_cache(batch_size, dtype=dtype, **paged_cache.linear_pages(
+          dtype, batch_size, length, window=window))
       return
     cache = latent.LatentCache(
         *(jnp.zeros((batch_size, length, width),

@@ -498,16 +498,8 @@ class MultiHeadAttention(nnx.Module):
     checks.check_positive_int("batch_size", batch_size)
     length, window = cache_step.cache_slots(self.mask, max_length, window)
     if isinstance(dtype, str) and dtype in quantize.FORMATS:
-      if window is not None or left_padding is not None:
-        raise ValueError(
-            f"a quantised cache (dtype={dtype!r}) is kept in pages, which "
-            "hold each row's tokens from its first: a ring buffer "
-            "(window) or left_padding is not supported with it; give "
-            "max_length and right-pad prompts (mask=aj.Mask(q_lengths=...)).")
-      z = min(length, 128)
-      m = -(-length // z)
-      self.init_paged_cache(batch_size, num_pages=batch_size * m,
-                            page_size=z, max_pages=m, dtype=dtype)
+      self.init_paged_cache(batch_size, dtype=dtype, **paged_cache.linear_pages(
+          dtype, batch_size, length, window=window, left_padding=left_padding))
       return
     if left_padding is not None:
       left_padding = kv_cache.check_left_padding(left_padding, batch_size)
