@@ -49,6 +49,7 @@ from attention_jax.layers.multi_head import attend_heads
 from attention_jax.layers.multi_head import multi_head_attention
 from attention_jax.layers.multi_head import project_memory
 from attention_jax.layers.multi_head_params import init_multi_head_params
+from attention_jax.layers.qk_norm import QKNorm
 from attention_jax.masking.arrays import causal_mask
 from attention_jax.masking.arrays import combine_masks
 from attention_jax.masking.arrays import make_attention_mask
@@ -87,6 +88,7 @@ __all__ = [
     "MaskRule",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
+    "QKNorm",
     "Rope",
     "ScoreMod",
     "T5Bias",

@@ -131,6 +131,31 @@ def rms_norm(x, scale, eps=1e-6):
       scale, np.float64)
 
 
+def qk_norm(x, heads, scale, *, kind="rms", over="head", eps=1e-6,
+            offset=0.0):
+  """qk-norm in float64 on projected features ``x [B, L, heads * H]``.
+
+  Written from the models' formulas on the flat projection (OLMo 2 norms
+  ``q_proj``'s output as it is; the per-head norms split the heads first):
+  ``over="all"`` normalises the ``heads * H`` features of a token together,
+  ``"head"`` each ``H``; ``kind="layer"`` centres first; ``scale`` is
+  ``[H]`` (every head), ``[heads, H]`` or None; it multiplies as
+  ``offset + scale``. Returns ``[B, heads, L, H]``.
+  """
+  x = np.asarray(x, np.float64)
+  b, length, width = x.shape
+  h = width // heads
+  if over == "head":
+    x = x.reshape(b, length, heads, h)
+  if kind == "layer":
+    x = x - x.mean(-1, keepdims=True)
+  x = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+  x = x.reshape(b, length, heads, h)
+  if scale is not None:
+    x = x * (offset + np.asarray(scale, np.float64))  # [H] or [heads, H]
+  return x.transpose(0, 2, 1, 3)
+
+
 def rope(x, positions, base):
   """Rotary embedding (Su et al. 2021) in float64, half-split pairs.
 
@@ -151,7 +176,7 @@ def rope(x, positions, base):
 def multi_head_attention(params, query, key, value, mask=None, *,
                          num_heads=None, num_kv_heads=None, is_causal=False,
                          scale=None, rope_base=None, query_positions=None,
-                         key_positions=None):
+                         key_positions=None, qk_norm_args=None):
   """The lesson's MultiHeadAttention.forward (view/transpose/concat), + GQA.
 
   ``params`` hold per-head kernels (``W_q`` ``[D, N, H]``, ``W_k``/``W_v``
@@ -163,6 +188,8 @@ def multi_head_attention(params, query, key, value, mask=None, *,
   ``[T]`` and ``key_positions`` ``[S]`` (given explicitly by the caller;
   ``[B, 1, T]`` for per-example positions); with ``W_g`` (``[D, N, G]``)
   each head's output is multiplied by ``sigmoid(query W_g + b)``.
+  ``qk_norm_args``: ``qk_norm``'s keywords (and ``after_rope``) for a
+  qk-norm other than the default, with or without ``q_norm`` weights.
   """
   _, n, h = np.shape(params["W_q"]["kernel"])
   kv_heads = np.shape(params["W_k"]["kernel"])[1]
@@ -181,15 +208,29 @@ def multi_head_attention(params, query, key, value, mask=None, *,
   def split(x, heads, length):  # [B, L, heads*H] -> [B, heads, L, H]
     return x.reshape(b, length, heads, h).transpose(0, 2, 1, 3)
 
-  q = split(linear(query, flat(params["W_q"])), n, t)
-  k = split(linear(key, flat(params["W_k"])), kv_heads, s)
+  q_flat = linear(query, flat(params["W_q"]))  # [B, T, N*H]
+  k_flat = linear(key, flat(params["W_k"]))  # [B, S, K*H]
+  q = split(q_flat, n, t)
+  k = split(k_flat, kv_heads, s)
   v = split(linear(value, flat(params["W_v"])), kv_heads, s)
-  if "q_norm" in params:
+  norm = dict(qk_norm_args or {})
+  after_rope = norm.pop("after_rope", False)
+  if "q_norm" in params and not norm:
     q = rms_norm(q, params["q_norm"]["scale"])
     k = rms_norm(k, params["k_norm"]["scale"])
+  elif norm and not after_rope:
+    q = qk_norm(q_flat, n, params.get("q_norm", {}).get("scale"), **norm)
+    k = qk_norm(k_flat, kv_heads, params.get("k_norm", {}).get("scale"),
+                **norm)
   if rope_base is not None:
     q = rope(q, query_positions, rope_base)
     k = rope(k, key_positions, rope_base)
+  if norm and after_rope:  # on the rotated heads, flattened back per token
+    def unsplit(x):
+      return x.transpose(0, 2, 1, 3).reshape(b, x.shape[2], -1)
+    q = qk_norm(unsplit(q), n, params.get("q_norm", {}).get("scale"), **norm)
+    k = qk_norm(unsplit(k), kv_heads, params.get("k_norm", {}).get("scale"),
+                **norm)
   group = n // kv_heads
   k = np.repeat(k, group, axis=1)  # explicit head repetition for GQA
   v = np.repeat(v, group, axis=1)

@@ -46,6 +46,7 @@ from attention_jax.decoding import paged_cache
 from attention_jax.decoding.cache_step import KVCache
 from attention_jax.decoding.paged_cache import PagedKVCache
 from attention_jax.layers import multi_head_params
+from attention_jax.layers import qk_norm as qk_norm_lib
 from attention_jax.layers import sharding
 from attention_jax.layers.multi_head_params import init_multi_head_params  # noqa: F401 (doctests)
 from attention_jax.layers.multi_head_params import param_dims
@@ -386,7 +387,8 @@ class Forward(NamedTuple):
 
 
 def project_memory(params: Params, memory: ArrayLike, *,
-                   precision: Precision = None) -> Memory:
+                   precision: Precision = None,
+                   qk_norm: qk_norm_lib.QKNorm | bool | None = None) -> Memory:
   """Projects a memory (e.g. an encoder's output) to keys and values once.
 
   Cross-attention in a decoder attends to the same memory at every step;
@@ -400,6 +402,8 @@ def project_memory(params: Params, memory: ArrayLike, *,
       qk-norm).
     memory: float ``[B, S, Dkv]``.
     precision: the projection einsums' precision.
+    qk_norm: the layer's ``aj.QKNorm`` (as ``multi_head_attention``'s),
+      applied to the keys.
 
   Returns:
     ``Memory(key [B, K, S, H], value [B, K, S, H])``.
@@ -422,8 +426,9 @@ def project_memory(params: Params, memory: ArrayLike, *,
   memory = jnp.asarray(memory)
   k = project_heads(memory, params["W_k"], precision=precision)  # [B, K, S, H]
   v = project_heads(memory, params["W_v"], precision=precision)  # [B, K, S, H]
-  if dims.normalize_qk:
-    k = rms_norm(k, params["k_norm"]["scale"])
+  norm = qk_norm_lib.resolve(params, qk_norm)
+  if norm is not None:
+    k = qk_norm_lib.normalize(k, params, "k_norm", norm)
   return Memory(k, v)
 
 
@@ -463,7 +468,12 @@ def _rope_positions(t: int, s: int, mask: Mask | None):
 
 
 def _as_positions(name: str, positions, b: int, length: int, what: str):
-  """``[B, T]`` or ``[T]`` integer positions as ``[B|1, 1, T]`` (head axis)."""
+  """``[B, T]`` or ``[T]`` integer positions as ``[B|1, 1, T]`` (head axis).
+
+  Multimodal positions (``Rope(sections=...)``), ``[P, B, T]`` or ``[P, 1,
+  T]``, become ``[P, B|1, 1, T]``; ``apply_rope`` checks ``P`` against the
+  sections, and refuses plain positions (rank 3 here) for them.
+  """
   if isinstance(positions, (list, tuple)):
     positions = jnp.asarray(positions)
   dtype = jnp.result_type(positions)
@@ -471,11 +481,14 @@ def _as_positions(name: str, positions, b: int, length: int, what: str):
     raise TypeError(f"{name} must be an integer array [B, {what}] (or "
                     f"[{what}] shared by the batch), got dtype {dtype}.")
   shape = checks.shape_of(positions)
+  if len(shape) == 3 and shape[1:] in ((b, length), (1, length)):
+    return jnp.asarray(positions)[:, :, None, :]  # [P, B|1, 1, T]
   if shape not in ((b, length), (length,), (1, length)):
     raise ValueError(
         f"{name} has shape {shape}, expected [B, {what}] = {(b, length)} (or "
         f"[{what}] = ({length},) shared by the batch): one position per "
-        "token.")
+        f"token; multimodal ones (Rope(sections=...)) [P, B, {what}] = "
+        f"(len(sections), {b}, {length}) or [P, 1, {what}].")
   positions = jnp.asarray(positions)
   return positions.reshape((-1, 1, length))  # [B|1, 1, T]
 
@@ -491,7 +504,8 @@ def _rotary_positions(positions, kv_positions, t: int, s: int, b: int,
           "tokens; while decoding the cached keys are this call's tokens, "
           "at `positions`.")
     if positions is None:  # each example's cache position, counted from
-      # its first real token when it is left-padded
+      # its first real token when it is left-padded. Plain: apply_rope
+      # refuses them for Rope(sections=...), which needs explicit positions.
       pads = getattr(cache, "left_padding", None)  # (a paged cache: none)
       rot = q_pos if pads is None else (
           q_pos - jnp.asarray(pads, jnp.int32)[:, None])
@@ -705,6 +719,7 @@ def multi_head_attention(
     precision: Precision = None,
     head_axis: str | None = None,
     cache: KVCache | PagedKVCache | None = None,
+    qk_norm: qk_norm_lib.QKNorm | bool | None = None,
 ) -> Any:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
@@ -760,15 +775,18 @@ def multi_head_attention(
       ``10000.0``, the plain formula); None for none. Positions are
       ``positions``/``kv_positions`` if given; else they restart per
       document with segment ids, with queries bottom-right aligned
-      otherwise. With qk-norm, the norm comes first.
+      otherwise. With qk-norm, the norm comes first unless its
+      ``after_rope``.
     positions: integer ``[B, T]`` (or ``[T]``) positions of the queries for
       ``rope``: left-padded batches (each example's first real token at 0;
       mask the padded keys, e.g. a dense ``[B, 1, 1, S]`` mask) or custom
       position ids. Only rotary embeddings read them; masks and score
-      modifiers see token indices.
-    kv_positions: integer ``[B, S]`` positions of the keys; default
-      ``positions`` in self-attention (``key`` and ``value`` are ``query``
-      itself), required otherwise.
+      modifiers see token indices. With ``rope.sections`` (M-RoPE,
+      Qwen2-VL): ``[P, B, T]`` (or ``[P, 1, T]``), ``P = len(sections)``,
+      required, also while decoding (the default positions are plain).
+    kv_positions: integer ``[B, S]`` positions of the keys (``[P, B, S]``
+      with ``rope.sections``); default ``positions`` in self-attention
+      (``key`` and ``value`` are ``query`` itself), required otherwise.
     memory: keys and values projected once by ``project_memory`` (e.g. an
       encoder's output for cross-attention at every decoding step), with
       ``key``/``value`` None.
@@ -787,9 +805,18 @@ def multi_head_attention(
       the queries attend causally over them through the page table
       (``aj.paged_attention``; no bias, dropout or weights; ``attention_fn``
       a kernel or None).
+    qk_norm: how the projected queries and keys are normalised (static):
+      an ``aj.QKNorm`` (RMS or layer norm, per head or over all heads,
+      weight shared ``[H]``, per head ``[N, H]`` or none, epsilon, ``1 +
+      w``, before or after rotary). None: ``aj.QKNorm()`` (RMSNorm per
+      head, epsilon ``1e-6``) when ``params`` has ``q_norm``/``k_norm``
+      ``[H]``, else none. Its weights are ``params``' ``q_norm`` and
+      ``k_norm``; a weight the ``QKNorm`` does not read is refused.
 
-  Order per head: projection, qk-norm, rotary positions, cache write,
-  attention, output gate (``W_g``), ``W_o``.
+  Order per head: projection, qk-norm, rotary positions (qk-norm after
+  them with ``after_rope``), cache write, attention, output gate
+  (``W_g``), ``W_o``. Cached keys are normalised once, before they are
+  written.
 
   Returns:
     ``output [B, T, Dout]``; with any ``return_*`` flag a tuple: output,
@@ -814,6 +841,7 @@ def multi_head_attention(
   """
   dims = param_dims(params)
   _check_inputs(query, key, value, cache, params, dims, memory)
+  norm = qk_norm_lib.resolve(params, qk_norm)
   sinks, score_mod = layer_extras(params, score_mod, t5_bias)
   checks.check_static_bool("is_causal", is_causal)
   rope = rope_lib.as_rope(rope)
@@ -864,10 +892,14 @@ def multi_head_attention(
       seen = jnp.any(dense, axis=(1, 2))[:, None, :, None]  # [B|1, 1, S|1, 1]
       k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
   q, k, v = (sharding.constrain_heads(x, head_axis) for x in (q, k, v))
-  if dims.normalize_qk:  # Gemma's order: norm, then rotary positions
-    q = rms_norm(q, params["q_norm"]["scale"])
-    if memory is None:
-      k = rms_norm(k, params["k_norm"]["scale"])
+  def normalize_qk(q, k):
+    q = qk_norm_lib.normalize(q, params, "q_norm", norm)
+    if memory is None:  # a memory's keys were normalised as projected
+      k = qk_norm_lib.normalize(k, params, "k_norm", norm)
+    return q, k
+
+  if norm is not None and not norm.after_rope:  # Gemma's order
+    q, k = normalize_qk(q, k)
   q_pos = None
   if cache is not None:  # every example at its own position
     index = cache.lengths if paged else jnp.broadcast_to(
@@ -882,6 +914,8 @@ def multi_head_attention(
       seq_len = jnp.maximum(jnp.max(q_rot), jnp.max(k_rot)) + 1
     q = rope_lib.apply_rope(q, q_rot, rope=rope, seq_len=seq_len)
     k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
+  if norm is not None and norm.after_rope:  # Llama 4's order
+    q, k = normalize_qk(q, k)
   def attend(q, k, v, m, bias, score_mod, sinks, dropout_rng):
     return attend_heads(
         q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,

@@ -11,7 +11,11 @@ lays them out:
 - ``W_q``: ``{"kernel": [D, N, H], "bias": [N, H]}``
 - ``W_k``, ``W_v``: ``{"kernel": [Dkv, K, H], "bias": [K, H]}``
 - ``W_o``: ``{"kernel": [N, H, Dout], "bias": [Dout]}``
-- optional ``q_norm``, ``k_norm``: ``{"scale": [H]}`` (qk-norm)
+- optional ``q_norm``, ``k_norm``: ``{"scale": [H]}`` shared by the heads,
+  or one per head: ``[N, H]`` (``q_norm``) and ``[K, H]`` (``k_norm``); how
+  they normalise is an ``aj.QKNorm`` (RMS or layer norm, per head or over
+  the whole width, epsilon, ``1 + w``, before or after rotary), which the
+  call gives (``qk_norm=``)
 - optional ``W_g``: ``{"kernel": [D, N, G], "bias": [N, G]}``, the output
   gate (``G = H``: one gate per feature, "elementwise"; ``G = 1``: one per
   head, "headwise"): ``sigmoid(query @ W_g)`` multiplies each head's
@@ -39,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import checks
+from attention_jax.layers import qk_norm as qk_norm_lib
 from attention_jax.scores import score_mods
 
 Params = dict[str, dict[str, jax.Array]]
@@ -49,8 +54,8 @@ LAYOUT = {
     "W_k": "kernel [Dkv, K, H], bias [K, H]",
     "W_v": "kernel [Dkv, K, H], bias [K, H]",
     "W_o": "kernel [N, H, Dout], bias [Dout]",
-    "q_norm": "scale [H]",
-    "k_norm": "scale [H]",
+    "q_norm": "scale [H] (shared) or [N, H] (per head)",
+    "k_norm": "scale [H] (shared) or [K, H] (per head)",
     "W_g": "kernel [D, N, G], bias [N, G] with G = H (elementwise) or 1 "
            "(headwise)",
     "sinks": "logits [N]",
@@ -73,7 +78,7 @@ class HeadDims(NamedTuple):
   d_model: int  # D, query features
   kv_features: int  # Dkv, key/value features
   out_features: int  # Dout
-  normalize_qk: bool  # q_norm/k_norm present
+  normalize_qk: bool  # q_norm/k_norm present (weights: see qk_norm_weight)
   output_gate: str | None = None  # W_g present: "elementwise" or "headwise"
 
 
@@ -121,7 +126,7 @@ def init_multi_head_params(
     kv_features: int | None = None,
     out_features: int | None = None,
     use_bias: bool = True,
-    normalize_qk: bool = False,
+    normalize_qk: bool | qk_norm_lib.QKNorm = False,
     output_gate: str | None = None,
     attention_sinks: bool = False,
     t5_bias: score_mods.T5Bias | None = None,
@@ -142,8 +147,10 @@ def init_multi_head_params(
     kv_features: ``Dkv``, key/value input features; ``None`` means ``D``.
     out_features: ``Dout``, output features; ``None`` means ``D``.
     use_bias: whether each projection has a bias.
-    normalize_qk: add ``q_norm`` and ``k_norm`` (RMSNorm scales of the
-      projected queries and keys, per head).
+    normalize_qk: True (``aj.QKNorm()``) or an ``aj.QKNorm``: add its
+      weights ``q_norm`` and ``k_norm`` (``{"scale": [H]}`` shared, or
+      ``[N, H]`` / ``[K, H]`` per head; none for a weightless norm), the
+      identity to start (ones, or zeros under ``weight_offset=1``).
     output_gate: add ``W_g``, a sigmoid gate on each head's output computed
       from the query input: ``"elementwise"`` (``[D, N, H]``, one gate per
       feature, Qwen3-Next) or ``"headwise"`` (``[D, N, 1]``, one per
@@ -197,9 +204,10 @@ def init_multi_head_params(
     params[name] = {"kernel": init(rng_i, flat, dtype).reshape(shape)}
     if use_bias:
       params[name]["bias"] = jnp.zeros(bias_shape, dtype)
-  if normalize_qk:
-    for name in ("q_norm", "k_norm"):
-      params[name] = {"scale": jnp.ones((h,), dtype)}
+  norm = qk_norm_lib.as_qk_norm(normalize_qk)
+  if norm is not None and norm.weight is not None:
+    for name, heads in (("q_norm", n), ("k_norm", k)):
+      params[name] = {"scale": norm.init_scale(heads, h, dtype)}
   if attention_sinks:
     params["sinks"] = {"logits": jnp.zeros((n,), dtype)}
   if t5_bias is not None:  # its own key: the projections' draws stay
@@ -326,10 +334,26 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
     raise ValueError(f"params has {norms[0]} but not "
                      f"{({'q_norm', 'k_norm'} - set(norms)).pop()}: qk-norm "
                      "needs both (each {'scale': [H]}).")
-  for name in norms:
+  norm_shapes = []
+  for name, heads in zip(("q_norm", "k_norm"), (n, k)):
+    if name not in params:
+      continue
     _layer(params, name)
-    if param_shape(params, name, "scale") != (h,):
-      raise _wrong(params, name, "scale", f"({h},) = [H]")
+    shape = param_shape(params, name, "scale")
+    if shape not in ((h,), (heads, h)):
+      flat = (f"; a whole-width weight [{heads * h}] reshapes to "
+              f"({heads}, {h})" if shape == (heads * h,) else "")
+      raise _wrong(params, name, "scale",
+                   f"({h},) = [H] (shared) or ({heads}, {h}) (per head)"
+                   f"{flat}")
+    norm_shapes.append(len(shape))
+  if len(set(norm_shapes)) > 1:
+    raise ValueError(
+        f"params['q_norm']['scale'] has shape "
+        f"{param_shape(params, 'q_norm', 'scale')} and params['k_norm']"
+        f"['scale'] {param_shape(params, 'k_norm', 'scale')}: both shared "
+        "[H] or both per head ([N, H] and [K, H]), as one aj.QKNorm's "
+        "weight says.")
   output_gate = None
   if "W_g" in params:
     _layer(params, "W_g")

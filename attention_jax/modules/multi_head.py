@@ -36,6 +36,7 @@ from attention_jax.decoding import paged_cache
 from attention_jax.decoding import quantize
 from attention_jax.layers import multi_head
 from attention_jax.layers import multi_head_params
+from attention_jax.layers import qk_norm as qk_norm_lib
 from attention_jax.layers import sharding
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import Mask
@@ -105,13 +106,17 @@ class _Lone:
 
 
 class NormScale(nnx.Module):
-  """The learned ``scale [H]`` of a per-head RMSNorm (qk-norm), initialised to 1.
+  """The learned ``scale`` of a norm (qk-norm ``[H]`` or ``[N, H]``), the
+  identity to start (ones; zeros for a ``1 + w`` norm).
 
   Only the parameter: ``aj.multi_head_attention`` normalises.
   """
 
-  def __init__(self, head_dim: int, *, param_dtype):
-    self.scale = nnx.Param(jnp.ones((head_dim,), param_dtype))  # [H]
+  def __init__(self, head_dim: int, *, param_dtype, heads: int | None = None,
+               zeros: bool = False):
+    shape = (head_dim,) if heads is None else (heads, head_dim)
+    fill = jnp.zeros if zeros else jnp.ones
+    self.scale = nnx.Param(fill(shape, param_dtype))  # [H] or [N, H]
 
   def as_dict(self, dtype=None) -> dict[str, jax.Array]:
     """``{"scale"}``, cast to ``dtype`` if given."""
@@ -168,10 +173,16 @@ class MultiHeadAttention(nnx.Module):
     kv_features: ``Dkv``, the width of keys and values (cross-attention to
       another model's states); ``None`` means ``d_model``.
     out_features: ``Dout``, the output width; ``None`` means ``d_model``.
-    normalize_qk: RMSNorm each projected query and key head before
-      attention (and before ``rope``, Gemma's order), with learned scales
-      ``q_norm`` / ``k_norm`` ``[H]``. (flax's ``nnx.MultiHeadAttention``
-      normalises with a bias-free LayerNorm instead.)
+    normalize_qk: qk-norm of the projected queries and keys: True is
+      ``aj.QKNorm()``, an RMSNorm of each head (epsilon ``1e-6``) before
+      ``rope`` (Gemma's order) with learned scales ``q_norm`` / ``k_norm``
+      ``[H]``; an ``aj.QKNorm`` chooses RMS or layer norm, per head or over
+      the whole width, weights shared ``[H]``, per head (``[N, H]``,
+      ``[K, H]``) or none, epsilon, ``1 + w``, and before or after
+      ``rope`` (OLMo 2, Cohere, Llama 4, Qwen3-Next). Stored as
+      ``qk_norm`` (the ``QKNorm`` or None). (flax's
+      ``nnx.MultiHeadAttention`` normalises with a bias-free LayerNorm per
+      head: ``aj.QKNorm(kind="layer")``.)
     precision: ``jax.lax.Precision`` of the projection einsums (``None``:
       the default).
     dropout_rate: dropout on the attention weights, in ``[0, 1)``.
@@ -263,7 +274,7 @@ class MultiHeadAttention(nnx.Module):
       head_dim: int | None = None,
       kv_features: int | None = None,
       out_features: int | None = None,
-      normalize_qk: bool = False,
+      normalize_qk: bool | qk_norm_lib.QKNorm = False,
       precision: multi_head.Precision = None,
       dropout_rate: float = 0.0,
       deterministic: bool = False,
@@ -302,7 +313,8 @@ class MultiHeadAttention(nnx.Module):
     self.head_dim = head_dim = dims.head_dim
     self.kv_features = dims.kv_features
     self.out_features = dims.out_features
-    self.normalize_qk = bool(normalize_qk)
+    self.qk_norm = qk_norm_lib.as_qk_norm(normalize_qk)
+    self.normalize_qk = self.qk_norm is not None
     self.precision = precision
     self.dropout_rate = dropout_rate
     self.deterministic = deterministic
@@ -368,9 +380,15 @@ class MultiHeadAttention(nnx.Module):
           n, multi_head_params.gate_width(output_gate, head_dim)))
     self.q_norm = nnx.data(None)
     self.k_norm = nnx.data(None)
-    if normalize_qk:
-      self.q_norm = NormScale(head_dim, param_dtype=param_dtype)
-      self.k_norm = NormScale(head_dim, param_dtype=param_dtype)
+    norm = self.qk_norm
+    if norm is not None and norm.weight is not None:
+      per_head = norm.weight == "per_head"
+      self.q_norm = NormScale(head_dim, param_dtype=param_dtype,
+                              heads=n if per_head else None,
+                              zeros=bool(norm.weight_offset))
+      self.k_norm = NormScale(head_dim, param_dtype=param_dtype,
+                              heads=k if per_head else None,
+                              zeros=bool(norm.weight_offset))
     self.rngs = _rngs.dropout_stream(rngs, dropout_rate)
     self.cached_key: nnx.Cache | None = nnx.data(None)
     self.cached_value: nnx.Cache | None = nnx.data(None)
@@ -401,7 +419,7 @@ class MultiHeadAttention(nnx.Module):
 
   def _layers(self) -> dict[str, Projection | NormScale | _Lone]:
     names = ("W_q", "W_k", "W_v", "W_o") + (
-        ("q_norm", "k_norm") if self.normalize_qk else ()) + (
+        ("q_norm", "k_norm") if self.q_norm is not None else ()) + (
             ("W_g",) if self.output_gate is not None else ())
     layers = {name: getattr(self, name) for name in names}
     if self.sinks is not None:
@@ -447,7 +465,7 @@ class MultiHeadAttention(nnx.Module):
     multi_head_params.param_dims(params)  # a valid layout, with its own messages
     assign_params(
         self._layers(), params, multi_head_params.LAYOUT,
-        entries=(f"normalize_qk={self.normalize_qk}, "
+        entries=(f"normalize_qk={self.qk_norm}, "
                  f"output_gate={self.output_gate!r}, attention_sinks="
                  f"{self.sinks is not None}, t5_bias={self.t5_bias!r}"),
         sizes=(f"d_model={self.d_model}, num_heads={self.num_heads}, "
@@ -642,7 +660,8 @@ class MultiHeadAttention(nnx.Module):
     if self.dtype is not None:
       memory = jnp.asarray(memory, self.dtype)
     projected = multi_head.project_memory(self.params_dict(), memory,
-                                          precision=self.precision)
+                                          precision=self.precision,
+                                          qk_norm=self.qk_norm)
     dtype = dtype or self.dtype or self.param_dtype
     self.memory_key = nnx.Cache(projected.key.astype(dtype))  # [B, K, S, H]
     self.memory_value = nnx.Cache(projected.value.astype(dtype))
@@ -840,7 +859,7 @@ class MultiHeadAttention(nnx.Module):
         return_lse=return_lse, return_max_logits=return_max_logits,
         rope=self.rope, positions=positions, kv_positions=kv_positions,
         precision=self.precision, head_axis=self.head_axis, cache=cache,
-        memory=memory)
+        memory=memory, qk_norm=self.qk_norm)
     if decode and self.cache_page_table is not None:
       result, cache = result
       if cache_rows is not None:
