@@ -12,6 +12,7 @@ one mapped option moves the output far past the tolerance (so the
 comparison sees each option), and the refusals.
 """
 
+import dataclasses
 import json
 import pathlib
 
@@ -26,6 +27,11 @@ from attention_jax.interop import checkpoints
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 FAMILIES = checkpoints.FAMILIES
+# Goldens of a family's other layouts, and the family that loads them.
+LOADER = {"bloom6": "bloom", "falcon_mq": "falcon", "falcon_alibi": "falcon"}
+GOLDENS = sorted(p.stem for p in GOLDEN.glob("*.npz"))
+# T5's recorded attentions (``in/enc/0``): the loader's ``attention=``.
+ATTENTIONS = {"enc": "encoder", "dec": "decoder", "cross": "cross"}
 # float32 here against float32 torch: projections of 64 terms, a softmax
 # over <= 10 keys, the output projection; rounding and the order of sums
 # differ (observed <= 4e-7 of the output's scale, ~20). 1e-5 of the scale
@@ -40,30 +46,61 @@ def _golden(family: str):
   return z, sd, json.loads(str(z["config_json"]))
 
 
-def _run(loaded: checkpoints.LoadedAttention, x, **change) -> np.ndarray:
-  """``loaded``'s layer on ``x``, optionally with some options changed."""
+def _recorded(golden: str) -> list[str]:
+  """A golden's recorded calls: ``"0"``, ``"enc/1"``, ``"short/0"`` (a
+  second run on fewer tokens)..."""
+  z = np.load(GOLDEN / f"{golden}.npz")
+  return sorted(k.split("/", 1)[1] if k.startswith("in/")
+                else "short/" + k.split("/", 1)[1]
+                for k in z.files if k.startswith(("in/", "in_short/")))
+
+
+def _where(name: str) -> tuple[int, str]:
+  """(layer, attention) of a recorded call."""
+  head, _, tail = name.rpartition("/")
+  return int(tail), ATTENTIONS.get(head, "self")
+
+
+def _module(loaded: checkpoints.LoadedAttention, **change):
+  """``loaded``'s layer, optionally with some options changed."""
   if not change:
-    return np.asarray(loaded.module()(jnp.asarray(x)))
-  mha = aj.MultiHeadAttention(**{**loaded.options, **change},
-                              rngs=nnx.Rngs(0))
+    return loaded.module()
+  latent = FAMILIES[loaded.family].module == "latent"
+  cls = aj.MultiHeadLatentAttention if latent else aj.MultiHeadAttention
+  module = cls(**{**loaded.options, **change}, rngs=nnx.Rngs(0))
   params = dict(loaded.params)
-  if mha.sinks is None:  # attention_sinks=False: the layer without them
+  if getattr(module, "sinks", None) is None:  # the layer without sinks
     params.pop("sinks", None)
-  mha.load_params(params)
-  return np.asarray(mha(jnp.asarray(x)))
+  if getattr(module, "t5_table", None) is None:
+    params.pop("t5_bias", None)
+  module.load_params(params)
+  return module
 
 
-def _error(family: str, layer: int, params=None, **change) -> tuple[float,
-                                                                    float]:
-  """(max |ours - HF|, max |HF|) for one golden layer."""
-  z, sd, cfg = _golden(family)
-  loaded = checkpoints.load_attention_weights(sd, family=family, config=cfg,
-                                     layer=layer)
+def _run(loaded: checkpoints.LoadedAttention, x, kv=None, **change):
+  """``loaded``'s layer on ``x`` (cross-attention: to ``kv``)."""
+  module = _module(loaded, **change)
+  args = (jnp.asarray(x),) if kv is None else (jnp.asarray(x),
+                                               jnp.asarray(kv))
+  return np.asarray(module(*args))
+
+
+def _error(golden: str, name, params=None, **change) -> tuple[float, float]:
+  """(max |ours - HF|, max |HF|) for one recorded call of a golden."""
+  z, sd, cfg = _golden(golden)
+  name = str(name)
+  short = name.startswith("short/")
+  layer, attention = _where(name.removeprefix("short/"))
+  loaded = checkpoints.load_attention_weights(
+      sd, family=LOADER.get(golden, golden), config=cfg, layer=layer,
+      attention=attention)
   if params is not None:
-    loaded = checkpoints.LoadedAttention(
-        family, layer, loaded.prefix, params(loaded.params), loaded.options)
-  want = z[f"out/{layer}"]
-  got = _run(loaded, z[f"in/{layer}"], **change)
+    loaded = dataclasses.replace(loaded, params=params(loaded.params))
+  key = name.removeprefix("short/")
+  want = z[("out_short/" if short else "out/") + key]
+  x = z[("in_short/" if short else "in/") + key]
+  kv = z[f"kv/{key}"] if f"kv/{key}" in z.files else None
+  got = _run(loaded, x, kv, **change)
   return float(np.abs(got - want).max()), float(np.abs(want).max())
 
 
@@ -71,20 +108,25 @@ class GoldenTest(parameterized.TestCase):
   """Each family's layers equal transformers' eager attention."""
 
   @parameterized.named_parameters(
-      *((f"{family}_layer{layer}", family, layer)
-        for family in FAMILIES for layer in (0, 1)))
-  def test_matches_transformers(self, family, layer):
-    error, scale = _error(family, layer)
+      *((f"{golden}_{name.replace('/', '_')}", golden, name)
+        for golden in GOLDENS for name in _recorded(golden)))
+  def test_matches_transformers(self, golden, name):
+    error, scale = _error(golden, name)
     self.assertGreater(scale, 1.0)  # a golden of O(1..10) logits, not zeros
     self.assertLess(error, REL_TOL * scale)
 
+  def test_every_family_has_a_golden(self):
+    covered = {LOADER.get(g, g) for g in GOLDENS}
+    self.assertEqual(sorted(set(FAMILIES) - covered), [])
+    self.assertEqual(sorted(covered - set(FAMILIES)), [])
+
   def test_goldens_record_their_provenance(self):
-    for family in FAMILIES:
-      z, _, cfg = _golden(family)
-      self.assertEqual(str(z["family"]), family)
+    for golden in GOLDENS:
+      z, _, cfg = _golden(golden)
+      self.assertEqual(str(z["family"]), golden)
       self.assertTrue(str(z["transformers_version"]))
-      self.assertEqual(cfg["num_hidden_layers" if family != "gpt2"
-                           else "n_layer"], 2)
+      self.assertIn(cfg.get("num_hidden_layers", cfg.get(
+          "n_layer", cfg.get("num_layers"))), (1, 2))
 
   def test_what_each_layer_is_given(self):
     """The options read from the golden configs, layer by layer."""
@@ -301,11 +343,13 @@ class RefusalTest(parameterized.TestCase):
         config=self.cfg if cfg is None else cfg, **{"layer": 0, **kwargs})
 
   def test_unknown_family_lists_the_known_ones(self):
-    with self.assertRaisesRegex(ValueError, r"unknown family 'falcon': known "
-                                r"families are \['llama', 'mistral', 'qwen2'"
-                                r", 'qwen3', 'gemma2', 'gemma3', 'gpt_oss', "
-                                r"'gpt2'\]"):
-      self.load(family="falcon")
+    with self.assertRaises(ValueError) as caught:
+      self.load(family="mpt")
+    self.assertRegex(str(caught.exception),
+                     r"unknown family 'mpt': known families are \['llama', "
+                     r"'mistral', .*\]; for another model, port it by hand")
+    for family in FAMILIES:  # every one of them listed
+      self.assertIn(repr(family), str(caught.exception))
     with self.assertRaisesRegex(ValueError, r"model_type='qwen2', but "
                                 r"family='llama' reads configs of model_type"
                                 r" \['llama'\]"):
@@ -343,24 +387,22 @@ class RefusalTest(parameterized.TestCase):
       self.load(sd, {**cfg, "attention_bias": False}, family="llama")
 
   def test_unsupported_options_are_refused(self):
-    longrope = {**self.cfg, "rope_parameters": {
-        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0],
-        "long_factor": [1.0], "original_max_position_embeddings": 32}}
-    with self.assertRaisesRegex(ValueError, r"rope_type 'longrope' .* is not "
+    mrope = {**self.cfg, "rope_parameters": {
+        "rope_type": "mrope", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}}
+    with self.assertRaisesRegex(ValueError, r"rope_type 'mrope' .* is not "
                                 r"supported: .* maps rope types \['default', "
-                                r"'linear', 'dynamic', 'llama3', 'yarn'\]"):
-      self.load(cfg=longrope)
+                                r"'linear', 'dynamic', 'llama3', 'yarn', "
+                                r"'longrope'\]"):
+      self.load(cfg=mrope)
     _, sd, cfg = _golden("llama")
     llama3 = {k: v for k, v in cfg["rope_parameters"].items()
               if k != "low_freq_factor"}
     with self.assertRaisesRegex(ValueError, r"rope_type 'llama3' needs "
                                 r"'low_freq_factor'"):
       self.load(sd, {**cfg, "rope_parameters": llama3}, family="llama")
-    _, sd, cfg = _golden("qwen3")
-    with self.assertRaisesRegex(ValueError, r"rms_norm_eps=1e-05, but "
-                                r"aj.MultiHeadAttention's qk-norm adds "
-                                r"epsilon=1e-06"):
-      self.load(sd, {**cfg, "rms_norm_eps": 1e-5}, family="qwen3")
+    _, sd, cfg = _golden("qwen3")  # the config's epsilon, not a fixed one
+    loaded = self.load(sd, {**cfg, "rms_norm_eps": 1e-5}, family="qwen3")
+    self.assertEqual(loaded.options["normalize_qk"], aj.QKNorm(epsilon=1e-5))
     _, sd, cfg = _golden("gemma3")
     with self.assertRaisesRegex(ValueError, r"use_bidirectional_attention"):
       self.load(sd, {**cfg, "use_bidirectional_attention": True},
@@ -394,25 +436,26 @@ class NoGuessTest(parameterized.TestCase):
                                               layer=layer, **kwargs)
 
   def test_unknown_model_type_says_how_to_port_by_hand(self):
-    # Cohere's attention is llama's but for interleaved rotary pairs: loaded
-    # as llama it is 0.8% off, nothing the loader could notice.
+    # Granite's attention is llama's but for its attention_multiplier scale:
+    # loaded as llama it would be off, nothing the loader could notice.
     _, sd, cfg = _golden("llama")
-    cohere = {**cfg, "model_type": "cohere", "logit_scale": 0.0625,
-              "use_qk_norm": False}
+    granite = {**cfg, "model_type": "granite", "attention_multiplier": 0.1}
     with self.assertRaises(ValueError) as caught:
-      self.load("llama", cohere, sd)
+      self.load("llama", granite, sd)
     message = str(caught.exception)
-    self.assertRegex(message, r"model_type='cohere', which load_attention_"
+    self.assertRegex(message, r"model_type='granite', which load_attention_"
                      r"weights does not read: it maps the families \['llama'"
                      r".*'gpt2'\].*no other model by a guess")
     self.assertRegex(message, r"port it by hand: build aj.MultiHeadAttention"
                      r"\(.*rope=aj.Rope.*load_params")
     self.assertNotIn("drop", message)  # never: relabel the config
-    # A known model type of another family names that family.
-    with self.assertRaisesRegex(ValueError, r"model_type='qwen2', but family="
-                                r"'llama' .* this is a qwen2 config, pass "
-                                r"family='qwen2'"):
-      self.load("llama", _golden("qwen2")[2], sd)
+    # A known model type of another family names that family: Cohere's
+    # layers are llama's but for interleaved rotary pairs (0.8% off).
+    for other in ("qwen2", "cohere"):
+      with self.assertRaisesRegex(ValueError, f"model_type='{other}', but "
+                                  f"family='llama' .* this is a {other} "
+                                  f"config, pass family='{other}'"):
+        self.load("llama", _golden(other)[2], sd)
     # A multimodal wrapper whose text model is the family's: its text_config.
     with self.assertRaisesRegex(ValueError, r"model_type='llava'.* Its "
                                 r"text_config has model_type 'llama': for the "
@@ -451,11 +494,16 @@ class NoGuessTest(parameterized.TestCase):
     for family in FAMILIES:
       with self.subTest(accepted=family):
         z, sd, cfg = _golden(family)
-        got, want = (self.load(family, c, sd, layer=1).options
+        attention = FAMILIES[family].attentions[0]
+        got, want = (self.load(family, c, sd, layer=1,
+                               attention=attention).options
                      for c in (untyped(family), cfg))
-        self.assertEqual(got["mask"].window, want["mask"].window)
-        self.assertEqual({k: v for k, v in got.items() if k != "mask"},
-                         {k: v for k, v in want.items() if k != "mask"})
+        self.assertEqual(repr(got["mask"]), repr(want["mask"]))
+        self.assertEqual(repr(got.get("score_mod")),
+                         repr(want.get("score_mod")))
+        plain = lambda o: {k: v for k, v in o.items()
+                           if k not in ("mask", "score_mod")}
+        self.assertEqual(plain(got), plain(want))
     loaded = self.load("llama", {**untyped("llama"),
                                  "partial_rotary_factor": 1.0}, llama_sd)
     self.assertEqual(loaded.options["rope"].fraction, 1.0)
@@ -509,16 +557,17 @@ class NoGuessTest(parameterized.TestCase):
     fused = (r"state_dict has 'model.layers.0.self_attn.qkv_proj.weight': a "
              r"fused q/k/v projection \(Phi-3's layout: rows q \[N \* H\], "
              r"then k \[K \* H\], then v \[K \* H\]\)\. The llama loader does "
-             r"not read this layout .*no prefix= changes that.*split it by "
-             r"hand into q_proj.weight \[N \* H, D\]")
+             r"not read this layout .*no prefix= changes that.*load it with "
+             r"the family that reads it \(phi3\).*split it by hand")
     for prefix in (None, p):
       with self.subTest(prefix=prefix):
         with self.assertRaises(ValueError) as caught:
           self.load("llama", cfg, phi3, prefix=prefix)
         self.assertRegex(str(caught.exception), fused)
         self.assertNotIn("pass prefix=", str(caught.exception))
-    # Phi-3's own config is an unknown model type (and has a window).
-    with self.assertRaisesRegex(ValueError, r"model_type='phi3', which"):
+    # Phi-3's own config names its family.
+    with self.assertRaisesRegex(ValueError, r"model_type='phi3', but family="
+                                r"'llama' .* pass family='phi3'"):
       self.load("llama", {**cfg, "model_type": "phi3",
                           "sliding_window": 2047}, phi3)
     others = {  # other models' fused names, as their state dicts spell them
@@ -663,7 +712,7 @@ class OverridesTest(parameterized.TestCase):
         self.sd, family="llama", config=self.cfg, layer=0,
         overrides=overrides)
     valid = (r"\['rope', 'mask', 'scale', 'logits_soft_cap', 'normalize_qk', "
-             r"'attention_sinks'\]")
+             r"'attention_sinks', 'score_mod'\]")
     with self.assertRaisesRegex(ValueError, r"overrides has \['window'\], "
                                 r"which load_attention_weights does not infer:"
                                 r" the options it can override are " + valid +
@@ -677,7 +726,7 @@ class OverridesTest(parameterized.TestCase):
     with self.assertRaisesRegex(TypeError, r"overrides must be a dict"):
       load([("rope", None)])
     with self.assertRaisesRegex(TypeError, r"overrides\['normalize_qk'\] must "
-                                r"be a bool"):
+                                r"be a bool or an aj.QKNorm"):
       load({"normalize_qk": 1})
     with self.assertRaisesRegex(TypeError, r"rope='x'"):
       load({"rope": "x"})

@@ -910,7 +910,8 @@ def multi_head_attention(
     q_rot, k_rot = _rotary_positions(positions, kv_positions, t, s, b, m,
                                      cache, q_pos, self_attention)
     seq_len = None
-    if rope.scaling == "dynamic":  # one length, so q and k share frequencies
+    if rope.scaling in ("dynamic", "longrope"):  # one length: q and k share
+      # frequencies
       seq_len = jnp.maximum(jnp.max(q_rot), jnp.max(k_rot)) + 1
     q = rope_lib.apply_rope(q, q_rot, rope=rope, seq_len=seq_len)
     k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)

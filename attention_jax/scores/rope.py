@@ -25,11 +25,23 @@ context-extension scaling of the frequencies (HF transformers'
 * ``"yarn"`` (Peng et al. 2023, arXiv 2309.00071): a ramp between
   interpolated and extrapolated frequencies over the rotary dims, and a
   magnitude factor on cos and sin.
+* ``"longrope"`` (Ding et al. 2024, arXiv 2402.13753; Phi-3, Phi-3.5,
+  Phi-4): searched per-frequency divisors, ``short_factor`` while the
+  sequence fits the trained context and ``long_factor`` past it, and a
+  magnitude factor on cos and sin.
 
 and the layout: the share of the head dim rotated (``fraction``, partial
 rotary as GPT-NeoX / Phi / GLM) and which features pair up (half-split
 ``(x[i], x[i + R/2])`` by default, ``interleaved`` ``(x[2i], x[2i + 1])``
 as GPT-J and Meta's original llama code).
+
+Multimodal RoPE (M-RoPE, Qwen2-VL / Qwen2.5-VL / GLM-4V; HF's
+``mrope_section``): ``Rope(sections=(16, 24, 24))`` splits the ``R / 2``
+frequencies into consecutive sections, and each token carries one position
+per section (time, height, width): positions ``[3, ..., T]`` with a
+leading axis of ``len(sections)``, frequency ``i`` turning by the position
+of the section that contains it. Text tokens carry the same position on
+every axis, which is plain RoPE.
 
 Packed sequences (several documents in one row, told apart by segment ids)
 need positions that restart at each document: ``segment_positions``.
@@ -48,19 +60,21 @@ import numpy as np
 from attention_jax.core import checks
 
 #: The frequency scalings ``Rope(scaling=...)`` knows (HF's ``rope_type``).
-SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn")
+SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 # Which scalings read each optional field: a field set away from its
 # default under another scaling would be accepted and ignored, so it is an
 # error instead.
 _USED_BY = {
-    "factor": ("linear", "dynamic", "llama3", "yarn"),
-    "original_max_positions": ("dynamic", "llama3", "yarn"),
+    "factor": ("linear", "dynamic", "llama3", "yarn", "longrope"),
+    "original_max_positions": ("dynamic", "llama3", "yarn", "longrope"),
     "low_freq_factor": ("llama3",),
     "high_freq_factor": ("llama3",),
     "beta_fast": ("yarn",),
     "beta_slow": ("yarn",),
-    "attention_factor": ("yarn",),
+    "attention_factor": ("yarn", "longrope"),
+    "short_factor": ("longrope",),
+    "long_factor": ("longrope",),
     "truncate": ("yarn",),
     "mscale": ("yarn",),
     "mscale_all_dim": ("yarn",),
@@ -72,7 +86,14 @@ _FACTOR_ROLE = {
     "dynamic": "the base grows with it past original_max_positions",
     "llama3": "long wavelengths are divided by it",
     "yarn": "interpolated frequencies are divided by it",
+    "longrope": "it sets the magnitude sqrt(1 + ln(factor) / "
+                "ln(original_max_positions))",
 }
+
+# Scalings whose frequencies depend on the positions' maximum: with
+# multimodal positions that maximum mixes the time, height and width axes
+# (none of them a sequence length), and no checkpoint combines them.
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
 def _check_number(name: str, value) -> float:
@@ -97,6 +118,47 @@ def _check_bool(name: str, value) -> bool:
     raise TypeError(f"{name} must be a Python bool, got {value!r} "
                     f"({type(value).__name__}).")
   return bool(value)
+
+
+def _as_static_tuple(name: str, value, example: str) -> list:
+  """A list, tuple or 1-D NumPy array as a list (refused: traced, other)."""
+  if isinstance(value, (jax.Array, jax.core.Tracer)):
+    raise TypeError(f"{name} must be static (a tuple of Python numbers), got "
+                    f"a JAX array of shape {checks.shape_of(value)}: pass "
+                    f"tuple(...) of a concrete value, e.g. {example}.")
+  if isinstance(value, np.ndarray) and value.ndim == 1:
+    value = value.tolist()
+  if not isinstance(value, (list, tuple)):
+    raise TypeError(f"{name} must be a tuple (or list) of numbers, got "
+                    f"{value!r} ({type(value).__name__}), e.g. {example}.")
+  if not value:
+    raise ValueError(f"{name} is empty: give one entry per rotated pair "
+                     f"(R / 2 of them), e.g. {example}.")
+  return list(value)
+
+
+def _check_factors(name: str, value) -> tuple[float, ...]:
+  """LongRoPE's per-frequency divisors: positive finite Python floats."""
+  values = _as_static_tuple(name, value, "(1.0, 1.05, 1.3, ...)")
+  out = tuple(_check_number(f"{name}[{i}]", v) for i, v in enumerate(values))
+  bad = [(i, v) for i, v in enumerate(out) if v <= 0.0]
+  if bad:
+    raise ValueError(f"{name} must be positive (each divides a frequency), "
+                     f"got {name}[{bad[0][0]}]={bad[0][1]}.")
+  return out
+
+
+def _check_sections(value) -> tuple[int, ...]:
+  """M-RoPE's section sizes: positive Python ints."""
+  values = _as_static_tuple("sections", value, "(16, 24, 24) (Qwen2-VL)")
+  for i, v in enumerate(values):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+      raise TypeError(f"sections[{i}] must be a Python int (a count of "
+                      f"frequencies), got {v!r} ({type(v).__name__}).")
+    if v <= 0:
+      raise ValueError(f"sections[{i}] must be positive (a count of "
+                       f"frequencies), got {v}.")
+  return tuple(int(v) for v in values)
 
 
 def _check_rotary_dim(rotary_dim) -> int:
@@ -168,26 +230,56 @@ class Rope:
     1)`` (``high += 0.001`` if equal); frequencies
     ``theta_i / factor * r_i + theta_i * (1 - r_i)``. ``magnitude``
     multiplies cos and sin (so attention scores scale by its square).
+  * ``"longrope"`` (HF's ``_compute_longrope_parameters`` and
+    ``longrope_frequency_update``): ``theta_i / e_i`` with ``e =
+    long_factor`` when ``L > O`` (``L`` as for ``"dynamic"``: ``max(
+    positions) + 1`` over the whole array, or the ``seq_len`` given) and
+    ``e = short_factor`` otherwise. ``L`` may be traced: both sets are
+    float64 constants and the choice is made on device. ``magnitude``
+    multiplies cos and sin with either set (HF's ``attention_scaling`` is
+    fixed at init). A KV cache keeps each key rotated with the set of its
+    own step (as HF: keys cached with the short factors are not rotated
+    again), so decoding matches a full forward only while the whole
+    sequence stays on one side of ``O``: ``L <= O`` throughout, or (a
+    prompt already longer than ``O``) ``L > O`` from the first step.
+
+  ``sections`` (M-RoPE) does not change the frequencies, only which
+  position each one turns by: frequency ``i`` takes the position axis
+  ``a`` with ``sum(sections[:a]) <= i < sum(sections[:a + 1])`` (HF
+  Qwen2-VL's ``mrope_section`` split, ``m[i % 3]``, then ``cat((freq,
+  freq))`` for the half-split layout; GLM-4V's ``repeat_interleave(2)``
+  for the interleaved one: pair ``i`` either way).
 
   Attributes:
     base: the wavelength base, a positive number (10000 in the paper; Llama
       3 uses 500000).
     scaling: one of ``SCALINGS``: ``"none"``, ``"linear"``, ``"dynamic"``,
-      ``"llama3"``, ``"yarn"`` (HF's ``rope_type``).
+      ``"llama3"``, ``"yarn"``, ``"longrope"`` (HF's ``rope_type``).
     factor: the scaling factor ``s`` (``rope_scaling["factor"]``), >= 1,
       used as given (an HF config that derives it from
       ``max_position_embeddings / original_max_position_embeddings`` means
-      that ratio). Must stay 1 with ``scaling="none"``.
+      that ratio: Phi-3 / Phi-4 longrope configs give no ``factor``, so
+      pass that ratio, e.g. ``131072 / 4096 = 32.0``). Must stay 1 with
+      ``scaling="none"``. ``"longrope"`` reads it only for its default
+      magnitude: it needs ``factor > 1`` or ``attention_factor``, not both.
     original_max_positions: ``O``, the context the model was trained at
       (HF's ``original_max_position_embeddings``; for ``"dynamic"`` HF
-      reads ``max_position_embeddings``); required by dynamic, llama3 and
-      yarn, refused by the others.
+      reads ``max_position_embeddings``); required by dynamic, llama3,
+      yarn and longrope, refused by the others.
     low_freq_factor, high_freq_factor: llama3's band edges
       (``high_freq_factor > low_freq_factor > 0``; 1 and 4 in Llama 3.1).
     beta_fast, beta_slow: yarn's rotation counts bounding the ramp
       (``beta_fast >= beta_slow > 0``; 32 and 1 in the paper).
-    attention_factor: yarn's magnitude; None: ``mscale / mscale_all_dim``
-      if given, else ``0.1 ln(factor) + 1`` (1 if ``factor <= 1``).
+    attention_factor: the magnitude of yarn or longrope, positive. None:
+      yarn's ``mscale / mscale_all_dim`` if given, else ``0.1 ln(factor) +
+      1``; longrope's ``sqrt(1 + ln(factor) / ln(O))``; both 1 if
+      ``factor <= 1``.
+    short_factor, long_factor: longrope's divisors of the ``R / 2``
+      frequencies (HF's ``rope_scaling`` lists of the same names; lists are
+      kept as tuples, so the ``Rope`` stays hashable), positive; required
+      by longrope, refused by the others. Their length must be ``R / 2``
+      for the head dim they are applied to (checked there: ``R`` depends
+      on ``H``).
     truncate: yarn: floor/ceil the correction range (HF's default; gpt-oss
       sets False).
     mscale, mscale_all_dim: DeepSeek's yarn magnitude, both or neither:
@@ -202,6 +294,13 @@ class Rope:
     interleaved: pairs ``(x[2i], x[2i + 1])`` (GPT-J, Meta's original
       llama) instead of the half-split ``(x[i], x[i + R/2])`` (HF llama,
       GPT-NeoX, flax, Gemma); pair ``i`` rotates by ``theta_i`` either way.
+    sections: M-RoPE (HF's ``mrope_section``), positive ints summing to
+      ``R / 2`` (checked where ``H`` is known), e.g. ``(16, 24, 24)`` for
+      Qwen2-VL's ``H = 128``; None: plain positions. With it, positions
+      have a leading axis of ``len(sections)`` (see ``apply_rope``).
+      Refused with ``"dynamic"`` and ``"longrope"``: their frequencies
+      follow ``max(positions) + 1``, which over time, height and width
+      axes is no sequence length (and no checkpoint combines them).
 
   Raises:
     TypeError: a field of the wrong type (a number not a real Python
@@ -237,6 +336,9 @@ class Rope:
   interleaved: bool = False
   mscale: float | None = None
   mscale_all_dim: float | None = None
+  short_factor: tuple[float, ...] | None = None
+  long_factor: tuple[float, ...] | None = None
+  sections: tuple[int, ...] | None = None
 
   def __post_init__(self):
     set_field = lambda name, value: object.__setattr__(self, name, value)
@@ -258,6 +360,13 @@ class Rope:
         set_field(name, _check_number(name, getattr(self, name)))
     for name in ("truncate", "interleaved"):
       set_field(name, _check_bool(name, getattr(self, name)))
+    # Lists (as in HF configs) become tuples: hashable, and equal to the
+    # same factors given as a tuple.
+    for name in ("short_factor", "long_factor"):
+      if getattr(self, name) is not None:
+        set_field(name, _check_factors(name, getattr(self, name)))
+    if self.sections is not None:
+      set_field("sections", _check_sections(self.sections))
     original = self.original_max_positions
     if original is not None:
       if isinstance(original, jax.core.Tracer):
@@ -278,6 +387,13 @@ class Rope:
             f"{field.name}={value!r} has no effect with scaling={scaling!r} "
             f"(read by scaling {' / '.join(map(repr, users))}): choose one of "
             f"those or leave {field.name} at its default {field.default!r}.")
+    if self.sections is not None and scaling in _LENGTH_DEPENDENT:
+      raise ValueError(
+          f"sections={self.sections} with scaling={scaling!r} is not "
+          f"supported: its frequencies follow max(positions) + 1, which over "
+          f"multimodal positions (time, height, width) is no sequence "
+          f"length. Use sections with scaling 'none', 'linear', 'llama3' or "
+          f"'yarn', or drop sections.")
     if scaling == "none":
       return
     if self.factor < 1.0:
@@ -298,6 +414,67 @@ class Rope:
           f"{self.low_freq_factor}, high_freq_factor={self.high_freq_factor}.")
     if scaling == "yarn":
       self._check_yarn()
+    if scaling == "longrope":
+      self._check_longrope()
+
+  def _check_longrope(self):
+    missing = [name for name in ("short_factor", "long_factor")
+               if getattr(self, name) is None]
+    if missing:
+      raise ValueError(
+          f"scaling='longrope' needs {' and '.join(missing)}: the R / 2 "
+          f"divisors of the frequencies (HF rope_scaling's short_factor, used "
+          f"while the sequence fits original_max_positions, and long_factor, "
+          f"past it).")
+    if self.attention_factor is not None:
+      if self.attention_factor <= 0.0:
+        raise ValueError(f"attention_factor must be positive, got "
+                         f"{self.attention_factor}.")
+      if self.factor != 1.0:
+        raise ValueError(
+            f"scaling='longrope' reads factor only for its default magnitude, "
+            f"and attention_factor={self.attention_factor} replaces it: drop "
+            f"factor={self.factor} (or attention_factor).")
+      return
+    if self.factor == 1.0:
+      # factor's default would silently drop the magnitude of a model
+      # extended past O (Phi-3's configs give no factor: HF derives it).
+      raise ValueError(
+          "scaling='longrope' needs factor > 1 (its default magnitude is "
+          "sqrt(1 + ln(factor) / ln(original_max_positions))): for Phi-3 / "
+          "Phi-4 pass factor=max_position_embeddings / "
+          "original_max_position_embeddings, e.g. 131072 / 4096 = 32.0; or "
+          "give the magnitude itself as attention_factor (1.0 for none).")
+    if self.original_max_positions < 2:
+      raise ValueError(
+          f"scaling='longrope' with factor={self.factor} divides by "
+          f"ln(original_max_positions), which is 0 at original_max_positions"
+          f"={self.original_max_positions}: give the trained context (e.g. "
+          f"4096) or attention_factor.")
+
+  def _check_longrope_dim(self, rot: int, head_dim: int | None = None):
+    """LongRoPE's factor lists must have one entry per rotated pair."""
+    where = (f" (head dim H={head_dim}, fraction={self.fraction})"
+             if head_dim is not None else "")
+    for name in ("short_factor", "long_factor"):
+      n = len(getattr(self, name))
+      if n != rot // 2:
+        raise ValueError(
+            f"{name} has {n} entries, but the rotary dim R={rot}{where} has "
+            f"R / 2 = {rot // 2} frequencies: give one factor per frequency "
+            f"(HF: head_dim * partial_rotary_factor / 2).")
+
+  def _check_sections_dim(self, rot: int, head_dim: int | None = None):
+    """M-RoPE's sections must split the rotated pairs exactly."""
+    if self.sections is None or sum(self.sections) == rot // 2:
+      return
+    where = (f" (head dim H={head_dim}, fraction={self.fraction})"
+             if head_dim is not None else "")
+    raise ValueError(
+        f"sections={self.sections} sum to {sum(self.sections)}, but the "
+        f"rotary dim R={rot}{where} has R / 2 = {rot // 2} frequencies: the "
+        f"sections must split them exactly (Qwen2-VL: (16, 24, 24) for "
+        f"H=128).")
 
   def _check_yarn(self):
     if self.base <= 1.0:
@@ -342,14 +519,19 @@ class Rope:
 
   @property
   def magnitude(self) -> float:
-    """The factor multiplied into cos and sin: YaRN's, 1.0 otherwise.
+    """The factor multiplied into cos and sin: YaRN's or LongRoPE's, else 1.
 
     Attention scores between rotated queries and keys scale by its square.
     """
-    if self.scaling != "yarn":
+    if self.scaling not in ("yarn", "longrope"):
       return 1.0
     if self.attention_factor is not None:
       return self.attention_factor
+    if self.scaling == "longrope":  # HF's default, from the LongRoPE paper
+      if self.factor <= 1.0:
+        return 1.0
+      return math.sqrt(1.0 + math.log(self.factor)
+                       / math.log(self.original_max_positions))
     if self.mscale is not None:
       return (_get_mscale(self.factor, self.mscale)
               / _get_mscale(self.factor, self.mscale_all_dim))
@@ -363,23 +545,39 @@ class Rope:
 
     Args:
       rotary_dim: ``R``, the features rotated (``rotary_dim(H)``), even.
-      seq_len: ``"dynamic"`` only, required there: the length ``L`` the
-        frequencies are chosen for (HF: ``max(position_ids) + 1``). The
-        other scalings do not depend on it.
+      seq_len: the length ``L`` the frequencies are chosen for (HF:
+        ``max(position_ids) + 1``): required by ``"dynamic"``;
+        ``"longrope"`` takes ``long_factor`` when ``L >
+        original_max_positions``, else (and for None, as HF's init)
+        ``short_factor``. The other scalings do not depend on it.
 
     Returns:
-      float64 NumPy ``[R / 2]``; for ``"dynamic"`` with a JAX array
-      ``seq_len`` (concrete or traced), a ``jnp`` array in the default float
-      dtype (float32 unless ``jax_enable_x64``).
+      float64 NumPy ``[R / 2]``; for ``"dynamic"`` or ``"longrope"`` with a
+      JAX array ``seq_len`` (concrete or traced), a ``jnp`` array in the
+      default float dtype (float32 unless ``jax_enable_x64``).
 
     Raises:
       TypeError: ``rotary_dim`` not an int, ``seq_len`` not a number or a
         scalar array.
       ValueError: ``rotary_dim`` odd or not positive; ``"dynamic"`` without
-        ``seq_len`` or with ``R = 2`` (its exponent ``R / (R - 2)``).
+        ``seq_len`` or with ``R = 2`` (its exponent ``R / (R - 2)``);
+        ``short_factor``/``long_factor`` without ``R / 2`` entries;
+        ``sections`` not summing to ``R / 2``.
     """
     rot = _check_rotary_dim(rotary_dim)
+    self._check_sections_dim(rot)
     theta = _plain_theta(self.base, rot)
+    if self.scaling == "longrope":
+      self._check_longrope_dim(rot)
+      if seq_len is None:
+        return theta / np.asarray(self.short_factor)
+      if isinstance(seq_len, (jax.Array, jax.core.Tracer)):
+        _check_seq_len_array(seq_len)
+        dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        return self._longrope(theta, seq_len, dtype)
+      long = _check_number("seq_len", seq_len) > self.original_max_positions
+      return theta / np.asarray(self.long_factor if long
+                                else self.short_factor)
     if self.scaling == "none":
       return theta
     if self.scaling == "linear":
@@ -442,6 +640,17 @@ class Rope:
     extrapolation = 1.0 - ramp  # 1: the dim keeps its frequency
     return (theta / self.factor * (1.0 - extrapolation)
             + theta * extrapolation)
+
+  def _longrope(self, theta: np.ndarray, seq_len, dtype):
+    """LongRoPE's frequencies on device: ``seq_len`` may be traced.
+
+    Both sets are float64 constants rounded once to ``dtype``; the scalar
+    comparison picks one for every position (HF's ``torch.where``).
+    """
+    short = jnp.asarray(theta / np.asarray(self.short_factor), dtype)
+    long = jnp.asarray(theta / np.asarray(self.long_factor), dtype)
+    return jnp.where(jnp.asarray(seq_len) > self.original_max_positions,
+                     long, short)
 
   def _dynamic(self, theta: np.ndarray, rot: int, seq_len, dtype):
     """Dynamic NTK frequencies on device: ``seq_len`` may be traced.
@@ -530,12 +739,15 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
   ``rotate_every_two``, Meta's original llama) use
   ``rope=Rope(interleaved=True)``: pair ``i`` is then ``(x[2i], x[2i + 1])``
   rotated by ``theta_i``. ``rope=Rope(...)`` also gives the context-extension
-  scalings (linear, dynamic NTK, llama3, YaRN; see ``Rope``); YaRN's
-  ``magnitude`` multiplies cos and sin, so it scales the rotated features
-  only.
+  scalings (linear, dynamic NTK, llama3, YaRN, LongRoPE; see ``Rope``);
+  the ``magnitude`` of YaRN and LongRoPE multiplies cos and sin, so it
+  scales the rotated features only. ``Rope(sections=...)`` (M-RoPE) takes
+  one position per section: pair ``i`` turns by the position of the
+  section that contains ``i``.
 
   Frequencies are float64 NumPy constants (dynamic NTK's, which depend on
-  the positions, are computed on device); angles, cos and sin and the
+  the positions, are computed on device, and LongRoPE's choice between its
+  two sets is made there); angles, cos and sin and the
   rotation are computed in float32 (float64 for float64 ``x``, which needs
   ``jax_enable_x64``); the result is cast back to ``x``'s dtype. float32
   angles lose absolute precision at large positions (about ``p * 1.2e-7``
@@ -547,7 +759,12 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
     positions: integer or float ``[..., T]``, broadcastable to
       ``x.shape[:-1]`` without growing it: ``[T]`` shared by the batch,
       ``[B, 1, T]`` per example for ``[B, N, T, H]``, ``[B, N, T]``, or a
-      scalar position for every token.
+      scalar position for every token. With ``rope.sections``: ``[P, ...,
+      T]``, ``P = len(sections)`` (Qwen2-VL: time, height, width), then one
+      axis per axis of ``x.shape[:-1]``, each equal or 1 (e.g. ``[3, B, 1,
+      T]`` for ``[B, N, T, H]``, ``pos[:, :, None]`` of HF's ``[3, B,
+      T]``): all of ``x.ndim`` axes, so that plain ``[B, ..., T]``
+      positions with ``B == P`` are refused, never read as sections.
     base: the wavelength base, a positive Python number (10000 in the
       paper; long-context models use larger values). With ``rope``, put it
       in the ``Rope``.
@@ -555,10 +772,10 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
       ``rope``, put it in the ``Rope``.
     rope: the full description (``Rope``); None: ``Rope(base=base,
       fraction=fraction)``.
-    seq_len: ``scaling="dynamic"`` only: the length ``L`` its frequencies
-      are chosen for (a number or a scalar array, may be traced); None:
-      ``max(positions) + 1`` over the whole array, as HF. Give queries and
-      keys rotated in separate calls the same one.
+    seq_len: ``scaling="dynamic"`` or ``"longrope"`` only: the length
+      ``L`` their frequencies are chosen for (a number or a scalar array,
+      may be traced); None: ``max(positions) + 1`` over the whole array, as
+      HF. Give queries and keys rotated in separate calls the same one.
 
   Returns:
     ``x`` rotated, same shape and dtype.
@@ -569,8 +786,12 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
       ``Rope``, or ``rope`` given with a non-default ``base`` or
       ``fraction``.
     ValueError: odd ``H``, ``x`` of rank < 2, ``positions`` not
-      broadcastable, ``base <= 0``, ``fraction`` outside ``(0, 1]`` or
-      rotating no features, ``seq_len`` given without dynamic scaling.
+      broadcastable (or, with ``sections``, without the leading axis of
+      ``len(sections)`` and ``x.ndim`` axes in all), ``base <= 0``,
+      ``fraction`` outside ``(0, 1]`` or rotating no features, ``seq_len``
+      given without dynamic or longrope scaling, ``short_factor`` /
+      ``long_factor`` without ``R / 2`` entries, ``sections`` not summing
+      to ``R / 2``.
 
   Example:
     >>> from attention_jax.scores.rope import Rope, apply_rope
@@ -586,6 +807,11 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
     ...             original_max_positions=8192, interleaved=True)
     >>> apply_rope(q, jnp.arange(4), rope=long).shape
     (1, 2, 4, 8)
+    >>> mrope = Rope(sections=(2, 1, 1))  # R / 2 = 4 frequencies
+    >>> thw = jnp.stack([jnp.arange(4)] * 3)[:, None, None, :]  # [3, 1, 1, T]
+    >>> bool(jnp.allclose(apply_rope(q, thw, rope=mrope),
+    ...                   apply_rope(q, jnp.arange(4))))  # text: plain RoPE
+    True
   """
   x = checks.as_array_operand("x", x, "[..., T, H]")
   checks.check_float_array("x", x)
@@ -600,11 +826,14 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
   else:
     _check_rope_alone(rope, base, fraction)
   rot = _rotary_dim(head_dim, rope.fraction)
-  if seq_len is not None and rope.scaling != "dynamic":
+  rope._check_sections_dim(rot, head_dim)
+  if rope.scaling == "longrope":
+    rope._check_longrope_dim(rot, head_dim)
+  if seq_len is not None and rope.scaling not in _LENGTH_DEPENDENT:
     raise ValueError(
         f"seq_len chooses dynamic NTK frequencies, and this rope has "
         f"scaling={rope.scaling!r}: leave seq_len None or use "
-        f"scaling='dynamic'.")
+        f"scaling='dynamic' (or 'longrope', whose factor set it picks).")
 
   if positions is None:
     raise TypeError("positions is None: pass integer positions [..., T].")
@@ -616,33 +845,53 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
     raise TypeError(
         f"positions must be an integer or float array [..., T], got dtype "
         f"{pos_dtype} with shape {checks.shape_of(positions)}.")
-  checks.check_broadcastable_to("positions", checks.shape_of(positions),
-                                x.shape[:-1], "x.shape[:-1] ([..., T])")
+  pos_shape = checks.shape_of(positions)
+  if rope.sections is not None:
+    _check_section_positions(rope.sections, pos_shape, x.shape)
+  elif len(pos_shape) >= x.ndim:
+    raise ValueError(
+        f"positions with shape {pos_shape} is not broadcastable to "
+        f"x.shape[:-1] ([..., T]) = {x.shape[:-1]}: it has more axes. "
+        f"Multimodal positions [P, ..., T] need Rope(sections=...).")
+  else:
+    checks.check_broadcastable_to("positions", pos_shape, x.shape[:-1],
+                                  "x.shape[:-1] ([..., T])")
 
   compute = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   half = rot // 2
   lead = x.ndim - 1
   pos = jnp.asarray(positions).astype(compute)
-  if rope.scaling == "dynamic":
-    rope._check_dynamic_dim(rot)
+  if rope.scaling in _LENGTH_DEPENDENT:
     if seq_len is None:
-      # HF's max(position_ids) + 1; an empty call leaves the base as is.
+      # HF's max(position_ids) + 1; an empty call leaves the base as is
+      # (dynamic) and takes the short factors (longrope).
       seq_len = jnp.max(pos, initial=-1.0) + 1.0
     elif not isinstance(seq_len, (jax.Array, jax.core.Tracer)):
       seq_len = _check_number("seq_len", seq_len)
     else:
       _check_seq_len_array(seq_len)
-    inv_freq = rope._dynamic(_plain_theta(rope.base, rot), rot, seq_len,
-                             compute)
+  theta = _plain_theta(rope.base, rot)
+  if rope.scaling == "dynamic":
+    rope._check_dynamic_dim(rot)
+    inv_freq = rope._dynamic(theta, rot, seq_len, compute)
+  elif rope.scaling == "longrope":
+    inv_freq = rope._longrope(theta, seq_len, compute)
   else:
     # float64 NumPy (exact up to one final rounding), a program constant.
     inv_freq = jnp.asarray(rope.inverse_frequencies(rot), compute)
   inv_freq = inv_freq.reshape((1,) * lead + (half,))  # [1, ..., 1, h]
-  pos = pos.reshape((1,) * (lead - pos.ndim) + pos.shape)[..., None]
+  if rope.sections is None:
+    pos = pos.reshape((1,) * (lead - pos.ndim) + pos.shape)[..., None]
+  else:
+    # Pair i reads the position axis of its section: [P, ..., T] -> [..., T,
+    # h], then the same product as plain RoPE (HF multiplies every axis by
+    # every frequency and keeps, per frequency, its section's axis).
+    axis_of = np.repeat(np.arange(len(rope.sections)), rope.sections)
+    pos = jnp.moveaxis(jnp.take(pos, axis_of, axis=0), 0, -1)
   angle = pos * inv_freq  # [..., T, h] (leading dims of 1 where shared)
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   magnitude = rope.magnitude
-  if magnitude != 1.0:  # YaRN: on cos and sin, so on rotated features only
+  if magnitude != 1.0:  # YaRN, LongRoPE: on cos and sin, so rotated only
     cos, sin = cos * magnitude, sin * magnitude
 
   if rope.interleaved:
@@ -659,6 +908,26 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
   if rot == head_dim:
     return rotated
   return jnp.concatenate([rotated, x[..., rot:]], axis=-1)
+
+
+def _check_section_positions(sections, pos_shape, x_shape) -> None:
+  """M-RoPE positions: ``[P, ...]`` with ``x.ndim`` axes in all."""
+  n = len(sections)
+  if len(pos_shape) != len(x_shape) or pos_shape[0] != n:
+    lead = ", ".join(["1"] * (len(x_shape) - 2) + ["T"])
+    raise ValueError(
+        f"rope.sections={sections} needs multimodal positions [{n}, ..., T]: "
+        f"a leading axis of len(sections)={n} (one position per section, "
+        f"e.g. time, height, width), then one axis per axis of x.shape[:-1]"
+        f" = {tuple(x_shape[:-1])}, each equal or 1 ({len(x_shape)} axes, "
+        f"e.g. [{n}, {lead}]); got positions of shape {pos_shape}. Text "
+        f"tokens repeat one position on every axis. "
+        f"aj.multi_head_attention needs them passed explicitly, positions "
+        f"[{n}, B, T] while decoding too: its default positions (arange, "
+        f"segments, a cache's) are plain.")
+  checks.check_broadcastable_to("positions", pos_shape[1:], x_shape[:-1],
+                                "x.shape[:-1] ([..., T])",
+                                full_shape=pos_shape)
 
 
 def _plain_theta(base: float, rot: int) -> np.ndarray:

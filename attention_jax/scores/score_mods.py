@@ -305,3 +305,49 @@ def soft_cap(cap: float) -> ScoreMod:
   checks.check_soft_cap(cap, "soft_cap's cap", optional=False)
   # Finite scores stay finite: the kernels need not check for -inf.
   return ScoreMod(_SoftCap(float(cap)), blocks=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _QueryTemperature:
+  floor_scale: float
+  attn_scale: float
+
+  def __call__(self, score, b, h, q_idx, kv_idx, params):
+    del b, h, kv_idx, params
+    position = q_idx.astype(jnp.float32)
+    temperature = (jnp.log1p(jnp.floor((position + 1.0) / self.floor_scale))
+                   * self.attn_scale + 1.0)
+    return score * temperature.astype(score.dtype)
+
+
+def query_temperature(*, floor_scale: float, attn_scale: float) -> ScoreMod:
+  """Llama 4's attention temperature tuning on its NoPE layers.
+
+  The query at position ``i`` is multiplied by ``1 + attn_scale *
+  log1p(floor((i + 1) / floor_scale))`` (Llama 4's modeling code, from
+  "Scalable-Softmax Is Superior for Attention", arXiv 2501.19399), so its
+  scores are: flatter attention grows sharper with the context length. It
+  is 1 for ``i + 1 < floor_scale``. Positions are the query indices
+  (absolute positions while decoding, as for every modifier).
+
+  Args:
+    floor_scale: a positive Python number (Llama 4: 8192).
+    attn_scale: a Python number (Llama 4: 0.1).
+
+  Example:
+    >>> mod = query_temperature(floor_scale=2.0, attn_scale=1.0)
+    >>> mod(jnp.ones((4, 1)), 0, 0, jnp.arange(4)[:, None],
+    ...     0).ravel().round(4).tolist()
+    [1.0, 1.6931, 1.6931, 2.0986]
+  """
+  for name, value in (("floor_scale", floor_scale),
+                      ("attn_scale", attn_scale)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        not math.isfinite(value)):
+      raise TypeError(f"query_temperature's {name} must be a finite Python "
+                      f"number, got {value!r}.")
+  if floor_scale <= 0:
+    raise ValueError(f"query_temperature's floor_scale must be positive, "
+                     f"got {floor_scale}.")
+  return ScoreMod(_QueryTemperature(float(floor_scale), float(attn_scale)),
+                  blocks=False)

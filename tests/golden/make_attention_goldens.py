@@ -5,32 +5,53 @@ tiny randomly initialised Hugging Face model (2 layers, so one sliding and one
 global layer where the family alternates) runs on random token ids, and a
 forward hook on each layer's attention module records what it was given and
 what it returned, so the goldens carry HF's own positions, masks (sliding
-windows) and rotary tables. Written with transformers 5.24.0 and torch
-2.13.0+cpu (each ``.npz`` records the versions it was made with).
+windows, chunks) and rotary tables.
+
+Families: llama, mistral, qwen2, qwen3, gemma2, gemma3, gpt_oss, gpt2 (made
+with transformers 5.24.0, torch 2.13.0+cpu); phi3, olmo2, cohere, cohere2,
+llama4, qwen3_next, deepseek_v3, t5, bloom, bloom6, gpt_neox, gptj, falcon,
+falcon_mq, falcon_alibi, starcoder2, mixtral (transformers 5.25.0, torch
+2.14.1). Each ``.npz`` records the versions it was made with; ``configs()``
+says what each family exercises.
 
 Shape glossary: B batch (2), T tokens (10), D hidden size (64), N query heads
-(4), K key/value heads (2), H head dim (16).
+(4), K key/value heads (2), H head dim (16), except where a family's layout
+differs: bloom6 (D 96, N 6, one layer), falcon_mq (one key/value head),
+deepseek_v3 (MLA sizes, see its config), t5 (D 32, N 4, H 8, decoder T 7).
 
 Each ``<family>.npz`` holds:
 
-- ``sd/<HF name>``: every attention parameter of every layer, with its real
-  HF state-dict name (``model.layers.0.self_attn.q_proj.weight``, GPT-2's
-  ``transformer.h.0.attn.c_attn.weight``), float32;
+- ``sd/<HF name>``: every parameter of every recorded attention module, with
+  its real HF state-dict name (``model.layers.0.self_attn.q_proj.weight``,
+  GPT-2's ``transformer.h.0.attn.c_attn.weight``), float32;
 - ``in/<layer>``, ``out/<layer>``: the attention module's input
-  ``hidden_states [B, T, D]`` and output ``[B, T, D]``, float32;
+  ``hidden_states [B, T, D]`` and output ``[B, T, D]``, float32. ``<layer>``
+  is the layer index (qwen3_next: its full-attention layer ``1`` only; layer
+  0 is linear attention), or for t5 ``enc/<i>``, ``dec/<i>`` (encoder and
+  decoder self-attention) and ``cross/<i>`` (decoder cross-attention);
+- ``kv/cross/<i>`` (t5): the encoder output the cross-attention attended to
+  (``key_value_states [B, T, D]``);
+- ``res/<layer>`` (bloom, bloom6): the residual ``BloomAttention`` was given;
+  it adds it to its output, and ``out/<layer>`` is the attention proper, i.e.
+  the module's output minus ``res/<layer>`` (``dense`` bias included);
+- ``in_short/<layer>``, ``out_short/<layer>`` (phi3): a second run on the
+  first 6 tokens, within LongRoPE's original context (8), so with its short
+  factors; the main T = 10 run uses the long ones;
 - ``config_json`` (``cfg.to_json_string(use_diff=False)``), ``family``,
   ``transformers_version``, ``torch_version``: strings.
 
 The attention weights are re-drawn (normal, std 0.3; norm weights perturbed
 around their init) after HF's init so that logits are O(1..10): HF's
 ``initializer_range=0.02`` gives nearly uniform attention, which would hide a
-wrong scale, soft cap or window.
+wrong scale, soft cap or window. T5, which does not scale q.k, gets std 0.15
+and a std-1 relative position table. OLMo-2 has no norm before attention, so
+its layer 0 sees the raw embeddings: those are re-drawn with std 1.
 
 Run outside the project venv (torch and transformers are not dependencies)::
 
   python3.11 -m venv /tmp/hfvenv
   /tmp/hfvenv/bin/pip install torch transformers numpy
-  /tmp/hfvenv/bin/python tests/golden/make_attention_goldens.py
+  /tmp/hfvenv/bin/python tests/golden/make_attention_goldens.py [family ...]
 
 This file imports nothing of torch or transformers at module level, so
 pytest's doctest collection imports it in the project venv.
@@ -48,6 +69,16 @@ SEED = 0
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, num_hidden_layers=2, intermediate_size=64,
               vocab_size=128)
+# Families whose config has no head_dim field (hidden / heads = 16 anyway).
+_NO_HEAD_DIM = {k: v for k, v in COMMON.items() if k != "head_dim"}
+# Special token ids inside the tiny vocabulary (no padding_idx row).
+_TOKENS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=None)
+_FALCON = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+               ffn_hidden_size=64, vocab_size=128, max_position_embeddings=32,
+               rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+               **_TOKENS)
+T_SHORT = 6  # phi3's second run: <= its original context (8), short factors
+T_DEC = 7  # t5's decoder tokens (the encoder gets T)
 OUT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -109,28 +140,185 @@ def configs() -> dict:
           n_embd=64, n_head=4, n_layer=2, n_positions=32, vocab_size=128,
           scale_attn_by_inverse_layer_idx=True, bos_token_id=0,
           eos_token_id=0)),
+      # Fused qkv_proj, half the head rotated, LongRoPE: T = 10 > the
+      # original context 8 takes the long factors, the extra 6-token run
+      # (``in_short``) the short ones; attention factor
+      # sqrt(1 + ln(32 / 8) / ln 8) from max / original positions. Phi-3
+      # gives its top-level original_max_position_embeddings priority over
+      # the rope dict's, so it is set there.
+      "phi3": ("Phi3Config", dict(
+          _NO_HEAD_DIM, sliding_window=4, max_position_embeddings=32,
+          original_max_position_embeddings=8,
+          rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                               partial_rotary_factor=0.5,
+                               short_factor=[1.1, 1.4, 2.0, 3.0],
+                               long_factor=[1.5, 3.0, 6.0, 12.0]),
+          **_TOKENS)),
+      # q_norm / k_norm: RMSNorm over the whole projection width (N * H).
+      "olmo2": ("Olmo2Config", dict(
+          _NO_HEAD_DIM, rms_norm_eps=1e-6, max_position_embeddings=512,
+          rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+          **_TOKENS)),
+      # Per-head LayerNorm (weight [N, H], no bias) on q and k; interleaved
+      # rotary.
+      "cohere": ("CohereConfig", dict(
+          _NO_HEAD_DIM, use_qk_norm=True, max_position_embeddings=512,
+          rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+          **_TOKENS)),
+      # Layer 0 slides and is rotated; layer 1 is global without rotary.
+      "cohere2": ("Cohere2Config", dict(
+          _NO_HEAD_DIM, sliding_window=4, max_position_embeddings=512,
+          layer_types=["sliding_attention", "full_attention"],
+          rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+          **_TOKENS)),
+      # no_rope_layers[i] == 1 means layer i USES rope: layer 0 is rotated,
+      # chunked (4) and weightless-qk-normed; layer 1 is NoPE, global and
+      # temperature-tuned (floor_scale 4 so the scale steps at 3, 7).
+      "llama4": ("Llama4TextConfig", dict(
+          COMMON, intermediate_size_mlp=64, num_local_experts=2,
+          num_experts_per_tok=1, no_rope_layers=[1, 0],
+          attention_chunk_size=4, use_qk_norm=True,
+          attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+          max_position_embeddings=512,
+          rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+          **_TOKENS)),
+      # Layer 0 is linear attention (not recorded); layer 1 is the gated
+      # full attention, with half of each head rotated.
+      "qwen3_next": ("Qwen3NextConfig", dict(
+          COMMON, layer_types=["linear_attention", "full_attention"],
+          linear_conv_kernel_dim=4, linear_key_head_dim=8,
+          linear_value_head_dim=8, linear_num_key_heads=2,
+          linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+          moe_intermediate_size=16, shared_expert_intermediate_size=16,
+          max_position_embeddings=512,
+          rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                               partial_rotary_factor=0.5),
+          **_TOKENS)),
+      # MLA with YaRN: mscale != mscale_all_dim, so both the rotary
+      # attention factor and the softmax scale differ from 1.
+      "deepseek_v3": ("DeepseekV3Config", dict(
+          hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+          num_hidden_layers=2, intermediate_size=64, vocab_size=128,
+          q_lora_rank=8, kv_lora_rank=16, qk_nope_head_dim=8,
+          qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+          n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+          n_group=2, topk_group=1, moe_intermediate_size=16,
+          max_position_embeddings=64,
+          rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
+                               factor=4.0, original_max_position_embeddings=16,
+                               mscale=1.0, mscale_all_dim=0.707,
+                               beta_fast=32.0, beta_slow=1.0),
+          **_TOKENS)),
+      # 8 buckets, max distance 6 < T: both the log buckets and the clamp
+      # occur (encoder |d| >= 4, decoder d >= 6 share the last bucket).
+      # Six attention modules: D 32, H 8 keep the file small.
+      "t5": ("T5Config", dict(
+          d_model=32, d_kv=8, num_heads=4, d_ff=32, num_layers=2,
+          num_decoder_layers=2, vocab_size=128,
+          relative_attention_num_buckets=8,
+          relative_attention_max_distance=6)),
+      "bloom": ("BloomConfig", dict(
+          hidden_size=64, n_head=4, n_layer=2, vocab_size=128, **_TOKENS)),
+      # Six heads: ALiBi slopes of a non-power-of-two head count.
+      # One layer keeps the file small at hidden 96.
+      "bloom6": ("BloomConfig", dict(
+          hidden_size=96, n_head=6, n_layer=1, vocab_size=128, **_TOKENS)),
+      "gpt_neox": ("GPTNeoXConfig", dict(
+          hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+          intermediate_size=64, vocab_size=128, attention_bias=True,
+          max_position_embeddings=32,
+          rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                               partial_rotary_factor=0.25),
+          **_TOKENS)),
+      "gptj": ("GPTJConfig", dict(
+          n_embd=64, n_head=4, n_layer=2, n_inner=64, n_positions=32,
+          vocab_size=128, rotary_dim=8, **_TOKENS)),
+      # Falcon-40B layout: grouped [K, N / K + 2, H] fused rows.
+      "falcon": ("FalconConfig", dict(
+          _FALCON, new_decoder_architecture=True, num_kv_heads=2,
+          multi_query=False, parallel_attn=True, bias=False)),
+      # Falcon-7B layout: N query heads then one key and one value head.
+      "falcon_mq": ("FalconConfig", dict(
+          _FALCON, new_decoder_architecture=False, multi_query=True,
+          parallel_attn=True, bias=False)),
+      # Falcon-RW layout: ALiBi, [N, 3, H] fused rows, biases.
+      "falcon_alibi": ("FalconConfig", dict(
+          _FALCON, alibi=True, new_decoder_architecture=False,
+          multi_query=False, parallel_attn=False, bias=True)),
+      "starcoder2": ("Starcoder2Config", dict(
+          _NO_HEAD_DIM, use_bias=True, sliding_window=4,
+          max_position_embeddings=512,
+          rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+          **_TOKENS)),
+      "mixtral": ("MixtralConfig", dict(
+          COMMON, sliding_window=4, num_local_experts=4,
+          num_experts_per_tok=2, max_position_embeddings=512,
+          rope_parameters=dict(rope_type="default", rope_theta=1e6),
+          **_TOKENS)),
   }
 
 
-def _attention_modules(model, family: str) -> list:
-  """Each layer's attention module, in layer order."""
-  if family == "gpt2":
-    return [block.attn for block in model.transformer.h]
-  return [layer.self_attn for layer in model.model.layers]
+def _attention_modules(model, family: str) -> dict:
+  """``{layer name: attention module}``, in layer order.
+
+  The layer name keys the arrays (``in/<layer>``): the layer index, or
+  ``enc/<i>``, ``dec/<i>`` (self-attention) and ``cross/<i>`` for T5.
+  Qwen3-Next records its full-attention layers only (index kept).
+  """
+  if family in ("gpt2", "gptj"):
+    blocks = {str(i): b.attn for i, b in enumerate(model.transformer.h)}
+  elif family.startswith(("bloom", "falcon")):
+    blocks = {str(i): b.self_attention
+              for i, b in enumerate(model.transformer.h)}
+  elif family == "gpt_neox":
+    blocks = {str(i): layer.attention
+              for i, layer in enumerate(model.gpt_neox.layers)}
+  elif family == "t5":
+    blocks = {}
+    for i, b in enumerate(model.encoder.block):
+      blocks[f"enc/{i}"] = b.layer[0].SelfAttention
+    for i, b in enumerate(model.decoder.block):
+      blocks[f"dec/{i}"] = b.layer[0].SelfAttention
+      blocks[f"cross/{i}"] = b.layer[1].EncDecAttention
+  else:
+    blocks = {str(i): layer.self_attn
+              for i, layer in enumerate(model.model.layers)
+              if hasattr(layer, "self_attn")}
+  return blocks
 
 
-def _redraw(model, torch) -> None:
+def _attention_parameters(model, family: str) -> list[str]:
+  """HF names of the recorded attention modules' parameters, model order."""
+  ids = {id(p) for m in _attention_modules(model, family).values()
+         for p in m.parameters()}
+  return [name for name, p in model.named_parameters() if id(p) in ids]
+
+
+def _redraw(model, torch, family: str) -> None:
   """Attention weights with O(1) logits (see the module docstring)."""
+  names = set(_attention_parameters(model, family))
+  # T5 does not scale q.k by 1/sqrt(H): smaller weights keep logits O(1..10);
+  # its relative position table gets std 1 so that the bias shows.
+  std = 0.15 if family == "t5" else 0.3
   gen = torch.Generator().manual_seed(SEED + 1)
   with torch.no_grad():
     for name, p in model.named_parameters():
-      if ".attn." not in name and ".self_attn." not in name:
+      if name not in names:
         continue
       noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
       if "norm" in name:  # Qwen3: weight around 1; Gemma3: 1 + weight
         p.add_(0.3 * noise)
+      elif "relative_attention_bias" in name:
+        p.copy_(noise)
       else:
-        p.copy_(0.3 * noise)
+        p.copy_(std * noise)
+
+
+def _model_class(family: str, transformers):
+  """T5ForConditionalGeneration for t5; Llama4ForCausalLM for llama4."""
+  if family == "t5":
+    return transformers.AutoModelForSeq2SeqLM
+  return transformers.AutoModelForCausalLM
 
 
 def make(family: str, torch, transformers) -> dict[str, np.ndarray]:
@@ -138,31 +326,58 @@ def make(family: str, torch, transformers) -> dict[str, np.ndarray]:
   class_name, kwargs = configs()[family]
   cfg = getattr(transformers, class_name)(**kwargs)
   torch.manual_seed(SEED)
-  model = transformers.AutoModelForCausalLM.from_config(
+  model = _model_class(family, transformers).from_config(
       cfg, attn_implementation="eager", dtype=torch.float32)
   model.eval()
-  _redraw(model, torch)
+  _redraw(model, torch, family)
+  if family == "olmo2":
+    # No norm before attention: layer 0 sees the raw embeddings, which HF
+    # draws with std 0.02; std 1 keeps its output O(1..10) too.
+    with torch.no_grad():
+      emb = model.get_input_embeddings().weight
+      emb.copy_(torch.randn(emb.shape, dtype=emb.dtype,
+                            generator=torch.Generator().manual_seed(SEED + 3)))
   captured = {}
+  run = {"in": "in", "out": "out"}  # array prefixes of the current run
 
   def hook(layer):
     def record(module, args, kwargs, output):
       x = args[0] if args else kwargs["hidden_states"]
-      captured[f"in/{layer}"] = x.detach().numpy().astype(np.float32)
-      captured[f"out/{layer}"] = output[0].detach().numpy().astype(
+      y = output[0] if isinstance(output, tuple) else output
+      if family.startswith("bloom"):
+        # BloomAttention adds the residual it is given to its output:
+        # record that residual and the attention proper (output - residual).
+        res = args[1] if len(args) > 1 else kwargs["residual"]
+        captured[f"res/{layer}"] = res.detach().numpy().astype(np.float32)
+        y = y - res
+      if "key_value_states" in kwargs:  # T5 cross-attention
+        captured[f"kv/{layer}"] = kwargs["key_value_states"].detach().numpy(
+        ).astype(np.float32)
+      captured[f"{run['in']}/{layer}"] = x.detach().numpy().astype(np.float32)
+      captured[f"{run['out']}/{layer}"] = y.detach().numpy().astype(
           np.float32)
     return record
 
-  attn = _attention_modules(model, family)
-  for layer, module in enumerate(attn):
+  for layer, module in _attention_modules(model, family).items():
     module.register_forward_hook(hook(layer), with_kwargs=True)
+  print(f"{family}: {type(model).__name__}, "
+        f"{model.config._attn_implementation} attention")
   gen = torch.Generator().manual_seed(SEED + 2)
-  ids = torch.randint(0, kwargs.get("vocab_size", 128), (B, T), generator=gen)
+  vocab = kwargs.get("vocab_size", 128)
+  ids = torch.randint(0, vocab, (B, T), generator=gen)
   with torch.no_grad():
-    model(input_ids=ids)
+    if family == "t5":
+      dec_ids = torch.randint(0, vocab, (B, T_DEC), generator=gen)
+      model(input_ids=ids, decoder_input_ids=dec_ids, use_cache=False)
+    else:
+      model(input_ids=ids)
+      if family == "phi3":  # within the original context: short factors
+        run.update({"in": "in_short", "out": "out_short"})
+        model(input_ids=ids[:, :T_SHORT])
   arrays = dict(captured)
-  for name, p in model.named_parameters():
-    if ".attn." in name or ".self_attn." in name:
-      arrays[f"sd/{name}"] = p.detach().numpy().astype(np.float32)
+  params = dict(model.named_parameters())
+  for name in _attention_parameters(model, family):
+    arrays[f"sd/{name}"] = params[name].detach().numpy().astype(np.float32)
   arrays["config_json"] = np.array(cfg.to_json_string(use_diff=False))
   arrays["family"] = np.array(family)
   arrays["transformers_version"] = np.array(transformers.__version__)
@@ -179,10 +394,10 @@ def main(argv: list[str]) -> None:
     arrays = make(family, torch, transformers)
     path = os.path.join(OUT_DIR, f"{family}.npz")
     np.savez(path, **arrays)
-    layers = sorted(k for k in arrays if k.startswith("in/"))
-    print(f"{path}: {os.path.getsize(path) // 1024} KiB, {len(layers)} "
-          f"layers, output scale "
-          f"{max(np.abs(arrays[k.replace('in', 'out')]).max() for k in layers):.3g}")
+    outs = [k for k in arrays if k.startswith(("out/", "out_short/"))]
+    print(f"{path}: {os.path.getsize(path) // 1024} KiB, "
+          f"{len(outs)} outputs, output scale "
+          f"{max(np.abs(arrays[k]).max() for k in outs):.3g}")
 
 
 if __name__ == "__main__":

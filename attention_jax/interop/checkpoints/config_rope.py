@@ -1,0 +1,223 @@
+"""A layer's mask and rotary embedding from its HF config, as the family's code
+derives them: layer types (sliding or full), windows, rope parameters (new
+``rope_parameters`` or old ``rope_scaling``/``rope_theta`` format) mapped to
+an ``aj.Rope``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from attention_jax.interop.checkpoints import reading
+from attention_jax.scores import rope as rope_lib
+
+# HF's default rotary base per family when a config gives none
+# (``default_theta`` of the config class; Gemma 3: global, local).
+DEFAULT_THETA = {"gpt_oss": 150000.0, "gemma3": (1e6, 10000.0),
+                 "mixtral": 1e6, "cohere": 500000.0, "cohere2": 500000.0,
+                 "llama4": 500000.0}
+# transformers' config-class defaults for keys a saved config.json may omit.
+DEFAULT_WINDOW = {"gemma2": 4096, "gemma3": 4096, "mistral": 4096,
+                   "qwen2": 4096, "qwen3": 4096, "gpt_oss": 128,
+                   "cohere2": 4096}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+# rope_type -> our Rope scaling.
+ROPE_SCALINGS = {"default": "none", "linear": "linear",
+                  "dynamic": "dynamic", "llama3": "llama3", "yarn": "yarn",
+                  "longrope": "longrope"}
+
+# Families whose attention may slide (the rest never read a window), and
+# those that window every layer when they do.
+_WINDOWED = ("mistral", "mixtral", "starcoder2", "phi3", "qwen2", "qwen3",
+             "gemma2", "gemma3", "gpt_oss", "cohere2")
+_EVERY_LAYER = ("mistral", "mixtral", "starcoder2", "phi3")
+
+
+def layer_type(cfg: Mapping[str, Any], family: str, layer: int) -> str:
+  """``"sliding_attention"`` or ``"full_attention"``, as HF's config derives it."""
+  if family in _EVERY_LAYER:  # these models window every layer, layer_types
+    return "sliding_attention"  # or not
+  types = cfg.get("layer_types")
+  if types is not None:
+    if layer >= len(types):
+      raise ValueError(f"layer={layer} but config['layer_types'] has "
+                       f"{len(types)} entries.")
+    kind = types[layer]
+    kinds = {"llama4": ("chunked_attention", "full_attention"),
+             "qwen3_next": ("full_attention",)}.get(
+                 family, ("sliding_attention", "full_attention"))
+    if kind not in kinds:
+      raise ValueError(
+          f"config['layer_types'][{layer}] is {kind!r}; {family} layers "
+          f"load_attention_weights reads are {' or '.join(map(repr, kinds))}"
+          + (" (its linear_attention layers are Gated DeltaNet, not softmax "
+             "attention)" if family == "qwen3_next" else "") + ".")
+    return kind
+  if family in ("gemma2", "gpt_oss"):  # HF: every other layer, from 0
+    return "sliding_attention" if (layer + 1) % 2 else "full_attention"
+  if family in ("gemma3", "cohere2"):  # every `pattern`-th is global
+    pattern = cfg.get("sliding_window_pattern",
+                      cfg.get("_sliding_window_pattern",
+                              6 if family == "gemma3" else 4))
+    return "sliding_attention" if (layer + 1) % pattern else "full_attention"
+  if family in ("qwen2", "qwen3"):  # HF: from max_window_layers on
+    return ("sliding_attention" if layer >= cfg.get("max_window_layers", 28)
+            else "full_attention")
+  return "full_attention"
+
+
+def window(cfg: Mapping[str, Any], family: str, layer: int) -> int | None:
+  """The layer's sliding window ``W`` (keys with ``q - k < W``), or None."""
+  if family not in _WINDOWED:
+    return None
+  window = cfg.get("sliding_window", DEFAULT_WINDOW.get(family))
+  if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window",
+                                                  False):
+    return None  # HF sets sliding_window = None without use_sliding_window
+  if window is None or layer_type(cfg, family, layer) != "sliding_attention":
+    return None
+  if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or (
+      window < 1):
+    raise ValueError(f"config['sliding_window'] must be a positive int, got "
+                     f"{window!r}.")
+  return int(window)
+
+
+def rope_parameters(cfg: Mapping[str, Any], family: str,
+                     layer: int) -> dict[str, Any]:
+  """The layer's rope parameters, new (``rope_parameters``) or old format."""
+  kind = layer_type(cfg, family, layer)
+  theta = DEFAULT_THETA.get(family, 10000.0)
+  scaling = cfg.get("rope_scaling")  # old format; HF prefers it
+  params = cfg.get("rope_parameters")
+  if family == "gemma3":
+    global_theta, local_theta = theta
+    if isinstance(params, Mapping):  # Gemma 3's are nested by layer type
+      if not isinstance(params.get(kind), Mapping):
+        raise ValueError(
+            f"config['rope_parameters'] has no {kind!r} entry (layer {layer} "
+            f"is {kind}; keys {sorted(params)}): Gemma 3's rope_parameters "
+            "are nested by layer type ({'sliding_attention': {...}, "
+            "'full_attention': {...}}), and the loader does not guess which "
+            "applies. Nest them, or use the old rope_theta / "
+            "rope_local_base_freq / rope_scaling keys.")
+      params = dict(params[kind])
+    elif kind == "sliding_attention":  # old format: a local base, no scaling
+      params = {"rope_type": "default",
+                "rope_theta": cfg.get("rope_local_base_freq", local_theta)}
+    else:
+      params = {**(scaling or {}),
+                "rope_theta": cfg.get("rope_theta", global_theta)}
+    # HF fills a nested entry without a base from the top-level ones.
+    params.setdefault("rope_theta", cfg.get("rope_theta", global_theta)
+                      if kind == "full_attention"
+                      else cfg.get("rope_local_base_freq", local_theta))
+    return params
+  if family == "gpt_oss" and scaling is None and params is None:
+    params = GPT_OSS_ROPE  # GptOssConfig's default: YaRN, not plain rope
+  params = dict(scaling or params or {})
+  nested = sorted({"sliding_attention", "full_attention"} & set(params))
+  if nested:  # per layer type: the layer's own entry, never another's
+    if not isinstance(params.get(kind), Mapping):
+      raise ValueError(
+          f"config's rope parameters are nested by layer type ({nested}) "
+          f"but have no {kind!r} entry for layer {layer}, which is {kind}: "
+          "the loader does not guess which applies; add it.")
+    params = dict(params[kind])
+  params.setdefault("rope_theta", cfg.get("rope_theta", theta))
+  return params
+
+
+def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
+         interleaved: bool = False, partial: bool = False) -> rope_lib.Rope:
+  """The layer's rotary embedding as an ``aj.Rope`` (HF's rope_type mapped).
+
+  ``interleaved``: the family rotates pairs ``(x[2i], x[2i + 1])``;
+  ``partial``: its code rotates the first ``partial_rotary_factor`` of the
+  head (elsewhere a factor below 1 is refused).
+  """
+  p = rope_parameters(cfg, family, layer)
+  rope_type = p.get("rope_type", p.get("type", "default"))
+  if rope_type not in ROPE_SCALINGS:
+    raise ValueError(
+        f"config's rope_type {rope_type!r} (layer {layer}) is not supported: "
+        f"load_attention_weights maps rope types {list(ROPE_SCALINGS)} to "
+        "aj.Rope.")
+
+  def need(name):
+    if p.get(name) is None:
+      raise ValueError(f"config's rope_type {rope_type!r} needs {name!r} in "
+                       f"rope_parameters / rope_scaling (layer {layer}); got "
+                       f"{p}.")
+    return p[name]
+
+  # These families' modeling code rotates the whole head: transformers'
+  # default rope never reads partial_rotary_factor, and with a scaled rope
+  # type a factor below 1 makes its frequencies and its head disagree.
+  fraction = p.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+  if (not partial and fraction is not None and float(fraction) < 1.0
+      and rope_type != "default"):
+    raise ValueError(
+        f"config's partial_rotary_factor={fraction} with rope_type "
+        f"{rope_type!r} (layer {layer}): {family}'s attention rotates the "
+        "whole head, and transformers cannot run this combination either.")
+  fields = dict(base=float(p["rope_theta"]), scaling=ROPE_SCALINGS[rope_type],
+                interleaved=interleaved)
+  if partial and fraction is not None:
+    fields["fraction"] = float(fraction)
+  max_positions = cfg.get("max_position_embeddings")
+  # HF's standardisation: a top-level original_max_position_embeddings wins,
+  # then rope_parameters', then max_position_embeddings.
+  original = cfg.get("original_max_position_embeddings",
+                     p.get("original_max_position_embeddings", max_positions))
+  if rope_type in ("linear", "dynamic", "llama3"):
+    fields["factor"] = float(need("factor"))
+  if rope_type == "dynamic":  # HF's dynamic NTK reads max_position_embeddings
+    fields["original_max_positions"] = reading.positive_int(
+        cfg, "max_position_embeddings", family)
+  if rope_type == "llama3":
+    fields.update(original_max_positions=original,
+                  low_freq_factor=float(need("low_freq_factor")),
+                  high_freq_factor=float(need("high_freq_factor")))
+  if rope_type == "yarn":
+    factor = p.get("factor")
+    if factor is None and max_positions and original:  # HF: the context ratio
+      factor = max_positions / original
+    fields["factor"] = float(need("factor") if factor is None else factor)
+    # HF: `or` defaults (None and 0 mean 32 and 1).
+    fields.update(original_max_positions=original,
+                  beta_fast=float(p.get("beta_fast") or 32.0),
+                  beta_slow=float(p.get("beta_slow") or 1.0),
+                  truncate=bool(p.get("truncate", True)))
+    if p.get("attention_factor") is not None:
+      fields["attention_factor"] = float(p["attention_factor"])
+    elif p.get("mscale") and p.get("mscale_all_dim"):  # HF ignores a lone one
+      fields.update(mscale=float(p["mscale"]),
+                    mscale_all_dim=float(p["mscale_all_dim"]))
+  if rope_type == "longrope":
+    # HF (Phi-3): with original_max_position_embeddings the magnitude's
+    # factor is max_position_embeddings / original; else the config's.
+    top = cfg.get("original_max_position_embeddings")
+    factor = (max_positions / top if top and max_positions
+              else p.get("factor"))
+    fields.update(original_max_positions=int(original),
+                  short_factor=tuple(map(float, need("short_factor"))),
+                  long_factor=tuple(map(float, need("long_factor"))))
+    if p.get("attention_factor") is not None:
+      fields["attention_factor"] = float(p["attention_factor"])
+    elif factor is None or float(factor) <= 1.0:  # HF: magnitude 1
+      fields["attention_factor"] = 1.0
+    else:
+      fields["factor"] = float(factor)
+  try:
+    return rope_lib.Rope(**fields)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config's rope parameters {p} (layer {layer}) do not "
+                     f"make an aj.Rope: {e}") from e
+
+

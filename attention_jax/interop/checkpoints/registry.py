@@ -1,0 +1,126 @@
+"""The families ``aj.load_attention_weights`` reads: one ``Family`` record each.
+
+A family is the modeling code of one Hugging Face model type: where a
+layer's weights live, which config keys its attention reads, and a
+``build`` function that turns one layer's weights and config into
+``aj.MultiHeadAttention`` (or ``aj.MultiHeadLatentAttention``) options and
+params. Each family module (``decoders``, ``fused``, ``t5``, ``latent``)
+lists its ``Family`` records; ``families`` gathers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+import dataclasses
+from typing import Any
+
+# What a build function returns: (params arrays, layer options, notes).
+Built = tuple[dict[str, Any], dict[str, Any], str]
+
+# How to port a model no family here reads: never by relabelling its config
+# (a look-alike loads with a small error nothing here would notice).
+BY_HAND = (
+    "port it by hand: build aj.MultiHeadAttention(d_model=, num_heads=, "
+    "num_kv_heads=, head_dim=, use_bias=, mask=, scale=, rope=aj.Rope(...), "
+    "...) with the options its modeling code applies, then "
+    "module.load_params(params) with W_q/W_k/W_v kernels [D, N|K, H] and "
+    "W_o [N, H, D] cut from its weights (docs/usage.md, Porting a model)")
+# Config keys that change some model's attention, with what they mean. A
+# config without model_type that has one (not None) which the requested
+# family's attention does not read is another model's: refused, not loaded
+# by a guess.
+SIGNS = {
+    "sliding_window": "a sliding window",
+    "use_sliding_window": "Qwen's window switch",
+    "max_window_layers": "Qwen's window layers",
+    "layer_types": "per-layer sliding/full attention",
+    "query_pre_attn_scalar": "Gemma's attention scale",
+    "attn_logit_softcapping": "Gemma's logit soft cap",
+    "use_bidirectional_attention": "Gemma's bidirectional attention",
+    "rope_local_base_freq": "Gemma 3's local rotary base",
+    "sliding_window_pattern": "Gemma 3's layer pattern",
+    "_sliding_window_pattern": "Gemma 3's layer pattern",
+    "n_embd": "GPT-2-style sizes", "n_head": "GPT-2-style sizes",
+    "scale_attn_weights": "GPT-2's scale switch",
+    "scale_attn_by_inverse_layer_idx": "GPT-2's per-layer scale",
+    "partial_rotary_factor": "a partial rotary embedding",
+    "logit_scale": "Cohere's logit scale", "use_qk_norm": "Cohere's qk-norm",
+    "qk_layernorm": "Phi/Persimmon's qk LayerNorm",
+    "rotary_pct": "GPT-NeoX's partial rotary",
+    "rotary_emb_base": "GPT-NeoX's rotary base",
+    "rotary_dim": "GPT-J/CodeGen's partial rotary",
+    "alibi": "ALiBi (Falcon)", "multi_query": "multi-query attention",
+    "new_decoder_architecture": "Falcon's attention",
+    "parallel_attn": "Falcon's parallel attention",
+    "attention_multiplier": "Granite's attention scale",
+    "kv_lora_rank": "latent attention (DeepSeek)",
+    "q_lora_rank": "latent attention (DeepSeek)",
+    "clip_qkv": "clipped q/k/v (OLMo, DBRX)",
+    "attn_config": "DBRX/MPT attention",
+    "position_embedding_type": "an encoder's positions",
+}
+# Fused q/k/v weights, and whose layout they are (a family that reads one
+# names it in Family.fused).
+FUSED = {
+    "qkv_proj": "Phi-3's layout: rows q [N * H], then k [K * H], then v "
+                "[K * H]",
+    "query_key_value": "GPT-NeoX / Falcon / BLOOM: rows grouped per head, "
+                       "in an order each model defines",
+    "c_attn": "GPT-2's Conv1D [D, 3D] is family='gpt2'; other models' "
+              "c_attn (GPT-BigCode, Qwen 1) have layouts of their own",
+    "Wqkv": "MPT / DBRX / ModernBERT: rows q, k, v",
+    "W_pack": "Baichuan: rows q, k, v",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One model family's attention, as its HF modeling code computes it.
+
+  Attributes:
+    name: the ``family=`` name (``"llama"``, ``"gpt_neox"``, ...).
+    model_types: the config ``model_type`` values its code is written for.
+    reads: the sign keys (``SIGNS``) its attention reads or its config class
+      carries: a config without ``model_type`` with any other sign is
+      another model's, and refused.
+    build: ``build(cfg, layer, read, overrides, attention) -> (params,
+      options, notes)``: the layer's params (NumPy arrays, the module's
+      layout), module options, and a note of what was mapped (for
+      messages).
+    prefix: where layer ``layer``'s attention weights live, below the
+      model's own prefix: ``"layers.{layer}.self_attn."``; with an
+      ``{attention}`` field for families with several attentions per layer
+      (T5).
+    anchor: a weight every layer has under ``prefix`` (found to locate it).
+    maps: one line: what the loader maps (for messages and the docs).
+    layer_count: the config key with the number of layers.
+    ignored: entries under the prefix that are buffers, not weights.
+    fused: the fused q/k/v weight names this family reads (``FUSED``).
+    module: ``"multi_head"`` (``aj.MultiHeadAttention``) or ``"latent"``
+      (``aj.MultiHeadLatentAttention``).
+    attentions: the ``attention=`` values it takes: ``("self",)``, or T5's
+      ``("encoder", "decoder", "cross")``.
+  """
+
+  name: str
+  model_types: tuple[str, ...]
+  reads: tuple[str, ...]
+  build: Callable[..., Built]
+  prefix: str
+  anchor: str
+  maps: str
+  layer_count: str = "num_hidden_layers"
+  ignored: tuple[str, ...] = ()
+  fused: tuple[str, ...] = ()
+  module: str = "multi_head"
+  attentions: tuple[str, ...] = ("self",)
+
+  def layer_prefix(self, layer: int, attention: str) -> str:
+    return self.prefix.format(layer=layer, attention=attention)
+
+
+def by_name(families: tuple[Family, ...]) -> Mapping[str, Family]:
+  names = [f.name for f in families]
+  if len(set(names)) != len(names):
+    raise RuntimeError(f"duplicate family names in {names}")
+  return {f.name: f for f in families}
