@@ -156,6 +156,13 @@ class GoldenTest(parameterized.TestCase):
 
   def test_each_option_is_seen(self):
     """Dropping any one mapped option moves the output far past REL_TOL."""
+    causal = aj.Mask(causal=True)
+
+    def options(family, layer):
+      _, sd, cfg = _golden(family)
+      return checkpoints.load_attention_weights(
+          sd, family=family, config=cfg, layer=layer).options
+
     plus = lambda delta: lambda params: {
         **params, "q_norm": {"scale": params["q_norm"]["scale"] + delta},
         "k_norm": {"scale": params["k_norm"]["scale"] + delta}}
@@ -173,6 +180,35 @@ class GoldenTest(parameterized.TestCase):
             original_max_positions=64))),
         "sinks": ("gpt_oss", 1, None, dict(attention_sinks=False)),
         "inverse_layer_scale": ("gpt2", 1, None, dict(scale=None)),
+        "mixtral_window": ("mixtral", 1, None, dict(mask=causal)),
+        "starcoder2_window": ("starcoder2", 0, None, dict(mask=causal)),
+        "olmo2_whole_width": ("olmo2", 0, None, dict(
+            normalize_qk=aj.QKNorm(weight="per_head"))),
+        "cohere_layer_norm": ("cohere", 0, None, dict(
+            normalize_qk=aj.QKNorm(weight="per_head", epsilon=1e-5))),
+        "cohere_pairs": ("cohere", 1, None, dict(rope=aj.Rope())),
+        "cohere2_global_has_no_rope": ("cohere2", 1, None, dict(
+            rope=aj.Rope(interleaved=True))),
+        "cohere2_window": ("cohere2", 0, None, dict(mask=causal)),
+        "phi3_longrope": ("phi3", 0, None, dict(rope=aj.Rope(fraction=0.5))),
+        "phi3_long_factors": ("phi3", 1, None, dict(rope=dataclasses.replace(
+            options("phi3", 1)["rope"],
+            long_factor=options("phi3", 1)["rope"].short_factor))),
+        "phi3_short_factors": ("phi3", "short/1", None, dict(
+            rope=dataclasses.replace(
+                options("phi3", 1)["rope"],
+                short_factor=options("phi3", 1)["rope"].long_factor))),
+        "phi3_window": ("phi3", 0, None, dict(mask=causal)),
+        "llama4_chunks": ("llama4", 0, None, dict(mask=causal)),
+        "llama4_qk_norm": ("llama4", 0, None, dict(normalize_qk=False)),
+        "llama4_pairs": ("llama4", 0, None, dict(rope=aj.Rope(base=5e5))),
+        "llama4_temperature": ("llama4", 1, None, dict(score_mod=None)),
+        "qwen3_next_gate": ("qwen3_next", 1, lambda p: {
+            k: v for k, v in p.items() if k != "W_g"}, dict(output_gate=None)),
+        "qwen3_next_one_plus_weight": ("qwen3_next", 1, None, dict(
+            normalize_qk=aj.QKNorm())),
+        "qwen3_next_partial_rotary": ("qwen3_next", 1, None, dict(
+            rope=aj.Rope())),
     }
     for name, (family, layer, params, change) in cases.items():
       with self.subTest(name):
@@ -734,6 +770,34 @@ class OverridesTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, r"module\(\) options \['rope'\] "
                                 r".*pass overrides= to load_attention_weights"):
       load(None).module(rope=None)
+
+
+class LoadedDecodingTest(parameterized.TestCase):
+  """A loaded layer decodes token by token as its full forward computes."""
+
+  @parameterized.named_parameters(
+      ("llama4_chunked_qk_norm_after_rope", "llama4", 0),
+      ("llama4_nope_temperature", "llama4", 1),
+      ("olmo2_whole_width_norm", "olmo2", 0),
+      ("cohere_layer_norm_pairs", "cohere", 1),
+      ("qwen3_next_gate", "qwen3_next", 1),
+      ("cohere2_global_without_rope", "cohere2", 1),
+  )
+  def test_decode_equals_forward(self, family, layer):
+    z, sd, cfg = _golden(family)
+    module = checkpoints.load_attention_weights(
+        sd, family=family, config=cfg, layer=layer).module()
+    x = jnp.asarray(z[f"in/{layer}"])  # [B, 10, D]
+    full = module(x)
+    module.init_cache(batch_size=x.shape[0], max_length=x.shape[1])
+    outs = [module(x[:, :3], decode=True)]
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    for i in range(3, x.shape[1]):
+      outs.append(step(module, x[:, i:i + 1]))
+    # The same float32 sums in another order (cache slots): ~1e-6 of the
+    # output's scale, as the goldens' REL_TOL allows.
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full,
+                               atol=REL_TOL * float(jnp.abs(full).max()))
 
 
 class QwenWindowLayersTest(parameterized.TestCase):
