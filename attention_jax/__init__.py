@@ -73,6 +73,7 @@ from attention_jax.scores.score_mods import T5Bias
 from attention_jax.scores.score_mods import alibi
 from attention_jax.scores.score_mods import alibi_slopes
 from attention_jax.scores.score_mods import chain
+from attention_jax.scores.score_mods import query_temperature
 from attention_jax.scores.score_mods import soft_cap
 from attention_jax.scores.score_mods import t5_buckets
 from attention_jax.scores.score_mods import t5_relative_bias
@@ -96,6 +97,7 @@ __all__ = [
     "alibi_slopes",
     "chain",
     "soft_cap",
+    "query_temperature",
     "t5_buckets",
     "t5_relative_bias",
     "apply_rope",
