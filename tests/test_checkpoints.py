@@ -161,7 +161,11 @@ class GoldenTest(parameterized.TestCase):
     def options(family, layer):
       _, sd, cfg = _golden(family)
       return checkpoints.load_attention_weights(
-          sd, family=family, config=cfg, layer=layer).options
+          sd, family=LOADER.get(family, family), config=cfg,
+          layer=layer).options
+
+    def rope(family, layer):
+      return options(family, layer)["rope"]
 
     plus = lambda delta: lambda params: {
         **params, "q_norm": {"scale": params["q_norm"]["scale"] + delta},
@@ -209,6 +213,27 @@ class GoldenTest(parameterized.TestCase):
             normalize_qk=aj.QKNorm())),
         "qwen3_next_partial_rotary": ("qwen3_next", 1, None, dict(
             rope=aj.Rope())),
+        "gpt_neox_partial_rotary": ("gpt_neox", 0, None, dict(
+            rope=dataclasses.replace(rope("gpt_neox", 0), fraction=1.0))),
+        "gptj_pairs": ("gptj", 1, None, dict(rope=dataclasses.replace(
+            rope("gptj", 1), interleaved=False))),
+        "bloom_alibi": ("bloom", 0, None, dict(score_mod=None)),
+        "bloom6_alibi": ("bloom6", 0, None, dict(score_mod=None)),
+        "falcon_pairs": ("falcon", 1, None, dict(rope=dataclasses.replace(
+            rope("falcon", 1), interleaved=True))),
+        "falcon_mq_rope": ("falcon_mq", 0, None, dict(rope=None)),
+        "falcon_alibi": ("falcon_alibi", 1, None, dict(score_mod=None)),
+        "t5_no_scaling": ("t5", "enc/1", None, dict(scale=None)),
+        "t5_bidirectional": ("t5", "enc/0", None, dict(t5_bias=aj.T5Bias(
+            8, 6, bidirectional=False))),
+        "t5_bias_table": ("t5", "dec/1", lambda p: {
+            k: v for k, v in p.items() if k != "t5_bias"}, dict(t5_bias=None)),
+        "t5_decoder_causal": ("t5", "dec/0", None, dict(mask=None)),
+        "deepseek_v3_pairs": ("deepseek_v3", 0, None, dict(
+            rope=dataclasses.replace(rope("deepseek_v3", 0),
+                                     interleaved=False))),
+        "deepseek_v3_mscale": ("deepseek_v3", 1, None, dict(
+            scale=16 ** -0.5)),  # (Hn + Hr)**-0.5 without YaRN's mscale**2
     }
     for name, (family, layer, params, change) in cases.items():
       with self.subTest(name):
@@ -481,7 +506,7 @@ class NoGuessTest(parameterized.TestCase):
     message = str(caught.exception)
     self.assertRegex(message, r"model_type='granite', which load_attention_"
                      r"weights does not read: it maps the families \['llama'"
-                     r".*'gpt2'\].*no other model by a guess")
+                     r".*\].*no other model by a guess")
     self.assertRegex(message, r"port it by hand: build aj.MultiHeadAttention"
                      r"\(.*rope=aj.Rope.*load_params")
     self.assertNotIn("drop", message)  # never: relabel the config
@@ -782,12 +807,19 @@ class LoadedDecodingTest(parameterized.TestCase):
       ("cohere_layer_norm_pairs", "cohere", 1),
       ("qwen3_next_gate", "qwen3_next", 1),
       ("cohere2_global_without_rope", "cohere2", 1),
+      ("bloom_alibi", "bloom", 1),
+      ("falcon_alibi_bfloat16_positions", "falcon_alibi", 0),
+      ("gptj_partial_pairs", "gptj", 0),
+      ("t5_decoder_relative_bias", "t5", "dec/1"),
+      ("deepseek_v3_latent", "deepseek_v3", 0),
   )
-  def test_decode_equals_forward(self, family, layer):
-    z, sd, cfg = _golden(family)
+  def test_decode_equals_forward(self, golden, name):
+    z, sd, cfg = _golden(golden)
+    layer, attention = _where(str(name))
     module = checkpoints.load_attention_weights(
-        sd, family=family, config=cfg, layer=layer).module()
-    x = jnp.asarray(z[f"in/{layer}"])  # [B, 10, D]
+        sd, family=LOADER.get(golden, golden), config=cfg, layer=layer,
+        attention=attention).module()
+    x = jnp.asarray(z[f"in/{name}"])  # [B, T, D]
     full = module(x)
     module.init_cache(batch_size=x.shape[0], max_length=x.shape[1])
     outs = [module(x[:, :3], decode=True)]

@@ -9,7 +9,7 @@ windows, chunks) and rotary tables.
 
 Families: llama, mistral, qwen2, qwen3, gemma2, gemma3, gpt_oss, gpt2 (made
 with transformers 5.24.0, torch 2.13.0+cpu); phi3, olmo2, cohere, cohere2,
-llama4, qwen3_next, deepseek_v3, t5, bloom, bloom6, gpt_neox, gptj, falcon,
+llama4, qwen3_next, deepseek_v3, t5, umt5, bloom, bloom6, gpt_neox, gptj, falcon,
 falcon_mq, falcon_alibi, starcoder2, mixtral (transformers 5.25.0, torch
 2.14.1). Each ``.npz`` records the versions it was made with; ``configs()``
 says what each family exercises.
@@ -27,7 +27,7 @@ Each ``<family>.npz`` holds:
 - ``in/<layer>``, ``out/<layer>``: the attention module's input
   ``hidden_states [B, T, D]`` and output ``[B, T, D]``, float32. ``<layer>``
   is the layer index (qwen3_next: its full-attention layer ``1`` only; layer
-  0 is linear attention), or for t5 ``enc/<i>``, ``dec/<i>`` (encoder and
+  0 is linear attention), or for t5 and umt5 ``enc/<i>``, ``dec/<i>`` (encoder and
   decoder self-attention) and ``cross/<i>`` (decoder cross-attention);
 - ``kv/cross/<i>`` (t5): the encoder output the cross-attention attended to
   (``key_value_states [B, T, D]``);
@@ -79,6 +79,7 @@ _FALCON = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                **_TOKENS)
 T_SHORT = 6  # phi3's second run: <= its original context (8), short factors
 T_DEC = 7  # t5's decoder tokens (the encoder gets T)
+_SEQ2SEQ = ("t5", "umt5")  # encoder-decoder models: three attentions a layer
 OUT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -217,6 +218,12 @@ def configs() -> dict:
           num_decoder_layers=2, vocab_size=128,
           relative_attention_num_buckets=8,
           relative_attention_max_distance=6)),
+      # umT5: T5's attention with a relative table in every layer.
+      "umt5": ("UMT5Config", dict(
+          d_model=32, d_kv=8, num_heads=4, d_ff=32, num_layers=2,
+          num_decoder_layers=2, vocab_size=128,
+          relative_attention_num_buckets=8,
+          relative_attention_max_distance=6)),
       "bloom": ("BloomConfig", dict(
           hidden_size=64, n_head=4, n_layer=2, vocab_size=128, **_TOKENS)),
       # Six heads: ALiBi slopes of a non-power-of-two head count.
@@ -273,7 +280,7 @@ def _attention_modules(model, family: str) -> dict:
   elif family == "gpt_neox":
     blocks = {str(i): layer.attention
               for i, layer in enumerate(model.gpt_neox.layers)}
-  elif family == "t5":
+  elif family in _SEQ2SEQ:
     blocks = {}
     for i, b in enumerate(model.encoder.block):
       blocks[f"enc/{i}"] = b.layer[0].SelfAttention
@@ -299,7 +306,7 @@ def _redraw(model, torch, family: str) -> None:
   names = set(_attention_parameters(model, family))
   # T5 does not scale q.k by 1/sqrt(H): smaller weights keep logits O(1..10);
   # its relative position table gets std 1 so that the bias shows.
-  std = 0.15 if family == "t5" else 0.3
+  std = 0.15 if family in _SEQ2SEQ else 0.3
   gen = torch.Generator().manual_seed(SEED + 1)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -316,7 +323,7 @@ def _redraw(model, torch, family: str) -> None:
 
 def _model_class(family: str, transformers):
   """T5ForConditionalGeneration for t5; Llama4ForCausalLM for llama4."""
-  if family == "t5":
+  if family in _SEQ2SEQ:
     return transformers.AutoModelForSeq2SeqLM
   return transformers.AutoModelForCausalLM
 
@@ -350,9 +357,10 @@ def make(family: str, torch, transformers) -> dict[str, np.ndarray]:
         res = args[1] if len(args) > 1 else kwargs["residual"]
         captured[f"res/{layer}"] = res.detach().numpy().astype(np.float32)
         y = y - res
-      if "key_value_states" in kwargs:  # T5 cross-attention
-        captured[f"kv/{layer}"] = kwargs["key_value_states"].detach().numpy(
-        ).astype(np.float32)
+      kv = kwargs.get("key_value_states",  # T5 cross-attention (umT5's name)
+                      kwargs.get("encoder_hidden_states"))
+      if kv is not None:
+        captured[f"kv/{layer}"] = kv.detach().numpy().astype(np.float32)
       captured[f"{run['in']}/{layer}"] = x.detach().numpy().astype(np.float32)
       captured[f"{run['out']}/{layer}"] = y.detach().numpy().astype(
           np.float32)
@@ -366,7 +374,7 @@ def make(family: str, torch, transformers) -> dict[str, np.ndarray]:
   vocab = kwargs.get("vocab_size", 128)
   ids = torch.randint(0, vocab, (B, T), generator=gen)
   with torch.no_grad():
-    if family == "t5":
+    if family in _SEQ2SEQ:
       dec_ids = torch.randint(0, vocab, (B, T_DEC), generator=gen)
       model(input_ids=ids, decoder_input_ids=dec_ids, use_cache=False)
     else:

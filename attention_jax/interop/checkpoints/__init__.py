@@ -53,7 +53,9 @@ OVERRIDABLE = ("rope", "mask", "scale", "logits_soft_cap", "normalize_qk",
 # The options that are the checkpoint's (not to be overridden by module()).
 _FIXED = ("d_model", "num_heads", "num_kv_heads", "head_dim", "use_bias",
           "normalize_qk", "mask", "scale", "logits_soft_cap",
-          "attention_sinks", "rope", "score_mod", "output_gate", "t5_bias")
+          "attention_sinks", "rope", "score_mod", "output_gate", "t5_bias",
+          "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+          "qk_rope_head_dim", "v_head_dim", "out_features")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -333,7 +335,7 @@ def load_attention_weights(
                     f"(model.state_dict()), got {type(state_dict).__name__}.")
   overrides = _overrides(overrides)
   cfg = _config_dict(config, family)
-  count = cfg.get(spec.layer_count)
+  count = cfg.get(spec.count_key(attention))
   if layer < 0 or (count is not None and layer >= count):
     raise ValueError(f"layer={layer} is out of range: the config has "
                      f"{count} layers (0 <= layer < {count}).")

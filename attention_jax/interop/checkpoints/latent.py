@@ -1,3 +1,188 @@
-"""(being written)"""
+"""DeepSeek-V3's multi-head latent attention into ``aj.MultiHeadLatentAttention``.
 
-FAMILIES = ()
+Shape glossary: D hidden size, N heads, Rq ``q_lora_rank``, R
+``kv_lora_rank``, Hn ``qk_nope_head_dim``, Hr ``qk_rope_head_dim``, Hv
+``v_head_dim``.
+
+What HF's ``modeling_deepseek_v3.py`` (``DeepseekV3Attention``, under
+``model.layers.{i}.self_attn.``) computes, as the latent module's params
+(``aj.latent_attention``'s layout) and options:
+
+- query: ``q_a_proj [Rq, D]`` -> ``W_dq [D, Rq]``, ``q_a_layernorm [Rq]``
+  -> ``q_norm``, ``q_b_proj [N * (Hn + Hr), Rq]`` -> ``W_uq [Rq, N, Hn +
+  Hr]`` (each head ``[q_nope | q_rot]``); with ``q_lora_rank`` None a
+  full-rank ``q_proj [N * (Hn + Hr), D]`` -> ``W_q [D, N, Hn + Hr]``;
+- keys and values: ``kv_a_proj_with_mqa [R + Hr, D]`` (rows ``[latent |
+  the one shared rotary key]``) -> ``W_dkv [D, R + Hr]``,
+  ``kv_a_layernorm [R]`` -> ``kv_norm``, ``kv_b_proj [N * (Hn + Hv), R]``
+  (each head ``[k_nope | v]``) -> ``W_ukv [R, N, Hn + Hv]``;
+- ``o_proj [D, N * Hv]`` -> ``W_o [N, Hv, D]``;
+- biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` iff
+  ``attention_bias`` (the module's ``use_bias``: the same three);
+- both norms: ``DeepseekV3RMSNorm`` with its class default epsilon 1e-6
+  (``rms_norm_eps`` is not passed to them), the module's RMSNorm epsilon;
+- rope on the Hr rotary features: the config's rope parameters
+  (``config_rope.rope``: default, yarn with ``mscale``/``mscale_all_dim``
+  or ``attention_factor``, ...), pairs ``(x[2i], x[2i + 1])`` when
+  ``rope_interleave`` (HF's default True: its de-interleaved output is the
+  same permutation of q and k, so the same scores), halves otherwise;
+- ``scale = (Hn + Hr) ** -0.5``, times ``(0.1 * mscale_all_dim *
+  ln(factor) + 1) ** 2`` for any rope type but "default" whose parameters
+  set ``mscale_all_dim`` (HF's ``yarn_apply_mscale``), set explicitly (it
+  stays with ``overrides={"rope": ...}``);
+- a causal mask.
+
+``num_key_value_heads`` must equal ``num_attention_heads`` (HF's code
+expands the latent to N key heads and repeats them N / K times, which only
+runs at K = N).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import math
+from typing import Any
+
+from attention_jax.interop.checkpoints import config_rope
+from attention_jax.interop.checkpoints import reading
+from attention_jax.interop.checkpoints import registry
+from attention_jax.masking.mask import Mask
+
+_FAMILY = "deepseek_v3"
+# DeepseekV3Config's defaults, for keys a config leaves out.
+_DEFAULTS = dict(hidden_size=7168, num_attention_heads=128, kv_lora_rank=512,
+                 q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                 v_head_dim=128)
+# The overrides a latent layer can take (MultiHeadLatentAttention has no
+# qk-norm, sinks, soft cap or score_mod).
+_OVERRIDABLE = ("rope", "mask", "scale")
+
+
+def _size(cfg: Mapping[str, Any], name: str) -> int:
+  if cfg.get(name) is None:
+    return _DEFAULTS[name]
+  return reading.positive_int(cfg, name, _FAMILY)
+
+
+def _mscale(factor: float, mscale: float) -> float:
+  """HF's ``yarn_get_mscale``: ``0.1 * mscale * ln(factor) + 1`` (1 if
+  ``factor <= 1``)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(cfg: Mapping[str, Any], layer: int, qk_head_dim: int) -> float:
+  """HF's ``yarn_apply_mscale(config.rope_parameters, qk_head_dim ** -0.5)``."""
+  p = config_rope.rope_parameters(cfg, _FAMILY, layer)
+  value = qk_head_dim ** -0.5
+  rope_type = p.get("rope_type", p.get("type", "default"))
+  if rope_type == "default" or not p.get("mscale_all_dim"):
+    return value
+  if not reading.is_number(p.get("factor")):
+    raise ValueError(
+        f"config's rope parameters have rope_type {rope_type!r} and "
+        f"mscale_all_dim={p['mscale_all_dim']} but factor={p.get('factor')!r}"
+        f": HF's DeepseekV3Attention multiplies its softmax scale by "
+        "(0.1 * mscale_all_dim * ln(factor) + 1) ** 2 and reads factor "
+        "from rope_parameters; add it.")
+  return value * _mscale(float(p["factor"]), float(p["mscale_all_dim"])) ** 2
+
+
+def _build(cfg: Mapping[str, Any], layer: int, read: reading.Reader,
+           overrides: Mapping[str, Any], attention: str) -> registry.Built:
+  """One DeepSeek-V3 layer's MLA params, ``MultiHeadLatentAttention``
+  options and notes."""
+  del attention  # self-attention only
+  unknown = sorted(set(overrides) - set(_OVERRIDABLE))
+  if unknown:
+    raise ValueError(
+        f"overrides {unknown} do not apply to {_FAMILY}: its layer is "
+        f"aj.MultiHeadLatentAttention, whose inferred options are "
+        f"{list(_OVERRIDABLE)} (no qk-norm, sinks, soft cap or score_mod).")
+  d = _size(cfg, "hidden_size")
+  n = _size(cfg, "num_attention_heads")
+  k = cfg.get("num_key_value_heads")
+  if k is not None and k != n:
+    raise ValueError(
+        f"config num_key_value_heads={k}, num_attention_heads={n}: HF's "
+        "DeepseekV3Attention expands the latent to num_attention_heads key "
+        "heads and then repeats them num_attention_heads // "
+        "num_key_value_heads times, which only runs when the two are "
+        "equal; set num_key_value_heads to num_attention_heads (or leave "
+        "it out).")
+  # q_lora_rank None (present, or DeepseekV3Config's 1536 when absent) is
+  # the full-rank q_proj.
+  full_rank = "q_lora_rank" in cfg and cfg["q_lora_rank"] is None
+  rq = None if full_rank else _size(cfg, "q_lora_rank")
+  r = _size(cfg, "kv_lora_rank")
+  hn = _size(cfg, "qk_nope_head_dim")
+  hr = _size(cfg, "qk_rope_head_dim")
+  hv = _size(cfg, "v_head_dim")
+  if hr % 2:
+    raise ValueError(f"config qk_rope_head_dim={hr} is odd: rope rotates "
+                     "feature pairs.")
+  bias = bool(cfg.get("attention_bias", False))
+  bias_note = f"config attention_bias={bias}"
+  dims = (f"hidden_size={d}, heads={n}, q_lora_rank={rq}, kv_lora_rank={r}, "
+          f"qk_nope_head_dim={hn}, qk_rope_head_dim={hr}, v_head_dim={hv}")
+  hqk = hn + hr
+  params: dict[str, dict[str, Any]] = {}
+  if rq is None:
+    w = read.get("q_proj.weight", (n * hqk, d),
+                 f"[heads * (qk_nope_head_dim + qk_rope_head_dim), "
+                 f"hidden_size] (q_lora_rank None); {dims}")
+    params["W_q"] = {"kernel": w.T.reshape(d, n, hqk)}
+  else:
+    w = read.get("q_a_proj.weight", (rq, d),
+                 f"[q_lora_rank, hidden_size]; {dims}")
+    params["W_dq"] = {"kernel": w.T}  # [D, Rq]
+    if bias:
+      params["W_dq"]["bias"] = read.get("q_a_proj.bias", (rq,), bias_note)
+    params["q_norm"] = {"scale": read.get("q_a_layernorm.weight", (rq,),
+                                          "RMSNorm [q_lora_rank]")}
+    w = read.get("q_b_proj.weight", (n * hqk, rq),
+                 f"[heads * (qk_nope_head_dim + qk_rope_head_dim), "
+                 f"q_lora_rank]; {dims}")
+    params["W_uq"] = {"kernel": w.T.reshape(rq, n, hqk)}
+  w = read.get("kv_a_proj_with_mqa.weight", (r + hr, d),
+               f"[kv_lora_rank + qk_rope_head_dim, hidden_size]; {dims}")
+  params["W_dkv"] = {"kernel": w.T}  # [D, R + Hr]: latent, then rotary key
+  if bias:
+    params["W_dkv"]["bias"] = read.get("kv_a_proj_with_mqa.bias", (r + hr,),
+                                       bias_note)
+  params["kv_norm"] = {"scale": read.get("kv_a_layernorm.weight", (r,),
+                                         "RMSNorm [kv_lora_rank]")}
+  w = read.get("kv_b_proj.weight", (n * (hn + hv), r),
+               f"[heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]; "
+               f"{dims}")
+  params["W_ukv"] = {"kernel": w.T.reshape(r, n, hn + hv)}
+  w = read.get("o_proj.weight", (d, n * hv),
+               f"[hidden_size, heads * v_head_dim]; {dims}")
+  params["W_o"] = {"kernel": w.T.reshape(n, hv, d)}
+  if bias:
+    params["W_o"]["bias"] = read.get("o_proj.bias", (d,), bias_note)
+  options: dict[str, Any] = dict(
+      d_model=d, num_heads=n, q_lora_rank=rq, kv_lora_rank=r,
+      qk_nope_head_dim=hn, qk_rope_head_dim=hr, v_head_dim=hv, use_bias=bias,
+      mask=Mask(causal=True))
+  # HF: `if self.config.rope_interleave` (a None in the config is False).
+  interleaved = bool(cfg.get("rope_interleave", True))
+  if "rope" not in overrides:
+    options["rope"] = config_rope.rope(cfg, _FAMILY, layer,
+                                       interleaved=interleaved)
+  if "scale" not in overrides:
+    options["scale"] = softmax_scale(cfg, layer, hqk)
+  notes = [bias_note, "q low rank" if rq else "full-rank q_proj",
+           f"rope {'pairs' if interleaved else 'halves'}"]
+  return params, options, "; ".join(notes)
+
+
+FAMILIES = (
+    registry.Family(
+        name=_FAMILY, model_types=(_FAMILY,),
+        reads=("q_lora_rank", "kv_lora_rank", "rope_interleave"), build=_build,
+        prefix="layers.{layer}.self_attn.", anchor="kv_a_proj_with_mqa.weight",
+        maps="MLA into aj.MultiHeadLatentAttention: q_lora_rank (or full-"
+             "rank q_proj), kv_lora_rank, attention_bias, rope_interleave, "
+             "yarn with mscale / mscale_all_dim (rotary and softmax scale)",
+        fused=(), module="latent"),
+)

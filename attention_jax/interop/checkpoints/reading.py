@@ -101,7 +101,7 @@ def refuse_fused(state: Mapping[str, Any], family: registry.Family,
   # (imported here: the family modules import this one)
   from attention_jax.interop.checkpoints import families  # noqa: PLC0415
   readers = [f.name for f in families.FAMILIES.values() if name in f.fused]
-  reads = (f"{family.anchor} under {family.prefix!r}")
+  reads = f"{family.anchor} under {family.templates()}"
   hint = (f"load it with the family that reads it ({', '.join(readers)})"
           if readers else "load it with the family it belongs to")
   raise ValueError(

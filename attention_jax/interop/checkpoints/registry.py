@@ -52,20 +52,33 @@ SIGNS = {
     "alibi": "ALiBi (Falcon)", "multi_query": "multi-query attention",
     "new_decoder_architecture": "Falcon's attention",
     "parallel_attn": "Falcon's parallel attention",
+    "num_kv_heads": "Falcon's key/value heads",
+    "n_embed": "BLOOM / Falcon's hidden size",
+    "slow_but_exact": "BLOOM's tensor-parallel output projection",
+    "use_parallel_residual": "GPT-NeoX / StableLM's parallel block",
     "attention_multiplier": "Granite's attention scale",
     "kv_lora_rank": "latent attention (DeepSeek)",
     "q_lora_rank": "latent attention (DeepSeek)",
     "clip_qkv": "clipped q/k/v (OLMo, DBRX)",
     "attn_config": "DBRX/MPT attention",
     "position_embedding_type": "an encoder's positions",
+    "relative_attention_num_buckets": "T5's relative position buckets",
+    "relative_attention_max_distance": "T5's relative position buckets",
+    "rope_interleave": "DeepSeek's interleaved rotary",
+    "attention_chunk_size": "Llama 4's chunked attention",
+    "no_rope_layers": "Llama 4's NoPE layers",
+    "attn_temperature_tuning": "Llama 4's attention temperature",
 }
 # Fused q/k/v weights, and whose layout they are (a family that reads one
 # names it in Family.fused).
 FUSED = {
     "qkv_proj": "Phi-3's layout: rows q [N * H], then k [K * H], then v "
                 "[K * H]",
-    "query_key_value": "GPT-NeoX / Falcon / BLOOM: rows grouped per head, "
-                       "in an order each model defines",
+    "query_key_value": "GPT-NeoX, BLOOM and Falcon's old layout: rows [N, "
+                       "3, H] (each head's q, k, v); Falcon multi_query: "
+                       "[N + 2, H] (the queries, one key, one value); "
+                       "Falcon new_decoder_architecture: [K, N / K + 2, H] "
+                       "(each key/value group's queries, key, value)",
     "c_attn": "GPT-2's Conv1D [D, 3D] is family='gpt2'; other models' "
               "c_attn (GPT-BigCode, Qwen 1) have layouts of their own",
     "Wqkv": "MPT / DBRX / ModernBERT: rows q, k, v",
@@ -88,12 +101,13 @@ class Family:
       layout), module options, and a note of what was mapped (for
       messages).
     prefix: where layer ``layer``'s attention weights live, below the
-      model's own prefix: ``"layers.{layer}.self_attn."``; with an
-      ``{attention}`` field for families with several attentions per layer
-      (T5).
+      model's own prefix: ``"layers.{layer}.self_attn."``; for families
+      with several attentions per layer, one template each (T5:
+      ``{"encoder": "encoder.block.{layer}.layer.0.SelfAttention.", ...}``).
     anchor: a weight every layer has under ``prefix`` (found to locate it).
     maps: one line: what the loader maps (for messages and the docs).
-    layer_count: the config key with the number of layers.
+    layer_count: the config key with the number of layers (or one per
+      attention: T5's encoder and decoder differ).
     ignored: entries under the prefix that are buffers, not weights.
     fused: the fused q/k/v weight names this family reads (``FUSED``).
     module: ``"multi_head"`` (``aj.MultiHeadAttention``) or ``"latent"``
@@ -106,17 +120,29 @@ class Family:
   model_types: tuple[str, ...]
   reads: tuple[str, ...]
   build: Callable[..., Built]
-  prefix: str
+  prefix: str | Mapping[str, str]
   anchor: str
   maps: str
-  layer_count: str = "num_hidden_layers"
+  layer_count: str | Mapping[str, str] = "num_hidden_layers"
   ignored: tuple[str, ...] = ()
   fused: tuple[str, ...] = ()
   module: str = "multi_head"
   attentions: tuple[str, ...] = ("self",)
 
   def layer_prefix(self, layer: int, attention: str) -> str:
-    return self.prefix.format(layer=layer, attention=attention)
+    prefix = (self.prefix if isinstance(self.prefix, str)
+              else self.prefix[attention])
+    return prefix.format(layer=layer)
+
+  def count_key(self, attention: str) -> str:
+    """The config key with the number of layers ``attention`` has."""
+    return (self.layer_count if isinstance(self.layer_count, str)
+            else self.layer_count[attention])
+
+  def templates(self) -> str:
+    """The prefix template(s), for messages."""
+    return (repr(self.prefix) if isinstance(self.prefix, str)
+            else " or ".join(map(repr, self.prefix.values())))
 
 
 def by_name(families: tuple[Family, ...]) -> Mapping[str, Family]:
