@@ -768,12 +768,37 @@ class OverridesTest(parameterized.TestCase):
     np.testing.assert_array_equal(loaded.sinks, self.extra[self.P + "sinks"])
     self.compare(loaded, sd, base=100.0, norm=True, sinks=True)
 
+  def test_t5_bias_override_sets_the_buckets(self):
+    z, sd, cfg = _golden("t5")
+    load = lambda attention, bias: checkpoints.load_attention_weights(
+        sd, family="t5", config=cfg, layer=1, attention=attention,
+        overrides={"t5_bias": bias})
+    x, want = jnp.asarray(z["in/enc/1"]), z["out/enc/1"]
+    same = load("encoder", aj.T5Bias(8, 6, bidirectional=True))
+    np.testing.assert_allclose(same.module()(x), want,
+                               atol=REL_TOL * np.abs(want).max())
+    farther = load("encoder", aj.T5Bias(8, 100, bidirectional=True))
+    self.assertEqual(farther.options["t5_bias"].max_distance, 100)
+    self.assertGreater(np.abs(farther.module()(x) - want).max(),
+                       1000 * REL_TOL * np.abs(want).max())
+    with self.assertRaisesRegex(ValueError, r"cross attention has no "
+                                r"relative table"):
+      load("cross", aj.T5Bias(8, 6))
+    with self.assertRaisesRegex(ValueError, r"llama layers have no such "
+                                r"table \(t5 and umt5 do\)"):
+      checkpoints.load_attention_weights(
+          self.sd, family="llama", config=self.cfg, layer=0,
+          overrides={"t5_bias": aj.T5Bias(8, 6)})
+    with self.assertRaisesRegex(TypeError, r"overrides\['t5_bias'\] must be "
+                                r"an aj.T5Bias"):
+      load("encoder", 8)
+
   def test_bad_overrides_are_refused(self):
     load = lambda overrides: checkpoints.load_attention_weights(
         self.sd, family="llama", config=self.cfg, layer=0,
         overrides=overrides)
     valid = (r"\['rope', 'mask', 'scale', 'logits_soft_cap', 'normalize_qk', "
-             r"'attention_sinks', 'score_mod'\]")
+             r"'attention_sinks', 'score_mod', 't5_bias'\]")
     with self.assertRaisesRegex(ValueError, r"overrides has \['window'\], "
                                 r"which load_attention_weights does not infer:"
                                 r" the options it can override are " + valid +

@@ -45,11 +45,12 @@ from attention_jax.layers.qk_norm import QKNorm
 from attention_jax.modules.latent import MultiHeadLatentAttention
 from attention_jax.modules.multi_head import MultiHeadAttention
 from attention_jax.scores import rope as rope_lib
+from attention_jax.scores import score_mods
 
 # The inferred options a port may replace (overrides=); sizes, use_bias and
 # the output gate follow the weights' shapes and the config.
 OVERRIDABLE = ("rope", "mask", "scale", "logits_soft_cap", "normalize_qk",
-               "attention_sinks", "score_mod")
+               "attention_sinks", "score_mod", "t5_bias")
 # The options that are the checkpoint's (not to be overridden by module()).
 _FIXED = ("d_model", "num_heads", "num_kv_heads", "head_dim", "use_bias",
           "normalize_qk", "mask", "scale", "logits_soft_cap",
@@ -230,6 +231,9 @@ def _overrides(overrides) -> dict[str, Any]:
     out["normalize_qk"] = value
   if "rope" in out:
     out["rope"] = rope_lib.as_rope(out["rope"])
+  if "t5_bias" in out and not isinstance(out["t5_bias"], score_mods.T5Bias):
+    raise TypeError(f"overrides['t5_bias'] must be an aj.T5Bias(num_buckets, "
+                    f"max_distance, bidirectional), got {out['t5_bias']!r}.")
   return out
 
 
@@ -253,17 +257,22 @@ def load_attention_weights(
       are read; every other entry under its prefix must be one this
       family's attention uses (an unused ``o_proj.bias`` is an error, not
       ignored).
-    family: one of ``FAMILIES``: ``"llama"``, ``"mistral"``, ``"qwen2"``,
-      ``"qwen3"``, ``"gemma2"``, ``"gemma3"``, ``"gpt_oss"`` (or
-      ``"gpt-oss"``), ``"gpt2"``.
+    family: one of ``FAMILIES`` (``"-"`` reads as ``"_"``): ``"llama"``,
+      ``"mistral"``, ``"mixtral"``, ``"starcoder2"``, ``"qwen2"``,
+      ``"qwen3"``, ``"qwen3_next"``, ``"gemma2"``, ``"gemma3"``,
+      ``"gpt_oss"``, ``"olmo2"``, ``"cohere"``, ``"cohere2"``, ``"phi3"``,
+      ``"llama4"``, ``"gpt2"``, ``"gpt_neox"``, ``"gptj"``, ``"bloom"``,
+      ``"falcon"``, ``"t5"``, ``"umt5"``, ``"deepseek_v3"``.
     config: the model's config: a dict (``json.load`` of its
       ``config.json``; old ``rope_scaling``/``rope_theta`` or new
       ``rope_parameters`` format) or a transformers config object (read via
-      ``to_dict()``); a multimodal Gemma 3 config's ``text_config`` is used.
+      ``to_dict()``); a multimodal Gemma 3 or Llama 4 config's
+      ``text_config`` is used.
     layer: the layer index, ``0 <= layer < num_hidden_layers``.
     prefix: the layer's attention prefix in ``state_dict`` (e.g.
       ``"model.layers.3.self_attn."``); by default found as the one key
-      ending in ``layers.{layer}.self_attn.q_proj.weight`` (GPT-2:
+      ending in the family's layer prefix and a weight every layer has
+      (``layers.{layer}.self_attn.q_proj.weight``; GPT-2:
       ``h.{layer}.attn.c_attn.weight``), which covers ``model.``,
       ``model.language_model.`` and base-model (no prefix) checkpoints.
     dtype: the params' dtype; None keeps the checkpoint's (bfloat16 stays
@@ -274,12 +283,18 @@ def load_attention_weights(
       so an unsupported rope type there is no obstacle), ``mask`` (an
       ``aj.Mask``: a window ``W`` is ``aj.Mask(causal=True, window=(W - 1,
       0))``), ``scale``, ``logits_soft_cap``, ``normalize_qk`` (True reads
-      ``q_norm.weight``/``k_norm.weight [H]`` under the prefix, as the
-      module's RMSNorm with epsilon ``1e-6``) and ``attention_sinks`` (True
-      reads ``sinks [N]``). For a port whose modeling code differs from the
-      family's in these only, e.g. ``{"rope": aj.Rope(base=1e4,
-      interleaved=True)}``. Sizes and ``use_bias`` follow the weights and
-      the config.
+      ``q_norm.weight``/``k_norm.weight [H]`` under the prefix, as
+      ``aj.QKNorm()``; an ``aj.QKNorm`` reads the weights it names; False
+      drops the family's), ``attention_sinks`` (True reads ``sinks [N]``),
+      ``score_mod`` (e.g. ALiBi, Llama 4's temperature) and ``t5_bias``
+      (T5's bucket settings, an ``aj.T5Bias``). For a port whose modeling
+      code differs from the family's in these only, e.g. ``{"rope":
+      aj.Rope(base=1e4, interleaved=True)}``. Sizes, ``use_bias`` and the
+      output gate follow the weights and the config.
+    attention: which attention of the layer: ``"self"``; T5 and umT5:
+      ``"encoder"``, ``"decoder"`` (self-attention) or ``"cross"`` (the
+      decoder's attention to the encoder output: call the module with it
+      as the key/value input).
 
   Returns:
     A ``LoadedAttention``: ``.params`` (``aj.multi_head_attention``'s
@@ -292,8 +307,8 @@ def load_attention_weights(
       another model type (or without one, with another family's keys), a
       fused q/k/v weight, an unknown ``overrides`` name (the valid ones
       listed), a missing config key, an option we cannot
-      reproduce (a rope type without an ``aj.Rope`` scaling, a qk-norm
-      epsilon other than ``1e-6``, bidirectional Gemma); a missing or
+      reproduce (a rope type without an ``aj.Rope`` scaling, bidirectional
+      Gemma, a Qwen3-Next linear-attention layer); a missing or
       unused state-dict key (named with the prefix); a wrong shape (named,
       with the expected one).
     TypeError: ``config`` neither a dict nor a config object; ``layer`` not
@@ -327,6 +342,12 @@ def load_attention_weights(
         f"{list(spec.attentions)}"
         + ("" if len(spec.attentions) > 1 else
            " (only T5 has encoder, decoder and cross attentions)") + ".")
+  if (overrides is not None and "t5_bias" in overrides
+      and family not in ("t5", "umt5")):
+    raise ValueError(
+        f"overrides['t5_bias'] sets how distances fall into a T5 relative "
+        f"table's buckets; {family} layers have no such table (t5 and umt5 "
+        "do).")
   if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
     raise TypeError(f"layer must be an int (the layer index), got {layer!r}.")
   layer = int(layer)

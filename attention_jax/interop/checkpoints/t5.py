@@ -174,16 +174,26 @@ def _build(cfg: Mapping[str, Any], family: str, layer: int,
   if "mask" not in overrides:
     options["mask"] = Mask(causal=True) if attention == "decoder" else None
   if attention == "cross":
+    if "t5_bias" in overrides:
+      raise ValueError(
+          "overrides['t5_bias'] on a cross attention: T5's cross attention "
+          "has no relative table (HF gives it none); the encoder's and the "
+          "decoder's self-attentions do.")
     if layer == 0 and read.prefix + _TABLE in read.state:
       # HF ignores it on load (_keys_to_ignore_on_load_unexpected).
       read.get(_TABLE, (_int(cfg, "relative_attention_num_buckets", family),
                         n), "an old checkpoint's unused cross table")
       notes.append("unused cross-attention table ignored, as HF does")
   else:
-    buckets = _int(cfg, "relative_attention_num_buckets", family)
-    distance = _int(cfg, "relative_attention_max_distance", family)
+    given = overrides.get("t5_bias")  # a port's settings, else the config's
+    buckets = (given.num_buckets if given is not None
+               else _int(cfg, "relative_attention_num_buckets", family))
     params["t5_bias"] = {"table": _table(read, family, layer, attention,
                                          buckets, n, notes)}
+    if given is not None:
+      options["t5_bias"] = given
+      return _finish(read, params, options, notes, overrides, n, h)
+    distance = _int(cfg, "relative_attention_max_distance", family)
     # HF's buckets: bidirectional in the encoder (is_decoder False), causal
     # in the decoder, whatever the top-level config's is_decoder says.
     bidirectional = attention == "encoder"
@@ -194,6 +204,12 @@ def _build(cfg: Mapping[str, Any], family: str, layer: int,
           f"config relative_attention_num_buckets={buckets}, "
           f"relative_attention_max_distance={distance} ({attention}): {e}"
       ) from e
+  return _finish(read, params, options, notes, overrides, n, h)
+
+
+def _finish(read, params, options, notes, overrides, n: int,
+            h: int) -> registry.Built:
+  """qk-norm and sinks where a port's overrides add them."""
   decoders.read_norms(read, params, options, notes,
                       overrides.get("normalize_qk"), n=n, k=n, h=h)
   if overrides.get("attention_sinks", False):
