@@ -7,8 +7,11 @@ frequencies, and the rotation the way HF writes it, ``x * cos +
 rotate_half(x) * sin`` over ``cat((freqs, freqs))`` (``rotate_half_llm``
 over ``repeat_interleave(2)`` for the interleaved layout, as GLM-4V),
 with Qwen2-VL's ``mrope_section`` split picking each frequency's position
-axis (``m[i % 3]``). The layer is checked by decoding with a KV cache
-against one full forward.
+axis (``m[i % 3]``). Axial vision RoPE (``section_frequencies=
+"per_section"``, Qwen2-VL's vision tower) against its formula, a 1-D
+ladder ``base**(-j / n)`` per section, over the (h, w) positions of a
+patch grid, and through the layer. The layer is checked by decoding with
+a KV cache against one full forward.
 """
 
 import math
@@ -99,6 +102,23 @@ def _mrope_freqs(positions, inv_freq, sections):
   chunks = np.split(freqs, np.cumsum(sections)[:-1], axis=-1)
   return np.concatenate(
       [m[i % len(sections)] for i, m in enumerate(chunks)], axis=-1)
+
+
+def _axial_inv_freq(base, sections):
+  """Each section its own 1-D ladder: ``base**(-2 j / (2 n))``, ``j < n``.
+
+  HF's ``compute_axial_rope_parameters`` is the case of two equal
+  sections: ``base**(-arange(0, R / 2, 2) / (R / 2))`` for h and w alike.
+  """
+  return np.concatenate([
+      1.0 / base ** (np.arange(0, 2 * n, 2, dtype=np.float64) / (2 * n))
+      for n in sections])
+
+
+def _grid_positions(rows, cols):
+  """Row-major (h, w) positions of a ``rows x cols`` patch grid, ``[2, T]``."""
+  h, w = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+  return np.stack([h.reshape(-1), w.reshape(-1)]).astype(np.int32)
 
 
 # The Rope is hashable: a static argument.
@@ -267,6 +287,119 @@ class MropeTest(parameterized.TestCase):
                                   _apply(x, full, rope=rope))
 
 
+_AXIAL = dict(section_frequencies="per_section")
+
+
+class AxialTest(parameterized.TestCase):
+  """2-D / 3-D vision RoPE: a frequency ladder per section."""
+
+  @parameterized.named_parameters(
+      ("equal", 10000.0, (4, 4)), ("qwen2_vl_vision", 10000.0, (20, 20)),
+      ("unequal", 100.0, (2, 3, 5)), ("one_section", 500.0, (8,)))
+  def test_inverse_frequencies(self, base, sections):
+    rope = Rope(base=base, sections=sections, **_AXIAL)
+    got = rope.inverse_frequencies(2 * sum(sections))
+    self.assertEqual(got.dtype, np.float64)
+    np.testing.assert_allclose(got, _axial_inv_freq(base, sections),
+                               **F64_TOL)
+    # Each section restarts at 1 (wavelength 2 pi): the full range per axis.
+    starts = np.cumsum((0,) + sections[:-1])
+    np.testing.assert_array_equal(got[starts], 1.0)
+    self.assertEqual(rope.magnitude, 1.0)
+
+  @parameterized.named_parameters(
+      # Qwen2-VL's vision layout scaled down: sections (H / 4, H / 4).
+      ("half_split", dict(sections=(4, 4)), 16),
+      ("interleaved", dict(sections=(4, 4), interleaved=True), 16),
+      ("partial", dict(sections=(2, 2), fraction=0.5), 16),
+      ("unequal", dict(sections=(3, 5), base=100.0), 16),
+  )
+  def test_apply_matches_reference_on_a_grid(self, fields, h):
+    rope = Rope(**fields, **_AXIAL)
+    hw = _grid_positions(2, 3)  # [2, T = 6]: a 2 x 3 patch grid
+    x = _data.normal(15, (2, 6, h))  # [N, T, H]
+    out = _apply(x, hw[:, None, :], rope=rope)  # positions [2, 1, T]
+    rot = rope.rotary_dim(h)
+    inv_freq = _axial_inv_freq(fields.get("base", 10000.0),
+                               fields["sections"])
+    freqs = _mrope_freqs(hw[:, None, :], inv_freq, fields["sections"])
+    want = _hf_rotate(x, freqs, 1.0, rope.interleaved)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, **F32_TOL)
+    np.testing.assert_array_equal(out[..., rot:], x[..., rot:])
+    # The split (M-RoPE) ladder turns the width pairs far slower here.
+    split = _apply(x, hw[:, None, :], rope=Rope(**fields))
+    self.assertGreater(float(jnp.max(jnp.abs(split - out))), 1e-2)
+
+  @parameterized.named_parameters(("half_split", False),
+                                  ("interleaved", True))
+  def test_two_independent_1d_ropes(self, interleaved):
+    # Qwen2-VL's vision rope, (R / 4, R / 4): a 1-D RoPE of rotary dim R / 2
+    # by the row on the pairs of the first half, one by the column on the
+    # second. Half-split pairs are (i, i + R / 2), so the height rope's
+    # features are [0:R/4] and [R/2:3R/4]; interleaved ones are contiguous.
+    h, quarter = 16, 4
+    rope = Rope(sections=(quarter, quarter), interleaved=interleaved,
+                **_AXIAL)
+    hw = _grid_positions(2, 3)
+    x = _data.normal(16, (3, 6, h))
+    out = np.asarray(_apply(x, hw[:, None, :], rope=rope))
+    if interleaved:
+      idx = [np.arange(0, 2 * quarter), np.arange(2 * quarter, h)]
+    else:
+      idx = [np.r_[0:quarter, 2 * quarter:3 * quarter],
+             np.r_[quarter:2 * quarter, 3 * quarter:h]]
+    one_d = Rope(interleaved=interleaved)
+    for axis in (0, 1):
+      np.testing.assert_allclose(
+          out[..., idx[axis]],
+          _apply(x[..., idx[axis]], hw[axis], rope=one_d),
+          atol=1e-6, rtol=1e-6)
+    # One section: the ladder over R / 2 is plain RoPE's.
+    np.testing.assert_array_equal(
+        _apply(x, hw[:1, None, :], rope=Rope(sections=(8,), **_AXIAL)),
+        _apply(x, hw[0], rope=Rope()))
+
+  def test_attention_with_grid_positions(self):
+    # Vision towers attend bidirectionally over the patches: no cache, a
+    # full forward against a float64 reference of the whole layer.
+    b, t, d, n, h = 2, 6, 16, 2, 16
+    params = _params(h)
+    x = _data.normal(17, (b, t, d))
+    hw = _grid_positions(2, 3)
+    positions = np.stack([hw, hw[:, ::-1]], axis=1)  # [2, B, T]
+    rope = Rope(sections=(h // 4, h // 4), **_AXIAL)
+    got = aj.multi_head_attention(params, x, x, x, rope=rope,
+                                  positions=positions)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    xf = np.asarray(x, np.float64)
+
+    def project(layer):  # [B, T, D] -> [B, heads, T, H]
+      return (np.einsum("btd,dnh->bnth", xf, layer["kernel"])
+              + layer["bias"][None, :, None, :])
+
+    inv_freq = _axial_inv_freq(10000.0, (h // 4, h // 4))
+    freqs = _mrope_freqs(positions[:, :, None, :], inv_freq, (4, 4))
+    q = _hf_rotate(project(p["W_q"]), freqs)
+    k = np.repeat(_hf_rotate(project(p["W_k"]), freqs), n, axis=1)  # GQA
+    v = np.repeat(project(p["W_v"]), n, axis=1)
+    scores = np.einsum("bnth,bnsh->bnts", q, k) / math.sqrt(h)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    heads = np.einsum("bnts,bnsh->bnth", weights, v)
+    want = (np.einsum("bnth,nhd->btd", heads, p["W_o"]["kernel"])
+            + p["W_o"]["bias"])
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, **F32_TOL)
+    split = aj.multi_head_attention(params, x, x, x, rope=Rope(sections=(4, 4)),
+                                    positions=positions)
+    self.assertGreater(float(jnp.max(jnp.abs(split - got))), 1e-3)
+
+  def test_split_is_the_default(self):
+    self.assertEqual(Rope(sections=(4, 4), section_frequencies="split"),
+                     Rope(sections=(4, 4)))
+    self.assertNotEqual(Rope(sections=(4, 4), **_AXIAL),
+                        Rope(sections=(4, 4)))
+
+
 def _params(h):
   return aj.init_multi_head_params(jax.random.key(0), 16, 2, num_kv_heads=1,
                                    head_dim=h)
@@ -389,6 +522,25 @@ class ValidationTest(parameterized.TestCase):
        r"sections\[0\] must be a Python int"),
       ("sections_int", dict(sections=8), TypeError,
        r"sections must be a tuple \(or list\) of numbers, got 8"),
+      ("per_section_without_sections", dict(_AXIAL), ValueError,
+       r"section_frequencies='per_section' needs sections.*"
+       r"sections=\(20, 20\)"),
+      ("per_section_linear", dict(_AXIAL, sections=(4, 4), scaling="linear",
+                                  factor=2.0), ValueError,
+       r"section_frequencies='per_section' with scaling='linear' is not "
+       r"supported.*divide the positions by factor instead"),
+      ("per_section_yarn", dict(_AXIAL, sections=(4, 4), scaling="yarn",
+                                factor=4.0, original_max_positions=32),
+       ValueError, r"with scaling='yarn' is not supported.*scaling='none'"),
+      ("per_section_llama3", dict(_AXIAL, sections=(4, 4), scaling="llama3",
+                                  factor=8.0, original_max_positions=16),
+       ValueError, r"with scaling='llama3' is not supported"),
+      ("section_frequencies_unknown", dict(sections=(4, 4),
+                                           section_frequencies="axial"),
+       ValueError, r"unknown section_frequencies 'axial'.*'per_section'"),
+      ("section_frequencies_bool", dict(sections=(4, 4),
+                                        section_frequencies=True),
+       TypeError, r"section_frequencies must be a string.*got True"),
   )
   def test_rope_rejects(self, fields, exception, pattern):
     with self.assertRaisesRegex(exception, pattern):

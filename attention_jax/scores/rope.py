@@ -43,6 +43,15 @@ leading axis of ``len(sections)``, frequency ``i`` turning by the position
 of the section that contains it. Text tokens carry the same position on
 every axis, which is plain RoPE.
 
+Axial RoPE of vision encoders (2-D over a patch grid: Qwen2-VL /
+Qwen2.5-VL / Qwen3-VL / GLM-4V's vision towers, HF's ``rope_type="axial"``):
+``Rope(sections=(R / 4, R / 4), section_frequencies="per_section")``
+with positions ``[2, ..., T]`` (height, width); 3-D over (time, height,
+width) as MiniMax-M3-VL's: three sections and positions ``[3, ..., T]``.
+Each section is then a 1-D RoPE of its own, with its own frequency
+ladder ``base**(-j / n)`` over its ``n`` pairs, instead of a slice of
+the one ladder over ``R / 2``.
+
 Packed sequences (several documents in one row, told apart by segment ids)
 need positions that restart at each document: ``segment_positions``.
 """
@@ -61,6 +70,11 @@ from attention_jax.core import checks
 
 #: The frequency scalings ``Rope(scaling=...)`` knows (HF's ``rope_type``).
 SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+#: How ``Rope(sections=...)`` assigns frequencies to its sections:
+#: ``"split"`` (M-RoPE: one ladder over ``R / 2``, cut into the sections)
+#: or ``"per_section"`` (axial vision RoPE: a ladder per section).
+SECTION_FREQUENCIES = ("split", "per_section")
 
 # Which scalings read each optional field: a field set away from its
 # default under another scaling would be accepted and ignored, so it is an
@@ -250,6 +264,20 @@ class Rope:
   freq))`` for the half-split layout; GLM-4V's ``repeat_interleave(2)``
   for the interleaved one: pair ``i`` either way).
 
+  ``section_frequencies="per_section"`` (axial RoPE of vision encoders)
+  does change them: pair ``i`` of section ``a`` (start ``s = sum(sections[
+  :a])``, size ``n = sections[a]``) turns at ``base**(-2 (i - s) / (2 n))
+  = base**(-(i - s) / n)``, the frequencies of a 1-D RoPE of rotary dim
+  ``2 n``, by position axis ``a``. Each axis so gets the full range of
+  wavelengths, from 1 down to ``base**(-(n - 1) / n)``. HF's vision towers
+  (``compute_axial_rope_parameters``: ``base**(-arange(0, R / 2, 2) /
+  (R / 2))`` for height and width alike, recomposed ``cat((h, w))`` then
+  ``cat((hw, hw))``) are the case ``sections=(R / 4, R / 4)``, and
+  MiniMax-M3-VL's 3-D one (time, height, width; the tail of the head
+  unrotated) is ``sections=(n, n, n)``, ``n = (H // 3) // 2``, with
+  ``fraction=6 n / H``. Unequal sections follow the same rule, a 1-D
+  RoPE per section (no HF model uses them).
+
   Attributes:
     base: the wavelength base, a positive number (10000 in the paper; Llama
       3 uses 500000).
@@ -301,6 +329,14 @@ class Rope:
       Refused with ``"dynamic"`` and ``"longrope"``: their frequencies
       follow ``max(positions) + 1``, which over time, height and width
       axes is no sequence length (and no checkpoint combines them).
+    section_frequencies: ``"split"`` (default; M-RoPE: the sections cut
+      the one ladder ``theta_i``) or ``"per_section"`` (axial vision
+      RoPE: each section its own ladder ``base**(-j / n)``, ``j < n``, as
+      a 1-D RoPE of rotary dim ``2 n``; Qwen2-VL's vision tower is
+      ``sections=(H / 4, H / 4)``, positions (height, width)). Needs
+      ``sections``; ``"per_section"`` needs ``scaling="none"`` (HF's axial
+      rope has no scaling, and the scalings' per-frequency rules are
+      defined over the one ladder).
 
   Raises:
     TypeError: a field of the wrong type (a number not a real Python
@@ -339,6 +375,7 @@ class Rope:
   short_factor: tuple[float, ...] | None = None
   long_factor: tuple[float, ...] | None = None
   sections: tuple[int, ...] | None = None
+  section_frequencies: str = "split"
 
   def __post_init__(self):
     set_field = lambda name, value: object.__setattr__(self, name, value)
@@ -394,6 +431,7 @@ class Rope:
           f"multimodal positions (time, height, width) is no sequence "
           f"length. Use sections with scaling 'none', 'linear', 'llama3' or "
           f"'yarn', or drop sections.")
+    self._check_section_frequencies()
     if scaling == "none":
       return
     if self.factor < 1.0:
@@ -416,6 +454,40 @@ class Rope:
       self._check_yarn()
     if scaling == "longrope":
       self._check_longrope()
+
+  def _check_section_frequencies(self):
+    value = self.section_frequencies
+    if not isinstance(value, str):
+      raise TypeError(
+          f"section_frequencies must be a string, one of "
+          f"{', '.join(map(repr, SECTION_FREQUENCIES))}, got {value!r} "
+          f"({type(value).__name__}).")
+    if value not in SECTION_FREQUENCIES:
+      raise ValueError(
+          f"unknown section_frequencies {value!r}: use 'split' (M-RoPE, "
+          f"Qwen2-VL's mrope_section: one frequency ladder over R / 2 cut "
+          f"into the sections) or 'per_section' (axial vision RoPE: a ladder "
+          f"per section).")
+    if value == "split":
+      return
+    if self.sections is None:
+      # Without sections there is one axis and one ladder: the value would
+      # be accepted and ignored.
+      raise ValueError(
+          f"section_frequencies={value!r} needs sections: the sizes (in "
+          f"rotated pairs) of the axes that get a ladder each, e.g. "
+          f"sections=(20, 20) with positions [2, ..., T] (height, width) for "
+          f"Qwen2-VL's vision head dim 80; or leave section_frequencies "
+          f"'split'.")
+    if self.scaling != "none":
+      fix = (" (for 'linear', divide the positions by factor instead)"
+             if self.scaling == "linear" else "")
+      raise ValueError(
+          f"section_frequencies='per_section' with scaling={self.scaling!r} "
+          f"is not supported: HF's axial vision rope has no scaling, and "
+          f"the scalings' per-frequency rules are defined over the one "
+          f"ladder of R / 2 frequencies, not per section. Use "
+          f"scaling='none'{fix}, or section_frequencies='split'.")
 
   def _check_longrope(self):
     missing = [name for name in ("short_factor", "long_factor")
@@ -543,6 +615,11 @@ class Rope:
   def inverse_frequencies(self, rotary_dim: int, seq_len=None):
     """The angle per unit position of each rotated pair, ``[R / 2]``.
 
+    With ``section_frequencies="per_section"``: the sections' own ladders
+    concatenated, pair ``i`` at its place (``base**(-(i - s) / n)`` in the
+    section of start ``s`` and size ``n``), each turned by its section's
+    position axis.
+
     Args:
       rotary_dim: ``R``, the features rotated (``rotary_dim(H)``), even.
       seq_len: the length ``L`` the frequencies are chosen for (HF:
@@ -566,6 +643,11 @@ class Rope:
     """
     rot = _check_rotary_dim(rotary_dim)
     self._check_sections_dim(rot)
+    if self.section_frequencies == "per_section":  # scaling is "none"
+      # A 1-D RoPE of rotary dim 2 n per section, concatenated: pair i
+      # keeps its place, so apply_rope's section split reads it unchanged.
+      return np.concatenate([_plain_theta(self.base, 2 * n)
+                             for n in self.sections])
     theta = _plain_theta(self.base, rot)
     if self.scaling == "longrope":
       self._check_longrope_dim(rot)
@@ -743,7 +825,8 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
   the ``magnitude`` of YaRN and LongRoPE multiplies cos and sin, so it
   scales the rotated features only. ``Rope(sections=...)`` (M-RoPE) takes
   one position per section: pair ``i`` turns by the position of the
-  section that contains ``i``.
+  section that contains ``i``; with ``section_frequencies="per_section"``
+  (axial vision RoPE) at its section's own frequencies (see ``Rope``).
 
   Frequencies are float64 NumPy constants (dynamic NTK's, which depend on
   the positions, are computed on device, and LongRoPE's choice between its
@@ -812,6 +895,12 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
     >>> bool(jnp.allclose(apply_rope(q, thw, rope=mrope),
     ...                   apply_rope(q, jnp.arange(4))))  # text: plain RoPE
     True
+    >>> axial = Rope(sections=(2, 2), section_frequencies="per_section")
+    >>> axial.inverse_frequencies(8)  # a ladder over 2 pairs per axis
+    array([1.  , 0.01, 1.  , 0.01])
+    >>> hw = jnp.array([[0, 0, 1, 1], [0, 1, 0, 1]])[:, None, None, :]
+    >>> apply_rope(q, hw, rope=axial).shape  # (h, w) of a 2 x 2 grid
+    (1, 2, 4, 8)
   """
   x = checks.as_array_operand("x", x, "[..., T, H]")
   checks.check_float_array("x", x)
