@@ -319,6 +319,47 @@ class InputsTest(parameterized.TestCase):
                                    "rope_type": "default"}})
     self.assertEqual(rope_local.base, 100.0)
 
+  def test_new_families_take_their_config_classes_defaults(self):
+    def load(family, layer=0, drop=(), **extra):
+      _, sd, cfg = _golden(family)
+      cfg = {k: v for k, v in cfg.items() if k not in drop} | extra
+      return checkpoints.load_attention_weights(sd, family=family, config=cfg,
+                                                layer=layer).options
+    # Llama 4: the mask follows layer_types; without them RoPE layers chunk
+    # by attention_chunk_size, 8192 when the config leaves it out.
+    full = load("llama4", layer_types=["full_attention"] * 2)
+    self.assertEqual(repr(full["mask"]), repr(aj.Mask(causal=True)))
+    default = load("llama4", drop=("layer_types", "attention_chunk_size"))
+    self.assertEqual(default["mask"].rule, aj.chunked_mask_fn(8192))
+    with self.assertRaisesRegex(ValueError, r"config has no 'head_dim': "
+                                r"llama4's config class gives it a default"):
+      load("llama4", drop=("head_dim",))
+    # Qwen3-Next rotates a quarter of the head unless told otherwise.
+    _, _, cfg = _golden("qwen3_next")
+    rope_params = {k: v for k, v in cfg["rope_parameters"].items()
+                   if k != "partial_rotary_factor"}
+    quarter = load("qwen3_next", layer=1, drop=("partial_rotary_factor",),
+                   rope_parameters=rope_params)
+    self.assertEqual(quarter["rope"].fraction, 0.25)
+    # Phi-3 (HF 5): the rope parameters' factor wins over max / original,
+    # and the config class's top-level original (4096) over theirs.
+    _, _, cfg = _golden("phi3")
+    given = load("phi3", rope_parameters={**cfg["rope_parameters"],
+                                          "factor": 2.0})
+    self.assertEqual(given["rope"].factor, 2.0)
+    inner = load("phi3", drop=("original_max_position_embeddings",),
+                 rope_parameters={**cfg["rope_parameters"],
+                                  "original_max_position_embeddings": 8})
+    self.assertEqual(inner["rope"].original_max_positions, 4096)
+    # OLMo 2's whole-width weights read with an overriding QKNorm too.
+    _, sd, cfg = _golden("olmo2")
+    norm = aj.QKNorm(over="all", weight="per_head", epsilon=1e-3)
+    olmo2 = checkpoints.load_attention_weights(
+        sd, family="olmo2", config=cfg, layer=0,
+        overrides={"normalize_qk": norm})
+    self.assertEqual(olmo2.options["normalize_qk"], norm)
+    self.assertEqual(olmo2.params["q_norm"]["scale"].shape, (4, 16))
+
   def test_rope_types(self):
     _, sd, cfg = _golden("qwen3")
     base = {k: v for k, v in cfg.items() if k != "rope_parameters"}

@@ -110,6 +110,11 @@ class QKNormFormulaTest(chex.TestCase):
         aj.multi_head_attention(params, x, None, None, memory=memory,
                                 qk_norm=norm),
         aj.multi_head_attention(params, x, mem, mem, qk_norm=norm), **TOL)
+    with self.assertRaisesRegex(ValueError, r"memory's keys were normalised "
+                                r"with qk_norm=.*pass project_memory the same"):
+      aj.multi_head_attention(params, x, None, None, memory=memory,
+                              qk_norm=aj.QKNorm(kind="layer",
+                                                weight="per_head"))
 
 
 class QKNormDecodeTest(chex.TestCase):

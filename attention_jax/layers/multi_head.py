@@ -360,14 +360,20 @@ def _partial_keywords(fn) -> dict[str, Any]:
   return fixed
 
 
-class Memory(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["key", "value"], meta_fields=["qk_norm"])
+@dataclasses.dataclass(frozen=True)
+class Memory:
   """Keys and values of a memory, projected once (``project_memory``).
 
   ``key``, ``value``: ``[B, K, S, H]``, after ``W_k``/``W_v`` (and the
   key's qk-norm): what cross-attention reuses at every decoding step.
+  ``qk_norm``: the ``aj.QKNorm`` the keys were normalised with (None: none),
+  static; a call whose queries are normalised otherwise is refused.
   """
   key: jax.Array
   value: jax.Array
+  qk_norm: qk_norm_lib.QKNorm | None = None
 
 
 class Forward(NamedTuple):
@@ -429,7 +435,7 @@ def project_memory(params: Params, memory: ArrayLike, *,
   norm = qk_norm_lib.resolve(params, qk_norm)
   if norm is not None:
     k = qk_norm_lib.normalize(k, params, "k_norm", norm)
-  return Memory(k, v)
+  return Memory(k, v, norm)
 
 
 def _check_memory(memory, b: int, dims: multi_head_params.HeadDims):
@@ -842,6 +848,11 @@ def multi_head_attention(
   dims = param_dims(params)
   _check_inputs(query, key, value, cache, params, dims, memory)
   norm = qk_norm_lib.resolve(params, qk_norm)
+  if memory is not None and memory.qk_norm != norm:
+    raise ValueError(
+        f"memory's keys were normalised with qk_norm={memory.qk_norm}, but "
+        f"this call normalises the queries with {norm}: pass project_memory "
+        "the same qk_norm= as this call.")
   sinks, score_mod = layer_extras(params, score_mod, t5_bias)
   checks.check_static_bool("is_causal", is_causal)
   rope = rope_lib.as_rope(rope)

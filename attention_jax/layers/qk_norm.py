@@ -23,9 +23,11 @@ projection). A weight is one ``[H]`` scale shared by the heads
 (``weight="shared"``), one per head (``"per_head"``, ``[N, H]``: a
 whole-width ``[N * H]`` weight reshaped per head, as projection biases are),
 or none. ``weight_offset=1`` multiplies by ``1 + w`` (Gemma's and
-Qwen3-Next's norms store ``w`` around 0). The norm is computed in float32
-(float64 for float64 inputs) and cast back, as every one of those models
-computes it.
+Qwen3-Next's norms store ``w`` around 0). The norm and its weight are
+computed in float32 (float64 for float64 inputs) and cast back once; in
+bfloat16 this differs by one rounding from models that cast to the input
+dtype before the weight (Qwen3, OLMo 2), and equals those that cast last
+(Gemma 3, Qwen3-Next, Cohere).
 """
 
 from __future__ import annotations

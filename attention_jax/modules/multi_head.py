@@ -435,8 +435,8 @@ class MultiHeadAttention(nnx.Module):
     ``sinks`` logits ``[N]`` and the ``t5_bias`` table ``[R, N]`` keep
     ``param_dtype`` (they join the float32 logits). So
     ``aj.multi_head_attention(mha.params_dict(), x, x, x, mha.mask,
-    scale=mha.scale, t5_bias=mha.t5_bias, rope=mha.rope, ...)`` is
-    ``mha(x)``.
+    scale=mha.scale, t5_bias=mha.t5_bias, rope=mha.rope,
+    qk_norm=mha.qk_norm, ...)`` is ``mha(x)``.
     """
     return {name: layer.as_dict(self.dtype)
             for name, layer in self._layers().items()}
@@ -796,7 +796,8 @@ class MultiHeadAttention(nnx.Module):
             "this layer holds a cross-attention memory (init_cross_cache): "
             "decode=True attends to it, so pass no key/value (or call "
             "without decode=True to attend to other keys).")
-      memory = multi_head.Memory(self.memory_key[...], self.memory_value[...])
+      memory = multi_head.Memory(self.memory_key[...], self.memory_value[...],
+                                 self.qk_norm)
       decode = False
     if memory is None:
       if key is None and value is None and not decode:

@@ -70,7 +70,10 @@ class LoadedAttention:
     layer: the layer index.
     prefix: the state-dict prefix its weights were read under, e.g.
       ``"model.layers.3.self_attn."``.
-    params: ``aj.multi_head_attention``'s params dict (``W_q``, ``W_k``,
+    params: ``aj.multi_head_attention``'s params dict (its arrays only:
+      calling the function with them takes the ``options`` too, e.g.
+      ``qk_norm=options["normalize_qk"]``, ``scale=``, ``rope=``, as
+      ``.module()`` does) (``W_q``, ``W_k``,
       ``W_v``, ``W_o``, with ``q_norm``/``k_norm`` for qk-norm and
       ``sinks`` ``{"logits": [N]}`` for learned sinks), jnp arrays: all the
       layer's weights.
@@ -212,8 +215,8 @@ def _overrides(overrides) -> dict[str, Any]:
         f"overrides has {unknown}, which load_attention_weights does not "
         f"infer: the options it can override are {list(OVERRIDABLE)}"
         f"{window}. Sizes and use_bias follow the weights' shapes and the "
-        "config; other options (dtype, precision, attention_fn, score_mod, "
-        "...) go to .module().")
+        "config; other options (dtype, precision, attention_fn, "
+        "dropout_rate, ...) go to .module().")
   out = dict(overrides)
   if "attention_sinks" in out:
     if not isinstance(out["attention_sinks"], (bool, np.bool_)):

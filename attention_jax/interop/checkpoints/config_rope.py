@@ -26,6 +26,11 @@ DEFAULT_WINDOW = {"gemma2": 4096, "gemma3": 4096, "mistral": 4096,
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                  "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
+# Config classes with a top-level original_max_position_embeddings of their
+# own (it wins over the rope parameters' in HF's standardisation).
+DEFAULT_ORIGINAL = {"phi3": 4096}
+# Config classes whose partial_rotary_factor defaults below 1.
+DEFAULT_PARTIAL = {"qwen3_next": 0.25}
 # rope_type -> our Rope scaling.
 ROPE_SCALINGS = {"default": "none", "linear": "linear",
                   "dynamic": "dynamic", "llama3": "llama3", "yarn": "yarn",
@@ -159,7 +164,8 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
   # These families' modeling code rotates the whole head: transformers'
   # default rope never reads partial_rotary_factor, and with a scaled rope
   # type a factor below 1 makes its frequencies and its head disagree.
-  fraction = p.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+  fraction = p.get("partial_rotary_factor", cfg.get(
+      "partial_rotary_factor", DEFAULT_PARTIAL.get(family)))
   if (not partial and fraction is not None and float(fraction) < 1.0
       and rope_type != "default"):
     raise ValueError(
@@ -174,7 +180,8 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
   # HF's standardisation: a top-level original_max_position_embeddings wins,
   # then rope_parameters', then max_position_embeddings.
   original = cfg.get("original_max_position_embeddings",
-                     p.get("original_max_position_embeddings", max_positions))
+                     DEFAULT_ORIGINAL.get(family, p.get(
+                         "original_max_position_embeddings", max_positions)))
   if rope_type in ("linear", "dynamic", "llama3"):
     fields["factor"] = float(need("factor"))
   if rope_type == "dynamic":  # HF's dynamic NTK reads max_position_embeddings
@@ -200,17 +207,18 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
       fields.update(mscale=float(p["mscale"]),
                     mscale_all_dim=float(p["mscale_all_dim"]))
   if rope_type == "longrope":
-    # HF (Phi-3): with original_max_position_embeddings the magnitude's
-    # factor is max_position_embeddings / original; else the config's.
-    top = cfg.get("original_max_position_embeddings")
-    factor = (max_positions / top if top and max_positions
-              else p.get("factor"))
+    # HF 5: the rope parameters' factor, else max_position_embeddings /
+    # original (Phi-3's configs give none); it sets the default magnitude.
+    factor = p.get("factor")
+    if factor is None:
+      factor = reading.positive_int(cfg, "max_position_embeddings",
+                                    family) / original
     fields.update(original_max_positions=int(original),
                   short_factor=tuple(map(float, need("short_factor"))),
                   long_factor=tuple(map(float, need("long_factor"))))
     if p.get("attention_factor") is not None:
       fields["attention_factor"] = float(p["attention_factor"])
-    elif factor is None or float(factor) <= 1.0:  # HF: magnitude 1
+    elif float(factor) <= 1.0:  # HF: magnitude 1
       fields["attention_factor"] = 1.0
     else:
       fields["factor"] = float(factor)

@@ -93,7 +93,7 @@ _TRAITS = {
                        derives_head_dim=True),
     "phi3": _Traits(biases="none", fused_qkv=True, partial_rotary=True,
                     derives_kv_heads=True, derives_head_dim=True),
-    "llama4": _Traits(interleaved=True, derives_head_dim=True),
+    "llama4": _Traits(interleaved=True),  # head_dim defaults to 128
 }
 
 
@@ -240,8 +240,7 @@ def build(cfg: Mapping[str, Any], family: str, layer: int,
     _llama4_temperature(cfg, layer, options, notes)
   norm = overrides.get("normalize_qk", _qk_norm(cfg, family, layer, traits))
   read_norms(read, params, options, notes, norm, n=n, k=k, h=h,
-             whole_width=traits.qk_norm == "olmo"
-             and "normalize_qk" not in overrides)
+             whole_width=traits.qk_norm == "olmo")  # OLMo 2 stores [N * H]
   if overrides.get("attention_sinks", traits.sinks):
     read_sinks(read, params, options, notes, n)
   return params, options, "; ".join(notes)
@@ -249,11 +248,23 @@ def build(cfg: Mapping[str, Any], family: str, layer: int,
 
 def _mask(cfg: Mapping[str, Any], family: str, layer: int) -> Mask:
   if family == "llama4":
-    chunk = cfg.get("attention_chunk_size")
-    if _llama4_rope(cfg, layer) and chunk is not None:
-      # HF's chunked causal mask: both tokens in one chunk of `chunk`.
-      return Mask(causal=True, rule=chunked_mask_fn(int(chunk)))
-    return Mask(causal=True)
+    # HF picks the mask by layer_types; its config derives them as
+    # "chunked_attention" on RoPE layers while attention_chunk_size (8192
+    # by default) is set.
+    chunk = cfg.get("attention_chunk_size", 8192)
+    if cfg.get("layer_types") is not None:
+      chunked = config_rope.layer_type(cfg, family,
+                                       layer) == "chunked_attention"
+    else:
+      chunked = _llama4_rope(cfg, layer) and chunk is not None
+    if not chunked:
+      return Mask(causal=True)
+    if chunk is None:
+      raise ValueError(
+          f"config['layer_types'][{layer}] is 'chunked_attention' but "
+          "attention_chunk_size is None: give the chunk size.")
+    # HF's chunked causal mask: both tokens in one chunk of `chunk`.
+    return Mask(causal=True, rule=chunked_mask_fn(int(chunk)))
   window = config_rope.window(cfg, family, layer)
   return Mask(causal=True, window=None if window is None else (window - 1, 0))
 

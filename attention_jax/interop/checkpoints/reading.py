@@ -151,7 +151,8 @@ class Reader:
           f"state_dict has {unused} under prefix {self.prefix!r}, which the "
           f"{self.family} attention this config describes does not use "
           f"({why}). Check the config (e.g. attention_bias) matches the "
-          "checkpoint, or the prefix.")
+          "checkpoint, the prefix, or that no overrides= (normalize_qk=False, "
+          "attention_sinks=False) dropped weights the checkpoint has.")
 
 
 def dtype_of(arrays: Mapping[str, np.ndarray], dtype) -> jnp.dtype:
