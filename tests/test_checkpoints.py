@@ -898,6 +898,30 @@ class LoadedDecodingTest(parameterized.TestCase):
                                atol=REL_TOL * float(jnp.abs(full).max()))
 
 
+class FalconAlibiTest(parameterized.TestCase):
+  """Falcon's ALiBi rounds slope and position to bfloat16 (HF's
+  build_alibi_tensor); the 4-head goldens cannot tell, 16 heads at 300
+  positions can (bfloat16's 2**-9 of slope * position)."""
+
+  def test_bias_matches_hfs_bfloat16_formula(self):
+    from attention_jax.interop.checkpoints import gpt  # noqa: PLC0415
+    n, h, s = 16, 64, 300
+    # HF's slopes (base 2**-(8 / 16) for 16 heads), then its bfloat16 math.
+    slopes = np.float32(2.0 ** -0.5) ** np.arange(1, n + 1, dtype=np.float32)
+    bf16 = jnp.bfloat16
+    product = (slopes.astype(bf16)[:, None]
+               * np.arange(s).astype(bf16)[None, :])  # [N, S] bfloat16
+    want = product.astype(np.float32) / np.float32(np.sqrt(h))
+    mod = gpt.falcon_alibi(n, h)
+    kv = jnp.arange(s)[None, :]
+    got = np.stack([np.asarray(mod(jnp.zeros((1, s)), 0, head, 0, kv))[0]
+                    for head in range(n)])
+    # float32 division against float32 division: equal to an ulp.
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+    plain = slopes[:, None] * np.arange(s)[None, :] / np.sqrt(h)
+    self.assertGreater(np.abs(plain - want).max(), 1e-3)  # it matters
+
+
 class QwenWindowLayersTest(parameterized.TestCase):
   """Qwen's window rule on its own: layers >= max_window_layers slide."""
 
