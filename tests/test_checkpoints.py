@@ -610,6 +610,22 @@ class NoGuessTest(parameterized.TestCase):
                                  "partial_rotary_factor": 1.0}, llama_sd)
     self.assertEqual(loaded.options["rope"].fraction, 1.0)
 
+  def test_a_cohere_config_without_model_type_is_named_not_guessed(self):
+    _, sd, cfg = _golden("cohere")
+    untyped = {k: v for k, v in cfg.items() if k != "model_type"}
+    with self.assertRaises(ValueError) as caught:
+      self.load("llama", untyped, {
+          k: v for k, v in sd.items() if "norm" not in k})
+    message = str(caught.exception)
+    self.assertRegex(message, r"'logit_scale' \(Cohere's logit scale\), "
+                     r"'use_qk_norm' \(Cohere's qk-norm\)")
+    self.assertRegex(message, r"pass the family it names \(one of \['llama'")
+    for family in FAMILIES:  # the supported ones, every one listed
+      self.assertIn(repr(family), message)
+    # Named as Cohere it loads (its interleaved pairs and per-head norms).
+    self.assertTrue(self.load("cohere", untyped, sd).options["rope"]
+                    .interleaved)
+
   def test_sizes_whose_default_differs_are_not_guessed(self):
     def without(family, key):
       return {k: v for k, v in _golden(family)[2].items() if k != key}
