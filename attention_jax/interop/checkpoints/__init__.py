@@ -364,13 +364,14 @@ def load_attention_weights(
     raise ValueError(f"layer={layer} is out of range: the config has "
                      f"{count} layers (0 <= layer < {count}).")
   if prefix is None:
-    prefix = reading.find_prefix(state_dict, spec, layer, attention)
+    prefix = reading.find_prefix(state_dict, spec, layer, attention,
+                                 FAMILIES)
   elif not isinstance(prefix, str):
     raise TypeError(f"prefix must be a string such as "
                     f"'model.layers.{layer}.self_attn.', got {prefix!r}.")
   elif prefix and not prefix.endswith("."):
     prefix += "."
-  read = reading.Reader(state_dict, prefix, spec, layer)
+  read = reading.Reader(state_dict, prefix, spec, layer, FAMILIES)
   arrays, options, notes = spec.build(cfg, layer, read, overrides, attention)
   read.check_all_taken(notes)
   options.update(overrides)

@@ -52,14 +52,15 @@ def positive_int(cfg: Mapping[str, Any], name: str, family: str) -> int:
 
 
 def find_prefix(state: Mapping[str, Any], family: registry.Family, layer: int,
-                attention: str) -> str:
+                attention: str,
+                known: Mapping[str, registry.Family]) -> str:
   """The layer's attention prefix, found by its anchor weight's name."""
   tail = family.layer_prefix(layer, attention) + family.anchor
   found = sorted(k[:-len(family.anchor)] for k in state
                  if (k == tail or k.endswith("." + tail))
                  and "vision" not in k)  # a multimodal model's image tower
   if not found:
-    refuse_fused(state, family, layer, prefix=None)
+    refuse_fused(state, family, layer, prefix=None, known=known)
     if family.name == "qwen3_next":  # its linear-attention layers
       linear = f"layers.{layer}.linear_attn."
       if any(linear in k for k in state):
@@ -78,7 +79,8 @@ def find_prefix(state: Mapping[str, Any], family: registry.Family, layer: int,
 
 
 def refuse_fused(state: Mapping[str, Any], family: registry.Family,
-                 layer: int, *, prefix: str | None) -> None:
+                 layer: int, *, prefix: str | None,
+                 known: Mapping[str, registry.Family]) -> None:
   """Raises if the layer's q/k/v are a fused weight this family does not read.
 
   Looks under ``prefix`` if given, else at keys of layer ``layer``: a key
@@ -98,9 +100,7 @@ def refuse_fused(state: Mapping[str, Any], family: registry.Family,
     return
   key = sorted(hits)[0]
   name = key.split(".")[-2]
-  # (imported here: the family modules import this one)
-  from attention_jax.interop.checkpoints import families  # noqa: PLC0415
-  readers = [f.name for f in families.FAMILIES.values() if name in f.fused]
+  readers = [f.name for f in known.values() if name in f.fused]
   reads = f"{family.anchor} under {family.templates()}"
   hint = (f"load it with the family that reads it ({', '.join(readers)})"
           if readers else "load it with the family it belongs to")
@@ -117,8 +117,9 @@ class Reader:
   """Takes a layer's tensors by name, with messages that name key and prefix."""
 
   def __init__(self, state: Mapping[str, Any], prefix: str,
-               family: registry.Family, layer: int):
-    self.state, self.prefix = state, prefix
+               family: registry.Family, layer: int,
+               known: Mapping[str, registry.Family]):
+    self.state, self.prefix, self.known = state, prefix, known
     self.spec, self.family, self.layer = family, family.name, layer
     self.taken: set[str] = set()
 
@@ -128,7 +129,8 @@ class Reader:
   def get(self, name: str, shape: tuple[int, ...], why: str) -> np.ndarray:
     key = self.prefix + name
     if key not in self.state:
-      refuse_fused(self.state, self.spec, self.layer, prefix=self.prefix)
+      refuse_fused(self.state, self.spec, self.layer, prefix=self.prefix,
+                   known=self.known)
       raise ValueError(
           f"state_dict has no {key!r} ({self.family} layer {self.layer}, "
           f"prefix {self.prefix!r}; {why}). Keys under that prefix: "

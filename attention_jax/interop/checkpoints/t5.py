@@ -126,7 +126,7 @@ def _block0(read: reading.Reader, layer: int) -> reading.Reader:
         "with 'block.0.'. Pass the state dict with HF's names "
         "('encoder.block.{i}.layer.0.SelfAttention.', ...).")
   prefix = read.prefix[:i] + "block.0." + read.prefix[i + len(marker):]
-  return reading.Reader(read.state, prefix, read.spec, 0)
+  return reading.Reader(read.state, prefix, read.spec, 0, read.known)
 
 
 def _table(read: reading.Reader, family: str, layer: int, attention: str,
