@@ -186,7 +186,7 @@ def resolve(params, norm) -> QKNorm | None:
       how to use them.
   """
   norm = as_qk_norm(norm)
-  scales = params.get("q_norm", {}).get("scale") if "q_norm" in params else None
+  scales = params.get("q_norm", {}).get("scale")
   ndim = None if scales is None else len(jnp.shape(scales))
   if norm is None:
     if ndim == 2:

@@ -125,6 +125,18 @@ def _check_number(name: str, value) -> float:
   return value
 
 
+def _check_choice(name: str, value, choices: tuple[str, ...], type_hint: str,
+                  fix: str) -> None:
+  """TypeError unless ``value`` is a string; ValueError unless in
+  ``choices`` (``fix`` says which to use)."""
+  if not isinstance(value, str):
+    raise TypeError(
+        f"{name} must be a string, one of {', '.join(map(repr, choices))}"
+        f"{type_hint}, got {value!r} ({type(value).__name__}).")
+  if value not in choices:
+    raise ValueError(f"unknown {name} {value!r}: {fix}.")
+
+
 def _check_bool(name: str, value) -> bool:
   """A static Python bool (numpy bools accepted; ints, arrays refused)."""
   if isinstance(value, jax.core.Tracer) or not isinstance(
@@ -380,14 +392,8 @@ class Rope:
   def __post_init__(self):
     set_field = lambda name, value: object.__setattr__(self, name, value)
     scaling = self.scaling
-    if not isinstance(scaling, str):
-      raise TypeError(
-          f"scaling must be a string, one of {', '.join(map(repr, SCALINGS))}"
-          f" ('none' for plain RoPE), got {scaling!r} "
-          f"({type(scaling).__name__}).")
-    if scaling not in SCALINGS:
-      raise ValueError(f"unknown scaling {scaling!r}: use one of "
-                       f"{', '.join(map(repr, SCALINGS))}.")
+    _check_choice("scaling", scaling, SCALINGS, " ('none' for plain RoPE)",
+                  f"use one of {', '.join(map(repr, SCALINGS))}")
     # Types first (normalised, so equal descriptions hash equal).
     for name in ("base", "factor", "low_freq_factor", "high_freq_factor",
                  "beta_fast", "beta_slow", "fraction"):
@@ -457,17 +463,11 @@ class Rope:
 
   def _check_section_frequencies(self):
     value = self.section_frequencies
-    if not isinstance(value, str):
-      raise TypeError(
-          f"section_frequencies must be a string, one of "
-          f"{', '.join(map(repr, SECTION_FREQUENCIES))}, got {value!r} "
-          f"({type(value).__name__}).")
-    if value not in SECTION_FREQUENCIES:
-      raise ValueError(
-          f"unknown section_frequencies {value!r}: use 'split' (M-RoPE, "
-          f"Qwen2-VL's mrope_section: one frequency ladder over R / 2 cut "
-          f"into the sections) or 'per_section' (axial vision RoPE: a ladder "
-          f"per section).")
+    _check_choice(
+        "section_frequencies", value, SECTION_FREQUENCIES, "",
+        "use 'split' (M-RoPE, Qwen2-VL's mrope_section: one frequency ladder "
+        "over R / 2 cut into the sections) or 'per_section' (axial vision "
+        "RoPE: a ladder per section)")
     if value == "split":
       return
     if self.sections is None:
