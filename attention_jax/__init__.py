@@ -17,6 +17,8 @@ from attention_jax.attention.dot_product import scaled_dot_product_attention
 from attention_jax.attention.explain import Explanation
 from attention_jax.attention.explain import explain
 from attention_jax.attention.ring import ring_attention
+from attention_jax.attention.sequence_parallel import SequenceParallel
+from attention_jax.attention.ulysses import ulysses_attention
 from attention_jax.core.merge import merge_attentions
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.decoding import paged_cache as paged_cache  # its updates
@@ -33,6 +35,9 @@ from attention_jax.interop.flax_fn import flax_attention_fn
 from attention_jax.interop.jax_nn import dot_product_attention
 from attention_jax.interop.torch_convert import from_torch_multihead_attention
 from attention_jax.interop.torch_convert import to_torch_multihead_attention
+from attention_jax.kernels.ring_layout import unzigzag
+from attention_jax.kernels.ring_layout import zigzag
+from attention_jax.kernels.ring_layout import zigzag_indices
 from attention_jax.layers.additive import additive_attention
 from attention_jax.layers.additive import additive_score
 from attention_jax.layers.additive import init_additive_params
@@ -142,6 +147,11 @@ __all__ = [
     "prefix_lm_mask_fn",
     "project_memory",
     "ring_attention",
+    "ulysses_attention",
+    "SequenceParallel",
+    "zigzag",
+    "unzigzag",
+    "zigzag_indices",
     "scaled_dot_product_attention",
     "segment_positions",
     "to_torch_multihead_attention",

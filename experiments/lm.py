@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import attention_jax as aj
 from experiments import checkpoints
 from experiments import config_flags
 from experiments import lm_data
@@ -61,6 +62,7 @@ from experiments import report
 from experiments import training
 
 VARIANTS = ("segments", "naive", "window")
+SEQUENCE_PARALLEL = ("ring", "ulysses", "hybrid")
 # Different lengths on purpose: one batched prefill, each example decoding
 # from its own position.
 PROMPTS = ("The cat sat on the mat", 'The "for" statement is used to',
@@ -94,6 +96,17 @@ class LMConfig:
                            checkpoint_every=100, log_every=10),
       expose=config_flags.training_flags(
           "lm", "training steps per variant.", "rows per batch."))
+  sequence_parallel: str = config_flags.field(
+      "ring", "lm: how a --mesh with a seq axis splits each row's attention: "
+      "ring (key/value blocks round the seq axis), ulysses (all-to-all to "
+      "whole rows of fewer heads) or hybrid (all-to-all over seq, ring "
+      "across the ring axis: --mesh=data:2,ring:2,seq:2).",
+      name="lm_sequence_parallel", choices=SEQUENCE_PARALLEL)
+  seq_layout: str = config_flags.field(
+      "zigzag", "lm: how the rows' tokens are laid over the sequence "
+      "devices: zigzag (each device two chunks, i and 2P-1-i: the same "
+      "causal work on every device) or contiguous.", name="lm_seq_layout",
+      choices=("zigzag", "contiguous"))
   gen_tokens: int = config_flags.field(
       120, "lm: characters generated per prompt.", lower_bound=1)
   temperature: float = config_flags.field(
@@ -110,7 +123,7 @@ class LMConfig:
 RESUMABLE_CHANGES = frozenset({
     "workdir", "variants", "doc_start_chars", "gen_tokens", "temperature",
     "top_k", "prompts", "train.log_every", "train.checkpoint_every",
-    "train.mesh"})
+    "train.mesh", "sequence_parallel", "seq_layout"})
 # TrainConfig fields of the copy task that do not shape this experiment.
 _UNUSED_TRAIN = frozenset({"train.task", "train.min_len", "train.max_len",
                            "train.vocab_size"})
@@ -121,7 +134,8 @@ def build_model(variant: str, config: LMConfig, vocab_size: int,
   """A fresh model of ``variant``; every variant starts from the same seed.
 
   With a mesh whose ``model`` axis is > 1, heads and FFN units are
-  annotated to split over it (build under ``jax.set_mesh(mesh)``).
+  annotated to split over it (build under ``jax.set_mesh(mesh)``); one
+  that splits sequences gets ``sequence_attention``'s attention.
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}.")
@@ -129,7 +143,47 @@ def build_model(variant: str, config: LMConfig, vocab_size: int,
       config.model, vocab_size=vocab_size,
       window=config.window if variant == "window" else None,
       rngs=nnx.Rngs(config.train.seed),
+      implementation=sequence_attention(config, mesh),
       model_axis=parallel.model_axis(mesh) if mesh else None)
+
+
+def sequence_attention(config: LMConfig, mesh: jax.sharding.Mesh | None
+                       ) -> aj.SequenceParallel | None:
+  """The attention of a mesh that splits sequences (None: it does not).
+
+  ``--lm_sequence_parallel`` picks ring or all-to-all over ``seq``, or the
+  hybrid (all-to-all over ``seq``, ring across ``ring``); the batch is
+  split over ``data`` and the heads over ``model`` as the rest of the
+  model is.
+  """
+  if mesh is None or parallel.sequence_devices(mesh) == 1:
+    return None
+  method = config.sequence_parallel
+  ring, seq = mesh.shape["ring"], mesh.shape["seq"]
+  if (method == "hybrid") != (ring > 1 and seq > 1):
+    raise ValueError(
+        f"--lm_sequence_parallel={method} with --mesh {dict(mesh.shape)}: "
+        "the hybrid needs both a ring and a seq axis (e.g. "
+        "--mesh=data:2,ring:2,seq:2), ring and ulysses one seq axis "
+        "(--mesh=data:2,seq:4).")
+  if ring > 1 and method != "hybrid":
+    raise ValueError("--mesh: put a sequence split of one kind on the seq "
+                     "axis (ring is the hybrid's outer axis).")
+  return aj.SequenceParallel(
+      "seq", method=method, layout=config.seq_layout,
+      ring_axis="ring" if method == "hybrid" else None,
+      batch_axis="data" if mesh.shape["data"] > 1 else None,
+      head_axis=parallel.model_axis(mesh))
+
+
+def layout_devices(config: LMConfig, mesh: jax.sharding.Mesh | None) -> int:
+  """The devices ``aj.zigzag`` lays a row over (1: rows stay in order):
+  the ring's in the hybrid, the sequence axis's otherwise."""
+  if (sequence_attention(config, mesh) is None
+      or config.seq_layout != "zigzag"):
+    return 1
+  return mesh.shape["ring" if config.sequence_parallel == "hybrid"
+                    else "seq"]
 
 
 def fingerprint(variant: str, config: LMConfig) -> dict:
@@ -143,17 +197,19 @@ def fingerprint(variant: str, config: LMConfig) -> dict:
   return report.jsonable({"variant": variant, **settings})
 
 
-def loss_fn(model, inputs, targets, weights, segment_ids):
-  """Mean cross-entropy (nats) over the targets of each input's document."""
-  logits = model(inputs, segment_ids)
+def loss_fn(model, inputs, targets, weights, segment_ids, positions=None):
+  """Mean cross-entropy (nats) over the targets of each input's document
+  (``positions``: rotary positions, given when the rows are permuted)."""
+  logits = model(inputs, segment_ids, positions)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   return jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 @nnx.jit
-def train_step(model, optimizer, inputs, targets, weights, segment_ids):
+def train_step(model, optimizer, inputs, targets, weights, segment_ids,
+               positions=None):
   loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets, weights,
-                                            segment_ids)
+                                            segment_ids, positions)
   optimizer.update(model, grads)
   return loss
 
@@ -181,12 +237,20 @@ def attended_ids(variant: str, segment_ids: np.ndarray) -> np.ndarray:
 
 
 def train_batch(corpus: lm_data.Corpus, config: LMConfig, variant: str,
-                step: int) -> tuple[np.ndarray, ...]:
-  """``(inputs, targets, weights, segment_ids)`` of training step ``step``."""
+                step: int, devices: int = 1) -> tuple[np.ndarray, ...]:
+  """``(inputs, targets, weights, segment_ids)`` of training step ``step``;
+  laid out over ``devices`` in the zigzag order (``layout_devices``), with
+  each token's rotary position after them (the loss is a sum over tokens:
+  the order changes nothing else)."""
   rows = lm_data.batch_rows(corpus.train.num_rows, step,
                             config.train.batch_size, config.train.seed)
   inputs, targets, weights, ids = lm_data.batch(corpus.train, rows)
-  return inputs, targets, weights, attended_ids(variant, ids)
+  arrays = (inputs, targets, weights, attended_ids(variant, ids))
+  if devices == 1:
+    return arrays
+  positions = np.asarray(aj.segment_positions(arrays[-1]))
+  return tuple(np.asarray(aj.zigzag(x, devices, axis=1))
+               for x in (*arrays, positions))
 
 
 @nnx.jit
@@ -416,7 +480,7 @@ def run(config: LMConfig) -> dict:
   report. Raises ``RuntimeError`` after writing it if cached generation
   disagreed with recomputation."""
   report.check_writable(config.workdir)
-  mesh = training.training_mesh(config.train)
+  mesh = training.training_mesh(config.train, sequence=True)
   corpus = lm_data.build_corpus(config.seq_len, config.valid_fraction,
                                 config.train.seed)
   rows = leakage_rows(corpus.valid, config.seq_len,
@@ -432,10 +496,14 @@ def run(config: LMConfig) -> dict:
     try:
       stats = training.train(
           variant, model, config.train, ckpt, mesh,
-          batches=functools.partial(train_batch, corpus, config, variant),
+          batches=functools.partial(train_batch, corpus, config, variant,
+                                    devices=layout_devices(config, mesh)),
           step_fn=timed)
     finally:
       ckpt.close()
+    # What follows needs weights and a KV cache: every layer's attention
+    # unsplit again (the same parameters).
+    model.set_attention(None)
     trained = stats["steps"] - stats["resumed_from"]
     steady = stats["seconds"] - timed.first_seconds
     stats["first_step_seconds"] = timed.first_seconds

@@ -70,11 +70,12 @@ class Block(nnx.Module):
     self.ffn = transformer.FeedForward(d, config.ffn_dim, rngs=rngs,
                                        model_axis=model_axis)
 
-  def __call__(self, x, *, segment_ids=None, decode=False, lengths=None,
-               rows=None, return_weights=False):
+  def __call__(self, x, *, segment_ids=None, positions=None, decode=False,
+               lengths=None, rows=None, return_weights=False):
     """``x [B, T, D]`` -> ``(x, aux)``: ``aux`` is the attention output
     ``[B, T, D]`` when decoding, else the weights ``[B, N, T, S]`` with
-    ``return_weights`` or None."""
+    ``return_weights`` or None. ``positions [B, T]``: the rotary positions
+    (None: restarting at each document of ``segment_ids``)."""
     h = self.norm1(x)
     if decode:
       out = self.attention(
@@ -85,7 +86,7 @@ class Block(nnx.Module):
       # kv_segment_ids default to the queries' (packed self-attention).
       mask = (None if segment_ids is None
               else aj.Mask(q_segment_ids=segment_ids))
-      out = self.attention(h, mask=mask, is_causal=True,
+      out = self.attention(h, mask=mask, is_causal=True, positions=positions,
                            return_weights=return_weights)
       out, weights = out if return_weights else (out, None)
     x = x + out
@@ -102,7 +103,8 @@ class DecoderLM(nnx.Module):
       layer, or None.
     rngs: parameter initialisation.
     implementation: ``aj.MultiHeadAttention``'s ``attention_fn`` (an
-      implementation such as ``"flash"``; None: automatic).
+      implementation such as ``"flash"``, an ``aj.SequenceParallel``;
+      None: automatic).
     model_axis: mesh axis to split heads and FFN units over, or None.
   """
 
@@ -119,16 +121,26 @@ class DecoderLM(nnx.Module):
     self.final_norm = nnx.LayerNorm(config.d_model, rngs=rngs)
     self.output = nnx.Linear(config.d_model, vocab_size, rngs=rngs)
 
+  def set_attention(self, attention_fn) -> None:
+    """Every layer's ``attention_fn`` replaced (e.g. a sequence-parallel
+    model's, for analyses that need weights or a KV cache)."""
+    for block in self.blocks:
+      block.attention.attention_fn = attention_fn
+
   def _logits(self, x):
     return self.output(self.final_norm(x))  # [B, T, V]
 
-  def __call__(self, tokens, segment_ids=None, *, return_weights=False):
+  def __call__(self, tokens, segment_ids=None, positions=None, *,
+               return_weights=False):
     """The full causal forward.
 
     Args:
       tokens: int ``[B, T]``.
       segment_ids: int ``[B, T]`` documents of a packed row (None: one
         sequence per row).
+      positions: int ``[B, T]`` rotary positions (None: each document's
+        from 0). A sequence-parallel model in the zigzag layout gets its
+        tokens, ids and positions permuted alike (``aj.zigzag``).
       return_weights: also return each layer's attention weights.
 
     Returns:
@@ -138,7 +150,8 @@ class DecoderLM(nnx.Module):
     x = self.embed(tokens)  # [B, T, D]
     weights = []
     for block in self.blocks:
-      x, w = block(x, segment_ids=segment_ids, return_weights=return_weights)
+      x, w = block(x, segment_ids=segment_ids, positions=positions,
+                   return_weights=return_weights)
       weights.append(w)
     logits = self._logits(x)
     return (logits, weights) if return_weights else logits

@@ -1,12 +1,16 @@
 """Devices for the experiments: the mesh, and what is sharded over it.
 
-A mesh has up to two axes: ``data`` splits each batch (every device holds
+A mesh has up to four axes: ``data`` splits each batch (every device holds
 all parameters it needs and sees ``B / data`` examples; gradients are summed
-across ``data`` by XLA) and ``model`` splits the Transformer's heads and
-feed-forward units (``attention_jax.layers.sharding``). GRU models have nothing to
-split by ``model`` and are replicated over it. Everything goes through JAX's
+across ``data`` by XLA), ``seq`` (and ``ring``) split each sequence (the LM
+only: its attention is ``aj.SequenceParallel``, ring or all-to-all over
+``seq``, the hybrid's ring across ``ring``; every other layer is per token)
+and ``model`` splits the Transformer's heads and feed-forward units
+(``attention_jax.layers.sharding``). GRU models have nothing to split by
+``model`` and are replicated over it. Everything else goes through JAX's
 SPMD partitioner: ``jax.set_mesh``, ``NamedSharding``, parameter annotations
-(``nnx.with_partitioning``); there is no hand-written communication.
+(``nnx.with_partitioning``); the only hand-written communication is the
+sequence-parallel attention's.
 
 Multi-host: ``initialize_distributed`` must run before anything touches
 JAX's backend; each process then builds the same global batch from the seed
@@ -29,7 +33,9 @@ import numpy as np
 
 from experiments import config_flags
 
-AXES = ("data", "model")
+AXES = ("data", "ring", "seq", "model")
+# The axes a sequence is split over, major first.
+SEQUENCE_AXES = ("ring", "seq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +97,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 
 def build_mesh(sizes: dict[str, int]) -> jax.sharding.Mesh:
-  """A mesh with axes ``data`` and ``model`` (size 1 where not given)."""
+  """A mesh with the axes of ``AXES`` (size 1 where not given)."""
   shape = tuple(sizes.get(a, 1) for a in AXES)
   return jax.make_mesh(shape, AXES,
                        axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
@@ -101,6 +107,20 @@ def build_mesh(sizes: dict[str, int]) -> jax.sharding.Mesh:
 def model_axis(mesh: jax.sharding.Mesh) -> str | None:
   """``"model"`` when the mesh splits models, else None (nothing to annotate)."""
   return "model" if mesh.shape["model"] > 1 else None
+
+
+def sequence_devices(mesh: jax.sharding.Mesh) -> int:
+  """How many devices split each sequence (``ring * seq``)."""
+  return math.prod(mesh.shape[a] for a in SEQUENCE_AXES)
+
+
+def check_no_sequence_axes(mesh: jax.sharding.Mesh, experiment: str) -> None:
+  """ValueError when ``mesh`` splits sequences and ``experiment`` cannot."""
+  if sequence_devices(mesh) > 1:
+    raise ValueError(
+        f"--mesh splits sequences over {SEQUENCE_AXES} "
+        f"({dict(mesh.shape)}), but {experiment} has no sequence-parallel "
+        "attention: only --experiment=lm does. Use data and model axes.")
 
 
 def check_batch(batch_size: int, mesh: jax.sharding.Mesh) -> None:
@@ -123,15 +143,21 @@ def shard_state(node, mesh: jax.sharding.Mesh) -> None:
 
 
 def shard_batch(arrays: Sequence[np.ndarray], mesh: jax.sharding.Mesh):
-  """Global host arrays -> arrays split over ``data`` along axis 0.
+  """Global host arrays -> arrays split over ``data`` along axis 0 (and
+  ``[B, T, ...]`` arrays over the sequence axes along axis 1, when the
+  mesh splits sequences).
 
   Works on one host or many: each process supplies the rows of the global
   array that its own devices hold.
   """
   out = []
+  split_seq = sequence_devices(mesh) > 1
   for x in arrays:
     x = np.asarray(x)
-    spec = PartitionSpec("data", *([None] * (x.ndim - 1)))
+    rest = [None] * (x.ndim - 1)
+    if split_seq and rest:
+      rest[0] = SEQUENCE_AXES
+    spec = PartitionSpec("data", *rest)
     sharding = NamedSharding(mesh, spec)
     out.append(jax.make_array_from_callback(x.shape, sharding,
                                             lambda index, x=x: x[index]))

@@ -51,7 +51,8 @@ class TrainConfig:
   mesh: str = config_flags.field(
       "", "Device mesh for training, e.g. 'data:2,model:4' (batch "
       "split over data; Transformer heads and FFN over model; -1 = the "
-      "remaining devices). Default: all devices on data.")
+      "remaining devices; --experiment=lm also splits sequences over seq "
+      "and ring: 'data:2,seq:4'). Default: all devices on data.")
 
 
 def make_optimizer(model: nnx.Module, config: TrainConfig) -> nnx.Optimizer:
@@ -93,10 +94,15 @@ def batch_arrays(batch: data.Batch, mesh: jax.sharding.Mesh | None = None):
   return parallel.shard_batch(arrays, mesh)
 
 
-def training_mesh(config: TrainConfig) -> jax.sharding.Mesh:
-  """The mesh ``config.mesh`` asks for; checks the batch splits over it."""
+def training_mesh(config: TrainConfig, *,
+                  sequence: bool = False) -> jax.sharding.Mesh:
+  """The mesh ``config.mesh`` asks for; checks the batch splits over it,
+  and unless ``sequence`` (a model with sequence-parallel attention) that
+  it does not split sequences."""
   mesh = parallel.build_mesh(parallel.parse_mesh(config.mesh))
   parallel.check_batch(config.batch_size, mesh)
+  if not sequence:
+    parallel.check_no_sequence_axes(mesh, "this experiment")
   return mesh
 
 

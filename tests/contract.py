@@ -13,13 +13,17 @@ with no gradient through them); where it does not, it must refuse with a
 ``ValueError`` / ``TypeError``, never return a number.
 
 ``tests/test_contract.py`` runs the registry's kernels in process;
-``tests/multidevice/test_contract_ring.py`` runs ``ring`` on
-``RING_DEVICES`` of the 8 simulated devices. A kernel added to the registry
-is a new column by itself; it must say here what it refuses (``REFUSES``;
-the suite fails until it does) and, if it has block sizes, how to run it on
-these tiny shapes (``CONFIGURED``). A kernel outside the registry (written
-outside the library) runs the same cases through ``outside_suite(kernel,
-refuses, cases)``.
+``tests/multidevice/test_contract_ring.py`` runs the sequence-parallel
+columns (``SEQUENCE_PARALLEL``: ``ring``, ``ring_zigzag``, ``ulysses``,
+each a harness that shards the whole call, runs it and gathers the
+results) on
+``RING_DEVICES`` of the 8 simulated devices. A kernel added to the
+registry is a new column by itself; it must say here what it refuses
+(``REFUSES``; the suite fails until it does; a case refused for its shapes
+rather than its features goes in ``REFUSES_SHAPES``) and, if it has block
+sizes, how to run it on these tiny shapes (``CONFIGURED``). A kernel
+outside the registry (written outside the library) runs the same cases
+through ``outside_suite(kernel, refuses, cases)``.
 
 Shape glossary: B batch, N query heads, K key/value heads, T query length,
 S key/value length, H head dim.
@@ -28,6 +32,7 @@ S key/value length, H head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 from absl.testing import parameterized
@@ -39,8 +44,10 @@ import numpy as np
 
 import attention_jax as aj
 from attention_jax.attention import dot_product
+from attention_jax.kernels import ring_layout
 from tests import _data
 from tests import reference as reference_lib
+from tests import sequence_parallel_harness
 
 # 4 devices: every case still crosses device blocks several times (T = 40
 # is 10 rows a device, windows and segments reach over neighbours); 8
@@ -53,6 +60,9 @@ RING_DEVICES = 4
 CONFIGURED = {
     "flash": aj.kernels.Flash(block_q=5, block_k=7),
     "ring": aj.kernels.Ring("seq", block_q=4, block_k=3),
+    # The load-balanced layout: chunks i and 2P - 1 - i on device i.
+    "ring_zigzag": aj.kernels.Ring("seq", block_q=4, block_k=3,
+                                   layout="zigzag"),
     # Accelerator kernels run in Pallas's interpreter here.
     # Triton's smallest tiles (powers of two >= 16: what a GPU would run,
     # padding included); block masks' 5 x 7 tables are rebuilt at them.
@@ -71,7 +81,8 @@ REFUSES = {
     "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
                         "softcap", "segments", "sinks", "alibi", "t5",
                         "rule", "max_logits", "paged"}),
-    "ring": frozenset({"mask", "bias", "float64", "paged"}),
+    "ring": frozenset({"float64", "paged"}),
+    "ring_zigzag": frozenset({"float64", "paged"}),
     "pallas_gpu": frozenset({"float64", "max_logits", "paged"}),
     # Splash has no bias, no modifier but a soft cap, and a static mask (a
     # dense mask is traced under jit).
@@ -90,6 +101,18 @@ REFUSES["paged_gpu"] = frozenset({
     "float64", "mask", "bias", "q_lengths", "softcap", "segments", "alibi",
     "t5", "rule", "max_logits"})
 NEEDS_GPU = frozenset({"cudnn"})
+# Cases a kernel refuses for their shapes, not their features: name ->
+# (predicate on the case, what its ValueError says). Zigzag cuts each
+# global length into 2 * RING_DEVICES chunks: T = 20 or S = 28 leaves a
+# device odd lengths (5, 7), which it refuses.
+# Ulysses runs whatever kernel fits each device's whole-sequence call (the
+# dense one takes float64); it reads no pages.
+REFUSES["ulysses"] = frozenset({"paged"})
+REFUSES_SHAPES = {
+    "ring_zigzag": (lambda case: bool(case.t % (2 * RING_DEVICES)
+                                      or case.s % (2 * RING_DEVICES)),
+                    r"layout='zigzag' .* lengths must be even"),
+}
 
 
 # Interpret mode is slow (a case costs seconds): these kernels run the
@@ -140,50 +163,111 @@ def kernel_names() -> list[str]:
 
 
 def _kernel(name: str):
+  if name in SEQUENCE_PARALLEL:  # (run by its harness, not a kernel)
+    return None
   if name in CONFIGURED:
     return CONFIGURED[name]
   return aj.kernels.by_name(name)
 
 
-def _ring(query, key, value, mask_parts, **kw):
-  """The Ring kernel with T and S split over RING_DEVICES devices.
+def _ring(kernel, query, key, value, mask_parts, *, pages=None, **kw):
+  """``kernel`` (a ``Ring``) with T and S split over RING_DEVICES devices,
+  on the whole call's operands; a harness of ``SEQUENCE_PARALLEL``.
 
   The mask's arrays enter ``shard_map`` as operands (segment ids sharded
-  like the sequence, lengths replicated); its structure and rule stay
-  closed over (concrete).
+  like the sequence, a dense mask and the bias by rows when they have
+  ``T`` rows, else replicated, lengths replicated); its structure and
+  rule stay closed over (concrete), and so do keywords that hold no arrays
+  (a plain ``score_mod`` function). Under the zigzag layout q, k, v,
+  segment ids and the dense mask's and the bias's rows and columns are
+  permuted into it before ``shard_map`` and the results back after, inside
+  the differentiated function, so gradients compare with the reference as
+  they are; global lengths that the layout cannot cut are not permuted
+  (the kernel must refuse them). A paged call (``pages``) goes to the
+  dispatcher as for any kernel (refused).
   """
-  mesh = _ring_mesh()
+  if pages is not None:
+    return dot_product.run(query, None, None, _mask(mask_parts), pages=pages,
+                           implementation=kernel, **kw)
   seq = P(None, None, "seq")  # also [B, N, T] lse and max logits
   return_lse = kw.pop("return_lse", False)
   return_max_logits = kw.pop("return_max_logits", False)
   returned = 1 + return_lse + return_max_logits
   out_specs = (seq,) * returned if returned > 1 else seq
+  t, s = query.shape[-2], key.shape[-2]
   arrays = {n: x for n, x in mask_parts.items()
             if n in ("q_lengths", "kv_lengths", "q_segment_ids",
                      "kv_segment_ids", "dense") and x is not None}
+  if kw.get("bias") is not None:
+    arrays["bias"] = kw.pop("bias")
   fixed = {n: x for n, x in mask_parts.items() if n not in arrays}
-  specs = {n: P(None, "seq") if n.endswith("segment_ids") else P()
-           for n in arrays}
+  # keywords of arrays (sinks, a ScoreMod's params) are operands
+  closed = {n: x for n, x in kw.items() if not all(
+      isinstance(leaf, (jax.Array, np.ndarray, float, int))
+      for leaf in jax.tree.leaves(x))}
+  kw = {n: x for n, x in kw.items() if n not in closed}
+  zigzag = kernel.layout == "zigzag" and not (t % (2 * RING_DEVICES)
+                                              or s % (2 * RING_DEVICES))
+  if zigzag:  # the caller's permutation, once
+    order = functools.partial(ring_layout.zigzag, devices=RING_DEVICES)
+    query, key, value = order(query), order(key), order(value)
+    for n in ("q_segment_ids", "kv_segment_ids"):
+      if n in arrays:
+        arrays[n] = order(arrays[n], axis=-1)
+    for n in ("dense", "bias"):
+      for axis in (-2, -1):
+        if n in arrays and arrays[n].shape[axis] > 1:
+          arrays[n] = order(arrays[n], axis=axis)
+
+  def spec(name, x):
+    if name.endswith("segment_ids"):
+      return P(None, "seq")
+    if name in ("dense", "bias") and x.shape[-2] == t:
+      return P(None, None, "seq", None)  # this device's rows, every key
+    return P()
 
   def local(q, k, v, arrays, kw):
     # The case's mask is the whole sequence's: in this device's terms once
     # (what aj.ring_attention does), then the dispatcher as for any kernel.
-    mask, score_mod, kernel = _localize(
-        CONFIGURED["ring"], _mask({**fixed, **arrays}), kw.pop(
-            "score_mod", None), q, k)
+    bias = arrays.pop("bias", None)
+    kw = {**kw, **closed}
+    mask, score_mod, localized = _localize(
+        kernel, _mask({**fixed, **arrays}), kw.pop("score_mod", None), q, k,
+        bias)
     return aj.scaled_dot_product_attention(
-        q, k, v, mask, score_mod=score_mod, implementation=kernel,
+        q, k, v, mask, score_mod=score_mod, implementation=localized,
         return_lse=return_lse, return_max_logits=return_max_logits, **kw)
 
-  return jax.shard_map(local, mesh=mesh,
-                       in_specs=(seq, seq, seq, specs, {n: P() for n in kw}),
-                       out_specs=out_specs)(query, key, value, arrays, kw)
+  result = jax.shard_map(
+      local, mesh=_ring_mesh(),
+      in_specs=(seq, seq, seq, {n: spec(n, x) for n, x in arrays.items()},
+                {n: P() for n in kw}),
+      out_specs=out_specs)(query, key, value, arrays, kw)
+  if not zigzag:
+    return result
+  result = result if returned > 1 else (result,)
+  result = tuple(ring_layout.unzigzag(x, RING_DEVICES,
+                                      axis=-2 if x.ndim == 4 else -1)
+                 for x in result)  # out [B, N, T, H]; lse, max [B, N, T]
+  return result if returned > 1 else result[0]
 
 
-def _localize(kernel, mask, score_mod, q, k):
+# The sequence-parallel columns: name -> harness(query, key, value,
+# mask_parts, **kw) on the whole call's operands (the case's mask fields,
+# scaled_dot_product_attention's keywords, pages= in the paged cases),
+# returning the global results; it shards, runs and gathers.
+SEQUENCE_PARALLEL = {
+    "ring": functools.partial(_ring, CONFIGURED["ring"]),
+    "ring_zigzag": functools.partial(_ring, CONFIGURED["ring_zigzag"]),
+    # all-to-all over RING_DEVICES devices, the automatic kernel on each
+    "ulysses": sequence_parallel_harness.ulysses,
+}
+
+
+def _localize(kernel, mask, score_mod, q, k, bias=None):
   """``kernel.localize`` for ``[B, N, T, H]`` operands of this device."""
   return kernel.localize(mask, score_mod, q.shape[-2], k.shape[-2],
-                         q.shape[:-2])
+                         q.shape[:-2], bias=bias)
 
 
 def _ring_mesh():
@@ -208,20 +292,18 @@ NOT_ELEMENTWISE = {
 
 def _call_refused(name, kernel, q, k, v, call) -> str:
   """The message of the error that ``kernel`` (``None``: the automatic
-  choice) raises for ``call``, under jit; ring on its devices."""
+  choice) raises for ``call``, under jit; a sequence-parallel column
+  through its harness (the mask's fields as its parts; the callable
+  closed over)."""
   mask, score_mod = call.get("mask"), call.get("score_mod")
 
   def attend(q, k, v):
-    m, mod, chosen = mask, score_mod, kernel
-    if name == "ring":
-      m, mod, chosen = _localize(kernel, mask, score_mod, q, k)
+    if name in SEQUENCE_PARALLEL:
+      parts = {} if mask is None else dict(vars(mask))
+      return SEQUENCE_PARALLEL[name](q, k, v, parts, score_mod=score_mod)
     return aj.scaled_dot_product_attention(
-        q, k, v, m, score_mod=mod, implementation=chosen)
+        q, k, v, mask, score_mod=score_mod, implementation=kernel)
 
-  if name == "ring":
-    seq = P(None, None, "seq")
-    attend = jax.shard_map(attend, mesh=_ring_mesh(), in_specs=(seq,) * 3,
-                           out_specs=seq)
   try:
     jax.jit(attend)(q, k, v)
   except (ValueError, TypeError) as e:
@@ -698,13 +780,17 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
         kw["return_lse"] = case.lse
         if case.max_logits:
           kw["return_max_logits"] = True
-        if case.paged:  # keys and values read through the page table
+        if name in SEQUENCE_PARALLEL:  # sharded, run, gathered
+          if case.paged:
+            kw["pages"] = _paged(case, k, v, lengths)
+          result = SEQUENCE_PARALLEL[name](q, k, v, parts, **kw)
+          result = tuple(x for x in result[:1] + result[2:] if x is not None
+                         ) if case.paged else result
+        elif case.paged:  # keys and values read through the page table
           result = dot_product.run(
               q, None, None, _mask(parts), pages=_paged(case, k, v, lengths),
               implementation=kernels.get(name) or _kernel(name), **kw)
           result = tuple(x for x in result[:1] + result[2:] if x is not None)
-        elif name == "ring":
-          result = _ring(q, k, v, parts, **kw)
         else:
           result = aj.scaled_dot_product_attention(
               q, k, v, _mask(parts),
@@ -716,6 +802,11 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
 
       if case.features() & refuses.get(name, frozenset()):
         with self.assertRaises((ValueError, TypeError)):
+          jax.jit(ours)(q, k, v, bias, diff)
+        return
+      refused_shape, message = REFUSES_SHAPES.get(name, (None, None))
+      if refused_shape is not None and refused_shape(case):
+        with self.assertRaisesRegex(ValueError, message):
           jax.jit(ours)(q, k, v, bias, diff)
         return
 

@@ -63,6 +63,28 @@ class DeclarationTest(chex.TestCase):
     plain, _, _ = dot_product.prepare(q, k, v)
     self.assertEqual(plain.features, frozenset())
 
+  def test_a_partition_is_no_feature(self):
+    # How the call is split over the mesh is the record's, not a kernel's
+    # to declare: every kernel runs under one (XLA's or per_shard's split).
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    with jax.set_mesh(mesh):
+      problem, _, _ = dot_product.prepare(
+          *_operands(), is_causal=True,
+          partition=aj.kernels.Partition(batch="data", heads="model"))
+    self.assertEqual(problem.partition,
+                     aj.kernels.Partition(("data",), ("model",)))
+    self.assertEqual(problem.features, {"causal"})
+    plain, _, _ = dot_product.prepare(*_operands())
+    self.assertIsNone(plain.partition)  # no mesh: nothing to read
+    # Only fused kernels run per shard; XLA partitions the pure-JAX ones.
+    self.assertEqual(
+        {k.name for k in aj.kernels.REGISTRY if not k.partitionable},
+        {"splash", "paged_tpu", "paged_gpu", "pallas_gpu"})
+    # A wrapper is as partitionable as what it wraps.
+    self.assertFalse(aj.kernels.SplitKV(
+        inner=aj.kernels.PagedGpu(interpret=True)).partitionable)
+    self.assertTrue(aj.kernels.SplitKV().partitionable)
+
   def test_every_declaration_is_in_the_vocabulary(self):
     for kernel in _all_kernels():
       extra = kernel.implements - aj.kernels.MASK_FIELDS - aj.kernels.OPTIONS

@@ -1,6 +1,8 @@
 """Mesh flags and head-parallel set-up on however many devices the suite has
 (one); the 8-device behaviour is in tests/multidevice/."""
 
+import dataclasses
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -40,7 +42,46 @@ class ParseMeshTest(parameterized.TestCase):
   def test_batch_must_split_over_data(self):
     mesh = parallel.build_mesh({"data": 1})
     parallel.check_batch(3, mesh)  # anything splits over one device
-    self.assertEqual(dict(mesh.shape), {"data": 1, "model": 1})
+    self.assertEqual(dict(mesh.shape),
+                     {"data": 1, "ring": 1, "seq": 1, "model": 1})
+
+  def test_sequence_axes(self):
+    self.assertEqual(parallel.parse_mesh("data:1,seq:1,ring:1"),
+                     {"data": 1, "seq": 1, "ring": 1})
+    mesh = parallel.build_mesh({"data": 1})
+    self.assertEqual(parallel.sequence_devices(mesh), 1)
+    parallel.check_no_sequence_axes(mesh, "x")  # nothing split: fine
+
+
+class SequenceMeshTest(absltest.TestCase):
+  """What a mesh that splits sequences means to the experiments, read off
+  the mesh alone (a one-device mesh cannot split; these use a stand-in)."""
+
+  class _Mesh:
+    def __init__(self, **sizes):
+      self.shape = {"data": 1, "ring": 1, "seq": 1, "model": 1, **sizes}
+
+  def test_other_experiments_refuse_a_sequence_split(self):
+    with self.assertRaisesRegex(ValueError, r"only --experiment=lm"):
+      parallel.check_no_sequence_axes(self._Mesh(seq=4), "this experiment")
+
+  def test_lm_attention_by_mesh(self):
+    from experiments import lm  # noqa: PLC0415
+    config = lm.LMConfig()
+    self.assertIsNone(lm.sequence_attention(config, self._Mesh(data=8)))
+    ring = lm.sequence_attention(config, self._Mesh(data=2, seq=4))
+    self.assertEqual((ring.method, ring.layout, ring.batch_axis,
+                      ring.head_axis), ("ring", "zigzag", "data", None))
+    self.assertEqual(lm.layout_devices(config, self._Mesh(data=2, seq=4)), 4)
+    hybrid = dataclasses.replace(config, sequence_parallel="hybrid")
+    got = lm.sequence_attention(hybrid, self._Mesh(ring=2, seq=2, model=2))
+    self.assertEqual((got.method, got.ring_axis, got.head_axis),
+                     ("hybrid", "ring", "model"))
+    self.assertEqual(lm.layout_devices(hybrid, self._Mesh(ring=2, seq=2)), 2)
+    with self.assertRaisesRegex(ValueError, r"hybrid needs both"):
+      lm.sequence_attention(hybrid, self._Mesh(seq=4))
+    with self.assertRaisesRegex(ValueError, r"hybrid needs both"):
+      lm.sequence_attention(config, self._Mesh(ring=2, seq=2))
 
 
 class HeadAxisTest(absltest.TestCase):

@@ -271,17 +271,19 @@ CASES = [
         Q, K, V, implementation="flash", return_weights=True), ValueError,
      r"implementation='flash' is not possible: it never forms the "
      r"attention weights"),
-    # The ring kernel refuses a dense mask or bias inside shard_map (outside
-    # it the unbound axis is reported first); ring_attention has no bias.
+    # The ring kernel takes a dense mask or bias over every key column
+    # ([..., T|1, P*S|1]) from ring_attention: one that does not fit is
+    # refused naming both lengths; the dispatcher refuses either (its
+    # checks see this device's keys), naming the fix.
     ("ring_mask", lambda: _in_ring(lambda q, k, v: aj.ring_attention(
-        q, k, v, jnp.ones((1, 4, 6), bool), axis_name="seq")), ValueError,
-     r"implementation='ring' is not possible: it takes no dense mask "
-     r"\(shape \(1, 4, 6\)\).*Mask\(kv_lengths=\.\.\.\)"),
+        q, k, v, jnp.ones((1, 4, 5), bool), axis_name="seq")), ValueError,
+     r"the mask's dense field has shape \(1, 4, 5\).*T_local = 4 .*"
+     r"P\*S_local = 1 \* 6 = 6"),
     ("ring_bias", lambda: _in_ring(lambda q, k, v: sdpa(
         q, k, v, bias=jnp.ones((1, 4, 6)),
         implementation=aj.kernels.Ring("seq"))), ValueError,
-     r"implementation='ring' is not possible: it takes no bias "
-     r"\(shape \(1, 4, 6\)\)"),
+     r"implementation='ring' is not possible: it takes a bias only over "
+     r"every key column .*\(got shape \(1, 4, 6\)\).*aj\.ring_attention"),
     ("ring_outside_shard_map", lambda: aj.ring_attention(
         Q, K, V, axis_name="seq"), ValueError,
      r"axis_name='seq' is not bound: call ring_attention inside "

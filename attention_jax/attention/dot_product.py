@@ -26,6 +26,7 @@ from jax.typing import ArrayLike
 from attention_jax import kernels
 from attention_jax.core import checks
 from attention_jax.kernels import base
+from attention_jax.kernels import per_shard
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import BlockMask
 from attention_jax.masking.mask import Mask
@@ -35,19 +36,24 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
         is_causal: bool = False, score_mod=None, sinks=None,
         dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
         return_weights: bool = False, return_lse: bool = False,
-        return_max_logits: bool = False, pages=None):
+        return_max_logits: bool = False, pages=None, partition=None):
   """``scaled_dot_product_attention`` returning one ``kernels.Result``
   (weights, lse, max_logits None unless asked for): the path every entry
   point shares. ``pages`` (``kernels.base.Pages``, key and value None):
-  a paged cache's keys and values (``aj.paged_attention``)."""
+  a paged cache's keys and values (``aj.paged_attention``). A kernel XLA
+  cannot partition (``Kernel.partitionable`` False) runs per shard of the
+  problem's partition (``kernels.per_shard``)."""
   problem, candidates, automatic = prepare(
       query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
       score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, implementation=implementation,
       return_weights=return_weights, return_lse=return_lse,
-      return_max_logits=return_max_logits, pages=pages)
+      return_max_logits=return_max_logits, pages=pages, partition=partition)
   kernel = kernels.choose(candidates, problem, automatic)
-  result = kernel(problem)
+  if problem.partition is not None and not kernel.partitionable:
+    result = per_shard.run(kernel, problem)
+  else:
+    result = kernel(problem)
   if not isinstance(result, base.Result):
     raise TypeError(
         f"kernel {kernel.name!r} returned {type(result).__name__}, not an "
@@ -69,18 +75,63 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
             is_causal: bool = False, score_mod=None, sinks=None,
             dropout_rate=0.0, dropout_rng=None, implementation: Any = None,
             return_weights: bool = False, return_lse: bool = False,
-            return_max_logits: bool = False, pages=None):
+            return_max_logits: bool = False, pages=None, partition=None):
   """A call normalised once: ``(problem, kernels to try, automatic)``
-  (what ``run`` runs and ``aj.explain`` reports)."""
+  (what ``run`` runs and ``aj.explain`` reports). ``partition`` None is
+  read off the query's type on a mesh of explicit axes
+  (``typed_partition``)."""
   checks.check_static_bool("is_causal", is_causal)
   mask = mask_lib.as_mask(mask, is_causal=is_causal)
   candidates, automatic = kernels.candidates(implementation)
+  if partition is None:
+    partition = typed_partition(query)
   problem = base.canonicalize(
       query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
       sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       return_weights=return_weights, return_lse=return_lse,
-      return_max_logits=return_max_logits, pages=pages)
+      return_max_logits=return_max_logits, pages=pages, partition=partition)
   return problem, candidates, automatic
+
+
+def typed_partition(query) -> base.Partition | None:
+  """The ``Partition`` a query's type states on explicit mesh axes.
+
+  With ``AxisType.Explicit`` axes a sharding is part of the array's type
+  (``jax.typeof(query).sharding.spec``): its batch and head entries (of
+  ``[B, N, T, H]``: axes 0 and 1; of ``[B, T, H]``: axis 0) name the axes.
+  On auto axes the sharding is chosen by XLA after tracing, invisible
+  here: None (pass ``partition=`` there). Axes of other entries (the
+  sequence) are not a partition's.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not hasattr(query, "shape"):
+    return None
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Explicit}
+  if not explicit:
+    return None
+  try:
+    spec = tuple(jax.typeof(query).sharding.spec)
+  except (AttributeError, TypeError):
+    return None
+  rank = len(query.shape)
+  spec += (None,) * (rank - len(spec))
+  lead = spec[:rank - 2]
+  dims = ((rank - 4, rank - 3) if rank >= 4 else
+          (0, None) if rank == 3 else (None, None))
+
+  def axes(dim):
+    if dim is None:
+      return ()
+    entry = lead[dim]
+    entry = () if entry is None else (
+        (entry,) if isinstance(entry, str) else tuple(entry))
+    return tuple(a for a in entry if a in explicit)
+
+  batch, heads = axes(dims[0]), axes(dims[1])
+  if not batch and not heads:
+    return None
+  return base.Partition(batch=batch, heads=heads)
 
 
 def scaled_dot_product_attention(
@@ -100,6 +151,7 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     return_lse: bool = False,
     return_max_logits: bool = False,
+    partition: base.Partition | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``softmax(query @ key^T * scale + bias, where=mask) @ value``.
 
@@ -165,6 +217,19 @@ def scaled_dot_product_attention(
       QK-clip and logit-growth monitoring read; ``dense``, ``flash``
       and ring attention; the fused kernels refuse it and the automatic
       choice skips them).
+    partition: how the leading dims are split over the ambient mesh
+      (``jax.set_mesh``): an ``aj.kernels.Partition(batch=, heads=)`` of
+      mesh axis names. A kernel XLA cannot partition (a Pallas call:
+      ``pallas_gpu``, ``splash``, the paged kernels) then runs on each
+      device's ``[B / P_b, N / P_h]`` slice inside ``jax.shard_map``
+      instead of having its operands all-gathered (or refused on TPU);
+      the pure-JAX kernels are split by XLA as they are. None: read off
+      the query's type on a mesh of explicit axes (``AxisType.Explicit``:
+      its batch and head axes' entries); on auto axes the sharding is not
+      visible while tracing, so None there means no partition. The axes
+      must be in the mesh and not manual (inside a ``jax.shard_map`` over
+      them), their sizes must divide ``B``, ``N`` and ``K``; dropout is
+      refused with a partition for a kernel that runs per shard.
 
   The leading dimensions ``...`` of all operands broadcast like NumPy's.
   Static arguments for ``jax.jit``: ``scale`` (if a Python float),
@@ -219,7 +284,7 @@ def scaled_dot_product_attention(
       score_mod=score_mod, sinks=sinks, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, implementation=implementation,
       return_weights=return_weights, return_lse=return_lse,
-      return_max_logits=return_max_logits)
+      return_max_logits=return_max_logits, partition=partition)
   extra = ((weights,) * bool(return_weights) + (lse,) * bool(return_lse)
            + (max_logits,) * bool(return_max_logits))
   return (out, *extra) if extra else out

@@ -41,8 +41,10 @@ _ELEMENTWISE = frozenset({
     "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh",
     "xor"})
 # Shape-only primitives that keep each element where it is (size-1 axes
-# added, removed or broadcast).
-_PLACING = frozenset({"broadcast_in_dim", "squeeze", "expand_dims"})
+# added, removed or broadcast); "pvary" only marks a value as varying over
+# shard_map's devices (a modifier reading a per-device array, e.g. the
+# global head index inside ulysses_attention, applies it to the scores).
+_PLACING = frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "pvary"})
 # Call-like primitives: the dependence is followed into their programs.
 _PROGRAM_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 

@@ -21,7 +21,10 @@ a key; ``zero_unseen`` keeps padding's NaN out of the products,
 ``with_sink`` applies a sink, ``masked_softmax`` / ``masked_logsumexp``
 hold the fully-masked-row policy; ``no_weights_or_dropout``,
 ``no_max_logits``, ``float32_only`` and ``too_small`` are the refusals the
-library's kernels share. ``register`` adds a kernel to the automatic choice
+library's kernels share. ``Partition`` says how a call's batch and heads
+are split over mesh axes (``partition=``): a kernel with ``partitionable
+= False`` (one Pallas call) then runs per shard (``per_shard``).
+``register`` adds a kernel to the automatic choice
 (``with register(kernel):`` for a scope), ``unregister`` removes it.
 """
 
@@ -43,6 +46,7 @@ from attention_jax.kernels.base import MASK_FIELDS
 from attention_jax.kernels.base import OPTIONS
 from attention_jax.kernels.base import Kernel
 from attention_jax.kernels.base import Pages
+from attention_jax.kernels.base import Partition
 from attention_jax.kernels.base import Problem
 from attention_jax.kernels.base import Result
 from attention_jax.kernels.base import float32_only
@@ -76,7 +80,7 @@ REGISTRY: tuple[Kernel, ...] = (
 __all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
            "Flash", "Head", "Kernel", "Operands", "PagedGpu", "PagedTpu",
            "Pages",
-           "PallasGpu",
+           "PallasGpu", "Partition",
            "Problem",
            "Registration", "Result", "Ring", "Splash", "SplitKV", "allowed", "by_name",
            "candidates", "choose", "compute_dtype", "float32_only",

@@ -19,7 +19,11 @@ see), the scale, dropout and what to return. A kernel is a ``Kernel``:
   problem it can run but should not (too small to pay off);
 * ``__call__(problem) -> Result``: ``out [..., N, T, Hv]``, heads merged
   again, and ``weights``/``lse``/``max_logits`` where asked for (None
-  otherwise). Kernels never re-validate.
+  otherwise). Kernels never re-validate;
+* ``partitionable``: whether XLA can split it over sharded batch and
+  heads (pure JAX: yes); one that cannot (a Pallas call) runs per shard
+  of the problem's ``Partition`` inside ``jax.shard_map``
+  (``kernels.per_shard``), seeing the shard's problem.
 
 ``max_logits`` (QK-clip, logit-growth monitoring): per query row, the
 maximum of the raw scaled logits ``scale * q . k`` over the keys the row
@@ -34,6 +38,7 @@ order; the dispatcher (``dot_product``) walks it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, ClassVar, NamedTuple
 
@@ -77,6 +82,53 @@ class Pages(NamedTuple):
     return self.key_pages.shape[2]
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Partition:
+  """How a call's leading dims are split over mesh axes (static, hashable).
+
+  ``batch``: the mesh axes the batch ``B`` is split over (of ``[B, N, T,
+  H]`` operands the axis before the heads; of ``[B, T, H]`` the one
+  leading axis); ``heads``: those the heads are split over (``N``, and
+  ``K`` for grouped keys and values: after grouping, ``K``). A name or a
+  tuple of names each, ``()``/None for none. A kernel XLA cannot partition
+  (``Kernel.partitionable`` False: a Pallas call) then runs per shard
+  inside ``jax.shard_map`` over these axes (``kernels.per_shard``); the
+  others are left to XLA's partitioner, which splits them by itself.
+
+  Example:
+    >>> Partition(batch="data", heads="model")
+    Partition(batch=('data',), heads=('model',))
+  """
+  batch: tuple[str, ...] = ()
+  heads: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    for name in ("batch", "heads"):
+      value = getattr(self, name)
+      value = () if value is None else (
+          (value,) if isinstance(value, str) else value)
+      if not isinstance(value, (tuple, list)) or not all(
+          isinstance(a, str) and a for a in value):
+        raise TypeError(
+            f"Partition's {name} must be a mesh axis name or a tuple of "
+            f"them (None for none), got {getattr(self, name)!r}.")
+      object.__setattr__(self, name, tuple(value))
+    twice = sorted({a for a in self.axes if self.axes.count(a) > 1})
+    if twice:
+      raise ValueError(
+          f"Partition uses mesh axis {twice} more than once (batch="
+          f"{self.batch}, heads={self.heads}): a mesh axis splits one "
+          "dimension.")
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return self.batch + self.heads
+
+  def __bool__(self) -> bool:
+    return bool(self.axes)
+
+
 class Problem(NamedTuple):
   """One attention call, validated."""
   ops: checks.Operands  # operands, heads grouped, the mask's fields
@@ -89,6 +141,9 @@ class Problem(NamedTuple):
   return_max_logits: bool = False
   mask: mask_lib.Mask | None = None  # the call's normalised mask, whole
   pages: Pages | None = None  # keys and values in pages (a paged cache)
+  # How the leading dims are split over the ambient mesh's axes (None:
+  # not split, or left to XLA); checked against the mesh and the shapes.
+  partition: Partition | None = None
 
   @property
   def features(self) -> frozenset[str]:
@@ -134,7 +189,7 @@ class Problem(NamedTuple):
 # The call's operands besides q, k, v that are features (Problem.features);
 # the record's own fields that are not (the mask is read field by field).
 _CALL_OPERANDS = ("bias", "sinks", "score_mod")
-_NOT_FEATURES = ("mask", "dropout_rng")
+_NOT_FEATURES = ("mask", "dropout_rng", "partition")
 
 # Every field a Mask can set, and everything a call can ask for: what a
 # kernel declares it implements (``Kernel.implements``) is a subset.
@@ -153,6 +208,11 @@ class Kernel:
   # refuses a call asking for any other, naming it, before ``supports``
   # is trusted (a field or option added later reaches no kernel silently).
   implements: ClassVar[frozenset[str]] = frozenset()
+  # Whether XLA's SPMD partitioner can split this kernel's computation over
+  # sharded batch and head dims (pure JAX: it can). A kernel that is one
+  # opaque call (a Pallas kernel) cannot: with a partition in the problem
+  # it runs per shard inside jax.shard_map (kernels.per_shard).
+  partitionable: ClassVar[bool] = True
 
   def supports(self, problem: Problem) -> str | None:
     """Why this kernel cannot run a call it declares (shapes, dtypes,
@@ -173,13 +233,16 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
                  dropout_rng=None, return_weights: bool = False,
                  return_lse: bool = False,
                  return_max_logits: bool = False,
-                 pages: Pages | None = None) -> Problem:
+                 pages: Pages | None = None,
+                 partition: Partition | None = None) -> Problem:
   """Every check of an attention call, once; the ``Problem`` kernels run.
 
   ``mask`` is a ``Mask`` or None (``mask.as_mask`` converts the other
   accepted values); ``scale`` None means ``1 / sqrt(H)``. With ``pages``
   (a paged cache) ``key`` and ``value`` are None: the pages stand for
-  them (``checks.paged_operands``).
+  them (``checks.paged_operands``). ``partition`` (a ``Partition`` or
+  None) is checked against the ambient mesh and the operands
+  (``check_partition``).
   """
   if mask is None:
     mask = mask_lib.Mask()
@@ -208,9 +271,83 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
   if pages is not None:
     pages = Pages(*(None if x is None else jnp.asarray(x) for x in pages))
+  partition = check_partition(partition, ops)
   return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
                  bool(return_weights), bool(return_lse),
-                 bool(return_max_logits), mask, pages)
+                 bool(return_max_logits), mask, pages, partition)
+
+
+def split_dims(ops: checks.Operands) -> tuple[int | None, int | None]:
+  """``(batch, heads)``: the positions of ``B`` and ``N`` among the
+  caller's leading dims (``ops.leading``), as ``score_mod``'s ``(b, h)``
+  count them: the last two of ``[..., B, N]``, the only one of ``[B]``
+  (no heads), none without leading dims."""
+  rank = len(ops.leading)
+  if rank == 0:
+    return None, None
+  if rank == 1:
+    return 0, None
+  return rank - 2, rank - 1
+
+
+def check_partition(partition, ops: checks.Operands) -> Partition | None:
+  """``partition`` checked against the ambient mesh and the operands:
+  the ``Partition`` (None when it splits nothing).
+
+  Every axis must be in the mesh (``jax.set_mesh``) and not manual (inside
+  a ``jax.shard_map`` over it the operands are already one device's
+  shard: refused, as splitting them again would be wrong); the product of
+  the batch axes' sizes must divide ``B``, that of the heads axes ``N``
+  and ``K``.
+  """
+  if partition is None:
+    return None
+  if not isinstance(partition, Partition):
+    raise TypeError(
+        f"partition must be an aj.kernels.Partition (e.g. Partition(batch="
+        f"'data', heads='model')) or None, got {partition!r}.")
+  if not partition:
+    return None
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise ValueError(
+        f"{partition} names mesh axes, but no mesh is set: call inside "
+        "`with jax.set_mesh(mesh):` (or pass partition=None).")
+  for axis in partition.axes:
+    if axis not in mesh.axis_names:
+      raise ValueError(
+          f"{partition} names mesh axis {axis!r}, which the mesh does not "
+          f"have (its axes: {tuple(mesh.axis_names)}).")
+    kind = mesh.axis_types[mesh.axis_names.index(axis)]
+    if kind == jax.sharding.AxisType.Manual:
+      raise ValueError(
+          f"{partition} names mesh axis {axis!r}, which is manual here "
+          "(inside a jax.shard_map over it): the operands are already one "
+          "device's shard along it; leave it out of the partition.")
+  batch_dim, head_dim = split_dims(ops)
+  lead = ops.leading
+  for what, axes, dim in (("batch", partition.batch, batch_dim),
+                          ("heads", partition.heads, head_dim)):
+    if not axes:
+      continue
+    if dim is None:
+      layout = ("[B, N, T, H] operands (4-D: the heads are axis 1)"
+                if what == "heads" else "operands with a batch axis")
+      raise ValueError(
+          f"{partition} splits the {what} over {axes}, but the operands' "
+          f"leading dims are {lead}: it needs {layout}.")
+    size = math.prod(mesh.shape[a] for a in axes)
+    counts = {"B": lead[dim]} if what == "batch" else {"N": lead[dim]}
+    if what == "heads" and ops.groups is not None:
+      counts["K"] = ops.groups.num_kv_heads
+    for letter, n in counts.items():
+      if n % size:
+        raise ValueError(
+            f"{partition} splits the {what} over mesh axes {axes} of size "
+            f"{size}, which does not divide {letter} = {n} (leading dims "
+            f"{lead}): each device must hold whole {what}; use axes whose "
+            f"sizes divide {letter}, or leave the {what} unsplit.")
+  return partition
 
 
 def undeclared(kernel: Kernel, problem: Problem) -> str | None:

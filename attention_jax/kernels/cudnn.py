@@ -74,6 +74,9 @@ _NOT_IN_JAX_NN = {
 class Cudnn(base.Kernel):
   """jax.nn's fused GPU kernel, where it gives the contract's numbers."""
   name = "cudnn"
+  # jax.nn's cuDNN call carries custom_partitioning rules: XLA splits it
+  # over batch and heads itself (query, key and value sharded alike).
+  partitionable = True
   # jax.nn's arguments, and positions (its band or an explicit one,
   # intervals.jax_nn_band); segment ids, rules, sinks, score modifiers and
   # the lse have no counterpart there.

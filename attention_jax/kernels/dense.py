@@ -175,7 +175,7 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
     code = None  # from the logits (here) and the output (below)
   else:
     code = codes() if garbage is None else jax.lax.cond(
-        garbage, codes, lambda: jnp.zeros((t,), jnp.float32))
+        garbage, codes, lambda: _zeros_like_result(codes))
   max_logits = None
   if want_max_logits:  # a statistic: no gradient
     seen = raw if allowed is None else jnp.where(allowed, raw, -jnp.inf)
@@ -231,3 +231,14 @@ def _every_row_sees(b: intervals.Bounds, t: int, s: int) -> bool:
   ``s - 1 - left <= s - 1``, and a row between sees a column between.
   """
   return s > 0 and (b.right is None or s - t + b.right >= 0)
+
+
+def _zeros_like_result(fn):
+  """Zeros of ``fn()``'s type, without running it: inside ``shard_map``
+  the other branch of a ``lax.cond`` varies over the same devices."""
+  out = jax.eval_shape(fn)
+  zeros = jnp.zeros(out.shape, out.dtype)
+  manual = out.manual_axis_type  # None outside shard_map
+  if manual is None or not manual.varying:
+    return zeros
+  return jax.lax.pcast(zeros, tuple(manual.varying), to="varying")

@@ -61,6 +61,9 @@ class PagedGpu(base.Kernel):
   interpret: bool = False
   num_warps: int = 4
   name = "paged_gpu"
+  # One Pallas call: XLA cannot split it over sharded batch or heads, so
+  # with a partition it runs per shard (kernels.per_shard).
+  partitionable = False
   implements = frozenset({
       "pages", "page_scales", "causal", "window", "kv_lengths", "q_offset",
       "kv_offset", "sinks", "return_lse"})

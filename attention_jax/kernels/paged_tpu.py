@@ -68,6 +68,9 @@ class PagedTpu(base.Kernel):
   """JAX's TPU paged decode attention (see the module docstring)."""
   interpret: bool = False
   name = "paged_tpu"
+  # One Pallas call: XLA cannot split it over sharded batch or heads, so
+  # with a partition it runs per shard (kernels.per_shard).
+  partitionable = False
   implements = frozenset({"pages", "causal", "kv_lengths", "q_offset",
                           "kv_offset"})
 

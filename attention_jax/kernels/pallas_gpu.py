@@ -103,6 +103,9 @@ class PallasGpu(base.Kernel):
   num_stages: int = 2
   interpret: bool = False
   name = "pallas_gpu"
+  # One Pallas call: XLA cannot split it over sharded batch or heads, so
+  # with a partition it runs per shard (kernels.per_shard).
+  partitionable = False
   # The flash core's features but max logits.
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
                           "q_segment_ids", "kv_segment_ids", "dense",

@@ -224,6 +224,9 @@ class Splash(base.Kernel):
   block_q: int = 128
   block_kv: int = 128
   name = "splash"
+  # One Pallas call: XLA cannot split it over sharded batch or heads, so
+  # with a partition it runs per shard (kernels.per_shard).
+  partitionable = False
   # Positions (q_offset/kv_offset) are not mapped onto splash's masks.
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
                           "q_segment_ids", "kv_segment_ids", "dense",

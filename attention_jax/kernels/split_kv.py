@@ -69,6 +69,10 @@ class SplitKV(base.Kernel):
   def implements(self) -> frozenset[str]:  # what its inner kernel does
     return self.inner.implements - {"dropout_rate", "return_weights"}
 
+  @property
+  def partitionable(self) -> bool:  # XLA splits it where it splits inner
+    return self.inner.partitionable
+
   def supports(self, problem: base.Problem) -> str | None:
     ops = problem.ops
     bm = ops.block_mask

@@ -199,6 +199,7 @@ def attend_heads(
     return_weights: bool = False,
     return_lse: bool = False,
     return_max_logits: bool = False,
+    partition: Any = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
   """Attention of N query heads over K shared key/value heads.
 
@@ -235,6 +236,12 @@ def attend_heads(
       True, like ``return_weights``).
     return_max_logits: also return each row's largest raw logit (passed on
       only when True).
+    partition: an ``aj.kernels.Partition``: how ``B`` and the heads are
+      split over the mesh (``sharding.attention_partition``), so a kernel
+      XLA cannot partition runs per shard. Passed on only when given and
+      ``attention_fn`` is an implementation or names ``partition`` in its
+      signature (a function with ``**kwargs`` does not get it: it may not
+      know it).
 
   Returns:
     ``out [B, N, T, H]``, followed, in this order and only when asked, by
@@ -269,6 +276,9 @@ def attend_heads(
     checks.check_static_bool(name, flag)
     if flag:
       kwargs[name] = True
+  if partition is not None and resolved.accepts is not None and (
+      "partition" in resolved.accepts):
+    kwargs["partition"] = partition
   _check_accepts(resolved, kwargs)
   return resolved.fn(query, key, value, **kwargs)
 
@@ -726,6 +736,7 @@ def multi_head_attention(
     head_axis: str | None = None,
     cache: KVCache | PagedKVCache | None = None,
     qk_norm: qk_norm_lib.QKNorm | bool | None = None,
+    batch_axis: str | tuple[str, ...] | None = None,
 ) -> Any:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
@@ -801,7 +812,11 @@ def multi_head_attention(
       ``scaled_dot_product_attention``'s precision, which takes none.
     head_axis: a mesh axis the heads are split over (tensor parallelism):
       the projected heads are constrained to it, so attention runs on each
-      device's heads and only ``W_o``'s partial products are summed.
+      device's heads and only ``W_o``'s partial products are summed. The
+      attention function gets ``partition=`` (heads over ``head_axis``,
+      the batch over ``batch_axis``) when it takes it, so a kernel XLA
+      cannot partition (``pallas_gpu``, ``splash``) runs on each device's
+      heads inside ``jax.shard_map`` rather than on gathered operands.
     cache: a decoding step (what ``MultiHeadAttention(decode=True)``
       passes): this call's keys and values are written at ``cache.index``
       and the queries attend to every filled slot, at their positions
@@ -818,6 +833,11 @@ def multi_head_attention(
       head, epsilon ``1e-6``) when ``params`` has ``q_norm``/``k_norm``
       ``[H]``, else none. Its weights are ``params``' ``q_norm`` and
       ``k_norm``; a weight the ``QKNorm`` does not read is refused.
+    batch_axis: the mesh axes the batch ``B`` is split over, for the
+      attention function's ``partition`` (a name, a tuple, or ``()`` for
+      none). None: with ``head_axis``, the mesh's other non-manual axes
+      when their sizes' product divides ``B`` (``data`` of a ``data x
+      model`` mesh), else none (``sharding.attention_partition``).
 
   Order per head: projection, qk-norm, rotary positions (qk-norm after
   them with ``after_rope``), cache write, attention, output gate
@@ -928,12 +948,15 @@ def multi_head_attention(
     k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
   if norm is not None and norm.after_rope:  # Llama 4's order
     q, k = normalize_qk(q, k)
+  partition = sharding.attention_partition(head_axis, batch_axis, b)
+
   def attend(q, k, v, m, bias, score_mod, sinks, dropout_rng):
     return attend_heads(
         q, k, v, m, bias=bias, scale=scale, score_mod=score_mod, sinks=sinks,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         attention_fn=attention_fn, return_weights=return_weights,
-        return_lse=return_lse, return_max_logits=return_max_logits)
+        return_lse=return_lse, return_max_logits=return_max_logits,
+        partition=partition)
 
   if paged:
     cache, attend = paged_step(

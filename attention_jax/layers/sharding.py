@@ -22,9 +22,13 @@ contracts the sharded heads axis, names its output sharding
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
+
+from attention_jax.kernels import base as kernel_base
 
 _FREE = PartitionSpec.UNCONSTRAINED
 
@@ -152,6 +156,51 @@ def auto_like(fn, like: jax.Array):
         *(x for x, m in zip(leaves, moved) if m))
 
   return call
+
+
+def _names(axes) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def attention_partition(head_axis: str | None, batch_axis, batch: int
+                        ) -> kernel_base.Partition | None:
+  """The ``aj.kernels.Partition`` a layer hands its attention function.
+
+  Heads over ``head_axis``; the batch over ``batch_axis`` (a name or a
+  tuple of names, ``()`` for none). ``batch_axis`` None (the default)
+  with a ``head_axis``: the mesh's other axes, when the product of their
+  sizes divides ``B`` (on a ``data x model`` mesh, ``data``), else none
+  (XLA then gathers a fused kernel's operands along them). Axes that the
+  current mesh lacks, or that are manual here (inside a ``jax.shard_map``
+  over them: the arrays are one device's already), are left out, so the
+  same layer runs unsharded, in a shard_map, or on a mesh without them.
+  None when nothing is split. An explicit ``batch_axis`` whose sizes do
+  not divide ``B`` is refused (by ``scaled_dot_product_attention``).
+
+  Example:
+    >>> attention_partition("model", None, 4) is None  # no mesh set
+    True
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  usable = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+            if kind != jax.sharding.AxisType.Manual}
+  heads = tuple(a for a in _names(head_axis) if a in usable)
+  if batch_axis is None:
+    if not head_axis:
+      return None
+    others = tuple(a for a in mesh.axis_names
+                   if a in usable and a not in _names(head_axis))
+    size = math.prod(mesh.shape[a] for a in others)
+    batch_names = others if others and batch % size == 0 else ()
+  else:
+    batch_names = tuple(a for a in _names(batch_axis) if a in usable)
+  if not heads and not batch_names:
+    return None
+  return kernel_base.Partition(batch=batch_names, heads=heads)
 
 
 def constrain_heads(x: jax.Array, head_axis: str | None) -> jax.Array:

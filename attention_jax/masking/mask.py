@@ -54,6 +54,9 @@ _POSITIONED_RULE = (
 
 _FIELDS = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
            "dense", "q_offset", "kv_offset")
+# A Mask's array fields, for the code that rebuilds one from its parts (a
+# shard's arrays inside shard_map).
+ARRAY_FIELDS = _FIELDS
 
 
 def _integer_array(name: str, x):

@@ -208,7 +208,17 @@ class MultiHeadAttention(nnx.Module):
       ``[N, H, Dout]`` ``(head_axis, None, None)``, so attention needs no
       communication and ``W_o`` ends in one all-reduce. Build the module under
       ``jax.set_mesh(mesh)`` (flax then shards the parameters as it creates
-      them); ``N`` and ``K`` must divide the axis size.
+      them); ``N`` and ``K`` must divide the axis size. The attention
+      function gets ``partition=aj.kernels.Partition(batch=batch_axis,
+      heads=head_axis)`` when it takes one (an implementation, or a
+      function naming ``partition``), so a kernel XLA cannot partition
+      (``pallas_gpu``, ``splash``) runs per shard in ``jax.shard_map``
+      instead of on all-gathered operands.
+    batch_axis: the mesh axes the batch is split over, for that partition
+      (a name, a tuple of names, ``()`` for none). None: with
+      ``head_axis``, the mesh's other non-manual axes when the product of
+      their sizes divides ``B`` (``data`` on a ``data x model`` mesh),
+      else none.
     mask: an ``aj.Mask`` every call is intersected with, e.g.
       ``aj.Mask(causal=True, window=(W - 1, 0))`` for a sliding-window
       layer (decoding honours it, and ``init_cache`` can then keep a ring
@@ -285,6 +295,7 @@ class MultiHeadAttention(nnx.Module):
       bias_init: nnx.Initializer = _ZEROS,
       attention_fn: multi_head.AttentionFn | Any = None,
       head_axis: str | None = None,
+      batch_axis: str | tuple[str, ...] | None = None,
       mask: Mask | None = None,
       logits_soft_cap: float | None = None,
       scale: float | None = None,
@@ -325,6 +336,7 @@ class MultiHeadAttention(nnx.Module):
     # attribute was reassigned.
     self._attention = multi_head.resolve_attention_fn(attention_fn)
     self.head_axis = head_axis
+    self.batch_axis = batch_axis
     if mask is not None and not isinstance(mask, Mask):
       raise TypeError(f"mask must be an aj.Mask (the layer's pattern, e.g. "
                       f"aj.Mask(causal=True, window=(W - 1, 0))), got "
@@ -860,7 +872,7 @@ class MultiHeadAttention(nnx.Module):
         return_lse=return_lse, return_max_logits=return_max_logits,
         rope=self.rope, positions=positions, kv_positions=kv_positions,
         precision=self.precision, head_axis=self.head_axis, cache=cache,
-        memory=memory, qk_norm=self.qk_norm)
+        memory=memory, qk_norm=self.qk_norm, batch_axis=self.batch_axis)
     if decode and self.cache_page_table is not None:
       result, cache = result
       if cache_rows is not None:

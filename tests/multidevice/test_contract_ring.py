@@ -1,14 +1,19 @@
-"""The implementation contract (tests/contract.py) for ring attention.
+"""The implementation contract (tests/contract.py) for sequence parallelism.
 
-Run by tests/test_multidevice.py with 8 simulated devices; the ring uses
-``contract.RING_DEVICES`` of them.
+Run by tests/test_multidevice.py with 8 simulated devices (the file's
+cases split over several processes); the ring uses
+``contract.RING_DEVICES`` of them, in both layouts: ``ring`` (contiguous)
+and ``ring_zigzag`` (load balanced, ``kernels/ring_layout.py``), and the
+all-to-all variant ``ulysses`` (``attention/ulysses.py``).
 """
 
 from absl.testing import absltest
 
 from tests import contract
 
-RingContractTest = contract.suite(["ring"])
+COLUMNS = ("ring", "ring_zigzag", "ulysses")
+
+RingContractTest = contract.suite(list(COLUMNS))
 
 if __name__ == "__main__":
   absltest.main()

@@ -249,30 +249,34 @@ class RingAttentionTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "axis_name='seq' is not bound"):
       aj.ring_attention(x, x, x, axis_name="seq")
 
-  def test_dense_mask_and_bias_are_refused(self):
-    # ring_attention has no bias parameter any more; the ring kernel given
-    # a dense mask (through ring_attention) or a bias (through the
-    # dispatcher, implementation=Ring) refuses it by name.
+  def test_dense_mask_and_bias_of_wrong_shapes_are_refused(self):
+    # A dense mask and a bias hold this device's rows and every key column
+    # ([..., T|1, P*S|1]); a [T, S] block of this device's keys is refused
+    # naming both lengths, and so is either given to the dispatcher
+    # (whose checks see this device's S keys) instead of ring_attention.
     x = jnp.ones((1, 8, 8))  # [B, T, H], T split over "seq"
     spec = P(None, "seq")
-    dense = jnp.ones((1, 4, 4), bool)  # this device's [B, T, S]
+    local = jnp.ones((1, 4, 4), bool)  # this device's [B, T, S]: no
     calls = (
-        ("dense mask", lambda q: aj.ring_attention(q, q, q, dense,
-                                                   axis_name="seq")),
-        ("dense mask", lambda q: aj.ring_attention(
-            q, q, q, aj.Mask(dense=dense, causal=True), axis_name="seq")),
-        ("bias", lambda q: aj.scaled_dot_product_attention(
-            q, q, q, bias=jnp.ones((1, 4, 4)),
-            implementation=aj.kernels.Ring("seq"))),
+        (r"the mask's dense field has shape \(1, 4, 4\).*= \[1, 4\|1, 8\|1\] "
+         r"\(T_local = 4 .* P\*S_local = 2 \* 4 = 8",
+         lambda q: aj.ring_attention(q, q, q, local, axis_name="seq")),
+        (r"the bias has shape \(1, 4, 4\).*= \[1, 4\|1, 8\|1\]",
+         lambda q: aj.ring_attention(q, q, q, axis_name="seq",
+                                     bias=jnp.ones((1, 4, 4)))),
+        (r"the bias has shape \(4, 8\).*leading dims",  # rank
+         lambda q: aj.ring_attention(q, q, q, axis_name="seq",
+                                     bias=jnp.ones((4, 8)))),
+        (r"implementation='ring' is not possible: it takes a bias only over "
+         r"every key column.*aj\.ring_attention",
+         lambda q: aj.scaled_dot_product_attention(
+             q, q, q, bias=jnp.ones((1, 4, 4)),
+             implementation=aj.kernels.Ring("seq"))),
     )
-    for name, fn in calls:
+    for message, fn in calls:
       ring = jax.shard_map(fn, mesh=_mesh(2), in_specs=spec, out_specs=spec)
-      with self.assertRaisesRegex(
-          ValueError, f"implementation='ring' is not possible: it takes no "
-          f"{name}"):
+      with self.assertRaisesRegex(ValueError, message):
         ring(x)
-    with self.assertRaises(TypeError):  # the keyword is gone
-      aj.ring_attention(x, x, x, axis_name="seq", bias=jnp.ones((1, 8, 8)))
 
   def test_global_lengths_and_unions_with_local_arrays(self):
     # Lengths are global: 6 keys of 2 devices x 4 are accepted and equal

@@ -1,0 +1,351 @@
+"""``SequenceParallel``: attention over a sequence split across mesh axes.
+
+Shape glossary: B batch, N query heads, K key/value heads, T query length,
+S key/value length, H head dim, Hv value head dim; P devices on the
+sequence axis (or axes).
+
+``aj.ring_attention`` and ``aj.ulysses_attention`` run inside
+``jax.shard_map`` on one device's shard. ``SequenceParallel`` is what a
+model calls instead, on the whole (global) arrays inside an ordinary
+``jit`` under ``jax.set_mesh(mesh)``: it opens the ``shard_map`` itself, over
+the sequence axis and the batch and head axes the arrays are split over,
+and runs one of
+
+* ``"ring"``: ``ring_attention`` round ``axis`` (key/value blocks travel);
+* ``"ulysses"``: ``ulysses_attention`` over ``axis`` (all-to-all to whole
+  sequences of ``N / P`` heads, any kernel, all-to-all back);
+* ``"hybrid"``: all-to-all over ``axis`` inside each group, ring across the
+  groups along ``ring_axis``; the sequence is split over ``(ring_axis,
+  axis)``, ``ring_axis`` major.
+
+It has ``scaled_dot_product_attention``'s contract (``mask``, ``bias``,
+``scale``, ``score_mod``, ``sinks``, ``return_lse``), so
+``aj.MultiHeadAttention(attention_fn=aj.SequenceParallel("seq"))`` trains
+a model with its sequence split; the projections, norms and feed-forward
+blocks around it are per token, and XLA splits them over the same axis.
+
+The mask speaks of the whole sequence (causality, windows, lengths,
+positions, rules: global positions); its per-token arrays (segment ids,
+``[B, T]``), the dense mask and the bias (``[B|1, N|1, T|1, S|1]``) are in
+the order the tokens are: with ``layout="zigzag"`` the caller permuted the
+tokens, positions, segment ids, targets, dense masks and biases once
+(``aj.zigzag``), before the model, and reads its outputs back with
+``aj.unzigzag`` (a per-token loss needs neither).
+
+Each shard's ``score_mod`` and rule see the global ``(b, h)``: this
+function shifts them by the shard's first example and head
+(``shifted_indices``), so ``aj.alibi`` slopes and per-example rules read
+the right entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp  # noqa: F401 (doctests)
+from jax.sharding import PartitionSpec
+import numpy as np
+
+from attention_jax.attention import ring as ring_lib
+from attention_jax.attention import ulysses as ulysses_lib
+from attention_jax.core import checks
+from attention_jax.masking import mask as mask_lib
+from attention_jax.masking.mask import BlockMask
+from attention_jax.masking.mask import Mask
+from attention_jax.scores import score_mods
+
+METHODS = ("ring", "ulysses", "hybrid")
+LAYOUTS = ("contiguous", "zigzag")
+# The Mask's array fields that run along the sequence (last axis) and those
+# with one value per example (and head).
+_PER_TOKEN = ("q_segment_ids", "kv_segment_ids")
+_PER_EXAMPLE = ("q_lengths", "kv_lengths", "q_offset", "kv_offset")
+
+
+def _shifted_mod(score, b, h, q_idx, kv_idx, params):
+  inner, b0, h0 = params
+  return inner(score, b + b0, h + h0, q_idx, kv_idx)
+
+
+def _shifted_rule(b, h, q_idx, kv_idx, params):
+  inner, b0, h0 = params
+  return inner(b + b0, h + h0, q_idx, kv_idx)
+
+
+def shifted_indices(score_mod: Any, rule: Any, b0, h0):
+  """``(score_mod, rule)`` seeing ``b + b0`` and ``h + h0``.
+
+  A shard of the batch or the heads indexes its examples and heads from 0;
+  what it calls reads the whole call's (``aj.alibi``'s slopes ``[N]``, a
+  rule's per-example prefix lengths ``[B]``). The shift travels as an
+  operand (``b0``/``h0`` may be traced, e.g. from ``lax.axis_index``): the
+  modifier becomes an ``aj.ScoreMod`` whose params hold the original (its
+  arrays keep their gradients), a rule an ``aj.MaskRule``; a
+  ``BlockMask``'s tables are laid out per global ``(b, h)``, so its
+  ``mask_fn`` is shifted and the tables are rebuilt for the shard. A union
+  of masks is refused here (its members' arrays are the whole batch's).
+
+  Example:
+    >>> mod, _ = shifted_indices(lambda s, b, h, q, k: s + h, None, 0, 2)
+    >>> float(mod(jnp.float32(1.0), 0, 1, 0, 0))
+    4.0
+  """
+  if score_mod is not None:
+    if not isinstance(score_mod, score_mods.ScoreMod):
+      score_mod = score_mods.ScoreMod(
+          functools.partial(score_mods.plain_fn, score_mod))
+    score_mod = score_mods.ScoreMod(_shifted_mod, (score_mod, b0, h0),
+                                    score_mod.blocks)
+  if isinstance(rule, mask_lib.Union):
+    raise ValueError(
+        "SequenceParallel with the batch or heads split takes no union of "
+        "masks (a | b): its members' arrays and rules are the whole "
+        "call's. Write it as one Mask(rule=aj.MaskRule(fn, params)).")
+  if rule is not None:
+    if isinstance(rule, BlockMask):
+      rule = rule.mask_fn
+    rule = mask_lib.MaskRule(_shifted_rule, (rule, b0, h0))
+  return score_mod, rule
+
+
+def _arrays_apart(tree):
+  """``(arrays, rebuild)``: a pytree's array leaves, and a function putting
+  (new) arrays back among its other leaves (functions, static values), so
+  that only the arrays enter ``shard_map`` as operands."""
+  leaves, treedef = jax.tree.flatten(tree)
+  is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic))
+              for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array) if a]
+
+  def rebuild(new):
+    new = iter(new)
+    return jax.tree.unflatten(
+        treedef, [next(new) if a else x for x, a in zip(leaves, is_array)])
+
+  return arrays, rebuild
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+  """Attention with the sequence split over ``axis`` of the ambient mesh.
+
+  Args:
+    axis: the mesh axis the sequence is split over (the all-to-all axis of
+      ``"hybrid"``).
+    method: ``"ring"``, ``"ulysses"`` or ``"hybrid"`` (module docstring).
+    layout: ``"contiguous"`` (device ``i`` holds rows ``[i*T/P,
+      (i+1)*T/P)``) or ``"zigzag"`` (the ring's load-balanced layout: the
+      caller applied ``aj.zigzag(x, ring devices)`` to every per-token
+      array first).
+    ring_axis: ``"hybrid"``'s outer axis (the ring across the groups).
+    batch_axis: mesh axis (or axes) the batch is split over; None: the
+      batch is not split here.
+    head_axis: mesh axis the heads are split over (``aj.MultiHeadAttention
+      (head_axis=...)``'s); None: not split.
+    implementation: the kernel each device runs in ``"ulysses"`` (any of
+      ``scaled_dot_product_attention``'s; None: automatic).
+    block_q, block_k: the ring's per-device block sizes.
+
+  Called as ``scaled_dot_product_attention`` is, on the whole ``[B, N, T,
+  H]`` / ``[B, K, S, H]`` arrays, inside ``jit`` under ``jax.set_mesh``.
+  Dropout and attention weights are refused (no split attention forms
+  them).
+
+  Example:
+    >>> mesh = jax.make_mesh((1,), ("seq",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> x = jnp.ones((2, 4, 8, 16))  # [B, N, T, H]
+    >>> with jax.set_mesh(mesh):
+    ...   out = jax.jit(SequenceParallel("seq"))(x, x, x, is_causal=True)
+    >>> out.shape
+    (2, 4, 8, 16)
+  """
+  axis: str
+  method: str = "ring"
+  layout: str = "contiguous"
+  ring_axis: str | None = None
+  batch_axis: str | tuple[str, ...] | None = None
+  head_axis: str | None = None
+  implementation: Any = None
+  block_q: int | None = None
+  block_k: int | None = None
+
+  def __post_init__(self):
+    for name, value, choices in (("method", self.method, METHODS),
+                                 ("layout", self.layout, LAYOUTS)):
+      if value not in choices:
+        raise ValueError(f"SequenceParallel's {name} must be one of "
+                         f"{choices}, got {value!r}.")
+    if (self.method == "hybrid") != (self.ring_axis is not None):
+      raise ValueError(
+          f"SequenceParallel(method={self.method!r}, ring_axis="
+          f"{self.ring_axis!r}): the hybrid needs ring_axis (the outer axis "
+          "the ring crosses) and the other methods take none.")
+    if self.implementation is not None and self.method == "ring":
+      raise ValueError(
+          "SequenceParallel(method='ring') runs the ring kernel: "
+          f"implementation={self.implementation!r} would be ignored; use "
+          "method='ulysses' to run another kernel per device.")
+
+  @property
+  def _sequence(self):
+    return (self.axis if self.ring_axis is None
+            else (self.ring_axis, self.axis))
+
+  def _mesh_sizes(self) -> dict[str, int]:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError(
+          f"SequenceParallel({self.axis!r}) needs a mesh: call it under "
+          "jax.set_mesh(mesh) with that axis.")
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    for name in (self.axis, self.ring_axis, self.head_axis,
+                 *_names(self.batch_axis)):
+      if name is not None and name not in sizes:
+        raise ValueError(
+            f"SequenceParallel names mesh axis {name!r}, which the mesh "
+            f"{sizes} does not have.")
+    return sizes
+
+  def __call__(self, query, key, value, mask=None, *, bias=None,
+               scale=None, is_causal: bool = False, score_mod=None,
+               sinks=None, return_lse: bool = False):
+    checks.check_static_bool("is_causal", is_causal)
+    mask = mask_lib.as_mask(mask, is_causal=is_causal)
+    sizes = self._mesh_sizes()
+    q_shape, k_shape = checks.shape_of(query), checks.shape_of(key)
+    if len(q_shape) != 4 or len(k_shape) != 4:
+      raise ValueError(
+          f"SequenceParallel takes [B, N, T, H] queries and [B, K, S, H] "
+          f"keys, got {q_shape} and {k_shape}.")
+    (b, n, t, _), (_, k, s, _) = q_shape, k_shape
+    seq = _size(sizes, self._sequence)
+    batch = _size(sizes, self.batch_axis)
+    heads = _size(sizes, self.head_axis)
+    for what, length, parts, axes in (
+        ("the query length T", t, seq, self._sequence),
+        ("the key length S", s, seq, self._sequence),
+        ("the batch B", b, batch, self.batch_axis),
+        ("the query heads N", n, heads, self.head_axis)):
+      if length % parts:
+        raise ValueError(
+            f"SequenceParallel: {what} = {length} does not split over mesh "
+            f"axes {axes!r} ({parts} devices); pad it to a multiple of "
+            f"{parts} or use fewer devices.")
+    # Key/value heads split with the queries', or one head every shard reads.
+    kv_heads = self.head_axis if k % heads == 0 else None
+    if k % heads and k != 1:
+      raise ValueError(
+          f"SequenceParallel: the key/value heads K = {k} do not split over "
+          f"head axis {self.head_axis!r} ({heads} devices) and are not one "
+          "shared head; use a head axis that divides K.")
+    spec = functools.partial(_spec, self.batch_axis, b, self.head_axis, n)
+    q_spec = PartitionSpec(self.batch_axis, self.head_axis, self._sequence,
+                           None)
+    kv_spec = PartitionSpec(self.batch_axis, kv_heads, self._sequence, None)
+    arrays = {}
+    if mask is not None:
+      for name in _PER_TOKEN + _PER_EXAMPLE + ("dense",):
+        x = getattr(mask, name)
+        if x is not None and not (name == "kv_segment_ids"
+                                  and x is mask.q_segment_ids):
+          arrays[name] = x
+    specs = {name: spec(x, self._sequence if name in _PER_TOKEN + (
+        "dense",) else None, name) for name, x in arrays.items()}
+    if bias is not None:
+      arrays["bias"], specs["bias"] = bias, spec(bias, self._sequence, "bias")
+    if sinks is not None:
+      arrays["sinks"], specs["sinks"] = sinks, PartitionSpec(self.head_axis)
+    # What the rule, score_mod and a traced scale read is replicated.
+    shared, rebuild = _arrays_apart(
+        (None if mask is None else mask.rule, score_mod, scale))
+    local = functools.partial(
+        self._local, mask=mask, rebuild=rebuild, return_lse=return_lse,
+        b_local=b // batch, n_local=n // heads)
+    row_spec = PartitionSpec(self.batch_axis, self.head_axis,
+                             self._sequence)
+    out_specs = (q_spec, row_spec) if return_lse else q_spec
+    return jax.shard_map(
+        local, in_specs=(q_spec, kv_spec, kv_spec, specs,
+                         [PartitionSpec()] * len(shared)),
+        out_specs=out_specs)(query, key, value, arrays, shared)
+
+  def _local(self, q, k, v, arrays, shared, *, mask, rebuild, return_lse,
+             b_local, n_local):
+    """One device's call: its shard of every array, the whole mask."""
+    rule, score_mod, scale = rebuild(shared)
+    if self.batch_axis is not None or self.head_axis is not None:
+      score_mod, rule = shifted_indices(score_mod, rule,
+                                        _first(self.batch_axis, b_local),
+                                        _first(self.head_axis, n_local))
+    if mask is not None:
+      fields = {f: arrays.get(f) for f in mask_lib.ARRAY_FIELDS}
+      if mask.kv_segment_ids is mask.q_segment_ids:
+        fields["kv_segment_ids"] = None  # the queries' again
+      mask = Mask(causal=mask.causal, window=mask.window, rule=rule, **fields)
+    common = dict(scale=scale, score_mod=score_mod, sinks=arrays.get("sinks"),
+                  bias=arrays.get("bias"), return_lse=return_lse,
+                  layout=self.layout)
+    if self.method == "ring":
+      return ring_lib.ring_attention(
+          q, k, v, mask, axis_name=self.axis, block_q=self.block_q,
+          block_k=self.block_k, **common)
+    return ulysses_lib.ulysses_attention(
+        q, k, v, mask, axis_name=self.axis, ring_axis=self.ring_axis,
+        implementation=self.implementation, block_q=self.block_q,
+        block_k=self.block_k, **common)
+
+
+def _names(axes) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _size(sizes: dict[str, int], axes) -> int:
+  total = 1
+  for name in _names(axes):
+    total *= sizes[name]
+  return total
+
+
+def _first(axes, per_shard: int):
+  """The first global index of this shard along ``axes`` (major first)."""
+  index = 0
+  for name in _names(axes):
+    index = index * jax.lax.axis_size(name) + jax.lax.axis_index(name)
+  return index * per_shard
+
+
+def _spec(batch_axis, b, head_axis, n, x, sequence, name) -> PartitionSpec:
+  """Where the mesh splits an array of the mask, the bias or the sinks.
+
+  ``[B|1, N|1, T|1, S|1]`` dense masks and biases (rows over the sequence
+  axes: this device's rows, every key), ``[T]`` / ``[B, T]`` / ``[B, N,
+  T]`` segment ids, ``[]`` / ``[B]`` / ``[B, N]`` lengths and positions:
+  a leading axis of size ``B`` (``N``) goes with the batch (heads), size 1
+  is replicated.
+  """
+  shape = checks.shape_of(x)
+  lead = (shape[:-2] if name in ("dense", "bias") else
+          shape[:-1] if sequence is not None else shape)
+  entries = []
+  for i, size in enumerate(lead):
+    axis, full = ((batch_axis, b), (head_axis, n), (None, None))[min(i, 2)]
+    if size == 1 or axis is None:
+      entries.append(None)
+    elif size == full:
+      entries.append(axis)
+    else:
+      raise ValueError(
+          f"SequenceParallel: the {name}'s shape {shape} does not line up "
+          f"with [B, N] = [{b}, {n}] (size-1 axes broadcast).")
+  if name in ("dense", "bias"):
+    rows = shape[-2]
+    entries += [None if rows == 1 else sequence, None]
+  elif sequence is not None:
+    entries.append(sequence)
+  return PartitionSpec(*entries)

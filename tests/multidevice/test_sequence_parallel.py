@@ -1,0 +1,149 @@
+"""aj.SequenceParallel in a model: a layer whose sequence, batch and heads
+are split equals the unsplit layer; the LM trains on data x seq meshes with
+the one-device loss curve."""
+
+import dataclasses
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_jax as aj
+from experiments import lm
+from experiments import lm_model
+from experiments import training
+from tests import _data
+
+# The split layer computes the same float32 sums in another order (online
+# softmax merges per ring step, all-to-all moves values exactly).
+FWD_TOL = dict(atol=2e-5, rtol=2e-5)
+GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+B, T, D, N, K = 2, 32, 32, 4, 2
+
+
+def _mesh(**sizes):
+  names = tuple(sizes)
+  return jax.make_mesh(tuple(sizes.values()), names,
+                       devices=jax.devices()[:int(np.prod(list(
+                           sizes.values())))],
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def _layer(attention_fn, head_axis=None):
+  return aj.MultiHeadAttention(D, N, num_kv_heads=K, rope=10000.0,
+                               attention_fn=attention_fn,
+                               head_axis=head_axis, rngs=nnx.Rngs(0))
+
+
+class SequenceParallelLayerTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("ring_zigzag", "ring", "zigzag", dict(data=2, seq=4), None),
+      ("ring_contiguous_heads", "ring", "contiguous",
+       dict(data=2, seq=2, model=2), "model"),
+      ("ulysses_zigzag", "ulysses", "zigzag", dict(seq=4, data=2), None),
+      ("hybrid_zigzag_heads", "hybrid", "zigzag",
+       dict(ring=2, seq=2, model=2), "model"))
+  def test_split_layer_equals_the_layer(self, method, layout, sizes,
+                                        head_axis):
+    mesh = _mesh(**sizes)
+    x = _data.normal(0, (B, T, D))
+    ids = jnp.asarray(np.repeat([[0, 1, 2, 3]], B, 0).repeat(T // 4, 1)
+                      .cumsum(1) // 9)  # [B, T] documents of 9 tokens
+    positions = aj.segment_positions(ids)
+    # zigzag lays rows over the ring's devices (the hybrid's outer axis)
+    devices = sizes["ring"] if method == "hybrid" else sizes["seq"]
+    perm = (lambda a, axis=1: aj.zigzag(a, devices, axis=axis)) \
+        if layout == "zigzag" else (lambda a, axis=1: a)
+    unperm = (lambda a, axis=1: aj.unzigzag(a, devices, axis=axis)) \
+        if layout == "zigzag" else (lambda a, axis=1: a)
+    cot = _data.normal(1, (B, T, D))
+    mask = lambda ids: aj.Mask(causal=True, q_segment_ids=ids)  # noqa: E731
+
+    def loss(layer, x, ids, positions, cot):
+      out = layer(x, mask=mask(ids), positions=positions)
+      return jnp.sum(out * cot), out
+
+    want_layer = _layer(None)
+    (_, want), want_grads = nnx.value_and_grad(loss, has_aux=True)(
+        want_layer, x, ids, positions, cot)
+    with jax.set_mesh(mesh):
+      split = aj.SequenceParallel(
+          "seq", method=method, layout=layout,
+          ring_axis="ring" if method == "hybrid" else None,
+          batch_axis="data" if "data" in sizes else None,
+          head_axis=head_axis, block_q=4, block_k=4)
+      layer = _layer(split, head_axis)
+      (_, got), got_grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(
+          layer, perm(x), perm(ids), perm(positions), perm(cot))
+    chex.assert_trees_all_close(unperm(got), want, **FWD_TOL)
+    # (values only: the sharded layer's params carry their mesh metadata)
+    leaves = lambda g: [np.asarray(x) for x in jax.tree.leaves(  # noqa: E731
+        nnx.state(g, nnx.Param))]
+    chex.assert_trees_all_close(leaves(got_grads), leaves(want_grads),
+                                **GRAD_TOL)
+
+  def test_refusals(self):
+    with jax.set_mesh(_mesh(seq=4)):
+      q = jnp.ones((1, 4, 6, 8))  # T = 6 does not split over 4 devices
+      with self.assertRaisesRegex(ValueError, r"T = 6 does not split"):
+        jax.jit(aj.SequenceParallel("seq"))(q, q, q)
+      with self.assertRaisesRegex(ValueError, r"'nope'.*does not have"):
+        aj.SequenceParallel("nope")(q, q, q)
+    with self.assertRaisesRegex(ValueError, r"method must be one of"):
+      aj.SequenceParallel("seq", method="tree")
+    with self.assertRaisesRegex(ValueError, r"needs ring_axis"):
+      aj.SequenceParallel("seq", method="hybrid")
+    with self.assertRaisesRegex(ValueError, r"would be ignored"):
+      aj.SequenceParallel("seq", implementation="flash")
+
+
+_LM = lm.LMConfig(
+    seq_len=32, model=lm_model.LMModelConfig(d_model=32, num_heads=4,
+                                             num_layers=1, ffn_dim=64),
+    train=training.TrainConfig(steps=3, batch_size=4, log_every=1,
+                               checkpoint_every=0, learning_rate=3e-3))
+# A few Adam steps of the same data from the same parameters; the sums run
+# in other orders: float32 rounding, grown a little by the optimizer.
+LOSS_TOL = 2e-5
+
+
+class SequenceParallelLMTest(parameterized.TestCase):
+
+  @functools.cached_property
+  def corpus(self):
+    from experiments import lm_data  # noqa: PLC0415
+    return lm_data.build_corpus(_LM.seq_len, _LM.valid_fraction, 0)
+
+  def _curve(self, mesh_spec, **changes):
+    config = dataclasses.replace(
+        _LM, train=dataclasses.replace(_LM.train, mesh=mesh_spec), **changes)
+    mesh = training.training_mesh(config.train, sequence=True)
+    with jax.set_mesh(mesh):
+      model = lm.build_model("segments", config, self.corpus.vocab.size, mesh)
+    stats = training.train(
+        "segments", model, config.train, None, mesh,
+        batches=functools.partial(lm.train_batch, self.corpus, config,
+                                  "segments",
+                                  devices=lm.layout_devices(config, mesh)),
+        step_fn=lm.train_step)
+    return np.array(stats["loss_curve"])[:, 1]
+
+  @parameterized.named_parameters(
+      ("ring_zigzag", "data:2,seq:4", {}),
+      ("ulysses_heads", "data:2,seq:2,model:2",
+       dict(sequence_parallel="ulysses")),
+      ("hybrid", "ring:2,seq:2,model:2", dict(sequence_parallel="hybrid")))
+  def test_loss_curve_equals_one_device(self, mesh_spec, changes):
+    want = self._curve("data:1")
+    got = self._curve(mesh_spec, **changes)
+    np.testing.assert_allclose(got, want, atol=LOSS_TOL, rtol=LOSS_TOL)
+
+
+if __name__ == "__main__":
+  absltest.main()
