@@ -276,7 +276,13 @@ class SequenceParallel:
   def _local(self, q, k, v, arrays, shared, *, mask, rebuild, return_lse,
              b_local, n_local):
     """One device's call: its shard of every array, the whole mask."""
-    rule, score_mod, scale = rebuild(shared)
+    # Replicated arrays meet batch and head shards in the kernels' custom
+    # VJPs, whose cotangents then vary over those axes: typed as varying
+    # over them here, their gradients are summed over the shards on the way
+    # out (pcast's transpose). The sequence axes are the ring's and the
+    # all-to-all's own (they sum over them themselves).
+    rule, score_mod, scale = rebuild(
+        [_varying(x, _names(self._sequence)) for x in shared])
     if self.batch_axis is not None or self.head_axis is not None:
       score_mod, rule = shifted_indices(score_mod, rule,
                                         _first(self.batch_axis, b_local),
@@ -297,6 +303,18 @@ class SequenceParallel:
         q, k, v, mask, axis_name=self.axis, ring_axis=self.ring_axis,
         implementation=self.implementation, block_q=self.block_q,
         block_k=self.block_k, **common)
+
+
+def _varying(x, skip: tuple[str, ...]):
+  """``x`` typed as varying over every manual axis but ``skip`` that it
+  does not vary over yet."""
+  manual = jax.typeof(x).manual_axis_type
+  if manual is None:
+    return x
+  mesh = jax.sharding.get_abstract_mesh()
+  missing = tuple(a for a in mesh.manual_axes
+                  if a not in manual.varying and a not in skip)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _names(axes) -> tuple[str, ...]:

@@ -88,6 +88,40 @@ class SequenceParallelLayerTest(parameterized.TestCase):
     chex.assert_trees_all_close(leaves(got_grads), leaves(want_grads),
                                 **GRAD_TOL)
 
+  @parameterized.parameters("ring", "ulysses")
+  def test_every_array_reaches_its_shard(self, method):
+    # Batch, heads and sequence all split: per-example lengths and a rule
+    # reading b, ALiBi slopes and sinks per head (read at the global (b,
+    # h)), segment ids per token, a scale, the lse; gradients of every
+    # operand.
+    mesh = _mesh(data=2, seq=2, model=2)
+    q = _data.normal(2, (2, 4, 16, 8))
+    k, v = (_data.normal(3 + i, (2, 2, 16, 8)) for i in range(2))
+    slopes, sinks = _data.normal(5, (4,)), _data.normal(6, (4,))
+    starts = jnp.array([0, 3])  # [B] keys before these are hidden
+    ids = jnp.asarray(np.repeat([[0] * 10 + [1] * 6], 2, 0))  # [B, T]
+    rule = aj.MaskRule(lambda b, h, q, k, p: k >= p[b], starts)
+    cot = _data.normal(7, (2, 4, 16, 8))
+
+    def loss(fn, q, k, v, slopes, sinks):
+      mask = aj.Mask(causal=True, kv_lengths=jnp.array([16, 11]),
+                     q_segment_ids=ids, rule=rule)
+      out, lse = fn(q, k, v, mask, score_mod=aj.alibi(slopes), sinks=sinks,
+                    scale=0.3, return_lse=True)
+      return jnp.sum(out * cot) + jnp.sum(jnp.where(
+          jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    args = (q, k, v, slopes, sinks)
+    grad = lambda fn: jax.jit(jax.value_and_grad(  # noqa: E731
+        functools.partial(loss, fn), (0, 1, 2, 3, 4), has_aux=True))(*args)
+    (_, want), want_grads = grad(aj.scaled_dot_product_attention)
+    with jax.set_mesh(mesh):
+      split = aj.SequenceParallel("seq", method=method, batch_axis="data",
+                                  head_axis="model")
+      (_, got), got_grads = grad(split)
+    chex.assert_trees_all_close(got, want, **FWD_TOL)
+    chex.assert_trees_all_close(got_grads, want_grads, **GRAD_TOL)
+
   def test_refusals(self):
     with jax.set_mesh(_mesh(seq=4)):
       q = jnp.ones((1, 4, 6, 8))  # T = 6 does not split over 4 devices
