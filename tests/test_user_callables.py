@@ -133,11 +133,24 @@ class ScaleTest(chex.TestCase):
     with self.assertRaisesRegex(error, "scale must be"):
       aj.scaled_dot_product_attention(Q, KV, KV, scale=scale)
 
-  def test_traced_scale_is_the_multiplier(self):
-    got = jax.jit(lambda s: aj.scaled_dot_product_attention(
-        Q, KV, KV, scale=s))(jnp.float32(0.25))
-    want = aj.scaled_dot_product_attention(Q, KV, KV, scale=0.25)
-    chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-6)
+  @parameterized.parameters(None, "dense", aj.kernels.Flash(4, 4))
+  def test_traced_scale_is_the_multiplier(self, implementation):
+    # A learned scale under jit: the blockwise kernels compile their scale
+    # in, so a traced one is folded into the queries; same numbers and the
+    # same gradient (float32: a rounding of the product apart).
+    def f(s):
+      return aj.scaled_dot_product_attention(
+          Q, KV, KV, scale=s, is_causal=True,
+          implementation=implementation).sum()
+
+    got, got_grad = jax.jit(jax.value_and_grad(f))(jnp.float32(0.25))
+    want = aj.scaled_dot_product_attention(Q, KV, KV, scale=0.25,
+                                           is_causal=True).sum()
+    want_grad = jax.grad(lambda s: aj.scaled_dot_product_attention(
+        Q, KV, KV, scale=s, is_causal=True, implementation="dense").sum())(
+            jnp.float32(0.25))
+    chex.assert_trees_all_close((got, got_grad), (want, want_grad),
+                                atol=1e-5, rtol=1e-5)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ The mask speaks of the whole sequence (causality, windows, lengths,
 positions, rules: global positions); its per-token arrays (segment ids,
 ``[B, T]``), the dense mask and the bias (``[B|1, N|1, T|1, S|1]``) are in
 the order the tokens are: with ``layout="zigzag"`` the caller permuted the
-tokens, positions, segment ids, targets, dense masks and biases once
-(``aj.zigzag``), before the model, and reads its outputs back with
-``aj.unzigzag`` (a per-token loss needs neither).
+tokens, positions, segment ids and targets once (``aj.zigzag``), and a
+dense mask's or bias's rows *and* key columns (``aj.zigzag`` on axis -2,
+then -1: a ``[B, 1, 1, S]`` key mask too), before the model, and reads its
+outputs back with ``aj.unzigzag`` (a per-token loss needs neither). The
+mesh's axes are Auto ones (``jax.sharding.AxisType.Auto``).
 
 Each shard's ``score_mod`` and rule see the global ``(b, h)``: this
 function shifts them by the shard's first example and head
@@ -70,9 +72,17 @@ def _shifted_mod(score, b, h, q_idx, kv_idx, params):
   return inner(score, b + b0, h + h0, q_idx, kv_idx)
 
 
-def _shifted_rule(b, h, q_idx, kv_idx, params):
-  inner, b0, h0 = params
-  return inner(b + b0, h + h0, q_idx, kv_idx)
+@dataclasses.dataclass(frozen=True)
+class _ShiftedRule:
+  """A rule at ``(b + b0, h + h0)``: ``plain`` a function (static), or
+  None when the rule is a pytree (a ``MaskRule``: its arrays are leaves of
+  the params)."""
+  plain: Any = None
+
+  def __call__(self, b, h, q_idx, kv_idx, params):
+    inner, b0, h0 = params
+    rule = inner if self.plain is None else self.plain
+    return mask_lib.rule_function(rule)(b + b0, h + h0, q_idx, kv_idx)
 
 
 def shifted_indices(score_mod: Any, rule: Any, b0, h0):
@@ -84,8 +94,8 @@ def shifted_indices(score_mod: Any, rule: Any, b0, h0):
   operand (``b0``/``h0`` may be traced, e.g. from ``lax.axis_index``): the
   modifier becomes an ``aj.ScoreMod`` whose params hold the original (its
   arrays keep their gradients), a rule an ``aj.MaskRule``; a
-  ``BlockMask``'s tables are laid out per global ``(b, h)``, so its
-  ``mask_fn`` is shifted and the tables are rebuilt for the shard. A union
+  ``BlockMask``'s tables are laid out per global ``(b, h)``, so only its
+  ``mask_fn`` is kept, shifted (the kernels evaluate it per block). A union
   of masks is refused here (its members' arrays are the whole batch's).
 
   Example:
@@ -107,8 +117,16 @@ def shifted_indices(score_mod: Any, rule: Any, b0, h0):
   if rule is not None:
     if isinstance(rule, BlockMask):
       rule = rule.mask_fn
-    rule = mask_lib.MaskRule(_shifted_rule, (rule, b0, h0))
+    if jax.tree.leaves(rule) and _is_pytree(rule):
+      rule = mask_lib.MaskRule(_ShiftedRule(), (rule, b0, h0))
+    else:  # a function: static, not a leaf
+      rule = mask_lib.MaskRule(_ShiftedRule(rule), (None, b0, h0))
   return score_mod, rule
+
+
+def _is_pytree(x) -> bool:
+  """Whether ``x`` is a pytree node (a ``MaskRule``), not a leaf."""
+  return not jax.tree_util.treedef_is_leaf(jax.tree.structure(x))
 
 
 def _arrays_apart(tree):
@@ -159,7 +177,9 @@ class SequenceParallel:
     ...                      axis_types=(jax.sharding.AxisType.Auto,))
     >>> x = jnp.ones((2, 4, 8, 16))  # [B, N, T, H]
     >>> with jax.set_mesh(mesh):
-    ...   out = jax.jit(SequenceParallel("seq"))(x, x, x, is_causal=True)
+    ...   split = SequenceParallel("seq", layout="zigzag")
+    ...   out = jax.jit(lambda q, k, v: split(q, k, v, is_causal=True))(
+    ...       x, x, x)
     >>> out.shape
     (2, 4, 8, 16)
   """
@@ -202,12 +222,19 @@ class SequenceParallel:
           f"SequenceParallel({self.axis!r}) needs a mesh: call it under "
           "jax.set_mesh(mesh) with that axis.")
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
     for name in (self.axis, self.ring_axis, self.head_axis,
                  *_names(self.batch_axis)):
       if name is not None and name not in sizes:
         raise ValueError(
             f"SequenceParallel names mesh axis {name!r}, which the mesh "
             f"{sizes} does not have.")
+      if name is not None and kinds[name] != jax.sharding.AxisType.Auto:
+        raise ValueError(
+            f"SequenceParallel splits over Auto mesh axes; {name!r} is "
+            f"{kinds[name]}: build the mesh with axis_types="
+            "(jax.sharding.AxisType.Auto, ...) (or call ring_attention / "
+            "ulysses_attention inside your own jax.shard_map).")
     return sizes
 
   def __call__(self, query, key, value, mask=None, *, bias=None,
@@ -257,8 +284,17 @@ class SequenceParallel:
         "dense",) else None, name) for name, x in arrays.items()}
     if bias is not None:
       arrays["bias"], specs["bias"] = bias, spec(bias, self._sequence, "bias")
-    if sinks is not None:
-      arrays["sinks"], specs["sinks"] = sinks, PartitionSpec(self.head_axis)
+    if sinks is not None:  # [N] or [B, N]: aligned to the right
+      rank = len(checks.shape_of(sinks))
+      padded = jax.ShapeDtypeStruct(
+          (1,) * (2 - rank) + tuple(checks.shape_of(sinks)), jnp.float32)
+      arrays["sinks"] = sinks
+      specs["sinks"] = PartitionSpec(
+          *spec(padded, None, "sinks")[2 - rank:]) if rank <= 2 else (
+              PartitionSpec())  # (refused by the call's own checks)
+    if (isinstance(scale, (np.ndarray, np.generic, jax.Array))
+        and not isinstance(scale, jax.core.Tracer) and np.ndim(scale) == 0):
+      scale = float(scale)  # concrete: a constant, as the kernels take it
     # What the rule, score_mod and a traced scale read is replicated.
     shared, rebuild = _arrays_apart(
         (None if mask is None else mask.rule, score_mod, scale))
@@ -281,8 +317,8 @@ class SequenceParallel:
     # over them here, their gradients are summed over the shards on the way
     # out (pcast's transpose). The sequence axes are the ring's and the
     # all-to-all's own (they sum over them themselves).
-    rule, score_mod, scale = rebuild(
-        [_varying(x, _names(self._sequence)) for x in shared])
+    split = (*_names(self.batch_axis), *_names(self.head_axis))
+    rule, score_mod, scale = rebuild([_varying(x, split) for x in shared])
     if self.batch_axis is not None or self.head_axis is not None:
       score_mod, rule = shifted_indices(score_mod, rule,
                                         _first(self.batch_axis, b_local),
@@ -292,9 +328,12 @@ class SequenceParallel:
       if mask.kv_segment_ids is mask.q_segment_ids:
         fields["kv_segment_ids"] = None  # the queries' again
       mask = Mask(causal=mask.causal, window=mask.window, rule=rule, **fields)
-    common = dict(scale=scale, score_mod=score_mod, sinks=arrays.get("sinks"),
-                  bias=arrays.get("bias"), return_lse=return_lse,
-                  layout=self.layout)
+    # The bias and sinks may be shared by the batch or head shards (size-1
+    # axes): typed as varying there too, for the same reason.
+    bias, sinks = (None if x is None else _varying(x, split)
+                   for x in (arrays.get("bias"), arrays.get("sinks")))
+    common = dict(scale=scale, score_mod=score_mod, sinks=sinks, bias=bias,
+                  return_lse=return_lse, layout=self.layout)
     if self.method == "ring":
       return ring_lib.ring_attention(
           q, k, v, mask, axis_name=self.axis, block_q=self.block_q,
@@ -305,15 +344,13 @@ class SequenceParallel:
         block_k=self.block_k, **common)
 
 
-def _varying(x, skip: tuple[str, ...]):
-  """``x`` typed as varying over every manual axis but ``skip`` that it
-  does not vary over yet."""
+def _varying(x, axes: tuple[str, ...]):
+  """``x`` typed as varying over ``axes`` (those it does not vary over
+  yet)."""
   manual = jax.typeof(x).manual_axis_type
   if manual is None:
     return x
-  mesh = jax.sharding.get_abstract_mesh()
-  missing = tuple(a for a in mesh.manual_axes
-                  if a not in manual.varying and a not in skip)
+  missing = tuple(a for a in axes if a not in manual.varying)
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -335,7 +372,7 @@ def _first(axes, per_shard: int):
   index = 0
   for name in _names(axes):
     index = index * jax.lax.axis_size(name) + jax.lax.axis_index(name)
-  return index * per_shard
+  return jnp.asarray(index * per_shard, jnp.int32)  # (an operand, not 0)
 
 
 def _spec(batch_axis, b, head_axis, n, x, sequence, name) -> PartitionSpec:
@@ -348,6 +385,11 @@ def _spec(batch_axis, b, head_axis, n, x, sequence, name) -> PartitionSpec:
   is replicated.
   """
   shape = checks.shape_of(x)
+  if name in ("dense", "bias") and len(shape) != 4:
+    raise ValueError(
+        f"SequenceParallel takes a {name} of the logits' rank, [B|1, N|1, "
+        f"T|1, S|1], got shape {shape}: add the missing axes (e.g. "
+        f"{name}[None, None] for a [T, S] one).")
   lead = (shape[:-2] if name in ("dense", "bias") else
           shape[:-1] if sequence is not None else shape)
   entries = []

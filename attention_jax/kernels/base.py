@@ -365,6 +365,23 @@ def undeclared(kernel: Kernel, problem: Problem) -> str | None:
 MIN_SCORES = 1024 * 1024
 
 
+def scale_in_query(problem: Problem) -> Problem:
+  """``problem`` with a float scale: a concrete scalar array read as one,
+  a traced one (a learned scale under ``jit``) folded into the queries
+  (``scale * q . k == (scale * q) . k``; scale 1.0), so the blockwise
+  kernels, which compile the scale in as a constant, run it too and its
+  gradient flows through the product, outside their custom VJPs."""
+  scale = problem.scale
+  if isinstance(scale, (int, float)):
+    return problem
+  try:
+    return problem._replace(scale=float(scale))
+  except jax.errors.ConcretizationTypeError:
+    q = problem.ops.query
+    q = (q * scale.astype(jnp.float32)).astype(q.dtype)
+    return problem._replace(ops=problem.ops._replace(query=q), scale=1.0)
+
+
 def too_small(problem: Problem) -> str | None:
   """Why the automatic choice leaves a small problem to the dense kernel."""
   if problem.scores < MIN_SCORES:

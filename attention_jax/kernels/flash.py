@@ -76,6 +76,7 @@ class Flash(base.Kernel):
     return base.too_small(problem)
 
   def __call__(self, problem: base.Problem):
+    problem = base.scale_in_query(problem)  # a traced scale too
     if problem.pages is not None:
       return self._paged_call(problem)
     ops = problem.ops

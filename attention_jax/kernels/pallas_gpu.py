@@ -147,6 +147,7 @@ class PallasGpu(base.Kernel):
             bk if self.block_k is None else self.block_k)
 
   def __call__(self, problem: base.Problem):
+    problem = base.scale_in_query(problem)  # a traced scale too
     ops = problem.ops
     bq, bk = self._blocks(ops)
     ops = flash.with_rule_tables(_own_tables(ops, bq, bk), bq, bk)

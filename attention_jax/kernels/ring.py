@@ -813,6 +813,7 @@ class Ring(base.Kernel):
             or base.float32_only(problem))
 
   def __call__(self, problem: base.Problem):
+    problem = base.scale_in_query(problem)  # a traced scale too
     ops = problem.ops
     size = self.size()
     rule = ops.block_mask

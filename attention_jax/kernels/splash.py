@@ -278,6 +278,7 @@ class Splash(base.Kernel):
     return base.too_small(problem)
 
   def __call__(self, problem: base.Problem):
+    problem = base.scale_in_query(problem)  # a traced scale too
     ops = problem.ops
     t, s = ops.query.shape[-2], ops.key.shape[-2]
     lead = ops.batch_shape

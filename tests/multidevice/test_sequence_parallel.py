@@ -122,6 +122,38 @@ class SequenceParallelLayerTest(parameterized.TestCase):
     chex.assert_trees_all_close(got, want, **FWD_TOL)
     chex.assert_trees_all_close(got_grads, want_grads, **GRAD_TOL)
 
+  @parameterized.product(method=("ring", "ulysses"),
+                         split=("batch", "heads"))
+  def test_shared_arrays_under_one_split(self, method, split):
+    # One of batch or heads split: the other shift is a constant 0; a plain
+    # rule reading b; a bias shared by the examples (and the heads) and
+    # sinks per example and head, both differentiated; a concrete array
+    # scale.
+    mesh = _mesh(data=2, seq=2, model=2)
+    q, k, v = (_data.normal(10 + i, (2, 4, 16, 8)) for i in range(3))
+    slopes, sinks = _data.normal(13, (4,)), _data.normal(14, (2, 4))
+    bias = _data.normal(15, (1, 1, 16, 16))  # [1, 1, T, S]
+    cot = _data.normal(16, (2, 4, 16, 8))
+    mask = aj.Mask(causal=True, rule=lambda b, h, q, k: k >= 3 * b)
+
+    def loss(fn, q, k, v, slopes, sinks, bias):
+      out = fn(q, k, v, mask, bias=bias, score_mod=aj.alibi(slopes),
+               sinks=sinks, scale=jnp.float32(0.3))
+      return jnp.sum(out * cot), out
+
+    args = (q, k, v, slopes, sinks, bias)
+    grad = lambda fn: jax.jit(jax.value_and_grad(  # noqa: E731
+        functools.partial(loss, fn), tuple(range(6)), has_aux=True))(*args)
+    (_, want), want_grads = grad(aj.scaled_dot_product_attention)
+    with jax.set_mesh(mesh):
+      split_fn = aj.SequenceParallel(
+          "seq", method=method,
+          batch_axis="data" if split == "batch" else None,
+          head_axis="model" if split == "heads" else None)
+      (_, got), got_grads = grad(split_fn)
+    chex.assert_trees_all_close(got, want, **FWD_TOL)
+    chex.assert_trees_all_close(got_grads, want_grads, **GRAD_TOL)
+
   def test_refusals(self):
     with jax.set_mesh(_mesh(seq=4)):
       q = jnp.ones((1, 4, 6, 8))  # T = 6 does not split over 4 devices
@@ -129,6 +161,14 @@ class SequenceParallelLayerTest(parameterized.TestCase):
         jax.jit(aj.SequenceParallel("seq"))(q, q, q)
       with self.assertRaisesRegex(ValueError, r"'nope'.*does not have"):
         aj.SequenceParallel("nope")(q, q, q)
+      q = jnp.ones((1, 4, 8, 8))
+      with self.assertRaisesRegex(ValueError, r"bias of the logits' rank"):
+        aj.SequenceParallel("seq")(q, q, q, bias=jnp.zeros((8, 8)))
+    explicit = jax.make_mesh((4,), ("seq",), devices=jax.devices()[:4],
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(explicit), self.assertRaisesRegex(
+        ValueError, r"splits over Auto mesh axes"):
+      aj.SequenceParallel("seq")(q, q, q)
     with self.assertRaisesRegex(ValueError, r"method must be one of"):
       aj.SequenceParallel("seq", method="tree")
     with self.assertRaisesRegex(ValueError, r"needs ring_axis"):
