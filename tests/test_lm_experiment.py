@@ -246,10 +246,10 @@ class RunTest(absltest.TestCase):
                                  variants=("segments",))
     original = lm.train_batch
 
-    def interrupted(corpus, config, variant, step):
+    def interrupted(corpus, config, variant, step, **layout):
       if step == 2:  # as Ctrl-C (or SIGTERM) after two finished steps
         raise KeyboardInterrupt
-      return original(corpus, config, variant, step)
+      return original(corpus, config, variant, step, **layout)
 
     with (mock.patch.object(lm, "train_batch", interrupted),
           self.assertRaises(KeyboardInterrupt)):
