@@ -54,21 +54,7 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
     result = per_shard.run(kernel, problem)
   else:
     result = kernel(problem)
-  if not isinstance(result, base.Result):
-    raise TypeError(
-        f"kernel {kernel.name!r} returned {type(result).__name__}, not an "
-        "aj.kernels.Result(out, weights, lse, max_logits) (absent values "
-        "None): every kernel returns one named result.")
-  for name in ("weights", "lse", "max_logits"):
-    if getattr(problem, f"return_{name}") and getattr(result, name) is None:
-      raise TypeError(  # a kernel that accepted the flag and ignored it
-          f"kernel {kernel.name!r} was asked for {name} (return_{name}="
-          f"True) but returned none: it must compute it or not declare "
-          f"return_{name} in its implements.")
-  return base.Result(result.out,
-                     result.weights if return_weights else None,
-                     result.lse if return_lse else None,
-                     result.max_logits if return_max_logits else None)
+  return base.asked_result(kernel, problem, result)
 
 
 def prepare(query, key, value, mask=None, *, bias=None, scale=None,

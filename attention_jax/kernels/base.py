@@ -365,6 +365,27 @@ def undeclared(kernel: Kernel, problem: Problem) -> str | None:
 MIN_SCORES = 1024 * 1024
 
 
+def asked_result(kernel: Kernel, problem: Problem, result) -> Result:
+  """``result`` checked to be a named ``Result`` holding what ``problem``
+  asked for, with nothing else (what the dispatcher and each shard of
+  ``per_shard`` return). TypeError naming the kernel otherwise."""
+  if not isinstance(result, Result):
+    raise TypeError(
+        f"kernel {kernel.name!r} returned {type(result).__name__}, not an "
+        "aj.kernels.Result(out, weights, lse, max_logits) (absent values "
+        "None): every kernel returns one named result.")
+  for name in ("weights", "lse", "max_logits"):
+    if getattr(problem, f"return_{name}") and getattr(result, name) is None:
+      raise TypeError(  # a kernel that accepted the flag and ignored it
+          f"kernel {kernel.name!r} was asked for {name} (return_{name}="
+          f"True) but returned none: it must compute it or not declare "
+          f"return_{name} in its implements.")
+  return Result(result.out,
+                result.weights if problem.return_weights else None,
+                result.lse if problem.return_lse else None,
+                result.max_logits if problem.return_max_logits else None)
+
+
 def scale_in_query(problem: Problem) -> Problem:
   """``problem`` with a float scale: a concrete scalar array read as one,
   a traced one (a learned scale under ``jit``) folded into the queries

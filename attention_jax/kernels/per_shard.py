@@ -110,17 +110,8 @@ def run(kernel: base.Kernel, problem: base.Problem) -> base.Result:
       raise ValueError(
           f"kernel {kernel.name!r} runs per shard of {partition} (XLA cannot "
           f"partition it), and refuses the shard's problem: {reason}.")
-    result = kernel(local)
-    if not isinstance(result, base.Result):
-      raise TypeError(
-          f"kernel {kernel.name!r} returned {type(result).__name__}, not an "
-          "aj.kernels.Result(out, weights, lse, max_logits) (absent values "
-          "None): every kernel returns one named result.")
     # Only what the call asked for leaves the shards (out_specs).
-    return base.Result(
-        result.out, result.weights if local.return_weights else None,
-        result.lse if local.return_lse else None,
-        result.max_logits if local.return_max_logits else None)
+    return base.asked_result(kernel, local, kernel(local))
 
   out_specs = _result_specs(problem, caller)
   # Manual over every axis not manual already: the mesh's other axes see
