@@ -23,6 +23,11 @@ for _flag, _value in _COMPILE_FASTER.items():
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --{_flag}={_value}").strip()
 
+# A developer's tuned block sizes (aj.kernels.autotune's cache) must not
+# change what the tests run: the automatic choice reads no cache here
+# (tests/test_autotune.py points it at temporary files itself).
+os.environ.setdefault("AJ_AUTOTUNE_CACHE", "off")
+
 from flax import nnx  # noqa: E402 - after XLA_FLAGS
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

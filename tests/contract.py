@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import types
 
 from absl.testing import parameterized
 import chex
@@ -80,26 +81,26 @@ REFUSES = {
     "flash": frozenset({"float64"}),
     "cudnn": frozenset({"float32", "float64", "lse", "q_lengths", "window",
                         "softcap", "segments", "sinks", "alibi", "t5",
-                        "rule", "max_logits", "paged"}),
-    "ring": frozenset({"float64", "paged"}),
-    "ring_zigzag": frozenset({"float64", "paged"}),
+                        "rule", "max_logits", "paged", "dropout"}),
+    "ring": frozenset({"float64", "paged", "dropout"}),
+    "ring_zigzag": frozenset({"float64", "paged", "dropout"}),
     "pallas_gpu": frozenset({"float64", "max_logits", "paged"}),
     # Splash has no bias, no modifier but a soft cap, and a static mask (a
     # dense mask is traced under jit).
     "splash": frozenset({"float64", "bias", "mask", "alibi", "t5",
-                         "max_logits", "positions", "paged"}),
+                         "max_logits", "positions", "paged", "dropout"}),
 }
 # A TPU paged decoding step: one bfloat16 query per sequence, seeing the
 # keys up to its position (its columns run only SUBSETS' cases).
 REFUSES["paged_tpu"] = frozenset({
     "float32", "float64", "float16", "mask", "bias", "lse", "q_lengths",
     "window", "softcap", "segments", "sinks", "alibi", "t5", "rule",
-    "max_logits"})
+    "max_logits", "dropout"})
 # A GPU paged decoding step: one query per sequence, its visible slots one
 # interval (length, causality and a window at its position).
 REFUSES["paged_gpu"] = frozenset({
     "float64", "mask", "bias", "q_lengths", "softcap", "segments", "alibi",
-    "t5", "rule", "max_logits"})
+    "t5", "rule", "max_logits", "dropout"})
 NEEDS_GPU = frozenset({"cudnn"})
 # Cases a kernel refuses for their shapes, not their features: name ->
 # (predicate on the case, what its ValueError says). Zigzag cuts each
@@ -130,6 +131,7 @@ SUBSETS = {
         "rule_per_example_prefix_window", "everything_combined",
         "max_logits_modified_patterned", "positions_causal_window_rule",
         "positions_causal_alibi", "garbage_causal_window_lengths",
+        "dropout_causal_gqa_lse",
         "garbage_mask_bias_sinks", "paged_decode_alibi_rule_mqa"),
     "splash": (
         "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
@@ -139,7 +141,8 @@ SUBSETS = {
         "alibi_causal_gqa", "block_mask_prefix_lm",
         "rule_per_example_prefix_window", "union_prefix_lm_segments",
         "max_logits_modified_patterned", "positions_causal_window_rule",
-        "garbage_causal_window_lengths", "paged_decode_alibi_rule_mqa"),
+        "garbage_causal_window_lengths", "paged_decode_alibi_rule_mqa",
+        "dropout_causal_gqa_lse"),
     # It reads paged caches only: the paged cases (the float32 ones are
     # refused) and two refusals.
     "paged_tpu": (
@@ -361,12 +364,16 @@ class Case:
   # (``_paged``): pages out of order, NaN in every slot past a length and
   # in the pages nobody holds.
   paged: int | None = None
+  # Attention dropout at this rate (DROPOUT_KEY): each kernel's draw is the
+  # library's counter-based one, checked entry by entry against
+  # reference.dropout_keep.
+  dropout: float = 0.0
 
   def features(self) -> set[str]:
     used = {self.dtype}
     for name in ("mask", "bias", "lse", "q_lengths", "window", "softcap",
                  "segments", "sinks", "alibi", "t5", "rule", "max_logits",
-                 "positions", "paged"):
+                 "positions", "paged", "dropout"):
       if getattr(self, name):
         used.add(name)
     return used
@@ -476,6 +483,15 @@ CASES = {
     "paged_decode_bfloat16_gqa": Case(
         t=1, s=42, causal=True, lengths=(29, 0), positions=((28, -1), (0, 0)),
         dtype="bfloat16", paged=7),
+    # Dropout: the kept entries of each (b, h, q, kv) the reference draws,
+    # through every pattern pass, the bias and a modifier, and the
+    # gradients (each pass draws the block's mask again).
+    "dropout_causal_gqa_lse": Case(causal=True, lengths=(40, 29), lse=True,
+                                   dropout=0.3),
+    "dropout_window_bias_softcap_sinks": Case(
+        t=40, s=40, causal=True, window=(9, 0), segments="sorted",
+        bias=True, softcap=2.0, sinks=True, q_lengths=(40, 31), lse=True,
+        dropout=0.5),
 }
 
 # (tensor, example, its head, row, feature, value) of each planted entry;
@@ -689,6 +705,45 @@ def _max_logits(q, k, allowed):
   return np.where(allowed, raw, -np.inf).max(-1)
 
 
+# Forward-mode AD (jax.jvp) against the reference's: empty rows and the lse,
+# a bias and a modifier, every pattern with sinks and ALiBi's slopes, a
+# learned table, a dense mask, dropout, a paged cache's pool.
+FORWARD_CASES = ("causal_t_gt_s_empty_rows", "softcap_bias",
+                 "everything_combined", "t5_bias_bidirectional_gqa",
+                 "mask_empty_rows", "dropout_window_bias_softcap_sinks",
+                 "paged_prefill_window_gqa_sinks",
+                 "paged_decode_window_sinks_gqa", "paged_decode_bfloat16_gqa")
+# The sequence-parallel harnesses whose kernel has no forward mode.
+FORWARD_MODE_REFUSED = frozenset({"ring", "ring_zigzag"})
+
+
+def _numbered(tree):
+  """The tree with each leaf replaced by its index (distinct seeds)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, list(range(len(leaves))))
+
+
+# The dropout cases' key: its two uint32 words seed every entry's draw.
+DROPOUT_KEY = 11
+
+
+def _dropout_keep(case: Case):
+  """``[B, N, T, S]`` kept weights' factor, ``1 / (1 - rate)`` where kept
+  and 0 where dropped (None without dropout): ``reference.dropout_keep``
+  at each entry's (b, h, q, kv) from the key's two words."""
+  if not case.dropout:
+    return None
+  seed = np.asarray(jax.random.bits(jax.random.key(DROPOUT_KEY), (2,),
+                                    jnp.uint32))
+  b, h, i, j = np.ix_(np.arange(B), np.arange(N), np.arange(case.t),
+                      np.arange(case.s))
+  if case.positions is not None:  # the indices a score_mod would see
+    i = i + np.asarray(case.positions[0])[:, None, None, None]
+    j = j + np.asarray(case.positions[1])[:, None, None, None]
+  keep = reference_lib.dropout_keep(seed, b, h, i, j, case.dropout)
+  return keep / (1.0 - case.dropout)
+
+
 def _loss(out, lse, cot, cot_lse):
   total = jnp.sum(out.astype(jnp.float64 if out.dtype == jnp.float64
                              else jnp.float32) * cot)
@@ -735,6 +790,64 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
           r"\[\d+(, \d+)*\]", "[...]", m))
       self.assertEqual(unshaped(got), unshaped(automatic))
 
+    @parameterized.named_parameters(*[
+        (f"{name}__{case_name}", name, case_name) for name in names
+        for case_name in FORWARD_CASES
+        if case_name in (case_names(name) if cases is None else cases)])
+    def test_forward_mode(self, name, case_name):
+      """``jax.jvp`` equals the reference's (float64), or is refused by the
+      kernel's name (a kernel whose gradient is a custom VJP)."""
+      case = CASES[case_name]
+      if name in NEEDS_GPU and jax.default_backend() != "gpu":
+        self.skipTest("needs a GPU")
+      c = self._setup(name, case)
+      refused_shape = REFUSES_SHAPES.get(name, (None,))[0]
+      if c.refused or (refused_shape is not None and refused_shape(case)):
+        self.skipTest("the kernel refuses the case (test_contract checks)")
+      q, k, v, mask, bias, lengths, q_lengths = c.operands
+      primals = (q, k, v, bias, c.diff)
+      tangents = jax.tree.map(
+          lambda x, i: _data.normal(40 + i, x.shape).astype(x.dtype), primals,
+          _numbered(primals))
+      jvp = jax.jit(lambda p, t: jax.jvp(c.ours, p, t))
+      kernel = kernels.get(name) or _kernel(name)
+      takes = (name not in FORWARD_MODE_REFUSED if kernel is None
+               else kernel.forward_mode)
+      if not takes:
+        with self.assertRaisesRegex(
+            ValueError, rf"implementation='{kernel.name if kernel else name}"
+            r"' has no forward-mode AD"):
+          jvp(primals, tangents)
+        return
+      (out, lse, _), (d_out, d_lse, _) = jvp(primals, tangents)
+      allowed = _allowed(case, mask, lengths, q_lengths, bias)
+      rows = None
+      if q_lengths is not None:
+        rows = (np.arange(case.t) < np.asarray(q_lengths)[:, None])[:, None]
+      keep = _dropout_keep(case)
+      f64 = lambda x: None if x is None else np.asarray(x, np.float64)
+
+      def reference(q, k, v, bias, diff):
+        return reference_lib.masked_attention(
+            q, k, v, bias, allowed, case.softcap, rows=rows,
+            t5_max_distance=T5_MAX_DISTANCE, positions=case.positions,
+            keep=keep, **diff)
+
+      with jax.enable_x64(True):
+        _, (want_out, want_lse) = jax.jvp(
+            reference, jax.tree.map(f64, primals),
+            jax.tree.map(f64, tangents))
+      tol = TOLERANCES[case.dtype]
+      pairs = [("d_out", d_out, want_out)] + (
+          [("d_lse", d_lse, want_lse)] if case.lse else [])
+      for what, got, want in pairs:
+        got, want = np.asarray(got, np.float64), np.asarray(want)
+        self.assertTrue(np.isfinite(got).all(), f"{what} is not finite")
+        scale = max(1.0, float(np.abs(want).max()))
+        # (a tangent is a sum of products like a gradient's: its tolerance)
+        np.testing.assert_allclose(got, want, atol=tol["grad"] * scale,
+                                   rtol=tol["grad"], err_msg=what)
+
     @parameterized.named_parameters(*params)
     def test_contract(self, name, case_name):
       case = CASES[case_name]
@@ -747,6 +860,24 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
         self._check(name, case)
 
     def _check(self, name, case):
+      c = self._setup(name, case)
+      q, k, v, mask, bias, lengths, q_lengths = c.operands
+      diff, ours = c.diff, c.ours
+      if c.refused:
+        with self.assertRaises((ValueError, TypeError)):
+          jax.jit(ours)(q, k, v, bias, diff)
+        return
+      refused_shape, message = REFUSES_SHAPES.get(name, (None, None))
+      if refused_shape is not None and refused_shape(case):
+        with self.assertRaisesRegex(ValueError, message):
+          jax.jit(ours)(q, k, v, bias, diff)
+        return
+      self._compare(case, c)
+
+    def _setup(self, name, case, extra=None):
+      """The case's operands and ``ours(q, k, v, bias, diff)`` on kernel
+      ``name`` (``extra``: more keywords of the call), whether the kernel
+      refuses the case's features."""
       q, k, v, mask, bias, lengths, q_lengths = _operands(case)
       q_seg, k_seg = _segment_ids(case)
       parts = dict(causal=case.causal, window=case.window,
@@ -780,6 +911,10 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
         kw["return_lse"] = case.lse
         if case.max_logits:
           kw["return_max_logits"] = True
+        if case.dropout:
+          kw.update(dropout_rate=case.dropout,
+                    dropout_rng=jax.random.key(DROPOUT_KEY))
+        kw.update(extra or {})
         if name in SEQUENCE_PARALLEL:  # sharded, run, gathered
           if case.paged:
             kw["pages"] = _paged(case, k, v, lengths)
@@ -800,16 +935,15 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
         lse = result.pop(0) if case.lse else None
         return out, lse, (result.pop(0) if case.max_logits else None)
 
-      if case.features() & refuses.get(name, frozenset()):
-        with self.assertRaises((ValueError, TypeError)):
-          jax.jit(ours)(q, k, v, bias, diff)
-        return
-      refused_shape, message = REFUSES_SHAPES.get(name, (None, None))
-      if refused_shape is not None and refused_shape(case):
-        with self.assertRaisesRegex(ValueError, message):
-          jax.jit(ours)(q, k, v, bias, diff)
-        return
+      return types.SimpleNamespace(
+          operands=(q, k, v, mask, bias, lengths, q_lengths), diff=diff,
+          ours=ours, refused=bool(case.features() & refuses.get(
+              name, frozenset())))
 
+    def _compare(self, case, c):
+      """Outputs, lse, row maxima and gradients against the reference."""
+      q, k, v, mask, bias, lengths, q_lengths = c.operands
+      diff, ours = c.diff, c.ours
       allowed = _allowed(case, mask, lengths, q_lengths, bias)
       rows = None
       if q_lengths is not None:  # [B, 1, T]: rows that are queries
@@ -855,11 +989,13 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
       f64 = lambda x: None if x is None else np.asarray(x, np.float64)
       diff64 = {name: f64(x) for name, x in diff.items()}
 
+      keep = _dropout_keep(case)  # (NumPy, outside the trace)
+
       def reference_loss_and_outputs(q, k, v, bias, diff):
         out, lse = reference_lib.masked_attention(
             q, k, v, bias, allowed, case.softcap, rows=rows,
             t5_max_distance=T5_MAX_DISTANCE, positions=case.positions,
-            **diff)
+            keep=keep, **diff)
         return _loss(out, None if cot_lse is None else lse, f64(cot),
                      f64(cot_lse)), (out, lse)
 

@@ -33,7 +33,7 @@ def t5_bucket(relative_position, num_buckets: int, max_distance: int):
 
 def masked_attention(q, k, v, bias, allowed, softcap=None, sinks=None,
                      slopes=None, t5_table=None, t5_max_distance=None,
-                     rows=None, scale=None, positions=None):
+                     rows=None, scale=None, positions=None, keep=None):
   """Attention over ``[B, N|K, T|S, H]`` with explicit head repetition;
   ``(out, lse)`` in the inputs' (float64) dtype.
 
@@ -45,7 +45,9 @@ def masked_attention(q, k, v, bias, allowed, softcap=None, sinks=None,
   sink``, except ``-inf`` for rows past the query length, ``rows`` False).
   ``positions``: ``(q_offset [B], kv_offset [B])``, where query row ``i``
   and key column ``j`` stand (``q_offset + i``, ``kv_offset + j``) for the
-  distances ALiBi and T5 measure; None: ``i`` and ``j``.
+  distances ALiBi and T5 measure; None: ``i`` and ``j``. ``keep [B, N, T,
+  S]``: dropout's kept weights already divided by ``1 - rate`` (0 where
+  dropped): the weights meet the values through it, the lse is unchanged.
   """
   group = q.shape[1] // k.shape[1]
   k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
@@ -75,7 +77,10 @@ def masked_attention(q, k, v, bias, allowed, softcap=None, sinks=None,
   if sinks is not None:
     total = total + jnp.exp(sinks[None, :, None, None] - top)
   seen = total > 0
-  out = (e / jnp.where(seen, total, 1.0)) @ v
+  weights = e / jnp.where(seen, total, 1.0)
+  if keep is not None:
+    weights = weights * keep
+  out = weights @ v
   lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
   lse = lse[..., 0]
   if rows is not None:
@@ -286,3 +291,28 @@ def luong(query, keys, values=None, mask=None, *, score="dot", params=None,
   if "scale" in p:
     scores = scores * p["scale"]
   return _context(scores, values, mask)
+
+
+def _fmix32(x):
+  """MurmurHash3's 32-bit finaliser on uint64 arrays holding uint32s."""
+  m = np.uint64(0xFFFFFFFF)
+  x = x ^ (x >> np.uint64(16))
+  x = (x * np.uint64(0x85EBCA6B)) & m
+  x = x ^ (x >> np.uint64(13))
+  x = (x * np.uint64(0xC2B2AE35)) & m
+  return x ^ (x >> np.uint64(16))
+
+
+def dropout_keep(seed, b, h, q_idx, kv_idx, rate):
+  """The library's counter-based dropout draw, rewritten in NumPy from its
+  description (attention_jax/core/dropout.py's docstring): True where
+  entry ``(b, h, q_idx, kv_idx)`` is kept. ``seed``: two uint32 words."""
+  m = np.uint64(0xFFFFFFFF)
+  u = lambda x: np.asarray(x).astype(np.int64).astype(np.uint64) & m  # noqa: E731
+  s0, s1 = (np.uint64(int(w)) for w in np.asarray(seed))
+  x = _fmix32(s0 ^ ((u(b) * np.uint64(0x9E3779B1)) & m))
+  x = _fmix32(x ^ s1 ^ ((u(h) * np.uint64(0x7FEB352D)) & m))
+  x = _fmix32(x ^ ((u(q_idx) * np.uint64(0x846CA68B)) & m))
+  bits = _fmix32(x ^ ((u(kv_idx) * np.uint64(0x9E3779B9)) & m))
+  return (bits >> np.uint64(8)).astype(np.int64) >= int(
+      np.floor(np.float32(rate) * np.float32(1 << 24)))

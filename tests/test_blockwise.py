@@ -174,7 +174,7 @@ class DispatchTest(chex.TestCase):
   @parameterized.named_parameters(
       ("weights_needed", 1024, True, 0.0, None, "dense"),
       ("small", 512, False, 0.0, None, "dense"),
-      ("dropout", 1024, False, 0.1, None, "dense"),
+      ("dropout", 1024, False, 0.1, None, "flash"),  # in the walk now
       ("long_no_weights", 1024, False, 0.0, None, "flash"),
       ("explicit", 8, False, 0.0, "flash", "flash"),
   )
@@ -193,11 +193,11 @@ class DispatchTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, r"implementation='cudnn' is not "
                                 r"possible: it needs a GPU"):
       aj.scaled_dot_product_attention(q, k, v, implementation="cudnn")
-    with self.assertRaisesRegex(ValueError, r"implementation='flash' is "
+    with self.assertRaisesRegex(ValueError, r"implementation='splash' is "
                                 r"not possible: it has no dropout"):
-      aj.scaled_dot_product_attention(q, k, v, implementation="flash",
-                                      dropout_rate=0.1,
-                                      dropout_rng=jax.random.key(0))
+      aj.scaled_dot_product_attention(
+          q, k, v, implementation=aj.kernels.Splash(interpret=True),
+          dropout_rate=0.1, dropout_rng=jax.random.key(0))
     with self.assertRaisesRegex(ValueError, r"implementation must be None, a "
                                 r"kernel, a sequence of them, or one of"):
       aj.scaled_dot_product_attention(q, k, v, implementation="flashy")

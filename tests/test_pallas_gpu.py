@@ -1,11 +1,12 @@
 """The Pallas GPU kernel (``kernels/pallas_gpu.py``) beyond the contract.
 
 No GPU here: its numbers are checked in Pallas's interpreter by the shared
-contract suite (``tests/contract.py``). This file checks what a GPU would
-meet first: that each pattern lowers to Triton kernels (lowered for
-``cuda`` from this CPU, never compiled or run), and what ``supports``
-refuses there, with the backend patched to ``gpu`` as in the cuDNN wiring
-test.
+contract suite (``tests/contract.py``), its dropout against the dense
+kernel's in ``tests/test_pallas_gpu_dropout.py``. This file checks what a
+GPU would meet first: that each pattern, and dropout, lowers to Triton
+kernels (lowered for ``cuda`` from this CPU, never compiled or run), and
+what ``supports`` refuses there, with the backend patched to ``gpu`` as in
+the cuDNN wiring test.
 """
 
 from unittest import mock
@@ -71,6 +72,24 @@ class LoweringTest(parameterized.TestCase):
     # One Triton kernel each: forward, dk/dv, dq.
     self.assertEqual(text.count("__gpu$xla.gpu.triton"), 3, text[:2000])
 
+  def test_dropout_lowers_to_triton(self):
+    # The keep mask is drawn inside each kernel (uint32 multiply, xor,
+    # shift); the rate is traced here, as a jitted training step passes it.
+    kernel = pallas_gpu.PallasGpu(block_q=16, block_k=16)
+
+    def loss(q, k, v, rate):
+      out = aj.scaled_dot_product_attention(
+          q, k, v, implementation=kernel, dropout_rate=rate,
+          dropout_rng=jax.random.key(0), **PATTERN_ARGS[
+              "causal_lengths_softcap_sinks"])
+      return jnp.sum(out.astype(jnp.float32))
+
+    with _on_gpu():
+      text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(
+          *_qkv(), jnp.float32(0.1)).lower(
+              lowering_platforms=("cuda",)).as_text()
+    self.assertEqual(text.count("__gpu$xla.gpu.triton"), 3, text[:2000])
+
 
 class SupportsTest(chex.TestCase):
 
@@ -113,6 +132,8 @@ class SupportsTest(chex.TestCase):
                              block_k=8)))))
       self.assertRegex(kernel.supports(self._problem(return_weights=True)),
                        "never forms the attention weights")
+      self.assertIsNone(kernel.supports(self._problem(
+          dropout_rate=0.1, dropout_rng=jax.random.key(0))))
 
   def test_blocks_and_warps_follow_the_head_dim(self):
     self.assertEqual(pallas_gpu._launch(64, 4096, 4096), (128, 64, 4))

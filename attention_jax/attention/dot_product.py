@@ -18,6 +18,7 @@ checked by one shared test suite.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from jax.typing import ArrayLike
 from attention_jax import kernels
 from attention_jax.core import checks
 from attention_jax.kernels import base
+from attention_jax.kernels import forward_mode
 from attention_jax.kernels import per_shard
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import BlockMask
@@ -50,10 +52,13 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
       return_weights=return_weights, return_lse=return_lse,
       return_max_logits=return_max_logits, pages=pages, partition=partition)
   kernel = kernels.choose(candidates, problem, automatic)
+  call = kernel
   if problem.partition is not None and not kernel.partitionable:
-    result = per_shard.run(kernel, problem)
-  else:
-    result = kernel(problem)
+    call = functools.partial(per_shard.run, kernel)
+  if kernel.forward_mode:
+    result = call(problem)
+  else:  # jax.jvp through it raises a ValueError naming it
+    result = forward_mode.run(kernel, call, problem)
   return base.asked_result(kernel, problem, result)
 
 

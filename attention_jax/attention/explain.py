@@ -31,6 +31,7 @@ from attention_jax import kernels
 from attention_jax.attention import dot_product
 from attention_jax.core import broadcast
 from attention_jax.core import checks
+from attention_jax.kernels import block_cache
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
 from attention_jax.masking import intervals
@@ -237,7 +238,8 @@ def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
 def _flash_blocks(explained: Explanation, kernel: flash.Flash,
                   ops: checks.Operands) -> Explanation:
   """``explained`` with the flash kernel's blocks and its walk's counts."""
-  bq, bk = flash_core.block_sizes(ops, kernel.block_q, kernel.block_k)
+  # What Flash.__call__ runs: given, a block mask's, tuned, else defaults.
+  bq, bk, _ = block_cache.blocks(ops, kernel.block_q, kernel.block_k)
   ops = flash.with_rule_tables(ops, bq, bk)  # what the kernel runs with
   t, s = ops.query.shape[-2], ops.key.shape[-2]
   bq, bk = min(bq, t), min(bk, s)  # as flash_core.padded clips them

@@ -390,7 +390,8 @@ def _split_heads(x, groups):
 
 
 def attention_operands(query, key, value, mask=None, bias=None, *,
-                       sinks=None, score_mod=None) -> Operands:
+                       sinks=None, score_mod=None,
+                       head_index: bool = False) -> Operands:
   """Checks the operands of an attention function and normalises them.
 
   ``mask`` is a ``Mask`` or None (the public functions convert what they
@@ -400,7 +401,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   (``grouping``), ready for ``broadcast_vmap``. A rule becomes
   ``block_mask``: a ``BlockMask`` with tables as given, or one without
   tables (``kinds is None``) whose tables the kernel builds at its own block
-  sizes.
+  sizes. ``head_index``: give every head its ``(b, h)`` even without a
+  score modifier or rule (dropout draws its mask from them).
   """
   m = mask_lib.Mask() if mask is None else mask
   mask = m.dense
@@ -552,8 +554,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
                            "the leading dims (e.g. [B, N] or [N])")
   batch_shape = broadcast_shapes(what, **leading)
   caller_leading = batch_shape
-  head_index = None
-  if score_mod is not None or block_mask is not None:
+  index_wanted, head_index = head_index, None
+  if index_wanted or score_mod is not None or block_mask is not None:
     head_index = _head_index(batch_shape, groups)
   window = local_window_size  # checked by Mask
   query = grouping.split(jnp.asarray(query), groups, -3)

@@ -42,6 +42,9 @@ from attention_jax.core.numerics import with_sink
 from attention_jax.core.numerics import zero_unseen
 from attention_jax.core.softmax import masked_logsumexp
 from attention_jax.core.softmax import masked_softmax
+from attention_jax.kernels.autotune import Tuned
+from attention_jax.kernels.autotune import autotune
+from attention_jax.kernels.autotune import flash_blocks
 from attention_jax.kernels.base import MASK_FIELDS
 from attention_jax.kernels.base import OPTIONS
 from attention_jax.kernels.base import Kernel
@@ -54,6 +57,7 @@ from attention_jax.kernels.base import no_max_logits
 from attention_jax.kernels.base import no_weights_or_dropout
 from attention_jax.kernels.base import too_small
 from attention_jax.kernels.base import undeclared
+from attention_jax.kernels.block_cache import FlashBlocks
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
@@ -78,12 +82,14 @@ REGISTRY: tuple[Kernel, ...] = (
 )
 
 __all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
-           "Flash", "Head", "Kernel", "Operands", "PagedGpu", "PagedTpu",
+           "Flash", "FlashBlocks", "Head", "Kernel", "Operands", "PagedGpu", "PagedTpu",
            "Pages",
            "PallasGpu", "Partition",
            "Problem",
-           "Registration", "Result", "Ring", "Splash", "SplitKV", "allowed", "by_name",
-           "candidates", "choose", "compute_dtype", "float32_only",
+           "Registration", "Result", "Ring", "Splash", "SplitKV", "Tuned",
+           "allowed", "autotune", "by_name",
+           "candidates", "choose", "compute_dtype", "flash_blocks",
+           "float32_only",
            "lift_heads", "masked_logsumexp", "masked_softmax",
            "no_max_logits", "no_weights_or_dropout", "register", "too_small",
            "undeclared", "unregister", "verdicts", "with_sink", "zero_unseen"]

@@ -20,6 +20,9 @@ see), the scale, dropout and what to return. A kernel is a ``Kernel``:
 * ``__call__(problem) -> Result``: ``out [..., N, T, Hv]``, heads merged
   again, and ``weights``/``lse``/``max_logits`` where asked for (None
   otherwise). Kernels never re-validate;
+* ``forward_mode``: whether JAX can differentiate it forward (plain JAX
+  or a custom JVP); one that cannot (a custom VJP) is refused by name
+  under ``jax.jvp`` (``kernels.forward_mode``), reverse mode unchanged;
 * ``partitionable``: whether XLA can split it over sharded batch and
   heads (pure JAX: yes); one that cannot (a Pallas call) runs per shard
   of the problem's ``Partition`` inside ``jax.shard_map``
@@ -213,6 +216,11 @@ class Kernel:
   # opaque call (a Pallas kernel) cannot: with a partition in the problem
   # it runs per shard inside jax.shard_map (kernels.per_shard).
   partitionable: ClassVar[bool] = True
+  # Whether JAX can differentiate it forward (jax.jvp, jax.jacfwd): plain
+  # JAX or a custom JVP. A kernel whose gradient is a custom VJP says
+  # False, and the dispatcher refuses forward mode by its name
+  # (kernels/forward_mode.py) instead of JAX's anonymous error.
+  forward_mode: ClassVar[bool] = True
 
   def supports(self, problem: Problem) -> str | None:
     """Why this kernel cannot run a call it declares (shapes, dtypes,
@@ -262,9 +270,11 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
     key, value = checks.paged_operands(
         query, pages.key_pages, pages.value_pages, pages.table, mask,
         pages.key_scales, pages.value_scales)
-  ops = checks.attention_operands(query, key, value, mask,
-                                  bias, sinks=sinks, score_mod=score_mod)
   checks.check_dropout(dropout_rate, dropout_rng)
+  # Dropout draws each entry's bit from its head's (b, h): core/dropout.py.
+  ops = checks.attention_operands(query, key, value, mask,
+                                  bias, sinks=sinks, score_mod=score_mod,
+                                  head_index=dropout_rng is not None)
   checks.check_call_scale(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
@@ -434,7 +444,12 @@ def no_max_logits(problem: Problem) -> str | None:
 
 def no_weights_or_dropout(problem: Problem) -> str | None:
   if problem.dropout_on:
-    return "it has no dropout (use 'dense' or dropout_rate=0)"
+    return ("it has no dropout (use 'flash', 'dense' or dropout_rate=0)")
+  return no_weights(problem)
+
+
+def no_weights(problem: Problem) -> str | None:
+  """The reason a kernel that never forms ``[T, S]`` weights refuses."""
   if problem.return_weights:
     return ("it never forms the attention weights (use implementation="
             "'dense' or None with return_weights=True)")

@@ -77,6 +77,7 @@ class Cudnn(base.Kernel):
   # jax.nn's cuDNN call carries custom_partitioning rules: XLA splits it
   # over batch and heads itself (query, key and value sharded alike).
   partitionable = True
+  forward_mode = False  # its gradient is a custom VJP
   # jax.nn's arguments, and positions (its band or an explicit one,
   # intervals.jax_nn_band); segment ids, rules, sinks, score modifiers and
   # the lse have no counterpart there.

@@ -13,7 +13,8 @@ that may see it (``numerics.finite_values``/``codes``/``poison``; one
 query row, a decoding step, reads what it saw off its own logits and
 output instead, so that a step makes no extra pass over the cache). The
 only kernel with
-dropout, weights and float64. With
+weights and float64; its dropout draws the same keep mask as the flash
+kernel's (``core/dropout.py``: one bit per (seed, b, h, q, kv)). With
 ``return_max_logits`` it also returns each row's maximum raw scaled logit
 (``kernels.base``), read off the same ``[T, S]`` logits.
 """
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import broadcast
+from attention_jax.core import dropout
 from attention_jax.core import numerics
 from attention_jax.core import softmax
 from attention_jax.kernels import base
@@ -45,15 +47,13 @@ class Dense(base.Kernel):
 
   def __call__(self, problem: base.Problem):
     ops, p = problem.ops, problem
-    keep = None
+    seed = None
     if p.dropout_rng is not None and p.dropout_on:
-      t, s = ops.query.shape[-2], ops.key.shape[-2]
-      keep = jax.random.bernoulli(p.dropout_rng, 1.0 - p.dropout_rate,
-                                  ops.batch_shape + (t, s))  # [..., T, S]
+      seed = dropout.seed_words(p.dropout_rng)  # [2]: the call's draw
 
-    def head(q, k, v, h, kp, garbage):
+    def head(q, k, v, h, seed, garbage):
       return single_head(
-          q, k, v, h, kp, scale=p.scale, is_causal=ops.causal,
+          q, k, v, h, seed, scale=p.scale, is_causal=ops.causal,
           window=ops.window, score_mod=ops.score_mod,
           dropout_rate=p.dropout_rate, out_dtype=p.out_dtype,
           compute_dtype=numerics.compute_dtype(p.out_dtype),
@@ -63,17 +63,19 @@ class Dense(base.Kernel):
     # One predicate for the whole call (a scalar: unmapped by the heads'
     # vmap, so each head's cond stays a branch and not a select).
     garbage = numerics.any_nonfinite(ops.query, ops.key, ops.value)
-    return broadcast.lift_heads(head, ops, (keep, garbage), (2, 0))
+    return broadcast.lift_heads(head, ops, (seed, garbage), (1, 0))
 
 
-def single_head(query, key, value, h, keep, *, scale, is_causal, window,
+def single_head(query, key, value, h, seed, *, scale, is_causal, window,
                 score_mod, dropout_rate, out_dtype, compute_dtype, want_lse,
                 want_max_logits=False, garbage=None):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
   ``h`` is the head's ``broadcast.Head`` (mask, bias, lengths, segment
-  ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``keep`` the ``[T, S]``
-  dropout draw or None; ``window`` and ``score_mod`` as in
+  ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``seed``
+  the call's dropout seed (``dropout.seed_words``) or None: the keep mask
+  is drawn per entry from ``(seed, b, h, q_idx, kv_idx)``, as every kernel
+  with dropout draws it; ``window`` and ``score_mod`` as in
   ``intervals`` / the flash core; ``garbage`` a bool scalar, whether any of
   q, k, v holds a NaN or inf (None: search for the rows that see one
   anyway), so that a clean call makes no ``[T, S]`` pass for them.
@@ -191,7 +193,9 @@ def single_head(query, key, value, h, keep, *, scale, is_causal, window,
   if h.sink is not None:  # exp(sink) joins each row's denominator
     weights, _, lse = numerics.with_sink(weights, lse, h.sink, h.q_length)
   probs = weights
-  if keep is not None:  # inverted dropout: E[probs] == weights
+  if seed is not None:  # inverted dropout: E[probs] == weights
+    keep = dropout.keep_mask(seed, *h.index, q_at, kv_at,
+                             dropout_rate)  # [T, S]
     probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("TS,SV->TV", probs, value.astype(compute_dtype),
                    preferred_element_type=compute_dtype)  # [T, Hv]

@@ -25,9 +25,11 @@ import jax.numpy as jnp
 
 from attention_jax.core import broadcast
 from attention_jax.core import checks
+from attention_jax.core import dropout
 from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.kernels import base
+from attention_jax.kernels import block_cache
 from attention_jax.kernels import flash_core
 from attention_jax.masking import block_tables as block_mask_lib
 
@@ -40,15 +42,16 @@ class Flash(base.Kernel):
   block_k: int | None = None
   name = "flash"
   implements = base.MASK_FIELDS | {"bias", "sinks", "score_mod",
-                                   "return_lse", "return_max_logits",
-                                   "pages", "page_scales"}
+                                   "dropout_rate", "return_lse",
+                                   "return_max_logits", "pages",
+                                   "page_scales"}
 
   def __post_init__(self):
     base.check_block_size("block_q", self.block_q)
     base.check_block_size("block_k", self.block_k)
 
   def supports(self, problem: base.Problem) -> str | None:
-    return (base.no_weights_or_dropout(problem)
+    return (base.no_weights(problem)
             or base.float32_only(problem) or self._paged(problem))
 
   def _paged(self, problem: base.Problem) -> str | None:
@@ -80,8 +83,10 @@ class Flash(base.Kernel):
     if problem.pages is not None:
       return self._paged_call(problem)
     ops = problem.ops
-    block_q, block_k = flash_core.block_sizes(ops, self.block_q,
-                                              self.block_k)
+    # The given sizes, a block mask's, this machine's tuned pair, else the
+    # defaults by pattern (block_cache.blocks).
+    block_q, block_k, _ = block_cache.blocks(problem, self.block_q,
+                                             self.block_k)
     ops = with_rule_tables(ops, block_q, block_k)
     head = functools.partial(flash_core.single_head, scale=problem.scale,
                              is_causal=ops.causal, window=ops.window,
@@ -92,7 +97,8 @@ class Flash(base.Kernel):
     # One scalar for the call (unmapped by the heads' vmap): without NaN or
     # inf anywhere the walk makes no pass looking for rows that see one.
     garbage = numerics.any_nonfinite(ops.query, ops.key, ops.value)
-    return broadcast.lift_heads(head, ops, (garbage,), (0,))
+    return broadcast.lift_heads(head, ops, (garbage, *drop_operands(problem)),
+                                (0, 1, 0))
 
 
   def _paged_call(self, problem: base.Problem):
@@ -126,16 +132,26 @@ class Flash(base.Kernel):
                   max_logits=problem.return_max_logits,
                   out_dtype=problem.out_dtype)
 
-    def head(q, kv_head, row, h):
+    def head(q, kv_head, row, h, seed, rate):
       kv_head, row = kv_head[0, 0], row[0]
       return flash_core.paged_head(
           q, flash_core.PagedRows(pages.key_pages, kv_head, row,
                                   pages.key_scales, pages.finite),
           flash_core.PagedRows(pages.value_pages, kv_head, row,
                                pages.value_scales, pages.finite), h,
-          **config)
+          flash_core.Dropout.of(seed, rate), **config)
 
-    return broadcast.lift_heads(head, ops._replace(key=heads, value=rows))
+    return broadcast.lift_heads(head, ops._replace(key=heads, value=rows),
+                                drop_operands(problem), (1, 0))
+
+
+def drop_operands(problem: base.Problem):
+  """``(seed [2] uint32, rate float32)`` of a call with dropout, or
+  ``(None, None)``: unmapped operands of every head (``core/dropout.py``)."""
+  if problem.dropout_rng is None or not problem.dropout_on:
+    return None, None
+  return (dropout.seed_words(problem.dropout_rng),
+          jnp.asarray(problem.dropout_rate, jnp.float32))
 
 
 def with_rule_tables(ops: checks.Operands, block_q: int, block_k: int):

@@ -80,8 +80,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_jax.core import broadcast
+from attention_jax.core import dropout
+from attention_jax.core import linear_map
 from attention_jax.core import numerics
 from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
@@ -110,6 +113,38 @@ class Place(NamedTuple):
   offset: Any
   q_start: Any = 0
   kv_start: Any = 0
+
+
+class Dropout(NamedTuple):
+  """A call's dropout (``core/dropout.py``): the seed and the rate; a pytree.
+
+  Each block's keep mask is drawn from ``(seed, b, h, q_idx, kv_idx)``
+  (the head's ``Head.index`` and the global indices a ``score_mod`` sees)
+  in the forward pass and drawn again in the backward and tangent passes:
+  never stored, and the dense kernel's mask for the same seed and rate.
+  """
+  seed: jax.Array  # uint32 [2]
+  rate: jax.Array  # float32 scalar
+
+  @staticmethod
+  def of(seed, rate) -> Dropout | None:
+    return None if seed is None else Dropout(seed, rate)
+
+  def rows(self, ex: broadcast.Head, place: Place, i0, bq: int):
+    """The row keys of query block ``i0``: ``[bq, 1]`` uint32."""
+    b, h = ex.index
+    q_idx = i0 + jnp.arange(bq)[:, None] + place.q_start
+    return dropout.row_keys(self.seed, b, h, q_idx)
+
+  def keep(self, rows, place: Place, j0, bk: int):
+    """The ``[bq, bk]`` keep mask of key block ``j0`` for ``rows``."""
+    kv_idx = j0 + jnp.arange(bk)[None, :] + place.kv_start
+    return dropout.keep(rows, kv_idx, dropout.threshold(self.rate))
+
+  @property
+  def inverse(self):
+    """``1 / (1 - rate)``: kept probabilities are scaled by it."""
+    return 1.0 / (1.0 - self.rate)
 
 
 def _cdiv(a, b):
@@ -285,7 +320,8 @@ def patterned(st: Static, ex: broadcast.Head) -> bool:
 
 
 def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
-                  full: bool, scale=None, want_vjp: bool = False):
+                  full: bool, scale=None, want_vjp: bool = False,
+                  want_jvp: bool = False):
   """Float32 logits of one block, where they are allowed, a VJP, raw logits.
 
   Logits are ``scale * q.k + bias``, then ``score_mod`` (a soft cap is one);
@@ -294,7 +330,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
   block is known to hold no blocked entry (no pattern or mask pass is
   made; ``-inf`` from a bias or ``score_mod`` still blocks). ``mod_vjp`` is
   the VJP of the score modifier in ``(raw logits, *its arrays)`` (when
-  asked).
+  asked), or with ``want_jvp`` its JVP, ``mod_jvp(d_logits, d_arrays)``.
   Padded query rows (past ``T``) need no mask: their outputs are dropped
   and their cotangents are zero.
   """
@@ -339,6 +375,11 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
     safe = logits if ok is None else jnp.where(ok, logits, 0.0)
     if want_vjp:
       logits, mod_vjp = jax.vjp(mod, safe, *consts)
+    elif want_jvp:
+      primals = (safe, *consts)
+      mod_vjp = lambda d, d_consts: jax.jvp(  # noqa: E731
+          mod, primals, (d, *d_consts))[1]
+      logits = mod(*primals)
     else:
       logits = mod(safe, *consts)
     if getattr(st.score_mod, "blocks", True):  # (a replayed closure may)
@@ -456,9 +497,14 @@ def _walk(st: Static, ex: broadcast.Head, ranges, listed, count: int, body, carr
   return jax.lax.fori_loop(full_hi, hi, masked, carry)
 
 
-def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place):
+def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
+            drop: Dropout | None = None):
   """Online softmax; ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None,
   code [Tp])``.
+
+  With ``drop`` the probabilities meet the values through the block's keep
+  mask, scaled by ``1 / (1 - rate)`` (inverted dropout); the row sums and
+  ``lse`` are those without dropout.
 
   All float32; ``max_logits`` only with ``st.max_logits``; ``code`` each
   row's ``numerics`` code: the largest of the keys it attends to (a NaN
@@ -486,6 +532,7 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place):
     qi, q_bad = _finite(jax.lax.dynamic_slice_in_dim(q, i0, st.bq))  # [bq, H]
     if ex.q_code is not None:  # (then the reduction above is dead code)
       q_bad = jax.lax.dynamic_slice_in_dim(ex.q_code, i0, st.bq) > 0
+    drop_rows = None if drop is None else drop.rows(ex, place, i0, st.bq)
 
     def key_block(j, full, carry):
       row_max, total, acc, code, *raw_max = carry
@@ -519,6 +566,8 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place):
       p = masked_exp(logits, ok, shift, later)  # [bq, bk]
       rescale = jnp.exp((row_max - shift) * later)  # 0 while row_max = -inf
       total = total * rescale + p.sum(-1)
+      if drop is not None:  # the dropped probabilities meet the values
+        p = jnp.where(drop.keep(drop_rows, place, j0, st.bk), p, 0.0)
       acc = acc * rescale[:, None] + jnp.einsum(
           "TS,SV->TV", p.astype(v.dtype), vj,
           preferred_element_type=jnp.float32)
@@ -541,6 +590,8 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place):
       max_logits = raw_max[0] if raw_carry else row_max * later
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[:, None]
+    if drop is not None:
+      out = out * drop.inverse
     lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
                     * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
     # A bad query spoils its row where it sees a key (seen: total >= 1).
@@ -554,36 +605,171 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place):
   return out.reshape(-1, hv), lse.reshape(-1), max_logits, code.reshape(-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: Static, q, k, v, ex: broadcast.Head, place: Place):
-  out, lse, max_logits, code = forward(st, q, k, v, ex, place)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _attend(st: Static, q, k, v, ex: broadcast.Head, place: Place,
+            drop: Dropout | None):
+  out, lse, max_logits, code = forward(st, q, k, v, ex, place, drop)
   return out.astype(v.dtype), lse, max_logits, code
 
 
-def _attend_fwd(st, q, k, v, ex, place):
-  out, lse, max_logits, code = forward(st, q, k, v, ex, place)
-  out = out.astype(v.dtype)
-  return (out, lse, max_logits, code), (q, k, v, ex, place, out, lse)
+@_attend.defjvp
+def _attend_jvp(st, primals, tangents):
+  """Both modes of AD through one rule (``core/linear_map.py``).
+
+  The outputs' tangent is ``linear_map(tangent, transpose)``: forward mode
+  runs ``tangent`` (a second blockwise pass over the saved ``lse``);
+  reverse mode transposes it, which runs ``backward``, the
+  FlashAttention-2 backward, on the same residuals.
+  """
+  q, k, v, ex, place, drop = primals
+  dq, dk, dv, d_ex = tangents[:4]
+  out, lse, max_logits, code = _attend(st, q, k, v, ex, place, drop)
+  residuals = (q, k, v, ex, place, drop, out, lse)
+  linear = (dq, _rows_tangent(k, dk), _rows_tangent(v, dv),
+            None if ex.bias is None else d_ex.bias,
+            tuple(d if _inexact(c) else None  # (integer arrays: none)
+                  for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
+  d_out, d_lse = linear_map.linear_map(
+      functools.partial(tangent, st), functools.partial(_transpose, st),
+      residuals, linear)
+  zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
+  return (out, lse, max_logits, code), (d_out, d_lse, zeros(max_logits),
+                                        zeros(code))
 
 
-def _attend_bwd(st, residuals, cotangents):
-  q, k, v, ex = residuals[:4]
-  # max_logits and the codes have no gradient: their cotangents
-  # (cotangents[2:]) are dropped.
-  dq, dk, dv, dbias, dargs = backward(st, residuals, cotangents[:2])
-  # None is a zero cotangent: masks, lengths, ids and tables have none.
-  d_ex = broadcast.Head(
-      bias=None if ex.bias is None else dbias.astype(ex.bias.dtype),
-      mod_consts=tuple(d.astype(c.dtype)
-                       for d, c in zip(dargs, ex.mod_consts)))
-  if isinstance(k, PagedRows):  # gradients into the pool, page by page
-    return dq.astype(q.dtype), k.cotangent(dk), v.cotangent(dv), d_ex, None
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_ex,
-          None)
+def _inexact(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def backward(st, residuals, cotangents):
+def _rows_tangent(x, dx):
+  """The tangent of keys or values as ``linear_map`` takes it: the array's,
+  or a paged pool's (None for a quantised pool: a store, not a parameter)."""
+  if isinstance(x, PagedRows):
+    return None if x.scales is not None else dx.pool
+  return dx
+
+
+def _transpose(st: Static, residuals, cotangents):
+  """The transpose of ``tangent``: ``backward``'s cotangents, in the
+  structure of ``tangent``'s linear inputs."""
+  q, k, v, ex, place, drop, out, lse = residuals
+  d_out, d_lse = cotangents
+  dq, dk, dv, dbias, dargs = backward(st, (q, k, v, ex, place, out, lse),
+                                      (d_out, d_lse), drop)
+
+  def rows(x, dx):
+    if isinstance(x, PagedRows):  # gradients into the pool, page by page
+      return None if x.scales is not None else x.cotangent(dx).pool
+    return dx.astype(x.dtype)
+
+  return (dq.astype(q.dtype), rows(k, dk), rows(v, dv),
+          None if ex.bias is None else dbias.astype(ex.bias.dtype),
+          tuple(d.astype(c.dtype) if _inexact(c) else None
+                for d, c in zip(dargs, ex.mod_consts)))
+
+
+def _zero_tangent(x):
+  """A zero tangent of ``x`` (``float0`` for integer arrays)."""
+  if _inexact(x):
+    return jnp.zeros_like(x)
+  return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def tangent(st: Static, residuals, linear):
+  """Forward-mode AD: ``(d_out [Tp, Hv], d_lse [Tp])`` from the tangents
+  ``linear = (dq, dk, dv, dbias, dargs)`` (None: zero) at ``residuals =
+  (q, k, v, ex, place, drop, out, lse)``.
+
+  With ``P = exp(S - lse)`` (the saved lse: no running maximum) and ``dS``
+  the logits' tangent (``scale (dq k + q dk)`` and ``dbias``, through
+  ``score_mod``'s JVP with its arrays' tangents), the softmax's tangent is
+  ``P * (dS - m)`` with ``m = rowsum(P * dS)``, so that
+
+      d_out = (P' * dS) @ v + P' @ dv - m * out,    d_lse = m,
+
+  ``P'`` the probabilities as they met the values (dropped and scaled
+  under dropout; ``m`` uses ``P``). One walk over the blocks the forward
+  visited, one ``[bq, bk]`` block at a time.
+  """
+  q, k, v, ex, place, drop, out, lse = residuals
+  dq, dk, dv, dbias, dargs = linear
+  f32 = jnp.float32
+  num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
+  hv = v.shape[-1]
+  row_ok = jnp.isfinite(lse)
+  lse_safe = jnp.where(row_ok, lse, 0.0)
+  seg = segment_summary(st, ex)
+  zero = _zero_like_all(q, k, v, ex, place, out, lse, linear)
+  if dk is not None and isinstance(k, PagedRows):
+    dk = k._replace(pool=dk, scales=None, finite=None)
+  if dv is not None and isinstance(v, PagedRows):
+    dv = v._replace(pool=dv, scales=None, finite=None)
+
+  def query_block(i):
+    i0 = i * st.bq
+    qi, _ = _finite(jax.lax.dynamic_slice_in_dim(q, i0, st.bq))  # [bq, H]
+    dqi = None if dq is None else jax.lax.dynamic_slice_in_dim(
+        dq, i0, st.bq).astype(f32)
+    lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
+    ok_i = jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
+    drop_rows = None if drop is None else drop.rows(ex, place, i0, st.bq)
+
+    def key_block(j, full, carry):
+      acc, m = carry
+      j0 = j * st.bk
+      kj, _ = _key_rows(st, k, j0, ex.kv_length)  # [bk, H]
+      vj, _ = _key_rows(st, v, j0, ex.kv_length)  # [bk, Hv]
+      logits, ok, mod_jvp, _ = _block_logits(
+          st, qi, kj, i0, j0, ex, place, full,
+          want_jvp=st.score_mod is not None)
+      ok = ok_i if ok is None else ok & ok_i  # rows with lse = -inf: none
+      p = masked_exp(logits, ok, lse_i)  # [bq, bk]
+      ds = jnp.zeros_like(p)
+      if dqi is not None:
+        ds = ds + jnp.einsum("TH,SH->TS", dqi, kj.astype(f32))
+      if dk is not None:
+        dkj, _ = _key_rows(st, dk, j0, ex.kv_length)
+        ds = ds + jnp.einsum("TH,SH->TS", qi.astype(f32), dkj.astype(f32))
+      ds = ds * st.scale
+      if dbias is not None:
+        ds = ds + _tile(dbias, i0, j0, st.bq, st.bk).astype(f32)
+      if mod_jvp is not None:
+        ds = mod_jvp(ds, tuple(
+            _zero_tangent(c) if d is None else d
+            for c, d in zip(ex.mod_consts, dargs)))
+      ds = jnp.where(ok, ds, 0.0)  # (blocked: no probability, any tangent)
+      pds = p * ds
+      m = m + pds.sum(-1)
+      if drop is not None:
+        keep = drop.keep(drop_rows, place, j0, st.bk)
+        p = jnp.where(keep, p, 0.0) * drop.inverse
+        pds = jnp.where(keep, pds, 0.0) * drop.inverse
+      acc = acc + jnp.einsum("TS,SV->TV", pds, vj.astype(f32))
+      if dv is not None:
+        dvj, _ = _key_rows(st, dv, j0, ex.kv_length)
+        acc = acc + jnp.einsum("TS,SV->TV", p, dvj.astype(f32))
+      return acc, m
+
+    init = (jnp.zeros((st.bq, hv), f32) + zero, jnp.zeros((st.bq,), f32) + zero)
+    listed = None
+    if ex.block_mask is not None and ex.block_mask.kinds is not None:
+      listed = (ex.block_mask.kv_indices[i], ex.block_mask.kv_full[i])
+    ranges = key_ranges(st, ex, place, seg, i, num_k)
+    acc, m = _walk(st, ex, ranges, listed, num_k, key_block, init)
+    out_i = jax.lax.dynamic_slice_in_dim(out, i0, st.bq).astype(f32)
+    return acc - m[:, None] * out_i, m
+
+  d_out, d_lse = jax.lax.map(query_block, jnp.arange(num_q))
+  return d_out.reshape(-1, hv).astype(out.dtype), d_lse.reshape(-1)
+
+
+def backward(st, residuals, cotangents, drop: Dropout | None = None):
   """FlashAttention-2 backward; float32 ``(dq, dk, dv, dbias, dargs)``.
+
+  With ``drop`` each block's keep mask is drawn again: the values'
+  gradient takes the dropped probabilities, and the probabilities' the
+  dropped ``d_out @ v.T`` (``delta = rowsum(d_out * out)`` holds as is:
+  ``out`` is the dropped output).
 
   ``dargs`` are the cotangents of the values ``score_mod`` closes over
   (``ex.mod_consts``, a tuple).
@@ -617,6 +803,9 @@ def backward(st, residuals, cotangents):
       i0 = i * st.bq
       qi, _ = _finite(jax.lax.dynamic_slice_in_dim(q, i0, st.bq))
       doi = jax.lax.dynamic_slice_in_dim(d_out, i0, st.bq)
+      keep = None
+      if drop is not None:
+        keep = drop.keep(drop.rows(ex, place, i0, st.bq), place, j0, st.bk)
       logits, ok, mod_vjp, _ = _block_logits(
           st, qi, kj, i0, j0, ex, place, full,
           want_vjp=st.score_mod is not None)
@@ -624,8 +813,11 @@ def backward(st, residuals, cotangents):
         ok = ok & jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
       lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
       p = masked_exp(logits, ok, lse_i)  # [bq, bk]
-      dvj = dvj + jnp.einsum("TS,TV->SV", p, doi)
+      dropped = p if keep is None else jnp.where(keep, p, 0.0) * drop.inverse
+      dvj = dvj + jnp.einsum("TS,TV->SV", dropped, doi)
       dp = jnp.einsum("TV,SV->TS", doi, vj.astype(f32))
+      if keep is not None:
+        dp = jnp.where(keep, dp, 0.0) * drop.inverse
       ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, i0, st.bq)[:, None])
       if mod_vjp is not None:  # back through score_mod, to its values too
         ds, *d_consts = mod_vjp(ds)
@@ -654,9 +846,6 @@ def backward(st, residuals, cotangents):
       key_block, (jnp.zeros(q.shape, f32) + zero, dbias0, dargs0),
       jnp.arange(num_k))
   return dq, dk.reshape(k.shape), dv.reshape(v.shape), dbias, dargs  # [Sp, H]
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def static(t: int, s: int, *, scale, is_causal, block_q, block_k,
@@ -758,10 +947,12 @@ def hoist_score_mod(st: Static, ex: broadcast.Head, like, *,
       mod_consts=tuple(leaves) + tuple(hidden))
 
 
-def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
+def single_head(q, k, v, h, garbage=None, seed=None, rate=None, *,
+                out_dtype, **blocks):
   """One head (``broadcast.Head`` operands): pad, attend, strip, sink.
 
-  ``garbage``: ``broadcast.Head.garbage``. Returns ``(out, None, lse)``, and
+  ``garbage``: ``broadcast.Head.garbage``; ``seed``/``rate``: the call's
+  dropout (``Dropout``), or None. Returns ``(out, None, lse)``, and
   ``max_logits [T]`` too with ``max_logits=True`` among ``blocks``.
   """
   if h.mask is not None:  # keys no query sees (finite garbage): zero them
@@ -770,10 +961,11 @@ def single_head(q, k, v, h, garbage=None, *, out_dtype, **blocks):
   q_code, kv_code = numerics.codes(q, k, v)  # [Tp], [Sp]: once per head
   ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(
       garbage=garbage, q_code=q_code, kv_code=kv_code)
-  return _attend_head(st, q, k, v, ex, h, out_dtype)
+  return _attend_head(st, q, k, v, ex, h, out_dtype, Dropout.of(seed, rate))
 
 
-def paged_head(q, k: PagedRows, v: PagedRows, h, *, out_dtype, **blocks):
+def paged_head(q, k: PagedRows, v: PagedRows, h, drop=None, *, out_dtype,
+               **blocks):
   """One head over a paged cache's pages (``PagedRows``), key blocks of
   whole pages (``block_k`` a multiple of the page size dividing the row's
   ``M * Z``); as ``single_head`` otherwise.
@@ -787,14 +979,16 @@ def paged_head(q, k: PagedRows, v: PagedRows, h, *, out_dtype, **blocks):
   st = static(q.shape[0], k.shape[0], **blocks)
   q = pad_axis(q, 0, _cdiv(st.t, st.bq) * st.bq, 0)
   ex = padded_head(st, q.shape[0], k.shape[0], h)
-  return _attend_head(st, q, k, v, ex, h, out_dtype)
+  return _attend_head(st, q, k, v, ex, h, out_dtype, drop)
 
 
-def _attend_head(st: Static, q, k, v, ex: broadcast.Head, h, out_dtype):
-  """The custom-VJP walk of one padded head, stripped, sinks, poisoned."""
+def _attend_head(st: Static, q, k, v, ex: broadcast.Head, h, out_dtype,
+                 drop: Dropout | None = None):
+  """The differentiable walk of one padded head, stripped, sinks,
+  poisoned."""
   st, ex = hoist_score_mod(st, ex, q)
   out, lse, max_logits, code = _attend(st, q, k, v, ex,
-                                       Place(*h.offsets(st.t, st.s)))
+                                       Place(*h.offsets(st.t, st.s)), drop)
   out, lse, code = out[:st.t], lse[:st.t], code[:st.t]
   if h.sink is not None:
     out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_length)

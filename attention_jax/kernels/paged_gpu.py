@@ -64,6 +64,7 @@ class PagedGpu(base.Kernel):
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
   partitionable = False
+  forward_mode = False  # its gradient is a custom VJP
   implements = frozenset({
       "pages", "page_scales", "causal", "window", "kv_lengths", "q_offset",
       "kv_offset", "sinks", "return_lse"})

@@ -71,6 +71,7 @@ class PagedTpu(base.Kernel):
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
   partitionable = False
+  forward_mode = False  # its gradient is a custom VJP
   implements = frozenset({"pages", "causal", "kv_lengths", "q_offset",
                           "kv_offset"})
 

@@ -16,7 +16,15 @@ in plain JAX, with the flash core's own functions: a kernel reads one row
 a block the logits get everything the flash core applies: bias, score
 modifier (with its gradient, also into the arrays it reads), causal and
 window bounds, lengths, segment ids, a dense mask, a mask rule; sinks join
-the softmax after the kernel, from its lse. As in the flash core, every
+the softmax after the kernel, from its lse. Dropout (``dropout_rate``) is
+the dense kernel's: each kernel draws a block's keep mask again from the
+call's seed and the entries' ``(b, h, q_idx, kv_idx)`` (``core/dropout.py``;
+no ``[T, S]`` bits are stored), so the same ``dropout_rng`` and rate give
+the dense kernel's numbers. The forward kernel accumulates the kept
+probabilities over ``1 - rate`` while its softmax total and lse stay
+undropped; the backward kernels apply the same mask and scale to P (for
+dv) and to ``dO V^T`` (for dP). The seed words and the rate (which may be
+traced) are small operands of the kernels. As in the flash core, every
 tile is made finite as it is loaded (NaN and inf replaced by 0), the
 forward kernel also writes each row's ``numerics`` code (the largest over
 the keys and values it may see, and its own query), and those rows are
@@ -61,6 +69,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from attention_jax.core import broadcast
+from attention_jax.core import dropout
 from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash
@@ -106,11 +115,13 @@ class PallasGpu(base.Kernel):
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
   partitionable = False
-  # The flash core's features but max logits.
+  forward_mode = False  # its gradient is a custom VJP
+  # The flash core's features but max logits and pages.
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
                           "q_segment_ids", "kv_segment_ids", "dense",
                           "rule", "q_offset", "kv_offset", "bias",
-                          "score_mod", "sinks", "return_lse"})
+                          "score_mod", "sinks", "dropout_rate",
+                          "return_lse"})
 
   def __post_init__(self):
     base.check_block_size("block_q", self.block_q)
@@ -119,8 +130,8 @@ class PallasGpu(base.Kernel):
     base.check_block_size("num_stages", self.num_stages)
 
   def supports(self, problem: base.Problem) -> str | None:
-    reason = (base.no_weights_or_dropout(problem)
-              or base.no_max_logits(problem) or base.float32_only(problem))
+    reason = (base.no_weights(problem) or base.no_max_logits(problem)
+              or base.float32_only(problem))
     if reason or self.interpret:
       return reason
     if jax.default_backend() != "gpu":
@@ -158,7 +169,9 @@ class PallasGpu(base.Kernel):
         _single_head, launch=launch, scale=problem.scale,
         is_causal=ops.causal, window=ops.window, score_mod=ops.score_mod,
         block_q=bq, block_k=bk, out_dtype=problem.out_dtype)
-    return broadcast.lift_heads(head, ops)
+    # The dropout seed and rate (or None, None): unmapped, one per call.
+    return broadcast.lift_heads(head, ops, flash.drop_operands(problem),
+                                (1, 0))
 
 
 def _own_tables(ops, bq: int, bk: int):
@@ -291,6 +304,7 @@ class _Spec(NamedTuple):
   mod: _Replay | None  # (score, b, h, q_idx, kv_idx, *diff) -> score
   num_diff: int  # the score modifier's differentiable arrays
   rule: _Replay | None  # (b, h, q_idx, kv_idx) -> bool
+  dropout: bool  # the kernels receive a seed and a rate
   launch: _Launch
 
 
@@ -396,6 +410,8 @@ class _Refs(NamedTuple):
   k_seg: Any
   mask: Any
   bias: Any
+  seed: Any  # dropout's uint32 [2] (a tile: its two words)
+  rate: Any  # dropout's float32 [1] (a tile: the scalar)
   mod_consts: tuple
   mod_diff: tuple
   rule_consts: tuple
@@ -405,7 +421,9 @@ def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Refs:
   """Reads one block's operands at rows ``i0``, columns ``j0``."""
   st = sp.st
   ints = tuple(r.ints[n] for n in range(7))
-  q_seg = k_seg = mask = bias = None
+  q_seg = k_seg = mask = bias = seed = rate = None
+  if sp.dropout:
+    seed, rate = (r.seed[0], r.seed[1]), r.rate[0]
   if sp.segments:
     q_seg = r.q_seg[pl.ds(i0, st.bq)]
     k_seg = r.k_seg[pl.ds(j0, st.bk)]
@@ -416,7 +434,7 @@ def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Refs:
   if sp.bias:
     bias = r.bias[pl.ds(i0, st.bq), pl.ds(j0, st.bk)]
   mod_shapes, diff_shapes, rule_shapes = shapes
-  return _Refs(ints, None, None, q_seg, k_seg, mask, bias,
+  return _Refs(ints, None, None, q_seg, k_seg, mask, bias, seed, rate,
                tuple(map(_load_const, r.mod_consts, mod_shapes)),
                tuple(map(_load_const, r.mod_diff, diff_shapes)),
                tuple(map(_load_const, r.rule_consts, rule_shapes)))
@@ -464,10 +482,10 @@ def _forward_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
     p = flash_core.masked_exp(logits, ok, shift)  # [bq, bk]
     rescale = jnp.exp(row_max - shift)  # 0 while row_max = -inf
-    total = total * rescale + p.sum(-1)
+    total = total * rescale + p.sum(-1)  # undropped: the lse is too
     acc = acc * rescale[:, None] + jax.lax.dot_general(
-        p.astype(vj.dtype), vj, (((1,), (0,)), ((), ())),
-        preferred_element_type=_F32)
+        _dropper(sp, tiles, i0, j0)(p).astype(vj.dtype), vj,
+        (((1,), (0,)), ((), ())), preferred_element_type=_F32)
     return new_max, total, acc, code
 
   hv = v_ref.shape[-1]
@@ -495,6 +513,27 @@ def _probabilities(sp, qi, kj, i0, j0, tiles, full, lse_i, want_vjp):
   return flash_core.masked_exp(logits, ok, shift), mod_vjp
 
 
+def _dropper(sp: _Spec, tiles: _Refs, i0, j0) -> Callable:
+  """The block's dropout: ``x [bq, bk] -> x / (1 - rate)`` where kept, else
+  0 (the identity without dropout).
+
+  Inverted dropout as the dense kernel applies it to the probabilities
+  (and, in the backward pass, to their cotangent ``dO V^T``). The keep
+  mask is drawn again from ``(seed, b, h, q_idx, kv_idx)`` in every kernel
+  (``core/dropout.py``): no ``[T, S]`` bits are stored between passes. One
+  draw per block, shared by the block's uses.
+  """
+  if not sp.dropout:
+    return lambda x: x
+  st = sp.st
+  _, _, b, h, _, q_start, kv_start = tiles.ints
+  rows = q_start + i0 + jax.lax.broadcasted_iota(jnp.int32, (st.bq, 1), 0)
+  cols = kv_start + j0 + jax.lax.broadcasted_iota(jnp.int32, (1, st.bk), 1)
+  keep = dropout.keep(dropout.row_keys(tiles.seed, b, h, rows), cols,
+                      dropout.threshold(tiles.rate))  # [bq, bk]
+  return lambda x: jnp.where(keep, x / (1.0 - tiles.rate), 0.0)
+
+
 def _dkdv_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
                  do_ref, lse_ref, delta_ref, *refs):
   """Key block ``j``: dk, dv, its column of dbias, its share of d(mod)."""
@@ -519,12 +558,14 @@ def _dkdv_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     tiles = _tiles(sp, r, shapes, i0, j0)
     p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full,
                                 lse_ref[pl.ds(i0, st.bq)], sp.mod is not None)
-    dvj = dvj + jax.lax.dot_general(p.astype(doi.dtype), doi,
-                                    (((0,), (0,)), ((), ())),
-                                    preferred_element_type=_F32)
+    drop = _dropper(sp, tiles, i0, j0)
+    dvj = dvj + jax.lax.dot_general(
+        drop(p).astype(doi.dtype), doi,
+        (((0,), (0,)), ((), ())), preferred_element_type=_F32)
     dp = jax.lax.dot_general(doi, vj.astype(doi.dtype),
                              (((1,), (1,)), ((), ())),
                              preferred_element_type=_F32)
+    dp = drop(dp)  # dP = d(dropped P) * M / (1 - rate)
     ds = p * (dp - delta_ref[pl.ds(i0, st.bq)][:, None])  # [bq, bk]
     if mod_vjp is not None:
       ds, *d_diff = mod_vjp(ds)
@@ -571,6 +612,7 @@ def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     dp = jax.lax.dot_general(doi, vj.astype(doi.dtype),
                              (((1,), (1,)), ((), ())),
                              preferred_element_type=_F32)
+    dp = _dropper(sp, tiles, i0, j0)(dp)  # dP = d(dropped P) * M / (1 - rate)
     ds = p * (dp - delta_i[:, None])
     if mod_vjp is not None:
       ds = mod_vjp(ds)[0]
@@ -586,7 +628,7 @@ def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
 def _flatten(r: _Refs) -> list:
   """The present operands of ``r`` in order (the kernels' refs)."""
   flat = [r.ints, r.ranges]
-  for x in (r.table, r.q_seg, r.k_seg, r.mask, r.bias):
+  for x in (r.table, r.q_seg, r.k_seg, r.mask, r.bias, r.seed, r.rate):
     if x is not None:
       flat.append(x)
   return flat + [*r.mod_consts, *r.mod_diff, *r.rule_consts]
@@ -600,13 +642,14 @@ def _unflatten(refs, sp: _Spec) -> list:
   q_seg, k_seg = take(sp.segments), take(sp.segments)
   mask = take(sp.mask_shape is not None)
   bias = take(sp.bias)
+  seed, rate = take(sp.dropout), take(sp.dropout)
   n_mod = 0 if sp.mod is None else len(sp.mod.consts)
   n_rule = 0 if sp.rule is None else len(sp.rule.consts)
   mod_consts = tuple(refs.pop(0) for _ in range(n_mod))
   mod_diff = tuple(refs.pop(0) for _ in range(sp.num_diff))
   rule_consts = tuple(refs.pop(0) for _ in range(n_rule))
-  return [ints, ranges, table, q_seg, k_seg, mask, bias, mod_consts, mod_diff,
-          rule_consts]
+  return [ints, ranges, table, q_seg, k_seg, mask, bias, seed, rate,
+          mod_consts, mod_diff, rule_consts]
 
 
 def _as_operand(x):
@@ -739,9 +782,14 @@ def _ranges(st: flash_core.Static, ex, num_q: int, num_k: int, rows: bool,
                    -1).astype(jnp.int32)
 
 
-def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
+def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
+                 **blocks):
   """One head (``broadcast.Head``): pad, attend in the kernels, strip, sink,
-  poison the rows that saw a NaN or inf."""
+  poison the rows that saw a NaN or inf.
+
+  ``seed`` (uint32 ``[2]``) and ``rate`` (float32 scalar) are the call's
+  dropout (``flash.drop_operands``), or None without dropout.
+  """
   if h.mask is not None:  # keys no query sees (finite garbage): zero them
     k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
   hv = v.shape[-1]
@@ -769,7 +817,8 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
              ex.q_seg is not None, ex.kv_length is not None,
              ex.q_length is not None, listed,
              ex.mask is not None or (bm is not None and not listed),
-             flash_core.patterned(st, ex), mod, len(mod_diff), rule, launch)
+             flash_core.patterned(st, ex), mod, len(mod_diff), rule,
+             seed is not None, launch)
   zero = jnp.zeros((), i32)
   b_idx, h_idx = (zero, zero) if ex.index is None else ex.index
   ints = jnp.stack([
@@ -784,8 +833,8 @@ def _single_head(q, k, v, h, *, launch: _Launch, out_dtype, **blocks):
       table = bm.kv_indices if rows else bm.q_indices
     return _Refs(
         ints, _ranges(st, ex, num_q, num_k, rows, table), table, ex.q_seg, ex.k_seg,
-        None if ex.mask is None else ex.mask.astype(jnp.int8), None,
-        () if mod is None else mod.consts, (),
+        None if ex.mask is None else ex.mask.astype(jnp.int8), None, seed,
+        rate, () if mod is None else mod.consts, (),
         () if rule is None else rule.consts)
 
   # The custom VJP closes over nothing traced (vmap's tracers would leak

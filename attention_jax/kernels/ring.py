@@ -646,6 +646,7 @@ class Ring(base.Kernel):
   columns: Columns | None = dataclasses.field(default=None, compare=False,
                                               repr=False)
   name = "ring"
+  forward_mode = False  # its gradient is a custom VJP round the ring
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
                           "q_segment_ids", "kv_segment_ids", "rule",
                           "q_offset", "kv_offset", "score_mod", "sinks",

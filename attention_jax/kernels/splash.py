@@ -227,6 +227,7 @@ class Splash(base.Kernel):
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
   partitionable = False
+  forward_mode = False  # its gradient is a custom VJP
   # Positions (q_offset/kv_offset) are not mapped onto splash's masks.
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
                           "q_segment_ids", "kv_segment_ids", "dense",

@@ -73,6 +73,10 @@ class SplitKV(base.Kernel):
   def partitionable(self) -> bool:  # XLA splits it where it splits inner
     return self.inner.partitionable
 
+  @property
+  def forward_mode(self) -> bool:  # the merge is plain JAX: as inner
+    return self.inner.forward_mode
+
   def supports(self, problem: base.Problem) -> str | None:
     ops = problem.ops
     bm = ops.block_mask
