@@ -56,7 +56,12 @@ def run(kernel: base.Kernel, call: Callable, problem: base.Problem):
 
   @differentiable.defjvp
   def jvp(primals, tangents):
-    result, pullback = jax.vjp(attend, *primals)
+    try:
+      result, pullback = jax.vjp(attend, *primals)
+    except TypeError as e:  # forward mode over the custom VJP (an HVP)
+      if "forward-mode" not in str(e):
+        raise
+      raise ValueError(refusal(kernel)) from e
 
     def zeros(pullback, tangents):  # the outputs' shapes (never evaluated)
       zero = sum((jnp.zeros_like(t, jnp.float32, shape=())
