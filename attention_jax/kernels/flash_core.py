@@ -696,8 +696,9 @@ def tangent(st: Static, residuals, linear):
   f32 = jnp.float32
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
   hv = v.shape[-1]
-  row_ok = jnp.isfinite(lse)
-  lse_safe = jnp.where(row_ok, lse, 0.0)
+  # A row that sees nothing (lse = -inf) gets exp(logits - inf) = 0: no
+  # [bq, bk] pass to leave it out of a block that needs no mask.
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
   seg = segment_summary(st, ex)
   zero = _zero_like_all(q, k, v, ex, place, out, lse, linear)
   if dk is not None and isinstance(k, PagedRows):
@@ -711,7 +712,6 @@ def tangent(st: Static, residuals, linear):
     dqi = None if dq is None else jax.lax.dynamic_slice_in_dim(
         dq, i0, st.bq).astype(f32)
     lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i0, st.bq)
-    ok_i = jax.lax.dynamic_slice_in_dim(row_ok, i0, st.bq)[:, None]
     drop_rows = None if drop is None else drop.rows(ex, place, i0, st.bq)
 
     def key_block(j, full, carry):
@@ -722,7 +722,6 @@ def tangent(st: Static, residuals, linear):
       logits, ok, mod_jvp, _ = _block_logits(
           st, qi, kj, i0, j0, ex, place, full,
           want_jvp=st.score_mod is not None)
-      ok = ok_i if ok is None else ok & ok_i  # rows with lse = -inf: none
       p = masked_exp(logits, ok, lse_i)  # [bq, bk]
       ds = jnp.zeros_like(p)
       if dqi is not None:
@@ -737,7 +736,8 @@ def tangent(st: Static, residuals, linear):
         ds = mod_jvp(ds, tuple(
             _zero_tangent(c) if d is None else d
             for c, d in zip(ex.mod_consts, dargs)))
-      ds = jnp.where(ok, ds, 0.0)  # (blocked: no probability, any tangent)
+      if ok is not None:  # (blocked: no probability, any tangent)
+        ds = jnp.where(ok, ds, 0.0)
       pds = p * ds
       m = m + pds.sum(-1)
       if drop is not None:
