@@ -41,6 +41,8 @@ PATTERNS = {
     "per_example_rule": dict(mask=aj.Mask(
         rule=aj.prefix_lm_mask_fn(jnp.array([100], jnp.int32)))),
     "weights": dict(mask=CAUSAL, return_weights=True),
+    "dropout": dict(mask=CAUSAL, dropout_rate=0.1,
+                    dropout_rng=jax.random.key(0)),
 }
 EXPECTED = {
     # backend: pattern -> kernel
@@ -50,20 +52,23 @@ EXPECTED = {
             "alibi": "flash", "bias": "cudnn",
             "float32_causal": "pallas_gpu", "small": "dense",
             "weights": "dense", "prefix_rule": "pallas_gpu",
-            "per_example_rule": "flash"},
+            "per_example_rule": "flash",
+            # cuDNN through jax.nn has no dropout; the Pallas walk has.
+            "dropout": "pallas_gpu"},
     "tpu": {"causal": "splash", "segments": "splash", "sinks": "splash",
             "softcap": "splash",
             # Splash's only modifier is a soft cap, and it has no bias.
             "alibi": "flash", "bias": "flash",
             "float32_causal": "splash", "small": "dense", "weights": "dense",
             # Concrete rules become splash's (static) NumPy masks.
-            "prefix_rule": "splash", "per_example_rule": "splash"},
+            "prefix_rule": "splash", "per_example_rule": "splash",
+            "dropout": "flash"},
     "cpu": {"causal": "flash", "segments": "flash",
             "sinks": "flash", "softcap": "flash",
             "alibi": "flash", "bias": "flash",
             "float32_causal": "flash", "small": "dense",
             "weights": "dense", "prefix_rule": "flash",
-            "per_example_rule": "flash"},
+            "per_example_rule": "flash", "dropout": "flash"},
 }
 
 
