@@ -108,7 +108,7 @@ NEEDS_GPU = frozenset({"cudnn"})
 # device odd lengths (5, 7), which it refuses.
 # Ulysses runs whatever kernel fits each device's whole-sequence call (the
 # dense one takes float64); it reads no pages.
-REFUSES["ulysses"] = frozenset({"paged"})
+REFUSES["ulysses"] = frozenset({"paged", "dropout"})
 REFUSES_SHAPES = {
     "ring_zigzag": (lambda case: bool(case.t % (2 * RING_DEVICES)
                                       or case.s % (2 * RING_DEVICES)),
@@ -714,7 +714,7 @@ FORWARD_CASES = ("causal_t_gt_s_empty_rows", "softcap_bias",
                  "paged_prefill_window_gqa_sinks",
                  "paged_decode_window_sinks_gqa", "paged_decode_bfloat16_gqa")
 # The sequence-parallel harnesses whose kernel has no forward mode.
-FORWARD_MODE_REFUSED = frozenset({"ring", "ring_zigzag"})
+FORWARD_MODE_REFUSED = frozenset()
 
 
 def _numbered(tree):

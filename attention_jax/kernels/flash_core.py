@@ -377,8 +377,13 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
       logits, mod_vjp = jax.vjp(mod, safe, *consts)
     elif want_jvp:
       primals = (safe, *consts)
-      mod_vjp = lambda d, d_consts: jax.jvp(  # noqa: E731
-          mod, primals, (d, *d_consts))[1]
+      direct = isinstance(st.score_mod, _Direct)
+
+      def mod_vjp(d, d_consts):  # (the tangents vary as their values do)
+        d_consts = [vary(t) if direct and _inexact(t) else t
+                    for t in d_consts]
+        return jax.jvp(mod, primals, (d, *d_consts))[1]
+
       logits = mod(*primals)
     else:
       logits = mod(safe, *consts)

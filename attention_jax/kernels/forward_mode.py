@@ -3,8 +3,8 @@
 Shape glossary: whatever the kernel's ``Result`` holds (``[..., N, T, Hv]``
 outputs, ``[..., N, T]`` row statistics).
 
-A kernel differentiated by a ``jax.custom_vjp`` (a Pallas call, cuDNN's,
-the ring's) cannot be differentiated forward: JAX raises "can't apply
+A kernel differentiated by a ``jax.custom_vjp`` (a Pallas call, cuDNN's)
+cannot be differentiated forward: JAX raises "can't apply
 forward-mode autodiff (jvp) to a custom_vjp function", naming neither the
 kernel nor the fix, and only when the tangent is computed. ``run`` wraps
 such a kernel's call (``Kernel.forward_mode`` False) in a
@@ -28,7 +28,8 @@ from attention_jax.kernels import base
 def refusal(kernel: base.Kernel) -> str:
   return (f"implementation={kernel.name!r} has no forward-mode AD (jax.jvp, "
           "jax.jacfwd, jax.linearize): its gradient is a custom VJP. Use "
-          "implementation='flash' or 'dense', which take both modes (or "
+          "implementation='flash' or 'dense' (or ring attention), which "
+          "take both modes (or "
           "reverse mode: jax.grad, jax.vjp, and jax.jvp of a jax.grad for "
           "Hessian-vector products through 'flash').")
 

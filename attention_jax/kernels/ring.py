@@ -76,6 +76,7 @@ import numpy as np
 from attention_jax.core import broadcast
 from attention_jax.core import checks
 from attention_jax.core import grouping
+from attention_jax.core import linear_map
 from attention_jax.core import merge as merge_lib
 from attention_jax.core import numerics
 from attention_jax.kernels import base
@@ -400,16 +401,99 @@ def _ring_forward(rg: _Ring, q, k, v, ex, blocks):
   return result
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _ring(rg: _Ring, q, k, v, ex, blocks):
   out, lse, max_logits, code = _ring_forward(rg, q, k, v, ex, blocks)
   return out.astype(v.dtype), lse, max_logits, code
 
 
-def _ring_fwd(rg, q, k, v, ex, blocks):
+@_ring.defjvp
+def _ring_jvp(rg, primals, tangents):
+  """Both modes of AD (``core/linear_map.py``, as the flash core's):
+  forward mode runs ``_ring_tangent`` round the ring, reverse mode
+  transposes it into ``_ring_bwd``."""
+  q, k, v, ex, blocks = primals
+  dq, dk, dv, d_ex, _ = tangents
   out, lse, max_logits, code = _ring_forward(rg, q, k, v, ex, blocks)
+  residuals = (q, k, v, ex, blocks, out, lse)
+  inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+  linear = (dq, dk, dv, None if ex.bias is None else d_ex.bias,
+            tuple(d if inexact(c) else None
+                  for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
+  d_out, d_lse = linear_map.linear_map(
+      functools.partial(_ring_tangent, rg),
+      functools.partial(_ring_transpose, rg), residuals, linear)
+  zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
   return ((out.astype(v.dtype), lse, max_logits, code),
-          (q, k, v, ex, blocks, out, lse))
+          (d_out.astype(v.dtype), d_lse, zeros(max_logits), zeros(code)))
+
+
+def _ring_transpose(rg, residuals, cotangents):
+  """``_ring_bwd``'s cotangents in the structure of the linear inputs."""
+  q, k, v, ex = residuals[:4]
+  dq, dk, dv, d_ex, _ = _ring_bwd(rg, residuals, cotangents)
+  return (dq, dk, dv, d_ex.bias,
+          tuple(d if jnp.issubdtype(c.dtype, jnp.inexact) else None
+                for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
+
+
+def _ring_tangent(rg, residuals, linear):
+  """Forward-mode AD round the ring: float32 ``(d_out [n*Tp, Hv], d_lse
+  [n*Tp])``. Each pair's ``flash_core.tangent`` against the global
+  ``out`` and ``lse`` is its share (the tangent is linear in the key
+  blocks: ``sum (acc - m * out) = sum acc - (sum m) * out``); the key
+  and value tangents travel with their blocks, the bias's tangent is
+  windowed like the bias."""
+  q, k, v, ex, blocks, out, lse = residuals
+  dq, dk, dv, dbias, dargs = linear
+  tp, sp = rg.padded
+  zero = _varying_zero(q, k, v, ex, blocks, out, linear)
+  rows = out.shape[0]
+  acc = (jnp.zeros((rows, out.shape[-1]), jnp.float32) + zero,
+         jnp.zeros((rows,), jnp.float32) + zero)
+  zeros_like_k = lambda x: jnp.zeros(x.shape, x.dtype) + zero.astype(  # noqa: E731
+      x.dtype)
+  # The key and value tangents travel beside the blocks (zeros if none).
+  held_t = _Held(zeros_like_k(k) if dk is None else dk,
+                 zeros_like_k(v) if dv is None else dv, None)
+  ex_t = ex if dbias is None else ex._replace(bias=dbias)
+
+  def fold(step, held, held_t, acc):
+    def pair(p, acc):
+      d_out, m = acc
+      pr = _pair(rg, ex, blocks, held, step, p)
+      chunk = functools.partial(_chunk, c=pr.a, size=tp)
+      tangent_bias = None
+      if dbias is not None:
+        tangent_bias = _pair(rg, ex_t, blocks, held, step, p).ex.bias
+      part, m_part = flash_core.tangent(
+          rg.block, (chunk(q), _chunk(held.k, pr.b, sp),
+                     _chunk(held.v, pr.b, sp), pr.ex, pr.place, None,
+                     chunk(out), chunk(lse)),
+          (None if dq is None else chunk(dq), _chunk(held_t.k, pr.b, sp),
+           _chunk(held_t.v, pr.b, sp), tangent_bias, dargs))
+      return (_add_chunk(d_out, pr.a, tp, part.astype(jnp.float32)),
+              _add_chunk(m, pr.a, tp, m_part))
+
+    return jax.lax.fori_loop(0, rg.chunks ** 2, pair, acc)
+
+  held = _Held(k, v, ex.k_seg)
+  if rg.steps == tuple(range(rg.size)):
+    def step_fn(step, carry):
+      held, held_t, acc = carry
+      held, held_t = _travel(rg, held), _travel(rg, held_t)
+      return held, held_t, fold(step, held, held_t, acc)
+
+    _, _, acc = jax.lax.fori_loop(
+        1, rg.size, step_fn, (held, held_t, fold(0, held, held_t, acc)))
+  else:  # the window's steps only, unrolled, as in the forward pass
+    at = 0
+    for step in rg.steps:
+      held = _travel(rg, held, step - at)
+      held_t = _travel(rg, held_t, step - at)
+      at = step
+      acc = fold(step, held, held_t, acc)
+  return acc
 
 
 def _ring_bwd(rg, residuals, cotangents):
@@ -505,7 +589,6 @@ def _varies(x, axis_name: str) -> bool:
   return axis_name in jax.typeof(x).manual_axis_type.varying
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _pad_chunks(x, axis: int, chunks: int, size: int, padded: int, value,
@@ -646,7 +729,6 @@ class Ring(base.Kernel):
   columns: Columns | None = dataclasses.field(default=None, compare=False,
                                               repr=False)
   name = "ring"
-  forward_mode = False  # its gradient is a custom VJP round the ring
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
                           "q_segment_ids", "kv_segment_ids", "rule",
                           "q_offset", "kv_offset", "score_mod", "sinks",
