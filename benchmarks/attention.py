@@ -6,8 +6,10 @@ flax's ``nnx.dot_product_attention`` and, when importable,
 ``torch.nn.functional.scaled_dot_product_attention`` — all in one process,
 interleaved, after a warm-up call, medians of ``--repeats`` runs. Reports the
 time ratio against torch and against jax.nn, achieved FLOP/s as a share of
-the same run's measured matmul peak, first-call (compile) time, and, with
-``--memory``, peak RSS growth per configuration measured in a fresh
+the same run's measured matmul peak (``peak_share``), the flash kernel's
+``(block_q, block_k)`` and their source for ``aj_blockwise``
+(``aj.kernels.flash_blocks``; ``blocks``), first-call (compile) time, and,
+with ``--memory``, peak RSS growth per configuration measured in a fresh
 subprocess per point. Writes ``benchmark.md``, ``benchmark.json`` and
 ``benchmark.png`` to ``--out``.
 
@@ -67,10 +69,19 @@ def _naive(q, k, v):
   return jnp.einsum("BNTS,BNSH->BNTH", weights.astype(v.dtype), v)
 
 
+def _blockwise(q, k, v, attend=aj.blockwise_attention):
+  return attend(q, k, v)
+
+
+# The implementations on the flash kernel with its automatic blocks, called
+# with ``attend=aj.kernels.flash_blocks`` to say which blocks they run.
+FLASH = {"aj_blockwise": _blockwise}
+
+
 def jax_impls():
   from flax import nnx
   return {
-      "aj_blockwise": lambda q, k, v: aj.blockwise_attention(q, k, v),
+      "aj_blockwise": _blockwise,
       "aj_dense": lambda q, k, v: aj.scaled_dot_product_attention(
           q, k, v, implementation="dense"),
       "naive": _naive,
@@ -161,6 +172,16 @@ def _time_once(call, args, block):
   return time.perf_counter() - start
 
 
+def _blocks(name, point) -> dict | None:
+  """``{block_q, block_k, source}`` of ``name`` at ``point``, or None for
+  an implementation not on the flash kernel. Shapes only: nothing runs."""
+  if name not in FLASH:
+    return None
+  b, n, t, h, dtype, _ = point
+  qkv = (jax.ShapeDtypeStruct((b, n, t, h), getattr(jnp, dtype)),) * 3
+  return FLASH[name](*qkv, attend=aj.kernels.flash_blocks)._asdict()
+
+
 def _matmul_peak(dtype: str) -> float:
   """GFLOP/s of a 2048^3 matmul (bf16 inputs accumulate in float32)."""
   a = jnp.ones((2048, 2048), getattr(jnp, dtype))
@@ -236,7 +257,8 @@ def run_benchmark(preset: str, out_dir: str, repeats: int, memory: bool,
     medians = {name: statistics.median(v) for name, v in times.items()}
     for name in names:
       row = {"impl": name, "B": b, "N": n, "T": t, "H": h, "dtype": dtype,
-             "mode": mode, "seconds": medians.get(name)}
+             "mode": mode, "seconds": medians.get(name),
+             "blocks": _blocks(name, point)}
       if name in medians:
         sec = medians[name]
         row["compile_s"] = compile_s[name] - sec
@@ -257,24 +279,35 @@ def _fmt(x, spec):
   return "-" if x is None else format(x, spec)
 
 
+def _blocks_cell(blocks) -> str:
+  if blocks is None:
+    return "-"
+  return f"{blocks['block_q']}x{blocks['block_k']} ({blocks['source']})"
+
+
 def _table(rows) -> str:
   head = ("| impl | B x N | T | dtype | mode | time (s) | x torch | x jax.nn "
-          "| % matmul peak | compile (s) | RSS growth (GiB) |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "| % matmul peak | blocks | compile (s) | RSS growth (GiB) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
   lines = [head]
   for r in rows:
     if r["seconds"] is None:
       lines.append(f"| {r['impl']} | {r['B']}x{r['N']} | {r['T']} | "
                    f"{r['dtype']} | {r['mode']} | skipped (dense scores do "
-                   "not fit) | | | | | |")
+                   "not fit) | | | | | | |")
       continue
     lines.append(
         f"| {r['impl']} | {r['B']}x{r['N']} | {r['T']} | {r['dtype']} | "
         f"{r['mode']} | {r['seconds']:.4g} | {_fmt(r.get('vs_torch'), '.2f')} "
         f"| {_fmt(r.get('vs_jax_nn'), '.2f')} | "
-        f"{100 * r['peak_share']:.0f} | {_fmt(r.get('compile_s'), '.2f')} | "
+        f"{100 * r['peak_share']:.1f} | {_blocks_cell(r.get('blocks'))} | "
+        f"{_fmt(r.get('compile_s'), '.2f')} | "
         f"{_fmt(r.get('rss_growth_gib'), '.3f')} |")
   return "\n".join(lines)
+
+
+def _peaks_text(peaks) -> str:
+  return ", ".join(f"{dtype} {gflops:.0f}" for dtype, gflops in peaks.items())
 
 
 def _write(out_dir, rows, peaks) -> None:
@@ -282,7 +315,8 @@ def _write(out_dir, rows, peaks) -> None:
   with open(os.path.join(out_dir, "benchmark.json"), "w") as f:
     json.dump({"matmul_peak_gflops": peaks, "rows": rows}, f, indent=1)
   with open(os.path.join(out_dir, "benchmark.md"), "w") as f:
-    f.write(f"Matmul peak: {peaks}\n\n{_table(rows)}\n")
+    f.write(f"Matmul peak (GFLOP/s, 2048^3 `jnp.dot`, this run): "
+            f"{_peaks_text(peaks)}\n\n{_table(rows)}\n")
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

@@ -12,6 +12,14 @@ rounds; first-call minus steady time is reported as compile time. With
 ``--memory`` the single-head T=65,536 point runs in a fresh subprocess per
 implementation and reports its peak RSS growth.
 
+Every timed row also gets its useful FLOPs — ``4 * H`` per visible (query,
+key) pair and head forward (QK^T and PV), times 3.5 for forward+backward, as
+``benchmarks.attention`` counts — and their rate as a share of a float32
+2048^3 matmul timed in the same process (``peak_share``), so that rows
+compare across machines. Rows of ours that run the flash kernel with its
+automatic blocks name the ``(block_q, block_k)`` they ran and where they came
+from (``aj.kernels.flash_blocks``).
+
 Layout everywhere: ``[B, N, T, H]`` (torch's), T = S, float32, everything
 jitted. Writes ``structured.md`` and ``structured.json`` to ``--out``; with
 ``--write_docs`` also rewrites the generated section of
@@ -113,6 +121,49 @@ def packed_mask(t: int, docs: int) -> np.ndarray:
   return (seg[:, None] == seg[None, :]) & (j <= i)
 
 
+def prefix_lm_mask(t: int, prefix: int) -> np.ndarray:
+  """Keys before ``prefix`` seen by every query, the rest causally."""
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  return (j < prefix) | (j <= i)
+
+
+# --------------------------------------------------------------------------
+# Visible (query, key) pairs of one head, in closed form: the long cases
+# (T = 16,384 and 65,536) build no mask to count, and the tests hold these
+# to the masks above.
+
+
+def causal_pairs(t: int) -> int:
+  return t * (t + 1) // 2
+
+
+def window_pairs(t: int, window: int) -> int:
+  """``window_mask``'s: row i sees min(i + 1, window) keys."""
+  ramp = min(t, window)  # the rows not yet a full window from the start
+  return causal_pairs(ramp) + (t - ramp) * window
+
+
+def packed_pairs(t: int, docs: int) -> int:
+  """``packed_mask``'s: ``docs`` causal documents of ``t // docs``."""
+  return docs * causal_pairs(t // docs)
+
+
+def prefix_lm_pairs(t: int, prefix: int) -> int:
+  """``prefix_lm_mask``'s: the first ``prefix`` rows see the whole prefix,
+  the others are causal rows."""
+  p = min(max(prefix, 0), t)
+  return p * p + causal_pairs(t) - causal_pairs(p)
+
+
+def attention_flops(pairs: int | None, n: int, h: int, mode: str
+                    ) -> float | None:
+  """Useful FLOPs of ``pairs`` visible pairs (summed over the batch) in each
+  of ``n`` heads: ``benchmarks.attention``'s count, restricted to them."""
+  if pairs is None:
+    return None
+  return 4 * pairs * n * h * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
 # --------------------------------------------------------------------------
 # Callables: (call, args, block) triples, timed alike.
 
@@ -147,6 +198,43 @@ def _time_once(call, args, block) -> float:
   start = time.perf_counter()
   block(call(*args))
   return time.perf_counter() - start
+
+
+def matmul_peak() -> float:
+  """GFLOP/s of a float32 2048^3 ``jnp.dot``, best of 5 after a warm-up.
+
+  ``benchmarks.attention._matmul_peak``'s measure, copied: importing that
+  module would define its flags, which clash with these.
+  """
+  a = jnp.ones((2048, 2048), jnp.float32)
+  f = jax.jit(jnp.dot)
+  jax.block_until_ready(f(a, a))
+  best = min(_time_once(f, (a, a), jax.block_until_ready) for _ in range(5))
+  return 2 * 2048**3 / best / 1e9
+
+
+def _blocks_of(fn, arrays, aux=()) -> aj.kernels.FlashBlocks:
+  """The blocks ``fn(q, k, v, *aux)`` runs.
+
+  ``fn`` is traced abstractly, as under ``jax.jit``, with
+  ``aj.kernels.flash_blocks`` in place of its attention call: the very mask
+  and arguments it times, and nothing runs.
+  """
+  found = []
+  jax.eval_shape(
+      lambda *a: found.append(fn(*a, attend=aj.kernels.flash_blocks)),
+      *arrays, *aux)
+  return found[0]
+
+
+def _ours(fn, aux=()):
+  """``(build, blocks)`` of an implementation of ours on the flash kernel.
+
+  ``fn(q, k, v, *aux, attend=...)`` is timed with its default ``attend``
+  (``aj.blockwise_attention``) and asked its blocks with ``flash_blocks``.
+  """
+  return (lambda mode, x: _jax_entry(fn, mode, x, aux),
+          lambda x: _blocks_of(fn, x, aux))
 
 
 def _not_available(err: Exception) -> str | None:
@@ -202,7 +290,10 @@ class Case:
   """One row group: a shape, its modes, and named implementations.
 
   ``impls`` maps a name to ``build(mode, arrays) -> (call, args, block)``;
-  ``ours`` names the implementations whose compile time is a target.
+  ``ours`` names the implementations whose compile time is a target;
+  ``pairs`` maps a name to the visible (query, key) pairs of one head summed
+  over the batch (absent: not counted); ``blocks`` maps the names that run
+  the flash kernel to ``blocks(arrays) -> FlashBlocks``.
   """
   name: str
   shape: tuple[int, int, int, int]  # B, N, T, H
@@ -210,6 +301,8 @@ class Case:
   impls: dict[str, Callable]
   ours: tuple[str, ...]
   note: str = ""
+  pairs: dict[str, int] = dataclasses.field(default_factory=dict)
+  blocks: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
 
 def _sizes(preset: str) -> dict[str, Any]:
@@ -231,12 +324,13 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
   w = z["window"]
   cases = {}
 
-  def windowed(q, k, v):
-    return aj.blockwise_attention(
-        q, k, v, aj.Mask(causal=True, window=(w - 1, 0)))
+  # Ours on the flash kernel take the attention call as ``attend`` so that
+  # the same code, with ``flash_blocks`` there, says which blocks it runs.
+  def windowed(q, k, v, attend=aj.blockwise_attention):
+    return attend(q, k, v, aj.Mask(causal=True, window=(w - 1, 0)))
 
-  def dense_mask(q, k, v, m):
-    return aj.blockwise_attention(q, k, v, aj.Mask(dense=m))
+  def dense_mask(q, k, v, m, attend=aj.blockwise_attention):
+    return attend(q, k, v, aj.Mask(dense=m))
 
   def jax_nn(**kw):
     return lambda q, k, v, *m: _swap(jax.nn.dot_product_attention(
@@ -245,74 +339,90 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
 
   t = z["t_window"]
   mask = window_mask(t, w)
-  impls = {"aj_window": lambda mode, x: _jax_entry(windowed, mode, x)}
+  impls, blocks = {}, {}
+  impls["aj_window"], blocks["aj_window"] = _ours(windowed)
   if torch is not None:
     impls["torch_mask"] = lambda mode, x, m=mask: _torch_entry(
         torch, mode, x, mask=m)
   impls["jax_nn_window"] = lambda mode, x: _jax_entry(
       jax_nn(is_causal=True, local_window_size=(w - 1, 0)), mode, x)
-  impls["aj_dense_mask"] = lambda mode, x, m=mask: _jax_entry(
-      dense_mask, mode, x, (m[None, None],))
-  cases["window256_T4096"] = Case("window256_T4096", (b, n, t, h), MODES,
-                                  impls, ("aj_window",))
+  impls["aj_dense_mask"], blocks["aj_dense_mask"] = _ours(
+      dense_mask, (mask[None, None],))
+  cases["window256_T4096"] = Case(
+      "window256_T4096", (b, n, t, h), MODES, impls, ("aj_window",),
+      pairs=dict.fromkeys(impls, b * window_pairs(t, w)), blocks=blocks)
 
   lb, ln = z["long_bn"]
+  t = z["t_long"]
+  impls, blocks = {}, {}
+  impls["aj_window"], blocks["aj_window"] = _ours(windowed)
   cases["window256_T16384"] = Case(
-      "window256_T16384", (lb, ln, z["t_long"], h), MODES,
-      {"aj_window": lambda mode, x: _jax_entry(windowed, mode, x)},
-      ("aj_window",),
+      "window256_T16384", (lb, ln, t, h), MODES, impls, ("aj_window",),
       note=f"B={lb}, N={ln}; its ratio to window256_T4096 is scaled by "
-      f"{b * n // (lb * ln)} (same B*N)")
+      f"{b * n // (lb * ln)} (same B*N)",
+      pairs={"aj_window": lb * window_pairs(t, w)}, blocks=blocks)
 
   t, docs = z["t_packed"], z["docs"]
   mask = packed_mask(t, docs)
   seg = np.repeat(np.arange(docs, dtype=np.int32), t // docs)[None, None]
 
-  def segments(q, k, v, s):
-    return aj.blockwise_attention(
+  def segments(q, k, v, s, attend=aj.blockwise_attention):
+    return attend(
         q, k, v, aj.Mask(causal=True, q_segment_ids=s, kv_segment_ids=s))
 
-  impls = {"aj_segments": lambda mode, x: _jax_entry(segments, mode, x,
-                                                     (seg,))}
+  impls, blocks = {}, {}
+  impls["aj_segments"], blocks["aj_segments"] = _ours(segments, (seg,))
   if torch is not None:
     impls["torch_mask"] = lambda mode, x, m=mask: _torch_entry(
         torch, mode, x, mask=m)
-  impls["aj_dense_mask"] = lambda mode, x, m=mask: _jax_entry(
-      dense_mask, mode, x, (m[None, None],))
+  impls["aj_dense_mask"], blocks["aj_dense_mask"] = _ours(
+      dense_mask, (mask[None, None],))
   impls["jax_nn_mask"] = lambda mode, x, m=mask: _jax_entry(
       jax_nn(), mode, x, (m[None, None],))
-  cases["packed8x512_T4096"] = Case("packed8x512_T4096", (b, n, t, h), MODES,
-                                    impls, ("aj_segments",))
+  cases["packed8x512_T4096"] = Case(
+      "packed8x512_T4096", (b, n, t, h), MODES, impls, ("aj_segments",),
+      pairs=dict.fromkeys(impls, b * packed_pairs(t, docs)), blocks=blocks)
 
-  impls = {
-      "aj_causal": lambda mode, x: _jax_entry(
-          lambda q, k, v: aj.blockwise_attention(q, k, v, is_causal=True),
-          mode, x),
-      "aj_noncausal": lambda mode, x: _jax_entry(
-          aj.blockwise_attention, mode, x),
-  }
+  def causal(q, k, v, attend=aj.blockwise_attention):
+    return attend(q, k, v, is_causal=True)
+
+  def noncausal(q, k, v, attend=aj.blockwise_attention):
+    return attend(q, k, v)
+
+  t = z["t_causal"]
+  impls, blocks = {}, {}
+  impls["aj_causal"], blocks["aj_causal"] = _ours(causal)
+  impls["aj_noncausal"], blocks["aj_noncausal"] = _ours(noncausal)
   if torch is not None:
     impls["torch_causal"] = lambda mode, x: _torch_entry(
         torch, mode, x, is_causal=True)
     impls["torch_noncausal"] = lambda mode, x: _torch_entry(torch, mode, x)
-  cases["causal_T2048"] = Case("causal_T2048", (b, n, z["t_causal"], h),
-                               MODES, impls, ("aj_causal", "aj_noncausal"))
+  cases["causal_T2048"] = Case(
+      "causal_T2048", (b, n, t, h), MODES, impls,
+      ("aj_causal", "aj_noncausal"),
+      pairs={name: b * (t * t if name.endswith("noncausal")
+                        else causal_pairs(t)) for name in impls},
+      blocks=blocks)
 
   def sdpa_dense(causal):
     return lambda q, k, v: aj.scaled_dot_product_attention(
         q, k, v, is_causal=causal, implementation="dense")
 
+  db, dn, dt, dh = z["dense"]
   cases["dense_causal_T1024"] = Case(
       "dense_causal_T1024", z["dense"], ("fwd",),
       {"aj_dense_causal": lambda mode, x: _jax_entry(sdpa_dense(True), mode,
                                                      x),
        "aj_dense_noncausal": lambda mode, x: _jax_entry(sdpa_dense(False),
                                                         mode, x)},
-      ("aj_dense_causal", "aj_dense_noncausal"))
+      ("aj_dense_causal", "aj_dense_noncausal"),
+      # Useful pairs only: the dense causal call computes all T * S scores.
+      pairs={"aj_dense_causal": db * causal_pairs(dt),
+             "aj_dense_noncausal": db * dt * dt})
 
   def modded(**kw):
-    return lambda q, k, v: aj.blockwise_attention(q, k, v, is_causal=True,
-                                                  **kw)
+    return lambda q, k, v, attend=aj.blockwise_attention: attend(
+        q, k, v, is_causal=True, **kw)
 
   mods = {"aj_plain": modded(), "aj_soft_cap": modded(score_mod=aj.soft_cap(30.0)),
           "aj_sinks": modded(sinks=jnp.zeros((n,))),
@@ -322,25 +432,31 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
   # against the same rule as a dense [B, 1, T, T] mask.
   t = z["t_prefix"]
   prefixes = (t // 4 + np.arange(b)).astype(np.int32)
-  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
-  prefix_mask = np.stack([(j < p) | (j <= i) for p in prefixes])[:, None]
+  prefix_mask = np.stack([prefix_lm_mask(t, p) for p in prefixes])[:, None]
 
-  def traced_prefix(q, k, v, p):
+  def traced_prefix(q, k, v, p, attend=aj.blockwise_attention):
     bm = aj.block_mask(aj.prefix_lm_mask_fn(p), t, t, batch=(b, 1))
-    return aj.blockwise_attention(q, k, v, bm)
+    return attend(q, k, v, bm)
 
+  impls, blocks = {}, {}
+  impls["aj_traced_prefix"], blocks["aj_traced_prefix"] = _ours(
+      traced_prefix, (prefixes,))
+  impls["aj_dense_mask"], blocks["aj_dense_mask"] = _ours(
+      dense_mask, (prefix_mask,))
   cases["prefix_lm_T4096"] = Case(
-      "prefix_lm_T4096", (b, n, t, h), ("fwd+bwd",),
-      {"aj_traced_prefix": lambda mode, x: _jax_entry(
-          traced_prefix, mode, x, (prefixes,)),
-       "aj_dense_mask": lambda mode, x: _jax_entry(
-           dense_mask, mode, x, (prefix_mask,))},
-      ("aj_traced_prefix",))
+      "prefix_lm_T4096", (b, n, t, h), ("fwd+bwd",), impls,
+      ("aj_traced_prefix",),
+      pairs=dict.fromkeys(impls, sum(prefix_lm_pairs(t, int(p))
+                                     for p in prefixes)),
+      blocks=blocks)
+  t = z["t_mods"]
+  impls, blocks = {}, {}
+  for name, f in mods.items():
+    impls[name], blocks[name] = _ours(f)
+  # Sinks and score modifiers add no matmul: the causal pairs' FLOPs.
   cases["score_mods_T2048"] = Case(
-      "score_mods_T2048", (b, n, z["t_mods"], h), ("fwd+bwd",),
-      {name: lambda mode, x, f=f: _jax_entry(f, mode, x)
-       for name, f in mods.items()},
-      tuple(mods))
+      "score_mods_T2048", (b, n, t, h), ("fwd+bwd",), impls, tuple(mods),
+      pairs=dict.fromkeys(impls, b * causal_pairs(t)), blocks=blocks)
   return cases
 
 
@@ -349,20 +465,53 @@ def _inputs(b, n, t, h, seed=0):
   return [rng.standard_normal((b, n, t, h), np.float32) for _ in range(3)]
 
 
-def run_case(case: Case, repeats: int) -> list[dict]:
-  """Rows ``{case, mode, impl, B, N, T, H, seconds, compile_s, skipped}``."""
+def _blocks_field(blocks) -> dict | None:
+  return None if blocks is None else blocks._asdict()
+
+
+def _case_blocks(case: Case, arrays) -> dict[str, dict | None]:
+  """Each flash implementation's blocks; None where its API is missing (its
+  row then says "not available" too)."""
+  out = {}
+  for name, fn in case.blocks.items():
+    try:
+      out[name] = _blocks_field(fn(arrays))
+    except (TypeError, AttributeError) as err:
+      if _not_available(err) is None:
+        raise
+      out[name] = None
+  return out
+
+
+def _timed_fields(seconds, flops, peak_gflops) -> dict:
+  """``flops`` and ``peak_share``: achieved FLOP/s over the matmul peak."""
+  share = None
+  if seconds and flops is not None and peak_gflops:
+    share = flops / seconds / 1e9 / peak_gflops
+  return {"flops": flops, "peak_share": share}
+
+
+def run_case(case: Case, repeats: int,
+             peak_gflops: float | None = None) -> list[dict]:
+  """Rows ``{case, mode, impl, B, N, T, H, seconds, compile_s, skipped,
+  flops, peak_share, blocks}``; ``peak_share`` None without a peak."""
   b, n, t, h = case.shape
   arrays = _inputs(b, n, t, h)
+  # Per implementation, not per mode: the backward walks the same blocks.
+  blocks = _case_blocks(case, arrays)
   rows = []
   for mode in case.modes:
     results = time_interleaved(
         {name: (lambda build=build, mode=mode: build(mode, arrays))
          for name, build in case.impls.items()}, repeats)
     for name, res in results.items():
+      flops = attention_flops(case.pairs.get(name), n, h, mode)
       rows.append({"case": case.name, "mode": mode, "impl": name, "B": b,
                    "N": n, "T": t, "H": h, "seconds": res.get("seconds"),
                    "compile_s": res.get("compile_s"),
-                   "skipped": res.get("skipped")})
+                   "skipped": res.get("skipped"),
+                   **_timed_fields(res.get("seconds"), flops, peak_gflops),
+                   "blocks": blocks.get(name)})
   return rows
 
 
@@ -370,8 +519,12 @@ def run_case(case: Case, repeats: int) -> list[dict]:
 # Memory: one fresh process per point.
 
 
-
-
+def _memory_fn(impl: str, window: int):
+  """The call of a memory point, ``attend`` as in ``build_cases``."""
+  mask = aj.Mask(causal=True)
+  if impl == "aj_window":
+    mask = aj.Mask(causal=True, window=(window - 1, 0))
+  return lambda q, k, v, attend=aj.blockwise_attention: attend(q, k, v, mask)
 
 
 def memory_point(spec: str) -> dict:
@@ -383,11 +536,8 @@ def memory_point(spec: str) -> dict:
   """
   impl, t, h, window = spec.split(",")
   t, h, window = int(t), int(h), int(window)
-  mask = aj.Mask(causal=True)
-  if impl == "aj_window":
-    mask = aj.Mask(causal=True, window=(window - 1, 0))
-  fn = lambda q, k, v: aj.blockwise_attention(q, k, v, mask)
-  call, args, block = _jax_entry(fn, "fwd+bwd", _inputs(1, 1, t, h))
+  call, args, block = _jax_entry(_memory_fn(impl, window), "fwd+bwd",
+                                 _inputs(1, 1, t, h))
   compiled = call.lower(*args).compile()
   reset = host.reset_peak_rss()
   base = host.proc_status("VmRSS") if reset else host.proc_status("VmHWM")
@@ -413,17 +563,28 @@ def _measure_memory(impl: str, t: int, h: int, window: int) -> dict | None:
   return None
 
 
-def run_memory(preset: str) -> list[dict]:
-  """Window and full causal, B = N = 1, fwd+bwd, each in its own process."""
+def run_memory(preset: str, peak_gflops: float | None = None) -> list[dict]:
+  """Window and full causal, B = N = 1, fwd+bwd, each in its own process.
+
+  Their ``peak_share`` is against this (the parent) process's peak: the
+  same machine, measured in the same run.
+  """
   t, h, window = _sizes(preset)["memory"]
+  shape = jax.ShapeDtypeStruct((1, 1, t, h), jnp.float32)
   rows = []
   for impl in ("aj_window", "aj_causal"):
     res = _measure_memory(impl, t, h, window) or {}
+    pairs = window_pairs(t, window) if impl == "aj_window" else causal_pairs(t)
     rows.append({"case": "memory_T65536", "mode": "fwd+bwd", "impl": impl,
                  "B": 1, "N": 1, "T": t, "H": h,
                  "seconds": res.get("seconds"), "compile_s": None,
                  "skipped": None if res else "failed (see log)",
-                 "rss_growth_gib": res.get("rss_growth_gib")})
+                 "rss_growth_gib": res.get("rss_growth_gib"),
+                 **_timed_fields(res.get("seconds"),
+                                 attention_flops(pairs, 1, h, "fwd+bwd"),
+                                 peak_gflops),
+                 "blocks": _blocks_field(_blocks_of(
+                     _memory_fn(impl, window), (shape,) * 3))})
   return rows
 
 
@@ -544,16 +705,26 @@ def _value(r) -> str:
           "GiB": f"{r['value']:.3f} GiB"}[r["unit"]]
 
 
+def blocks_cell(blocks: dict | None) -> str:
+  """``1024x256 (defaults)``, or "-" for a row not on the flash kernel."""
+  if blocks is None:
+    return "-"
+  return f"{blocks['block_q']}x{blocks['block_k']} ({blocks['source']})"
+
+
 def times_table(rows: list[dict]) -> str:
-  lines = ["| case | B x N x T x H | mode | impl | time (s) | compile (s) "
-           "| RSS growth (GiB) |", "|---|---|---|---|---|---|---|"]
+  lines = ["| case | B x N x T x H | mode | impl | time (s) "
+           "| share of matmul peak | blocks | compile (s) "
+           "| RSS growth (GiB) |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     shape = f"{r['B']}x{r['N']}x{r['T']}x{r['H']}"
     head = f"| {r['case']} | {shape} | {r['mode']} | {r['impl']} |"
     if r["skipped"]:
-      lines.append(f"{head} {r['skipped']} | | |")
+      lines.append(f"{head} {r['skipped']} | | | | |")
     else:
       lines.append(f"{head} {r['seconds']:.4g} | "
+                   f"{_fmt(r.get('peak_share'), '.1%')} | "
+                   f"{blocks_cell(r.get('blocks'))} | "
                    f"{_fmt(r['compile_s'], '.2f')} | "
                    f"{_fmt(r.get('rss_growth_gib'), '.3f')} |")
   return "\n".join(lines)
@@ -591,7 +762,12 @@ def machine() -> str:
   return f"{os.cpu_count()}-core CPU ({name or platform.machine()})"
 
 
-def report(rows, ratios, command, repeats, torch) -> str:
+def peak_line(peak_gflops: float) -> str:
+  return (f"Matmul peak here: {peak_gflops:.0f} GFLOP/s (float32 2048^3 "
+          "`jnp.dot`, best of 5, this run).")
+
+
+def report(rows, ratios, command, repeats, torch, peak_gflops) -> str:
   """The markdown of one run: what, where, the command, three tables."""
   versions = f"jax {jax.__version__}" + (
       f", torch {torch.__version__}" if torch is not None
@@ -600,6 +776,11 @@ def report(rows, ratios, command, repeats, torch) -> str:
       f"Measured on a {machine()}, {jax.default_backend()} backend, "
       f"{versions}; `{command}`; medians of {repeats} interleaved rounds "
       "after a warm-up call, seconds.\n\n"
+      f"{peak_line(peak_gflops)} Share of matmul peak: useful FLOPs (4 H "
+      "per visible query-key pair and head forward, x3.5 fwd+bwd) per "
+      "second over that peak. Blocks: for ours on the flash kernel, the "
+      "(block_q, block_k) and source `aj.kernels.flash_blocks` gives (the "
+      "walk clips them to T and S).\n\n"
       f"### Times\n\n{times_table(rows)}\n\n"
       f"### Ratios against peers\n\nBelow 1 means ours is faster.\n\n"
       f"{peers_table(ratios)}\n\n"
@@ -619,25 +800,28 @@ def run_benchmark(preset: str, out_dir: str, repeats: int, cases=(),
   command = command or f"python -m benchmarks.structured --preset={preset}"
   torch = _torch()
   all_cases = build_cases(preset, torch)
+  peak = matmul_peak()  # before the cases, on the same quiet process
+  print(peak_line(peak), flush=True)
   rows = []
   for name in chosen:
     if name == "memory_T65536":
       if not memory:
         continue
-      new = run_memory(preset)
+      new = run_memory(preset, peak)
     else:
-      new = run_case(all_cases[name], repeats)
+      new = run_case(all_cases[name], repeats, peak)
     rows += new
     print(times_table(new), flush=True)
   ran = {name: all_cases[name] for name in chosen if name in all_cases}
   ratios = compute_ratios(rows, ran)
-  text = report(rows, ratios, command, repeats, torch)
+  text = report(rows, ratios, command, repeats, torch, peak)
   print(f"\n{peers_table(ratios)}\n\n{targets_table(ratios)}", flush=True)
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "structured.json"), "w") as f:
     json.dump({"command": command, "machine": machine(),
-               "jax": jax.__version__, "rows": rows, "ratios": ratios}, f,
-              indent=1)
+               "jax": jax.__version__,
+               "matmul_peak_gflops": {"float32": peak}, "rows": rows,
+               "ratios": ratios}, f, indent=1)
   with open(os.path.join(out_dir, "structured.md"), "w") as f:
     f.write(text)
   if docs_page is not None:

@@ -9,6 +9,8 @@ modes, the refusals by name, and ``core/linear_map.py`` under ``vmap``.
 Shape glossary: B batch, N heads, T query length, S key length, H head dim.
 """
 
+from unittest import mock
+
 from absl.testing import absltest
 import chex
 import jax
@@ -19,6 +21,7 @@ import numpy as np
 import attention_jax as aj
 from attention_jax.core import dropout
 from attention_jax.core import linear_map
+from attention_jax.kernels import flash_core
 from tests import _data
 
 # Odd blocks so that rows and columns straddle them (and padding).
@@ -94,6 +97,34 @@ class DropoutStatisticsTest(chex.TestCase):
     chex.assert_trees_all_close(_attend("flash", mask, **kw)(q, k, v),
                                 _attend("dense", mask, **kw)(q, k, v),
                                 atol=1e-5, rtol=1e-5)
+
+
+class HeadGroupsTest(chex.TestCase):
+  """Heads walked a few at a time (lax.map over groups, vmap inside:
+  flash_core.head_group) give what all heads under one vmap give."""
+
+  def test_groups_of_two_equal_dense_in_every_mode(self):
+    q, k, v = _qkv(t=40, s=56, b=2, n=3)  # 6 heads: groups 2, 2, 2
+    mask = aj.Mask(causal=True, kv_lengths=jnp.array([56, 33]))
+    kw = dict(dropout_rate=0.2, dropout_rng=jax.random.key(4))
+    flash = _attend(FLASH, mask, **kw)
+    dense = _attend("dense", mask, **kw)
+    entries = FLASH.block_q * FLASH.block_k * 2  # two heads' blocks
+    with mock.patch.object(flash_core, "HEAD_GROUP_ENTRIES", entries):
+      self.assertEqual(flash_core.head_group(6, 40, 56, 16, 24), 2)
+      got = jax.jit(flash)(q, k, v)
+      grads = jax.jit(jax.grad(lambda *a: jnp.sum(flash(*a) ** 2),
+                               (0, 1, 2)))(q, k, v)
+      _, tangent = jax.jit(lambda p, t: jax.jvp(flash, p, t))((q, k, v),
+                                                              (0.5 * q, v, k))
+    # (float32 rounding of sums of a few products: 1e-5)
+    chex.assert_trees_all_close(got, dense(q, k, v), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(
+        grads, jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), (0, 1, 2))(
+            q, k, v), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(
+        tangent, jax.jvp(dense, (q, k, v), (0.5 * q, v, k))[1], atol=1e-5,
+        rtol=1e-5)
 
 
 class ForwardModeTest(chex.TestCase):

@@ -20,7 +20,8 @@ from attention_jax.core import grouping
 
 
 def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
-                   operands: Sequence[Any], sequential: Any = ()) -> Any:
+                   operands: Sequence[Any], sequential: Any = (),
+                   group: int = 1) -> Any:
   """Applies ``fn`` to operands with broadcast leading (batch) dimensions.
 
   Args:
@@ -34,6 +35,8 @@ def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
       ``vmap``: under ``vmap`` a kernel's data-dependent control flow (block
       loops and ``cond`` over per-example block tables) would run every
       branch and the longest loop for every slice.
+    group: with ``sequential``, the innermost mapped dim runs ``group``
+      slices at a time (``lax.map``'s ``batch_size``: ``vmap`` inside).
 
   Returns:
     ``fn``'s outputs with the broadcast batch shape prepended to each leaf.
@@ -45,17 +48,19 @@ def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
     if op is not None:
       op = op.reshape((1,) * (batch_ndim - (op.ndim - c)) + op.shape)
     padded.append(op)
-  return _map_leading(fn, batch_ndim, tuple(padded), frozenset(sequential))
+  return _map_leading(fn, batch_ndim, tuple(padded), frozenset(sequential),
+                      group)
 
 
-def _map_leading(fn, depth: int, ops: tuple[Any, ...], sequential) -> Any:
+def _map_leading(fn, depth: int, ops: tuple[Any, ...], sequential,
+                 group: int = 1) -> Any:
   if depth == 0:
     return fn(*ops)
   # Operands whose leading size is 1 are shared across this dimension.
   in_axes = tuple(None if op is None or op.shape[0] == 1 else 0 for op in ops)
   ops = tuple(op[0] if op is not None and ax is None else op
               for op, ax in zip(ops, in_axes))
-  inner = lambda *o: _map_leading(fn, depth - 1, o, sequential)
+  inner = lambda *o: _map_leading(fn, depth - 1, o, sequential, group)
   if all(ax is None for ax in in_axes):
     return jax.tree.map(lambda x: x[None], inner(*ops))
   if any(in_axes[i] == 0 for i in sequential):
@@ -67,7 +72,9 @@ def _map_leading(fn, depth: int, ops: tuple[Any, ...], sequential) -> Any:
         full[i] = x
       return inner(*full)
 
-    return jax.lax.map(one, [ops[i] for i in mapped])
+    # Slices a group at a time (vmap inside) at the innermost leading dim.
+    return jax.lax.map(one, [ops[i] for i in mapped],
+                       batch_size=group if depth == 1 and group > 1 else None)
   return jax.vmap(inner, in_axes=in_axes)(*ops)
 
 
@@ -128,7 +135,8 @@ class Head(NamedTuple):
 
 
 def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
-               extra_core_ndims: Sequence[int] = ()):
+               extra_core_ndims: Sequence[int] = (), *,
+               one_at_a_time: int = 0):
   """Runs a single-head kernel over validated operands (``checks.Operands``).
 
   ``head_fn(q, k, v, head, *extra)`` sees ``[T, H]``, ``[S, H]``,
@@ -137,6 +145,12 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   ``max_logits [T]`` (``return_max_logits``). The results come back over
   the leading dims with grouped heads merged again (``[..., N, T, Hv]``),
   as the kernel's ``Result`` (what ``head_fn`` did not return is None).
+  ``one_at_a_time`` > 0: the heads run that many at a time, one group
+  after another (``lax.map`` over every leading dim the queries have, its
+  ``batch_size`` at the innermost) instead of all under ``vmap``: a block
+  loop then works on one head's ``[bq, bk]`` block at a time, which stays
+  in cache, where ``vmap`` makes every pass of the loop body walk the
+  blocks of all heads at once through memory.
   """
   b, h = (None, None) if ops.head_index is None else ops.head_index
   # A block mask with per-(b, h) tables is sliced per head like a mask;
@@ -162,9 +176,12 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
     return head_fn(q, k, v, head, *rest[len(tables):])
 
   first_table = len(fixed)  # the index of the tables among the operands
-  out, weights, *rows = broadcast_vmap(
-      per_head, core, operands,
-      sequential=range(first_table, first_table + len(tables)))
+  sequential = tuple(range(first_table, first_table + len(tables)))
+  if one_at_a_time:
+    sequential = (0, *sequential)  # every leading dim the queries have
+  out, weights, *rows = broadcast_vmap(per_head, core, operands,
+                                       sequential=sequential,
+                                       group=max(one_at_a_time, 1))
   lse, max_logits = (*rows, None)[:2]  # one value per query row each
   return Result(grouping.merge(out, ops.groups, -3),
                 grouping.merge(weights, ops.groups, -3),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax.numpy as jnp
 
@@ -97,8 +98,14 @@ class Flash(base.Kernel):
     # One scalar for the call (unmapped by the heads' vmap): without NaN or
     # inf anywhere the walk makes no pass looking for rows that see one.
     garbage = numerics.any_nonfinite(ops.query, ops.key, ops.value)
+    # Heads in cache-sized groups, one group after another; all under
+    # vmap when a partition splits them (XLA's partitioner splits the
+    # vmapped dims; a loop over them would gather them).
+    group = 0 if problem.partition else flash_core.head_group(
+        math.prod(ops.query.shape[:-2]), ops.query.shape[-2],
+        ops.key.shape[-2], block_q, block_k)
     return broadcast.lift_heads(head, ops, (garbage, *drop_operands(problem)),
-                                (0, 1, 0))
+                                (0, 1, 0), one_at_a_time=group)
 
 
   def _paged_call(self, problem: base.Problem):
