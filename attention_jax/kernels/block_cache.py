@@ -59,17 +59,16 @@ _MEMORY: dict[str, dict[str, dict[str, Any]]] = {}
 class FlashBlocks(NamedTuple):
   """The blocks a flash call runs and where they came from.
 
-  Attributes:
-    block_q: query block size (the walk clips it to ``T``).
-    block_k: key block size (clipped to ``S``).
-    source: ``"given"`` (the kernel's own ``block_q``/``block_k``; one
-      given, the other the default), ``"block_mask"`` (a ``BlockMask``'s
-      tables fix them), ``"cache"`` (tuned by ``autotune`` on this machine)
-      or ``"defaults"`` (``flash_core.block_sizes``' rule by pattern).
+  ``block_q`` and ``block_k`` are the query and key block sizes (the walk
+  clips them to ``T`` and ``S``); ``source`` is ``"given"`` (the kernel's
+  own ``block_q``/``block_k``; one given, the other the default),
+  ``"block_mask"`` (a ``BlockMask``'s tables fix them), ``"cache"`` (tuned
+  by ``autotune`` on this machine) or ``"defaults"``
+  (``flash_core.block_sizes``' rule by pattern).
   """
-  block_q: int
-  block_k: int
-  source: str
+  block_q: int  # query block size
+  block_k: int  # key block size
+  source: str  # given, block_mask, cache or defaults
 
 
 def cache_path() -> pathlib.Path | None:

@@ -3,13 +3,19 @@
 Shape glossary: T query length, S key/value length, N query heads, K
 key/value heads, H head dim, Hv value head dim; ``...`` leading dims.
 
-Runs the single-head core of ``flash_core`` over the leading dims. Never
-more than one ``[block_q, block_k]`` block of scores per head exists at a
-time; every mask field skips the blocks it rules out (forward and backward)
-and full blocks run without a mask pass; a rule without block tables gets
-them here, at this kernel's block sizes (NumPy when concrete, on device
-when traced). The backward pass is a custom VJP that recomputes the blocks
-(FlashAttention-2). No weights, no dropout, float32 compute. With
+Runs the single-head core of ``flash_core`` over the leading dims, the
+heads in cache-sized groups (``flash_core.head_group``; all under ``vmap``
+when a partition splits them). Never more than one ``[block_q, block_k]``
+block of scores per head exists at a time; every mask field skips the
+blocks it rules out (forward and backward) and full blocks run without a
+mask pass; a rule without block tables gets them here, at this kernel's
+block sizes (NumPy when concrete, on device when traced). Block sizes:
+given, a block mask's, this machine's tuned pair (``block_cache``), else
+``flash_core.block_sizes``. Differentiable both ways: the backward pass
+recomputes the blocks (FlashAttention-2), forward mode runs a tangent
+pass (``flash_core.tangent``). Dropout is drawn per block
+(``core/dropout.py``: the dense kernel's mask). No weights, float32
+compute. With
 ``return_max_logits`` the forward walk also keeps each row's raw maximum
 logit (``flash_core.forward``). NaN or inf in a key, value or query reaches
 only the rows that may see it (``flash_core``: finite blocks, row codes,
