@@ -20,7 +20,7 @@ elsewhere):
 
 * ``Static``: one head's static configuration (scale, causal/window bounds,
   score modifier, true lengths, block sizes, whether to return the row
-  maxima); hashable, the ``nondiff_argnums`` of the custom VJPs.
+  maxima); hashable, the ``nondiff_argnums`` of the custom JVPs.
 * ``ex``, a ``broadcast.Head``: one head's other operands, padded (mask,
   bias, lengths, segment ids, block mask, ``(b, h)``, the score modifier's
   arrays, the garbage flag); a pytree. ``Place``: where the local rows and
@@ -38,13 +38,21 @@ elsewhere):
   query (which rows saw a NaN or inf). Both passes replace non-finite
   entries of the blocks they load by 0 (``_finite``), so every product is
   finite.
-* ``backward(st, residuals, cotangents)``: float32 ``(dq, dk, dv, dbias,
-  dargs)`` from ``residuals = (q, k, v, ex, place, out, lse)`` and
-  ``cotangents = (d_out, d_lse)``; ``out``/``lse`` may be those of a longer
-  key sequence of which ``k``/``v`` are one block (ring attention).
-* ``single_head(q, k, v, head, garbage=None, *, out_dtype, **blocks)``
-  (``garbage``: ``broadcast.Head.garbage``): one head end to
-  end, differentiable (``jax.custom_vjp``, gradients through ``lse`` too;
+* ``backward(st, residuals, cotangents, drop=None)``: float32 ``(dq, dk,
+  dv, dbias, dargs)`` from ``residuals = (q, k, v, ex, place, out, lse)``
+  and ``cotangents = (d_out, d_lse)``; ``out``/``lse`` may be those of a
+  longer key sequence of which ``k``/``v`` are one block (ring attention).
+* ``tangent(st, residuals, linear)``: forward-mode AD, float32 ``(d_out,
+  d_lse)`` from the tangents of q, k, v, the bias and the modifier's
+  arrays; as ``backward``, its share when ``k``/``v`` are one block of a
+  longer key sequence (the ring sums the shares).
+* ``Dropout(seed, rate)``: a call's dropout, each block's keep mask drawn
+  in every pass (``core/dropout.py``); ``forward``/``backward`` take it.
+* ``single_head(q, k, v, head, garbage=None, seed=None, rate=None, *,
+  out_dtype, **blocks)`` (``garbage``: ``broadcast.Head.garbage``): one
+  head end to end, differentiable both ways (a ``jax.custom_jvp`` whose
+  tangent is a ``core/linear_map.py`` map: ``tangent`` forward,
+  ``backward`` its transpose; gradients through ``lse`` too;
   the rows that see a NaN or inf are ``numerics.poison``'d after it),
   returning ``(out [T, Hv], None, lse [T])`` and, with
   ``max_logits=True``, ``max_logits [T]`` (zero gradient), the

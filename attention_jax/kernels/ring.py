@@ -51,7 +51,11 @@ only a few neighbours) are never made, neither their compute nor their
 geometry, and ``localize`` gives the kernel those steps (``Ring.steps``);
 a kernel built without them makes every step.
 
-The backward pass is a ``jax.custom_vjp`` that goes round the ring again:
+The ring is a ``jax.custom_jvp`` whose tangent is a ``core/linear_map.py``
+map: forward mode goes round the ring with the key and value tangents
+travelling beside their blocks (``flash_core.tangent`` per pair, against
+the global ``out`` and ``lse``); reverse mode transposes it into the
+backward pass, which goes round the ring again:
 key/value blocks travel with their gradient accumulators, each device adds
 its queries' share (``flash_core.backward`` with the global ``lse``, pair
 by pair), and one last shift brings every accumulator home. Saved per
