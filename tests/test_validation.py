@@ -263,10 +263,10 @@ CASES = [
      r"'flash', "
      r"'dense'\], "
      r"got 'flashy'"),
-    ("sdpa_blockwise_dropout", lambda: sdpa(
-        Q, K, V, implementation="flash", dropout_rate=0.1,
-        dropout_rng=jax.random.key(0)), ValueError,
-     r"implementation='flash' is not possible: it has no dropout"),
+    ("sdpa_splash_dropout", lambda: sdpa(
+        Q, K, V, implementation=aj.kernels.Splash(interpret=True),
+        dropout_rate=0.1, dropout_rng=jax.random.key(0)), ValueError,
+     r"implementation='splash' is not possible: it has no dropout"),
     ("sdpa_blockwise_weights", lambda: sdpa(
         Q, K, V, implementation="flash", return_weights=True), ValueError,
      r"implementation='flash' is not possible: it never forms the "
