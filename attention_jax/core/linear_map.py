@@ -146,7 +146,7 @@ def _jvp(primals, tangents, *, functions, num_res, axes):
   d_lin = [ad.instantiate_zeros(t) for t in d_lin]
   d_out = _p.bind(*res, *d_lin, **params)  # linear in the linear inputs
   if any(type(t) is not ad.Zero for t in d_res):  # and the residuals' part
-    d_res = [_zero_tangent(x) if type(t) is ad.Zero else t
+    d_res = [zero_tangent(x) if type(t) is ad.Zero else t
              for x, t in zip(res, d_res)]
     _, more = jax.jvp(lambda *r: _mapped(functions.forward, axes)(*r, *lin),
                       tuple(res), tuple(d_res))
@@ -154,8 +154,14 @@ def _jvp(primals, tangents, *, functions, num_res, axes):
   return out, d_out
 
 
-def _zero_tangent(x):
-  if jnp.issubdtype(x.dtype, jnp.inexact):
+def inexact(x) -> bool:
+  """Whether ``x`` has tangents (a float or complex array)."""
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def zero_tangent(x):
+  """A zero tangent of ``x`` (``float0`` for integer arrays)."""
+  if inexact(x):
     return jnp.zeros_like(x)
   return np.zeros(np.shape(x), jax.dtypes.float0)
 

@@ -89,7 +89,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from attention_jax.core import broadcast
 from attention_jax.core import dropout
@@ -389,7 +388,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
       direct = isinstance(st.score_mod, _Direct)
 
       def mod_vjp(d, d_consts):  # (the tangents vary as their values do)
-        d_consts = [vary(t) if direct and _inexact(t) else t
+        d_consts = [vary(t) if direct and linear_map.inexact(t) else t
                     for t in d_consts]
         return jax.jvp(mod, primals, (d, *d_consts))[1]
 
@@ -641,7 +640,7 @@ def _attend_jvp(st, primals, tangents):
   residuals = (q, k, v, ex, place, drop, out, lse)
   linear = (dq, _rows_tangent(k, dk), _rows_tangent(v, dv),
             None if ex.bias is None else d_ex.bias,
-            tuple(d if _inexact(c) else None  # (integer arrays: none)
+            tuple(d if linear_map.inexact(c) else None  # (integer arrays: none)
                   for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
   d_out, d_lse = linear_map.linear_map(
       functools.partial(tangent, st), functools.partial(_transpose, st),
@@ -649,10 +648,6 @@ def _attend_jvp(st, primals, tangents):
   zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
   return (out, lse, max_logits, code), (d_out, d_lse, zeros(max_logits),
                                         zeros(code))
-
-
-def _inexact(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _rows_tangent(x, dx):
@@ -678,15 +673,8 @@ def _transpose(st: Static, residuals, cotangents):
 
   return (dq.astype(q.dtype), rows(k, dk), rows(v, dv),
           None if ex.bias is None else dbias.astype(ex.bias.dtype),
-          tuple(d.astype(c.dtype) if _inexact(c) else None
+          tuple(d.astype(c.dtype) if linear_map.inexact(c) else None
                 for d, c in zip(dargs, ex.mod_consts)))
-
-
-def _zero_tangent(x):
-  """A zero tangent of ``x`` (``float0`` for integer arrays)."""
-  if _inexact(x):
-    return jnp.zeros_like(x)
-  return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def tangent(st: Static, residuals, linear):
@@ -748,7 +736,7 @@ def tangent(st: Static, residuals, linear):
         ds = ds + _tile(dbias, i0, j0, st.bq, st.bk).astype(f32)
       if mod_jvp is not None:
         ds = mod_jvp(ds, tuple(
-            _zero_tangent(c) if d is None else d
+            linear_map.zero_tangent(c) if d is None else d
             for c, d in zip(ex.mod_consts, dargs)))
       if ok is not None:  # (blocked: no probability, any tangent)
         ds = jnp.where(ok, ds, 0.0)

@@ -34,16 +34,12 @@ def refusal(kernel: base.Kernel) -> str:
           "Hessian-vector products through 'flash').")
 
 
-def _inexact(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
 def run(kernel: base.Kernel, call: Callable, problem: base.Problem):
   """``call(problem)``, a ``kernels.Result``, with forward mode refused by
   ``kernel``'s name and reverse mode through ``call``'s own backward."""
   leaves, tree = jax.tree.flatten(problem)
   where = [i for i, x in enumerate(leaves)
-           if isinstance(x, jax.Array) and _inexact(x)]
+           if isinstance(x, jax.Array) and linear_map.inexact(x)]
 
   def attend(*arrays):
     full = list(leaves)

@@ -420,9 +420,8 @@ def _ring_jvp(rg, primals, tangents):
   dq, dk, dv, d_ex, _ = tangents
   out, lse, max_logits, code = _ring_forward(rg, q, k, v, ex, blocks)
   residuals = (q, k, v, ex, blocks, out, lse)
-  inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
   linear = (dq, dk, dv, None if ex.bias is None else d_ex.bias,
-            tuple(d if inexact(c) else None
+            tuple(d if linear_map.inexact(c) else None
                   for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
   d_out, d_lse = linear_map.linear_map(
       functools.partial(_ring_tangent, rg),
@@ -437,7 +436,7 @@ def _ring_transpose(rg, residuals, cotangents):
   q, k, v, ex = residuals[:4]
   dq, dk, dv, d_ex, _ = _ring_bwd(rg, residuals, cotangents)
   return (dq, dk, dv, d_ex.bias,
-          tuple(d if jnp.issubdtype(c.dtype, jnp.inexact) else None
+          tuple(d if linear_map.inexact(c) else None
                 for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
 
 
@@ -460,16 +459,14 @@ def _ring_tangent(rg, residuals, linear):
   # The key and value tangents travel beside the blocks (zeros if none).
   held_t = _Held(zeros_like_k(k) if dk is None else dk,
                  zeros_like_k(v) if dv is None else dv, None)
-  ex_t = ex if dbias is None else ex._replace(bias=dbias)
 
   def fold(step, held, held_t, acc):
     def pair(p, acc):
       d_out, m = acc
       pr = _pair(rg, ex, blocks, held, step, p)
       chunk = functools.partial(_chunk, c=pr.a, size=tp)
-      tangent_bias = None
-      if dbias is not None:
-        tangent_bias = _pair(rg, ex_t, blocks, held, step, p).ex.bias
+      # the bias's tangent windowed as the pair windows the bias
+      tangent_bias = _window(dbias, pr.a * tp, pr.column, tp, sp)
       part, m_part = flash_core.tangent(
           rg.block, (chunk(q), _chunk(held.k, pr.b, sp),
                      _chunk(held.v, pr.b, sp), pr.ex, pr.place, None,
