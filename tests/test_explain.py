@@ -65,10 +65,10 @@ class BlockCountTest(parameterized.TestCase):
     q = jax.ShapeDtypeStruct((1, 4, 1024, 64), jnp.float32)  # [B, N, T, H]
     why = aj.explain(q, q, q, is_causal=True)
     self.assertEqual(why.kernel, "flash")
-    self.assertEqual(why.block_sizes, (256, 512))  # plain causal's rule
+    self.assertEqual(why.block_sizes, (512, 256))  # plain causal's rule
     pos, col = _positions(1024, 1024)
     want = _brute_force(np.broadcast_to(col <= pos, (1, 4, 1024, 1024)),
-                        256, 512)
+                        512, 256)
     self.assertEqual((why.empty, why.full, why.partial), want)
     self.assertEqual(why.pairs, sum(want))
     self.assertEqual(why.fractions(),
@@ -224,7 +224,7 @@ class ChoiceTest(parameterized.TestCase):
     self.assertEqual(why.reason("dense"), "would take it")
     table = str(why)
     for line in ("cudnn       refuses    it needs a GPU",
-                 "flash       runs", "blocks 256 x 512",
+                 "flash       runs", "blocks 512 x 256",
                  "empty             8   25.00%  skipped"):
       self.assertIn(line, table)
 

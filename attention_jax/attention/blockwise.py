@@ -65,11 +65,11 @@ def blockwise_attention(
     sinks: float broadcastable to the leading dims (e.g. ``[N]``): a logit
       per head added to every row's softmax denominator; differentiable.
     block_q: query block size (clipped to T). Default by pattern (measured,
-      see ``kernels.flash_core.block_sizes``): 256 for windows, segment ids
-      and causal, 512 for a rule without tables, else 1024; a ``BlockMask``
-      fixes its own.
-    block_k: key block size (clipped to S). Default 256, 512 for plain
-      causal. Lengths need not be multiples.
+      see ``kernels.flash_core.block_sizes``): 256 for windows and segment
+      ids, 512 for plain causal and a rule without tables, else 1024; a
+      ``BlockMask`` fixes its own.
+    block_k: key block size (clipped to S). Default 256. Lengths need not
+      be multiples.
     return_lse: also return the log-sum-exp of each query row's logits.
     return_max_logits: also return each query row's largest raw logit
       ``scale * q . k`` over the keys it attends to, before the bias,

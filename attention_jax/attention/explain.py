@@ -165,7 +165,7 @@ def explain(query, key, value, mask=None, *, bias=None, scale=None,
     >>> q = jax.ShapeDtypeStruct((1, 4, 1024, 64), jnp.float32)  # [B, N, T, H]
     >>> why = aj.explain(q, q, q, is_causal=True)
     >>> why.kernel, why.block_sizes
-    ('flash', (256, 512))
+    ('flash', (512, 256))
     >>> why.fractions()
     {'empty': 0.25, 'full': 0.25, 'partial': 0.5}
   """

@@ -1040,11 +1040,15 @@ def block_sizes(ops, block_q, block_k) -> tuple[int, int]:
   1.2-1.6 s with a 512 side), so that skipping and full blocks bite at
   their edges; with 16 heads or more windows take 128 x 128 (B4 N8
   T=2048, a causal window of 256, interleaved: fwd 0.19 s, fwd+bwd 0.58 s
-  against 0.25 s and 0.69 s at 256 x 256); plain causal takes 256 x 512
-  (T = 2048: fwd 0.21 s, fwd+bwd 0.78 s; 256 x 256 gives 0.41 s and
-  0.95 s; 128 x 128 costs fewer CPU seconds but leaves a core idle in the
-  backward: fwd+bwd 1.70 s against 1.41 s); everything else 1024 x 256
-  (fewer, larger matmuls). A block
+  against 0.25 s and 0.69 s at 256 x 256); plain causal takes 512 x 256
+  (B4 N8, five interleaved rounds, medians, as a share of non-causal at
+  its 1024 x 256: T = 1024 fwd 0.86, fwd+bwd 0.79; T = 2048 0.64, 0.66;
+  T = 4096 0.60, 0.68; 256 x 512 gives 0.95, 0.86; 0.66, 0.74; 0.63,
+  0.69; 512 x 512 0.70, 0.75 at T = 2048). Finer blocks would skip more of
+  the triangle but lose more: XLA:CPU runs a dot of a 256 x 256 block
+  per head on one core (about half the matmul peak on two), so a 256 x
+  256 tile costs nearly what a 512 x 256 one does. Everything else 1024 x
+  256 (fewer, larger matmuls). A block
   mask fixes its own sizes; a rule without tables (its tables are built at
   these sizes) takes ``block_mask``'s 512 x 256 (a per-example prefix-LM
   at T = 4096: 2.4 s; 256 x 256: 3.4 s), or the window's or segment ids'
@@ -1070,7 +1074,7 @@ def block_sizes(ops, block_q, block_k) -> tuple[int, int]:
   elif bm is not None:
     rule = (512, 256)
   elif ops.causal:
-    rule = (256, 512)
+    rule = (512, 256)
   else:
     rule = (1024, 256)
   return (rule[0] if block_q is None else block_q,
