@@ -8,7 +8,8 @@ Two tables (docs/performance.md, "Dropout and forward mode"):
   block, never stored) against the dense one (``[T, T]`` weights and
   mask), at T = 2048, 4096, 8192.
 * **Forward mode**: ``jax.jvp`` of a causal call (``[B, N, T, 64]``),
-  against the forward alone and forward + backward, all compiled, medians
+  with tangents in q, k and v, in q only and in v only, against the
+  forward alone and forward + backward, all compiled, medians
   of ``--repeats`` interleaved runs, in one process; the tangent's largest
   difference from the dense kernel's ``jax.jvp`` (float32) and from a
   float64 dense one; and dropout's cost in the flash forward + backward.
@@ -121,6 +122,9 @@ def forward_mode_table(b: int, n: int, t: int, repeats: int) -> list[str]:
   flash = attend("flash")
   fwd = jax.jit(flash)
   jvp = jax.jit(lambda p, t: jax.jvp(flash, p, t))
+  # Keys and values held constant (symbolic zeros: no dots of theirs).
+  jvp_q = jax.jit(lambda q, t: jax.jvp(lambda q: flash(q, k, v), (q,), (t,)))
+  jvp_v = jax.jit(lambda v, t: jax.jvp(lambda v: flash(q, k, v), (v,), (t,)))
   grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(flash(q, k, v) * dq),
                           (0, 1, 2)))
   drop = _train_step("flash", RATE, causal)
@@ -129,6 +133,8 @@ def forward_mode_table(b: int, n: int, t: int, repeats: int) -> list[str]:
   times = _time({
       "fwd": lambda: fwd(q, k, v),
       "jvp": lambda: jvp((q, k, v), (dq, dk, dv)),
+      "jvp, tangent in q only": lambda: jvp_q(q, dq),
+      "jvp, tangent in v only": lambda: jvp_v(v, dv),
       "fwd+bwd": lambda: grad(q, k, v),
       "fwd+bwd, dropout 0.1": lambda: drop(q, k, v, key),
       "fwd+bwd, no dropout": lambda: plain(q, k, v, None),

@@ -4,7 +4,8 @@ The contract (tests/contract.py) checks each kernel's dropout entry by
 entry and its ``jax.jvp`` against the float64 reference; here: dropout's
 statistics (the kept fraction, an unbiased output), ``jax.jacfwd``,
 Hessian-vector products (forward over reverse), ``check_grads`` in both
-modes, the refusals by name, and ``core/linear_map.py`` under ``vmap``.
+modes, tangents in some inputs only (no dots for the others), the refusals
+by name, and ``core/linear_map.py`` under ``vmap``.
 
 Shape glossary: B batch, N heads, T query length, S key length, H head dim.
 """
@@ -181,6 +182,57 @@ class ForwardModeTest(chex.TestCase):
     chex.assert_trees_all_close(
         jax.grad(loss)(q), jax.grad(lambda q: jnp.sum(_attend("dense")(
             q, k, v)))(q), atol=1e-5, rtol=1e-5)
+
+
+class UnperturbedInputsTest(chex.TestCase):
+  """Inputs JAX knows are constant (symbolic zeros) cost no tangent dots."""
+
+  @staticmethod
+  def _in(args, which):
+    """``f(*perturbed)`` with the inputs not in ``which`` held constant."""
+    def pick(f):
+      def g(*perturbed):
+        full = list(args)
+        for i, x in zip(which, perturbed):
+          full[i] = x
+        return f(*full)
+      return g
+    return pick
+
+  def test_tangents_in_some_inputs_equal_dense_both_modes(self):
+    q, k, v = _qkv(t=20, s=28, b=1, n=2, h=8)
+    t = tuple(_data.normal(30 + i, x.shape) for i, x in enumerate((q, k, v)))
+    for which in ((0,), (1,), (2,), (0, 2)):
+      pick = self._in((q, k, v), which)
+      flash, dense = pick(_attend(FLASH)), pick(_attend("dense"))
+      primals = tuple((q, k, v)[i] for i in which)
+      tangents = tuple(t[i] for i in which)
+      # (float32 sums of a few dozen products: 1e-5)
+      chex.assert_trees_all_close(
+          jax.jvp(flash, primals, tangents)[1],
+          jax.jvp(dense, primals, tangents)[1], atol=1e-5, rtol=1e-5)
+      loss = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x)))  # noqa: E731
+      chex.assert_trees_all_close(
+          jax.grad(loss(flash), argnums=tuple(range(len(which))))(*primals),
+          jax.grad(loss(dense), argnums=tuple(range(len(which))))(*primals),
+          atol=1e-5, rtol=1e-5)
+
+  def test_unperturbed_inputs_make_no_dots(self):
+    # The compiled jax.jvp's dots, counted in its program: the forward's
+    # two products per block body, then per tangent body q k^T again and
+    # one per perturbed input's term (dq k^T, q dk^T, (P * dS) v, P dv).
+    q, k, v = _qkv(t=16, s=24, b=1, n=1, h=8)
+    flash = aj.kernels.Flash(block_q=16, block_k=24)  # one block: one body
+
+    def dots(which):
+      f = self._in((q, k, v), which)(_attend(flash, mask=None))
+      primals = tuple((q, k, v)[i] for i in which)
+      text = jax.jit(lambda *x: jax.jvp(f, x, x)).lower(*primals).as_text()
+      return text.count("stablehlo.dot_general")
+
+    self.assertEqual(dots((0, 1, 2)), 2 + 5)
+    self.assertEqual(dots((0,)), 2 + 3)
+    self.assertEqual(dots((2,)), 2 + 2)
 
 
 class LinearMapTest(chex.TestCase):

@@ -44,8 +44,9 @@ elsewhere):
   longer key sequence of which ``k``/``v`` are one block (ring attention).
 * ``tangent(st, residuals, linear)``: forward-mode AD, float32 ``(d_out,
   d_lse)`` from the tangents of q, k, v, the bias and the modifier's
-  arrays; as ``backward``, its share when ``k``/``v`` are one block of a
-  longer key sequence (the ring sums the shares).
+  arrays (None: a symbolic zero, whose dots are not made); as
+  ``backward``, its share when ``k``/``v`` are one block of a longer key
+  sequence (the ring sums the shares).
 * ``Dropout(seed, rate)``: a call's dropout, each block's keep mask drawn
   in every pass (``core/dropout.py``); ``forward``/``backward`` take it.
 * ``single_head(q, k, v, head, garbage=None, seed=None, rate=None, *,
@@ -625,42 +626,57 @@ def _attend(st: Static, q, k, v, ex: broadcast.Head, place: Place,
   return out.astype(v.dtype), lse, max_logits, code
 
 
-@_attend.defjvp
+@functools.partial(_attend.defjvp, symbolic_zeros=True)
 def _attend_jvp(st, primals, tangents):
   """Both modes of AD through one rule (``core/linear_map.py``).
 
   The outputs' tangent is ``linear_map(tangent, transpose)``: forward mode
   runs ``tangent`` (a second blockwise pass over the saved ``lse``);
   reverse mode transposes it, which runs ``backward``, the
-  FlashAttention-2 backward, on the same residuals.
+  FlashAttention-2 backward, on the same residuals. Inputs JAX knows to
+  be unperturbed (symbolic zeros: ``jax.jacfwd(f, argnums=0)`` leaves
+  keys and values constant) are no linear inputs at all, so the tangent
+  pass makes none of their dots.
   """
   q, k, v, ex, place, drop = primals
   dq, dk, dv, d_ex = tangents[:4]
   out, lse, max_logits, code = _attend(st, q, k, v, ex, place, drop)
   residuals = (q, k, v, ex, place, drop, out, lse)
-  linear = (dq, _rows_tangent(k, dk), _rows_tangent(v, dv),
-            None if ex.bias is None else d_ex.bias,
-            tuple(d if linear_map.inexact(c) else None  # (integer arrays: none)
+  linear = (_perturbed(dq), _rows_tangent(k, dk), _rows_tangent(v, dv),
+            None if ex.bias is None else _perturbed(d_ex.bias),
+            tuple(_perturbed(d) if linear_map.inexact(c) else None
                   for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
-  d_out, d_lse = linear_map.linear_map(
-      functools.partial(tangent, st), functools.partial(_transpose, st),
-      residuals, linear)
   zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
+  if not jax.tree.leaves(linear):  # (only a dropout rate, say, perturbed)
+    d_out, d_lse = zeros(out), zeros(lse)
+  else:
+    present = jax.tree.map(lambda x: x is not None, linear,
+                           is_leaf=lambda x: x is None)
+    d_out, d_lse = linear_map.linear_map(
+        functools.partial(tangent, st),
+        functools.partial(_transpose, st, present), residuals, linear)
   return (out, lse, max_logits, code), (d_out, d_lse, zeros(max_logits),
                                         zeros(code))
 
 
+def _perturbed(t):
+  """A tangent, or None for JAX's symbolic zero (an unperturbed input)."""
+  return None if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+
+
 def _rows_tangent(x, dx):
   """The tangent of keys or values as ``linear_map`` takes it: the array's,
-  or a paged pool's (None for a quantised pool: a store, not a parameter)."""
+  or a paged pool's (None for a quantised pool: a store, not a parameter;
+  None for an unperturbed one)."""
   if isinstance(x, PagedRows):
-    return None if x.scales is not None else dx.pool
-  return dx
+    return None if x.scales is not None else _perturbed(dx.pool)
+  return _perturbed(dx)
 
 
-def _transpose(st: Static, residuals, cotangents):
+def _transpose(st: Static, present, residuals, cotangents):
   """The transpose of ``tangent``: ``backward``'s cotangents, in the
-  structure of ``tangent``'s linear inputs."""
+  structure of ``tangent``'s linear inputs (``present``: True where there
+  is one; None where its tangent was a symbolic zero)."""
   q, k, v, ex, place, drop, out, lse = residuals
   d_out, d_lse = cotangents
   dq, dk, dv, dbias, dargs = backward(st, (q, k, v, ex, place, out, lse),
@@ -671,10 +687,12 @@ def _transpose(st: Static, residuals, cotangents):
       return None if x.scales is not None else x.cotangent(dx).pool
     return dx.astype(x.dtype)
 
-  return (dq.astype(q.dtype), rows(k, dk), rows(v, dv),
+  full = (dq.astype(q.dtype), rows(k, dk), rows(v, dv),
           None if ex.bias is None else dbias.astype(ex.bias.dtype),
           tuple(d.astype(c.dtype) if linear_map.inexact(c) else None
                 for d, c in zip(dargs, ex.mod_consts)))
+  return jax.tree.map(lambda keep, d: d if keep else None, present, full,
+                      is_leaf=lambda x: x is None)
 
 
 def tangent(st: Static, residuals, linear):
@@ -703,6 +721,10 @@ def tangent(st: Static, residuals, linear):
   lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
   seg = segment_summary(st, ex)
   zero = _zero_like_all(q, k, v, ex, place, out, lse, linear)
+  # Whether the logits have a tangent (else dS = 0: no dS dots, and no
+  # (P * dS) @ v; only the values' term P @ dv).
+  logits_move = (dq is not None or dk is not None or dbias is not None
+                 or any(d is not None for d in dargs))
   if dk is not None and isinstance(k, PagedRows):
     dk = k._replace(pool=dk, scales=None, finite=None)
   if dv is not None and isinstance(v, PagedRows):
@@ -725,28 +747,31 @@ def tangent(st: Static, residuals, linear):
           st, qi, kj, i0, j0, ex, place, full,
           want_jvp=st.score_mod is not None)
       p = masked_exp(logits, ok, lse_i)  # [bq, bk]
-      ds = jnp.zeros_like(p)
-      if dqi is not None:
-        ds = ds + jnp.einsum("TH,SH->TS", dqi, kj.astype(f32))
-      if dk is not None:
-        dkj, _ = _key_rows(st, dk, j0, ex.kv_length)
-        ds = ds + jnp.einsum("TH,SH->TS", qi.astype(f32), dkj.astype(f32))
-      ds = ds * st.scale
-      if dbias is not None:
-        ds = ds + _tile(dbias, i0, j0, st.bq, st.bk).astype(f32)
-      if mod_jvp is not None:
-        ds = mod_jvp(ds, tuple(
-            linear_map.zero_tangent(c) if d is None else d
-            for c, d in zip(ex.mod_consts, dargs)))
-      if ok is not None:  # (blocked: no probability, any tangent)
-        ds = jnp.where(ok, ds, 0.0)
-      pds = p * ds
-      m = m + pds.sum(-1)
+      if logits_move:
+        ds = jnp.zeros_like(p)
+        if dqi is not None:
+          ds = ds + jnp.einsum("TH,SH->TS", dqi, kj.astype(f32))
+        if dk is not None:
+          dkj, _ = _key_rows(st, dk, j0, ex.kv_length)
+          ds = ds + jnp.einsum("TH,SH->TS", qi.astype(f32), dkj.astype(f32))
+        ds = ds * st.scale
+        if dbias is not None:
+          ds = ds + _tile(dbias, i0, j0, st.bq, st.bk).astype(f32)
+        if mod_jvp is not None:
+          ds = mod_jvp(ds, tuple(
+              linear_map.zero_tangent(c) if d is None else d
+              for c, d in zip(ex.mod_consts, dargs)))
+        if ok is not None:  # (blocked: no probability, any tangent)
+          ds = jnp.where(ok, ds, 0.0)
+        pds = p * ds
+        m = m + pds.sum(-1)
       if drop is not None:
         keep = drop.keep(drop_rows, place, j0, st.bk)
         p = jnp.where(keep, p, 0.0) * drop.inverse
-        pds = jnp.where(keep, pds, 0.0) * drop.inverse
-      acc = acc + jnp.einsum("TS,SV->TV", pds, vj.astype(f32))
+        if logits_move:
+          pds = jnp.where(keep, pds, 0.0) * drop.inverse
+      if logits_move:
+        acc = acc + jnp.einsum("TS,SV->TV", pds, vj.astype(f32))
       if dv is not None:
         dvj, _ = _key_rows(st, dv, j0, ex.kv_length)
         acc = acc + jnp.einsum("TS,SV->TV", p, dvj.astype(f32))
@@ -1071,9 +1096,7 @@ def block_sizes(ops, block_q, block_k) -> tuple[int, int]:
     rule = (256, 256)
   elif ops.window is not None:
     rule = (128, 128) if many_heads else (256, 256)
-  elif bm is not None:
-    rule = (512, 256)
-  elif ops.causal:
+  elif bm is not None or ops.causal:  # (each measured: the docstring)
     rule = (512, 256)
   else:
     rule = (1024, 256)
