@@ -435,6 +435,7 @@ def build_cases(preset: str, torch) -> dict[str, Case]:
   prefix_mask = np.stack([prefix_lm_mask(t, p) for p in prefixes])[:, None]
 
   def traced_prefix(q, k, v, p, attend=aj.blockwise_attention):
+    t = q.shape[-2]  # (not the enclosing t, which moves on below)
     bm = aj.block_mask(aj.prefix_lm_mask_fn(p), t, t, batch=(b, 1))
     return attend(q, k, v, bm)
 
