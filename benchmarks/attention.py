@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from benchmarks import host
 
 _PRESET = flags.DEFINE_enum(
     "preset", "full", ["full", "tiny"],
@@ -182,15 +183,6 @@ def _blocks(name, point) -> dict | None:
   return FLASH[name](*qkv, attend=aj.kernels.flash_blocks)._asdict()
 
 
-def _matmul_peak(dtype: str) -> float:
-  """GFLOP/s of a 2048^3 matmul (bf16 inputs accumulate in float32)."""
-  a = jnp.ones((2048, 2048), getattr(jnp, dtype))
-  f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-  jax.block_until_ready(f(a, a))
-  best = min(_time_once(f, (a, a), jax.block_until_ready) for _ in range(5))
-  return 2 * 2048**3 / best / 1e9
-
-
 def _peak_rss_bytes() -> int:
   """This process's peak RSS. Linux's VmHWM belongs to the address space, so
   unlike ``ru_maxrss`` it does not inherit the parent's peak across exec."""
@@ -234,7 +226,7 @@ def run_benchmark(preset: str, out_dir: str, repeats: int, memory: bool,
   names = list(jax_impls()) + (["torch"] if torch is not None else [])
   if only:
     names = [n for n in names if n in only]
-  peaks = {d: _matmul_peak(d) for d in ("float32", "bfloat16")}
+  peaks = {d: host.matmul_peak(d) for d in ("float32", "bfloat16")}
   print(f"matmul peak here: float32 {peaks['float32']:.0f} GFLOP/s, bf16 "
         f"(float32 accumulation) {peaks['bfloat16']:.0f} GFLOP/s", flush=True)
   rows = []

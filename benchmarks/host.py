@@ -2,14 +2,19 @@
 
 One home for the helpers every benchmark report needs: the load average
 (other processes share the cores), the peak-RSS counters of
-``/proc/self/status`` (Linux), and the replacement of a generated section
-between two markers of a docs page.
+``/proc/self/status`` (Linux), the matmul peak rows are measured against,
+and the replacement of a generated section between two markers of a docs
+page.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
 
 
 def load_average() -> float | None:
@@ -23,6 +28,20 @@ def load_average() -> float | None:
 def format_load(load) -> str:
   """Load averages (None where unknown) as ``"0.2, 1.0"``."""
   return ", ".join("n/a" if x is None else f"{x:.1f}" for x in load)
+
+
+def matmul_peak(dtype: str = "float32") -> float:
+  """GFLOP/s of a 2048^3 ``jnp.dot`` (bf16 inputs accumulate in float32),
+  best of 5 after a warm-up: the peak a row's FLOP/s is a share of."""
+  a = jnp.ones((2048, 2048), dtype)
+  f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+  jax.block_until_ready(f(a, a))
+  best = float("inf")
+  for _ in range(5):
+    start = time.perf_counter()
+    jax.block_until_ready(f(a, a))
+    best = min(best, time.perf_counter() - start)
+  return 2 * 2048**3 / best / 1e9
 
 
 def proc_status(field: str) -> int | None:

@@ -200,19 +200,6 @@ def _time_once(call, args, block) -> float:
   return time.perf_counter() - start
 
 
-def matmul_peak() -> float:
-  """GFLOP/s of a float32 2048^3 ``jnp.dot``, best of 5 after a warm-up.
-
-  ``benchmarks.attention._matmul_peak``'s measure, copied: importing that
-  module would define its flags, which clash with these.
-  """
-  a = jnp.ones((2048, 2048), jnp.float32)
-  f = jax.jit(jnp.dot)
-  jax.block_until_ready(f(a, a))
-  best = min(_time_once(f, (a, a), jax.block_until_ready) for _ in range(5))
-  return 2 * 2048**3 / best / 1e9
-
-
 def _blocks_of(fn, arrays, aux=()) -> aj.kernels.FlashBlocks:
   """The blocks ``fn(q, k, v, *aux)`` runs.
 
@@ -801,7 +788,7 @@ def run_benchmark(preset: str, out_dir: str, repeats: int, cases=(),
   command = command or f"python -m benchmarks.structured --preset={preset}"
   torch = _torch()
   all_cases = build_cases(preset, torch)
-  peak = matmul_peak()  # before the cases, on the same quiet process
+  peak = host.matmul_peak()  # before the cases, on the same quiet process
   print(peak_line(peak), flush=True)
   rows = []
   for name in chosen:

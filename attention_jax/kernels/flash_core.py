@@ -47,6 +47,8 @@ elsewhere):
   arrays (None: a symbolic zero, whose dots are not made); as
   ``backward``, its share when ``k``/``v`` are one block of a longer key
   sequence (the ring sums the shares).
+* ``const_tangents``/``const_cotangents``: the score modifier's arrays'
+  tangents and cotangents in the structure ``tangent`` takes them.
 * ``Dropout(seed, rate)``: a call's dropout, each block's keep mask drawn
   in every pass (``core/dropout.py``); ``forward``/``backward`` take it.
 * ``single_head(q, k, v, head, garbage=None, seed=None, rate=None, *,
@@ -644,8 +646,7 @@ def _attend_jvp(st, primals, tangents):
   residuals = (q, k, v, ex, place, drop, out, lse)
   linear = (_perturbed(dq), _rows_tangent(k, dk), _rows_tangent(v, dv),
             None if ex.bias is None else _perturbed(d_ex.bias),
-            tuple(_perturbed(d) if linear_map.inexact(c) else None
-                  for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
+            const_tangents(ex.mod_consts, d_ex.mod_consts))
   zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
   if not jax.tree.leaves(linear):  # (only a dropout rate, say, perturbed)
     d_out, d_lse = zeros(out), zeros(lse)
@@ -662,6 +663,19 @@ def _attend_jvp(st, primals, tangents):
 def _perturbed(t):
   """A tangent, or None for JAX's symbolic zero (an unperturbed input)."""
   return None if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+
+
+def const_tangents(consts, d_consts):
+  """The score modifier's arrays' tangents as ``linear_map`` takes them:
+  None for an integer array (it has none) or an unperturbed one."""
+  return tuple(_perturbed(d) if linear_map.inexact(c) else None
+               for c, d in zip(consts, d_consts))
+
+
+def const_cotangents(consts, d_consts):
+  """Their cotangents in that structure, each in its array's dtype."""
+  return tuple(d.astype(c.dtype) if linear_map.inexact(c) else None
+               for c, d in zip(consts, d_consts))
 
 
 def _rows_tangent(x, dx):
@@ -689,8 +703,7 @@ def _transpose(st: Static, present, residuals, cotangents):
 
   full = (dq.astype(q.dtype), rows(k, dk), rows(v, dv),
           None if ex.bias is None else dbias.astype(ex.bias.dtype),
-          tuple(d.astype(c.dtype) if linear_map.inexact(c) else None
-                for d, c in zip(dargs, ex.mod_consts)))
+          const_cotangents(ex.mod_consts, dargs))
   return jax.tree.map(lambda keep, d: d if keep else None, present, full,
                       is_leaf=lambda x: x is None)
 
@@ -747,6 +760,7 @@ def tangent(st: Static, residuals, linear):
           st, qi, kj, i0, j0, ex, place, full,
           want_jvp=st.score_mod is not None)
       p = masked_exp(logits, ok, lse_i)  # [bq, bk]
+      pds = None  # P * dS, None while the logits have no tangent
       if logits_move:
         ds = jnp.zeros_like(p)
         if dqi is not None:
@@ -765,12 +779,11 @@ def tangent(st: Static, residuals, linear):
           ds = jnp.where(ok, ds, 0.0)
         pds = p * ds
         m = m + pds.sum(-1)
-      if drop is not None:
+      if drop is not None:  # both meet the values dropped
         keep = drop.keep(drop_rows, place, j0, st.bk)
-        p = jnp.where(keep, p, 0.0) * drop.inverse
-        if logits_move:
-          pds = jnp.where(keep, pds, 0.0) * drop.inverse
-      if logits_move:
+        p, pds = (None if x is None else jnp.where(keep, x, 0.0) * drop.inverse
+                  for x in (p, pds))
+      if pds is not None:
         acc = acc + jnp.einsum("TS,SV->TV", pds, vj.astype(f32))
       if dv is not None:
         dvj, _ = _key_rows(st, dv, j0, ex.kv_length)

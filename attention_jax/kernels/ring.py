@@ -421,8 +421,7 @@ def _ring_jvp(rg, primals, tangents):
   out, lse, max_logits, code = _ring_forward(rg, q, k, v, ex, blocks)
   residuals = (q, k, v, ex, blocks, out, lse)
   linear = (dq, dk, dv, None if ex.bias is None else d_ex.bias,
-            tuple(d if linear_map.inexact(c) else None
-                  for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
+            flash_core.const_tangents(ex.mod_consts, d_ex.mod_consts))
   d_out, d_lse = linear_map.linear_map(
       functools.partial(_ring_tangent, rg),
       functools.partial(_ring_transpose, rg), residuals, linear)
@@ -433,11 +432,10 @@ def _ring_jvp(rg, primals, tangents):
 
 def _ring_transpose(rg, residuals, cotangents):
   """``_ring_bwd``'s cotangents in the structure of the linear inputs."""
-  q, k, v, ex = residuals[:4]
+  ex = residuals[3]
   dq, dk, dv, d_ex, _ = _ring_bwd(rg, residuals, cotangents)
   return (dq, dk, dv, d_ex.bias,
-          tuple(d if linear_map.inexact(c) else None
-                for c, d in zip(ex.mod_consts, d_ex.mod_consts)))
+          flash_core.const_cotangents(ex.mod_consts, d_ex.mod_consts))
 
 
 def _ring_tangent(rg, residuals, linear):
@@ -588,7 +586,6 @@ def _varying_zero(*operands):
 def _varies(x, axis_name: str) -> bool:
   """Whether ``x``'s shard_map type varies over ``axis_name``."""
   return axis_name in jax.typeof(x).manual_axis_type.varying
-
 
 
 
