@@ -55,6 +55,7 @@ from attention_jax.kernels.base import Result
 from attention_jax.kernels.base import float32_only
 from attention_jax.kernels.base import no_max_logits
 from attention_jax.kernels.base import no_weights_or_dropout
+from attention_jax.kernels.base import refusal
 from attention_jax.kernels.base import too_small
 from attention_jax.kernels.base import undeclared
 from attention_jax.kernels.block_cache import FlashBlocks
@@ -139,12 +140,7 @@ def verdicts(kernels: Sequence[Kernel], problem: Problem, automatic: bool):
   for kernel in kernels:
     # supports' reasons say most (and suggest a fix); what a kernel does not
     # declare is refused even when its supports() does not know the feature.
-    # A paged call's keys and values are pages, which only a kernel that
-    # declares them may read: the others are not asked.
-    reason = (undeclared(kernel, problem)
-              if "pages" in problem.features - kernel.implements else None)
-    reason = reason or kernel.supports(problem) or undeclared(kernel,
-                                                              problem)
+    reason = refusal(kernel, problem)
     if reason is not None:
       yield kernel, "refuses", reason
       continue

@@ -255,7 +255,7 @@ def autotune(query, key, value, mask=None, *, bias=None, scale=None,
   problem = _problem(query, key, value, mask, bias=bias, scale=scale,
                      score_mod=score_mod, sinks=sinks)
   default = flash.Flash()
-  reason = default.supports(problem) or base.undeclared(default, problem)
+  reason = base.refusal(default, problem)
   if reason is not None:
     raise ValueError(f"autotune times the flash kernel, which refuses this "
                      f"call: {reason}.")

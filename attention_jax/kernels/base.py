@@ -221,6 +221,10 @@ class Kernel:
   # False, and the dispatcher refuses forward mode by its name
   # (kernels/forward_mode.py) instead of JAX's anonymous error.
   forward_mode: ClassVar[bool] = True
+  # The backend it runs on ("gpu", "tpu"), None for any. Elsewhere it is
+  # refused by that reason before ``supports`` is asked (``refusal``),
+  # unless it runs in the Pallas interpreter (an ``interpret`` of True).
+  backend: ClassVar[str | None] = None
 
   def supports(self, problem: Problem) -> str | None:
     """Why this kernel cannot run a call it declares (shapes, dtypes,
@@ -358,6 +362,25 @@ def check_partition(partition, ops: checks.Operands) -> Partition | None:
             f"{lead}): each device must hold whole {what}; use axes whose "
             f"sizes divide {letter}, or leave the {what} unsplit.")
   return partition
+
+
+def refusal(kernel: Kernel, problem: Problem) -> str | None:
+  """Why ``kernel`` cannot run ``problem``, or None: off its backend, then
+  keys and values in pages it does not read, then its ``supports``, then
+  any feature it does not declare (``undeclared``)."""
+  here = jax.default_backend()
+  if kernel.backend not in (None, here) and not getattr(
+      kernel, "interpret", False):
+    hint = (f" ({type(kernel).__name__}(interpret=True) runs it in the "
+            "Pallas interpreter anywhere, slowly)"
+            if hasattr(kernel, "interpret") else "")
+    return (f"it needs a {kernel.backend.upper()}, the backend is "
+            f"{here!r}{hint}")
+  # A paged call's keys and values are pages, which only a kernel that
+  # declares them may read: the others are not asked.
+  if problem.pages is not None and "pages" not in kernel.implements:
+    return undeclared(kernel, problem)
+  return kernel.supports(problem) or undeclared(kernel, problem)
 
 
 def undeclared(kernel: Kernel, problem: Problem) -> str | None:

@@ -276,7 +276,10 @@ def lookup(problem) -> tuple[int, int] | None:
   path = cache_path()
   if path is None:
     return None
-  entry = _entries(path).get(cache_key(problem))
+  entries = _entries(path)
+  if not entries:  # nothing tuned: no key to build
+    return None
+  entry = entries.get(cache_key(problem))
   return None if entry is None else tuple(entry["blocks"])
 
 

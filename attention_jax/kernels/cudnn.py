@@ -74,6 +74,7 @@ _NOT_IN_JAX_NN = {
 class Cudnn(base.Kernel):
   """jax.nn's fused GPU kernel, where it gives the contract's numbers."""
   name = "cudnn"
+  backend = "gpu"
   # jax.nn's cuDNN call carries custom_partitioning rules: XLA splits it
   # over batch and heads itself (query, key and value sharded alike).
   partitionable = True

@@ -65,17 +65,12 @@ def check_interpret(interpret) -> None:
     raise TypeError(f"interpret must be a Python bool, got {interpret!r}.")
 
 
-def refusal(problem: base.Problem, *, backend: str, interpret: bool,
-            kernel: str) -> str | None:
-  """Why a one-query paged kernel for ``backend`` (``kernel`` its class
-  name) cannot read ``problem``, or None."""
+def refusal(problem: base.Problem) -> str | None:
+  """Why a one-query paged kernel cannot read ``problem``, or None (its
+  backend is checked before: ``base.refusal``)."""
   ops = problem.ops
   if problem.pages is None:
     return "it reads a paged cache only (aj.paged_attention)"
-  if not interpret and jax.default_backend() != backend:
-    return (f"it needs a {backend.upper()}, the backend is "
-            f"{jax.default_backend()!r} ({kernel}(interpret=True) runs it in "
-            "the Pallas interpreter anywhere, slowly)")
   if ops.query.shape[-2] != 1:
     return (f"it decodes one query per sequence, got T = "
             f"{ops.query.shape[-2]} (prefill with the flash kernel)")

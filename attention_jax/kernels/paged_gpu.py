@@ -61,6 +61,7 @@ class PagedGpu(base.Kernel):
   interpret: bool = False
   num_warps: int = 4
   name = "paged_gpu"
+  backend = "gpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
   partitionable = False
@@ -75,8 +76,7 @@ class PagedGpu(base.Kernel):
     paged_decode.check_interpret(self.interpret)
 
   def supports(self, problem: base.Problem) -> str | None:
-    reason = paged_decode.refusal(problem, backend="gpu",
-                                  interpret=self.interpret, kernel="PagedGpu")
+    reason = paged_decode.refusal(problem)
     if reason:
       return reason
     reason = base.float32_only(problem)

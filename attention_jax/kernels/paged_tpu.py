@@ -68,6 +68,7 @@ class PagedTpu(base.Kernel):
   """JAX's TPU paged decode attention (see the module docstring)."""
   interpret: bool = False
   name = "paged_tpu"
+  backend = "tpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
   partitionable = False
@@ -79,8 +80,7 @@ class PagedTpu(base.Kernel):
     paged_decode.check_interpret(self.interpret)
 
   def supports(self, problem: base.Problem) -> str | None:
-    reason = paged_decode.refusal(problem, backend="tpu",
-                                  interpret=self.interpret, kernel="PagedTpu")
+    reason = paged_decode.refusal(problem)
     if reason:
       return reason
     if jnp.dtype(problem.out_dtype) != jnp.bfloat16:

@@ -112,6 +112,7 @@ class PallasGpu(base.Kernel):
   num_stages: int = 2
   interpret: bool = False
   name = "pallas_gpu"
+  backend = "gpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
   partitionable = False
@@ -134,9 +135,6 @@ class PallasGpu(base.Kernel):
               or base.float32_only(problem))
     if reason or self.interpret:
       return reason
-    if jax.default_backend() != "gpu":
-      return (f"it needs a GPU, the backend is {jax.default_backend()!r} "
-              "(PallasGpu(interpret=True) runs it anywhere, slowly)")
     ops = problem.ops
     bq, bk = self._blocks(ops)
     for name, size in (("block_q", bq), ("block_k", bk)):

@@ -105,7 +105,7 @@ def run(kernel: base.Kernel, problem: base.Problem) -> base.Result:
     local = _rebuild(problem, ops, bm, leaves, values, grouped, caller)
     if shifted:
       local = _with_offsets(local, partition, batch_dim, head_dim, caller)
-    reason = kernel.supports(local) or base.undeclared(kernel, local)
+    reason = base.refusal(kernel, local)
     if reason is not None:
       raise ValueError(
           f"kernel {kernel.name!r} runs per shard of {partition} (XLA cannot "

@@ -224,6 +224,7 @@ class Splash(base.Kernel):
   block_q: int = 128
   block_kv: int = 128
   name = "splash"
+  backend = "tpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
   partitionable = False
@@ -245,9 +246,6 @@ class Splash(base.Kernel):
                          f"blocks are whole lane tiles), got {size}.")
 
   def supports(self, problem: base.Problem) -> str | None:
-    if not self.interpret and jax.default_backend() != "tpu":
-      return (f"it needs a TPU (the backend is {jax.default_backend()!r}), "
-              "or Splash(interpret=True) to run in the Pallas interpreter")
     reason = (base.no_weights_or_dropout(problem)
               or base.no_max_logits(problem) or base.float32_only(problem))
     if reason:
