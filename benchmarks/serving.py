@@ -5,10 +5,9 @@ Two tables, one process, each row a median of ``--serving_repeats`` timed
 calls after a compiling one, the rows of a table timed in turns (outputs
 checked against each other first):
 
-* **split-KV**: one query per sequence (``B=1``) over ``S`` keys, the
-  keys in one linear buffer: the dense kernel (one ``[1, S]`` row), the
-  flash kernel's single walk, and ``aj.kernels.SplitKV(C)`` (``C`` chunks
-  of that walk, merged) for each ``--splits``; ratio to the single walk.
+* **one query**: one query per sequence (``B=1``) over ``S`` keys, the
+  keys in one linear buffer: the dense kernel (one ``[1, S]`` row) and the
+  flash kernel's single walk; ratio to the single walk.
 * **paged vs linear**: a decode step of ``B`` sequences at the same lengths
   (``--lengths``), through ``aj.paged_attention`` (pages of ``Z`` tokens,
   each sequence's pages scattered over the pool; the automatic choice, a
@@ -36,9 +35,7 @@ import numpy as np
 import attention_jax as aj
 
 _KEYS = flags.DEFINE_list("serving_keys", ["8192", "32768"],
-                          "split-KV: key counts S of the one-query rows.")
-_SPLITS = flags.DEFINE_list("serving_splits", ["2", "4", "8", "16"],
-                            "split-KV: chunk counts C.")
+                          "one query: key counts S.")
 _BATCH = flags.DEFINE_integer("serving_batch", 8, "paged vs linear: sequences B.")
 _LENGTHS = flags.DEFINE_list("serving_lengths", ["1024", "4096"],
                              "paged vs linear: each sequence's length.")
@@ -65,7 +62,7 @@ def _time(fns: dict, repeats: int) -> dict:
   return {name: statistics.median(t) for name, t in times.items()}
 
 
-def split_kv_rows(s: int, splits, *, n: int, k: int, h: int, repeats: int):
+def one_query_rows(s: int, *, n: int, k: int, h: int, repeats: int):
   """``[(name, seconds, ratio to the single walk)]`` for one query over
   ``s`` keys."""
   rng = np.random.default_rng(0)
@@ -73,8 +70,6 @@ def split_kv_rows(s: int, splits, *, n: int, k: int, h: int, repeats: int):
   kv = jnp.asarray(rng.standard_normal((2, 1, k, s, h)), jnp.float32)
   mask = aj.Mask(causal=True)
   impls = {"dense (one row)": "dense", "flash (one walk)": "flash"}
-  impls.update({f"split_kv C={c}": aj.kernels.SplitKV(int(c))
-                for c in splits})
   fns = {name: jax.jit(lambda q, kv, impl=impl: aj.scaled_dot_product_attention(
       q, kv[0], kv[1], mask, implementation=impl)) for name, impl in
          impls.items()}
@@ -149,8 +144,8 @@ def main(argv):
         f"N={n} K={k} H={h} float32, medians of {_REPEATS.value}")
   rows = []
   for s in map(int, _KEYS.value):
-    for name, t, ratio in split_kv_rows(s, _SPLITS.value, n=n, k=k, h=h,
-                                        repeats=_REPEATS.value):
+    for name, t, ratio in one_query_rows(s, n=n, k=k, h=h,
+                                         repeats=_REPEATS.value):
       rows.append((str(s), name, f"{t * 1e3:.2f}", f"{ratio:.2f}"))
   print("\nOne query over S keys (B=1):\n")
   print(_table(("S", "kernel", "ms", "/ one walk"), rows))

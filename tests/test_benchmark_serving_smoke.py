@@ -9,10 +9,10 @@ from benchmarks import serving
 
 class ServingBenchmarkSmokeTest(absltest.TestCase):
 
-  def test_split_kv_rows(self):
-    rows = serving.split_kv_rows(100, ["3"], n=2, k=1, h=8, repeats=1)
+  def test_one_query_rows(self):
+    rows = serving.one_query_rows(100, n=2, k=1, h=8, repeats=1)
     self.assertEqual([r[0] for r in rows],
-                     ["dense (one row)", "flash (one walk)", "split_kv C=3"])
+                     ["dense (one row)", "flash (one walk)"])
     self.assertEqual(rows[1][2], 1.0)
 
   def test_paged_rows(self):

@@ -80,10 +80,6 @@ class DeclarationTest(chex.TestCase):
     self.assertEqual(
         {k.name for k in aj.kernels.REGISTRY if not k.partitionable},
         {"splash", "paged_tpu", "paged_gpu", "pallas_gpu"})
-    # A wrapper is as partitionable as what it wraps.
-    self.assertFalse(aj.kernels.SplitKV(
-        inner=aj.kernels.PagedGpu(interpret=True)).partitionable)
-    self.assertTrue(aj.kernels.SplitKV().partitionable)
 
   def test_every_declaration_is_in_the_vocabulary(self):
     for kernel in _all_kernels():

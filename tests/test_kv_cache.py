@@ -370,7 +370,7 @@ class RightPaddedPrefillTest(parameterized.TestCase):
       mha(_x(t=5), mask=_KEY_PADDING, decode=True)
 
   def test_concrete_kv_lengths_raise_under_jit_whatever_the_index(self):
-    # The cache index is traced under jit, but a kv_length below T hides the
+    # The cache index is traced under jit, but a kv_lengths below T hides the
     # last token from any start.
     mha = _module()
     mha.init_cache(2, 8)

@@ -112,7 +112,7 @@ class MaskTest(parameterized.TestCase):
     # block's first key block is full, the first query block's last empty.
     problem = base.canonicalize(q, k, v, mask)
     ops = flash.with_rule_tables(problem.ops, 4, 4)
-    kinds = np.asarray(ops.block_mask.kinds)  # [B, 1, nq, nk]: per example
+    kinds = np.asarray(ops.rule.kinds)  # [B, 1, nq, nk]: per example
     self.assertEqual(kinds.shape, (B, 1, 3, 3))
     self.assertEqual(kinds[0, 0].tolist(), [[1, 0, 0], [2, 1, 0], [2, 2, 1]])
     self.assertEqual(kinds[1, 0].tolist(), [[2, 1, 0], [2, 1, 0], [2, 2, 1]])
@@ -243,7 +243,7 @@ class UnionAndRuleTest(absltest.TestCase):
         rule=aj.prefix_lm_mask_fn(jnp.array([3, 7])))
     for mask, batch in ((shared, ()), (per_example, (B, 1))):
       ops = flash.with_rule_tables(base.canonicalize(q, k, v, mask).ops, 4, 4)
-      self.assertEqual(ops.block_mask.batch_shape, batch)
+      self.assertEqual(ops.rule.batch_shape, batch)
 
   def test_rule_and_rule_is_one_rule_and_decodes(self):
     layer = aj.MultiHeadAttention(16, 2, rngs=nnx.Rngs(0), mask=aj.Mask(

@@ -49,12 +49,12 @@ def _segment_ids():
 
 
 def _mask():
-  q_seg, k_seg = _segment_ids()
+  q_segment_ids, kv_segment_ids = _segment_ids()
   return aj.Mask(causal=True, window=WINDOW,
                  kv_lengths=jnp.array(KV_LENGTHS, jnp.int32),
                  q_lengths=jnp.array(Q_LENGTHS, jnp.int32),
-                 q_segment_ids=jnp.asarray(q_seg),
-                 kv_segment_ids=jnp.asarray(k_seg))
+                 q_segment_ids=jnp.asarray(q_segment_ids),
+                 kv_segment_ids=jnp.asarray(kv_segment_ids))
 
 
 def _allowed():
@@ -66,8 +66,8 @@ def _allowed():
   allowed = np.broadcast_to(allowed, (B, T, S)).copy()
   allowed &= j[None] < np.array(KV_LENGTHS)[:, None, None]
   allowed &= i[None] < np.array(Q_LENGTHS)[:, None, None]
-  q_seg, k_seg = _segment_ids()
-  allowed &= q_seg[:, :, None] == k_seg[:, None, :]
+  q_segment_ids, kv_segment_ids = _segment_ids()
+  allowed &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
   return allowed[:, None]
 
 

@@ -59,7 +59,7 @@ class PlainSoftmax(aj.kernels.Kernel):
       lse = aj.kernels.masked_logsumexp(logits, allowed)  # [T]
       if h.sink is not None:
         weights, _, lse = aj.kernels.with_sink(weights, lse, h.sink,
-                                               h.q_length)
+                                               h.q_lengths)
       out = jnp.einsum("TS,SV->TV", weights, v.astype(dtype))  # [T, Hv]
       return out.astype(problem.out_dtype), None, lse
 

@@ -169,7 +169,7 @@ class PagedGarbageTest(chex.TestCase):
     self.assertFalse(bool(pc.all_finite(cache)))
     q = jnp.ones((2, N, 1, H), jnp.bfloat16)
     for impl in ("flash", aj.kernels.PagedTpu(interpret=True),
-                 aj.kernels.PagedGpu(interpret=True), aj.kernels.SplitKV(2)):
+                 aj.kernels.PagedGpu(interpret=True)):
       out = np.asarray(aj.paged_attention(q, cache, aj.Mask(causal=True),
                                           implementation=impl), np.float32)
       self.assertFalse(np.isfinite(out[0]).any(), impl)
@@ -221,10 +221,9 @@ class ValuesInKeysTest(chex.TestCase):
     for b, n in enumerate((7, 4)):
       want = aj.scaled_dot_product_attention(
           q[b:b + 1], k[b:b + 1, :, :n], k[b:b + 1, :, :n])
-      for impl in ("flash", aj.kernels.SplitKV(2),
-                   aj.kernels.PagedGpu(interpret=True)):
+      for impl in ("flash", aj.kernels.PagedGpu(interpret=True)):
         got = aj.paged_attention(jnp.asarray(q), cache,
                                  aj.Mask(causal=True), implementation=impl)
-        # float32, the same sums in other orders (blocks, chunks).
+        # float32, the same sums in other orders (blocks, partitions).
         np.testing.assert_allclose(np.asarray(got)[b], np.asarray(want)[0],
                                    rtol=1e-5, atol=1e-6, err_msg=str(impl))

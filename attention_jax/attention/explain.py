@@ -244,13 +244,13 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
   t, s = ops.query.shape[-2], ops.key.shape[-2]
   bq, bk = min(bq, t), min(bk, s)  # as flash_core.padded clips them
   explained = dataclasses.replace(explained, block_sizes=(bq, bk))
-  bm = ops.block_mask
+  bm = ops.rule
   per_head_tables = bm is not None and bool(bm.batch_shape)
   tables = bm.tables if per_head_tables else ()
-  operands = (ops.kv_lengths, ops.q_lengths, ops.q_seg, ops.k_seg,
+  operands = (ops.kv_lengths, ops.q_lengths, ops.q_segment_ids, ops.kv_segment_ids,
               ops.q_offset, ops.kv_offset, *tables)
   named = dict(kv_lengths=ops.kv_lengths, q_lengths=ops.q_lengths,
-               segment_ids=ops.q_seg, q_offset=ops.q_offset,
+               segment_ids=ops.q_segment_ids, q_offset=ops.q_offset,
                kv_offset=ops.kv_offset,
                block_tables=None if bm is None else bm.kinds)
   traced = [name for name, x in named.items()
@@ -266,14 +266,14 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
                          t, s, bq, bk)
   # A dense mask only matters by its presence: every visited block is
   # checked against it (flash_core._walk).
-  mask = None if ops.mask is None else jnp.ones((1, 1), bool)
+  mask = None if ops.dense is None else jnp.ones((1, 1), bool)
 
-  def head(length, q_length, q_seg, k_seg, q_offset, kv_offset,
+  def head(length, q_lengths, q_segment_ids, kv_segment_ids, q_offset, kv_offset,
            *head_tables):
     head_bm = bm.with_tables(head_tables) if per_head_tables else bm
     ex = flash_core.padded_head(st, num_q * bq, num_k * bk, broadcast.Head(
-        mask=mask, kv_length=length, q_length=q_length, q_seg=q_seg,
-        k_seg=k_seg, block_mask=head_bm, q_offset=q_offset,
+        dense=mask, kv_lengths=length, q_lengths=q_lengths, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, rule=head_bm, q_offset=q_offset,
         kv_offset=kv_offset))
     place = flash_core.Place(*ex.offsets(t, s))  # positions, as the kernel
     if not flash_core.patterned(st, ex):  # every block runs unmasked
@@ -283,10 +283,10 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
         lambda i: flash_core.key_ranges(st, ex, place, seg, i, num_k))(
             jnp.arange(num_q))  # [nq] each
     checked = mask is not None  # every visited block takes a mask pass
-    if ex.block_mask is not None:  # the tables' non-empty blocks in range
-      j = ex.block_mask.kv_indices  # [nq, m], padded with nk
+    if ex.rule is not None:  # the tables' non-empty blocks in range
+      j = ex.rule.kv_indices  # [nq, m], padded with nk
       seen = (j >= lo[:, None]) & (j < hi[:, None])
-      full = (seen & ex.block_mask.kv_full & (j >= full_lo[:, None])
+      full = (seen & ex.rule.kv_full & (j >= full_lo[:, None])
               & (j < full_hi[:, None]))
       visited, full = seen.sum(), full.sum()
     else:

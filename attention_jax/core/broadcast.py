@@ -98,15 +98,15 @@ class Head(NamedTuple):
   ``lift_heads`` slices them per head; the flash core pads the arrays to
   whole blocks (``flash_core.padded_head``) and adds the last four fields.
   """
-  mask: jax.Array | None = None  # bool [T|1, S|1]
+  dense: jax.Array | None = None  # bool [T|1, S|1]
   bias: jax.Array | None = None  # float [T|1, S|1]
-  kv_length: jax.Array | None = None  # int32 scalar: valid keys
-  q_length: jax.Array | None = None  # int32 scalar: valid queries
-  q_seg: jax.Array | None = None  # int32 [T]
-  k_seg: jax.Array | None = None  # int32 [S]
+  kv_lengths: jax.Array | None = None  # int32 scalar: valid keys
+  q_lengths: jax.Array | None = None  # int32 scalar: valid queries
+  q_segment_ids: jax.Array | None = None  # int32 [T]
+  kv_segment_ids: jax.Array | None = None  # int32 [S]
   sink: jax.Array | None = None  # float scalar
   index: tuple | None = None  # int32 scalars (b, h) for score_mod, or None
-  block_mask: Any = None  # a BlockMask (this head's [nq, nk] tables) or None
+  rule: Any = None  # a BlockMask (this head's [nq, nk] tables) or None
   # int32 scalars: positions of query row 0 and key column 0 (the mask's
   # q_offset/kv_offset), or None for the bottom-right alignment
   q_offset: jax.Array | None = None
@@ -155,23 +155,25 @@ def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
   b, h = (None, None) if ops.head_index is None else ops.head_index
   # A block mask with per-(b, h) tables is sliced per head like a mask;
   # one without leading dims is shared.
-  bm = ops.block_mask
+  bm = ops.rule
   per_head_tables = bm is not None and bm.batch_shape
   tables = bm.tables if per_head_tables else ()
   # (operand, its core ndims): what one head sees of each
-  fixed = ((ops.query, 2), (ops.key, 2), (ops.value, 2), (ops.mask, 2),
+  fixed = ((ops.query, 2), (ops.key, 2), (ops.value, 2), (ops.dense, 2),
            (ops.bias, 2), (ops.kv_lengths, 0), (ops.q_lengths, 0),
-           (ops.q_seg, 1), (ops.k_seg, 1), (ops.sinks, 0), (b, 0), (h, 0),
+           (ops.q_segment_ids, 1), (ops.kv_segment_ids, 1), (ops.sinks, 0),
+           (b, 0), (h, 0),
            (ops.q_offset, 0), (ops.kv_offset, 0))
   operands = (*(x for x, _ in fixed), *tables, *extra)
   core = (*(c for _, c in fixed), *(2,) * len(tables), *extra_core_ndims)
 
-  def per_head(q, k, v, mask, bias, kv_length, q_length, q_seg, k_seg, sink,
+  def per_head(q, k, v, mask, bias, kv_lengths, q_lengths, q_segment_ids,
+               kv_segment_ids, sink,
                b, h, q_offset, kv_offset, *rest):
     head_bm = bm
     if per_head_tables:
       head_bm = bm.with_tables(rest[:len(tables)])
-    head = Head(mask, bias, kv_length, q_length, q_seg, k_seg, sink,
+    head = Head(mask, bias, kv_lengths, q_lengths, q_segment_ids, kv_segment_ids, sink,
                 None if b is None else (b, h), head_bm, q_offset, kv_offset)
     return head_fn(q, k, v, head, *rest[len(tables):])
 

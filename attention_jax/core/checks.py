@@ -169,12 +169,12 @@ class Operands(NamedTuple):
   query: jax.Array  # [..., T, H]
   key: jax.Array  # [..., S, H]
   value: jax.Array  # [..., S, Hv]
-  mask: jax.Array | None  # bool [..., T|1, S|1], at least 2-D
+  dense: jax.Array | None  # bool [..., T|1, S|1], at least 2-D
   bias: jax.Array | None  # float [..., T|1, S|1], at least 2-D
   kv_lengths: jax.Array | None  # int32 [...] key/value lengths
   q_lengths: jax.Array | None  # int32 [...] query lengths
-  q_seg: jax.Array | None  # int32 [..., T] query segment ids
-  k_seg: jax.Array | None  # int32 [..., S] key segment ids
+  q_segment_ids: jax.Array | None  # int32 [..., T] query segment ids
+  kv_segment_ids: jax.Array | None  # int32 [..., S] key segment ids
   sinks: jax.Array | None  # float [...] per-head sink logits
   # int32 (b, h) indices for score_mod, each broadcastable to the leading
   # dims (grouped like the heads), or None without a score_mod.
@@ -184,7 +184,7 @@ class Operands(NamedTuple):
   # Static parts of the pattern.
   window: tuple[int, int] | None = None  # (left, right)
   score_mod: Any = None
-  block_mask: Any = None  # a BlockMask (kinds None: tables to build)
+  rule: Any = None  # a BlockMask (kinds None: tables to build)
   causal: bool = False
   leading: tuple[int, ...] = ()  # the caller's broadcast leading dims
   # int32 [...] positions of query row 0 / key column 0 (Mask.q_offset,
@@ -399,18 +399,15 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   caller's terms (query heads N against key/value heads K); the operands
   come back with the head axis split when ``K`` divides ``N``
   (``grouping``), ready for ``broadcast_vmap``. A rule becomes
-  ``block_mask``: a ``BlockMask`` with tables as given, or one without
+  ``rule``: a ``BlockMask`` with tables as given, or one without
   tables (``kinds is None``) whose tables the kernel builds at its own block
   sizes. ``head_index``: give every head its ``(b, h)`` even without a
   score modifier or rule (dropout draws its mask from them).
   """
   m = mask_lib.Mask() if mask is None else mask
-  mask = m.dense
-  is_causal = m.causal
-  local_window_size = m.window
-  key_value_seq_lengths, query_seq_lengths = m.kv_lengths, m.q_lengths
-  query_segment_ids, key_segment_ids = m.q_segment_ids, m.kv_segment_ids
-  rule = m.rule
+  dense, kv_lengths, q_lengths = m.dense, m.kv_lengths, m.q_lengths
+  q_segment_ids, kv_segment_ids, rule = (m.q_segment_ids, m.kv_segment_ids,
+                                         m.rule)
   query, key, value = (as_array_operand(name, x, layout) for name, x, layout
                        in (("query", query, "[..., T, H]"),
                            ("key", key, "[..., S, H]"),
@@ -443,19 +440,17 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   leading_rank = max(len(q_shape), len(k_shape), len(v_shape)) - 2
   q_offset, kv_offset = (None, None) if not m.positioned else (
       m.offsets(t, s))
-  key_value_seq_lengths, query_seq_lengths, q_offset, kv_offset = (
+  kv_lengths, q_lengths, q_offset, kv_offset = (
       _left_aligned(f"Mask's {n}", x, 0, leading_rank, "a scalar or [B]")
-      for n, x in (("kv_lengths", key_value_seq_lengths),
-                   ("q_lengths", query_seq_lengths),
+      for n, x in (("kv_lengths", kv_lengths),
+                   ("q_lengths", q_lengths),
                    ("q_offset", q_offset), ("kv_offset", kv_offset)))
-  if query_segment_ids is not None and np.ndim(query_segment_ids) > 1:
-    query_segment_ids = _left_aligned("Mask's q_segment_ids",
-                                      query_segment_ids, 1, leading_rank,
-                                      "[T] or [B, T]")
-  if key_segment_ids is not None and np.ndim(key_segment_ids) > 1:
-    key_segment_ids = _left_aligned("Mask's kv_segment_ids", key_segment_ids,
-                                    1, leading_rank, "[S] or [B, S]")
-  block_mask = None
+  if q_segment_ids is not None and np.ndim(q_segment_ids) > 1:
+    q_segment_ids = _left_aligned("Mask's q_segment_ids", q_segment_ids, 1,
+                                  leading_rank, "[T] or [B, T]")
+  if kv_segment_ids is not None and np.ndim(kv_segment_ids) > 1:
+    kv_segment_ids = _left_aligned("Mask's kv_segment_ids", kv_segment_ids,
+                                   1, leading_rank, "[S] or [B, S]")
   if isinstance(rule, mask_lib.Union):
     # Each member is held to what it would be held to alone (its arrays are
     # read elementwise, where a misfit would clamp instead of raising).
@@ -476,14 +471,13 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     rule = mask_lib.BlockMask(fn, t, s, None, None, None, None, None, None,
                               None)
   if rule is not None:
-    block_mask = rule
-    check_rule(block_mask.mask_fn, q_shape[:-2], t, s)
-    if block_mask.shape != (t, s):
+    check_rule(rule.mask_fn, q_shape[:-2], t, s)
+    if rule.shape != (t, s):
       raise ValueError(
-          f"mask is a BlockMask built for [T, S] = {list(block_mask.shape)}, "
+          f"mask is a BlockMask built for [T, S] = {list(rule.shape)}, "
           f"but its rule indices here run over T = {t}, S = {s}: build it "
           f"with block_mask(mask_fn, {t}, {s}, ...).")
-    batch = block_mask.batch_shape
+    batch = rule.batch_shape
     if batch and len(batch) != len(q_shape) - 2:
       raise ValueError(
           f"mask is a BlockMask with tables for batch={batch}, but the "
@@ -492,14 +486,14 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
           f"broadcast), e.g. batch=(B, 1) for [B, N, T, H].")
     if batch:
       leading["mask"] = batch
-    _check_rule_covered(block_mask, q_shape[:-2], s)
+    _check_rule_covered(rule, q_shape[:-2], s)
   logits = _logits_shape(leading, t, s)
-  if mask is not None:
-    check_mask_dtype("mask", mask)
-    check_logits_rank("mask", shape_of(mask), logits)
-    mask = numerics.as_bool_mask(mask)
-    _check_pair_axes("mask", mask.shape, t, s, q_shape, k_shape)
-    leading["mask"] = mask.shape[:-2]
+  if dense is not None:
+    check_mask_dtype("mask", dense)
+    check_logits_rank("mask", shape_of(dense), logits)
+    dense = numerics.as_bool_mask(dense)
+    _check_pair_axes("mask", dense.shape, t, s, q_shape, k_shape)
+    leading["mask"] = dense.shape[:-2]
   if bias is not None:
     check_float_array("bias", bias)
     check_logits_rank("bias", shape_of(bias), logits)
@@ -516,8 +510,8 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   batch_shape = broadcast_shapes(what, **leading)
   all_lengths = {}  # lengths and positions: per example (or head) integers
   for name, given, upper in (
-      ("the mask's kv_lengths", key_value_seq_lengths, s),
-      ("the mask's q_lengths", query_seq_lengths, t),
+      ("the mask's kv_lengths", kv_lengths, s),
+      ("the mask's q_lengths", q_lengths, t),
       ("the mask's q_offset", q_offset, None),  # positions: any integer
       ("the mask's kv_offset", kv_offset, None)):
     lengths = all_lengths[name] = check_lengths(name, given)
@@ -535,18 +529,17 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     leading[name] = lengths.shape
   q_offset = all_lengths.pop("the mask's q_offset")
   kv_offset = all_lengths.pop("the mask's kv_offset")
-  if (query_segment_ids is None) != (key_segment_ids is None):
+  if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("segment ids come in pairs: pass q_segment_ids with "
                      "kv_segment_ids (or q_segment_ids alone for packed "
                      "self-attention).")
-  q_seg = k_seg = None
-  if query_segment_ids is not None:
-    q_seg = _segment_ids("the mask's q_segment_ids", query_segment_ids, t,
-                         "T", len(batch_shape))
-    k_seg = _segment_ids("the mask's kv_segment_ids", key_segment_ids, s,
-                         "S", len(batch_shape))
-    leading["the mask's q_segment_ids"] = q_seg.shape[:-1]
-    leading["the mask's kv_segment_ids"] = k_seg.shape[:-1]
+  if q_segment_ids is not None:
+    q_segment_ids = _segment_ids("the mask's q_segment_ids", q_segment_ids,
+                                 t, "T", len(batch_shape))
+    kv_segment_ids = _segment_ids("the mask's kv_segment_ids",
+                                  kv_segment_ids, s, "S", len(batch_shape))
+    leading["the mask's q_segment_ids"] = q_segment_ids.shape[:-1]
+    leading["the mask's kv_segment_ids"] = kv_segment_ids.shape[:-1]
   if sinks is not None:
     check_float_array("sinks", sinks)
     sinks = jnp.asarray(sinks)
@@ -555,29 +548,29 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   batch_shape = broadcast_shapes(what, **leading)
   caller_leading = batch_shape
   index_wanted, head_index = head_index, None
-  if index_wanted or score_mod is not None or block_mask is not None:
+  if index_wanted or score_mod is not None or rule is not None:
     head_index = _head_index(batch_shape, groups)
-  window = local_window_size  # checked by Mask
   query = grouping.split(jnp.asarray(query), groups, -3)
   key, value = (_split_heads(x, groups) for x in (key, value))
-  mask, bias = (grouping.split(x, groups, -3) for x in (mask, bias))
-  if block_mask is not None and block_mask.batch_shape:
-    block_mask = block_mask.with_tables(
+  dense, bias = (grouping.split(x, groups, -3) for x in (dense, bias))
+  if rule is not None and rule.batch_shape:
+    rule = rule.with_tables(
         grouping.split(jnp.asarray(x), groups, -3)
-        for x in block_mask.tables)
-  lengths, q_lengths = (grouping.split(x, groups, -1)
-                        for x in all_lengths.values())
-  q_seg, k_seg = (grouping.split(x, groups, -2) for x in (q_seg, k_seg))
+        for x in rule.tables)
+  kv_lengths, q_lengths = (grouping.split(x, groups, -1)
+                           for x in all_lengths.values())
+  q_segment_ids, kv_segment_ids = (grouping.split(x, groups, -2)
+                                   for x in (q_segment_ids, kv_segment_ids))
   sinks = grouping.split(sinks, groups, -1)
   q_offset, kv_offset = (grouping.split(x, groups, -1)
                          for x in (q_offset, kv_offset))
   if groups is not None:
     batch_shape = batch_shape[:-1] + (groups.num_kv_heads,
                                       groups.num_heads // groups.num_kv_heads)
-  return Operands(query, key, value, mask, bias, lengths, q_lengths, q_seg,
-                  k_seg, sinks, head_index, groups, batch_shape, window,
-                  score_mod, block_mask, bool(is_causal), caller_leading,
-                  q_offset, kv_offset)
+  return Operands(query, key, value, dense, bias, kv_lengths, q_lengths,
+                  q_segment_ids, kv_segment_ids, sinks, head_index, groups,
+                  batch_shape, m.window, score_mod, rule, bool(m.causal),
+                  caller_leading, q_offset, kv_offset)
 
 
 def check_rule(mask_fn, leading, t: int, s: int) -> None:

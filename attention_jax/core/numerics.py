@@ -195,14 +195,14 @@ def zero_unseen(seen, *arrays):
                for x in arrays)
 
 
-def with_sink(out, lse, sink, q_length=None):
+def with_sink(out, lse, sink, q_lengths=None):
   """Adds ``exp(sink)`` to each row's softmax denominator (an attention sink).
 
   ``out [T, Hv]`` and ``lse [T]`` are one head's attention over its keys;
   with the sink the weights become ``exp(logit - lse')`` with
   ``lse' = logaddexp(lse, sink)``, so ``out`` scales by ``exp(lse - lse')``
   (rows then sum to less than 1; a row with no visible key keeps output 0
-  and gets ``lse' = sink``). Rows past ``q_length`` are not queries: their
+  and gets ``lse' = sink``). Rows past ``q_lengths`` are not queries: their
   ``lse'`` stays ``-inf``. Differentiable in every argument (the gradient
   reaches the kernel through ``lse``). Returns ``(out, keep [T], lse')``,
   ``keep`` the factor applied to each row's weights.
@@ -211,6 +211,6 @@ def with_sink(out, lse, sink, q_length=None):
   total = jnp.logaddexp(lse, sink)  # [T]
   keep = jnp.exp(lse - total)  # 0 where lse = -inf
   out = out * keep[:, None].astype(out.dtype)
-  if q_length is not None:
-    total = jnp.where(jnp.arange(lse.shape[0]) < q_length, total, -jnp.inf)
+  if q_lengths is not None:
+    total = jnp.where(jnp.arange(lse.shape[0]) < q_lengths, total, -jnp.inf)
   return out, keep, total

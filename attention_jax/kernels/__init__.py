@@ -67,7 +67,6 @@ from attention_jax.kernels.paged_tpu import PagedTpu
 from attention_jax.kernels.pallas_gpu import PallasGpu
 from attention_jax.kernels.ring import Ring
 from attention_jax.kernels.splash import Splash
-from attention_jax.kernels.split_kv import SplitKV
 from attention_jax.masking import intervals
 
 # Rebound (never mutated) by register/unregister: a tuple read through the
@@ -87,7 +86,7 @@ __all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
            "Pages",
            "PallasGpu", "Partition",
            "Problem",
-           "Registration", "Result", "Ring", "Splash", "SplitKV", "Tuned",
+           "Registration", "Result", "Ring", "Splash", "Tuned",
            "allowed", "autotune", "by_name",
            "candidates", "choose", "compute_dtype", "flash_blocks",
            "float32_only",
@@ -259,14 +258,14 @@ def allowed(ops: Operands, head: Head, t: int, s: int):
   single-head function.
   """
   rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
-  q_seg = None if head.q_seg is None else head.q_seg[:, None]
-  k_seg = None if head.k_seg is None else head.k_seg[None, :]
+  q_segment_ids = None if head.q_segment_ids is None else head.q_segment_ids[:, None]
+  kv_segment_ids = None if head.kv_segment_ids is None else head.kv_segment_ids[None, :]
   offset, q_start, kv_start = head.offsets(t, s)
-  parts = [head.mask, intervals.visible(
+  parts = [head.dense, intervals.visible(
       rows, cols, offset, intervals.bounds(ops.causal, ops.window),
-      head.q_length, head.kv_length, q_seg, k_seg)]
-  if head.block_mask is not None:
-    parts.append(head.block_mask.mask_fn(*head.index, rows + q_start,
+      head.q_lengths, head.kv_lengths, q_segment_ids, kv_segment_ids)]
+  if head.rule is not None:
+    parts.append(head.rule.mask_fn(*head.index, rows + q_start,
                                          cols + kv_start))
   out = None
   for part in parts:

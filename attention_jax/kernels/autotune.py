@@ -133,7 +133,7 @@ def default_candidates(problem: base.Problem) -> list[tuple[int, int]]:
   winner is never slower than the defaults as measured); a ``BlockMask``
   with tables allows only its own pair."""
   ops = problem.ops
-  bm = ops.block_mask
+  bm = ops.rule
   if bm is not None and bm.kinds is not None:
     return [(bm.block_q, bm.block_k)]
   t, s = ops.query.shape[-2], ops.key.shape[-2]
@@ -166,7 +166,7 @@ def _check_candidates(candidates, problem: base.Problem):
     pair = (int(pair[0]), int(pair[1]))
     if pair not in pairs:
       pairs.append(pair)
-  bm = problem.ops.block_mask
+  bm = problem.ops.rule
   if bm is not None and bm.kinds is not None:
     own = (bm.block_q, bm.block_k)
     if any(pair != own for pair in pairs):
@@ -287,7 +287,7 @@ def autotune(query, key, value, mask=None, *, bias=None, scale=None,
   winner = min(finalists, key=lambda pair: timings[pair])  # ties: the first
   key_text = block_cache.cache_key(problem)
   path = None
-  bm = problem.ops.block_mask
+  bm = problem.ops.rule
   if cache and (bm is None or bm.kinds is None):
     path = block_cache.store(key_text, {
         "blocks": list(winner),

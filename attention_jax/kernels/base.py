@@ -365,9 +365,13 @@ def check_partition(partition, ops: checks.Operands) -> Partition | None:
 
 
 def refusal(kernel: Kernel, problem: Problem) -> str | None:
-  """Why ``kernel`` cannot run ``problem``, or None: off its backend, then
-  keys and values in pages it does not read, then its ``supports``, then
-  any feature it does not declare (``undeclared``)."""
+  """Why ``kernel`` cannot run ``problem``, or None: keys and values in
+  pages it does not read, then off its backend, then its ``supports``,
+  then any feature it does not declare (``undeclared``)."""
+  # A paged call's keys and values are pages, which only a kernel that
+  # declares them may read: the others are not asked.
+  if problem.pages is not None and "pages" not in kernel.implements:
+    return undeclared(kernel, problem)
   here = jax.default_backend()
   if kernel.backend not in (None, here) and not getattr(
       kernel, "interpret", False):
@@ -376,10 +380,6 @@ def refusal(kernel: Kernel, problem: Problem) -> str | None:
             if hasattr(kernel, "interpret") else "")
     return (f"it needs a {kernel.backend.upper()}, the backend is "
             f"{here!r}{hint}")
-  # A paged call's keys and values are pages, which only a kernel that
-  # declares them may read: the others are not asked.
-  if problem.pages is not None and "pages" not in kernel.implements:
-    return undeclared(kernel, problem)
   return kernel.supports(problem) or undeclared(kernel, problem)
 
 

@@ -160,11 +160,11 @@ def signature(ops: checks.Operands) -> dict[str, Any]:
       "kv_heads": math.prod(ops.key.shape[:-2]),
       "causal": bool(ops.causal),
       "window": None if ops.window is None else tuple(ops.window),
-      "segment_ids": ops.q_seg is not None or ops.k_seg is not None,
+      "segment_ids": ops.q_segment_ids is not None or ops.kv_segment_ids is not None,
       "q_lengths": ops.q_lengths is not None,
       "kv_lengths": ops.kv_lengths is not None,
-      "dense_mask": ops.mask is not None,
-      "rule": ops.block_mask is not None,
+      "dense_mask": ops.dense is not None,
+      "rule": ops.rule is not None,
       "bias": ops.bias is not None,
       "score_mod": ops.score_mod is not None,
       "offsets": ops.q_offset is not None or ops.kv_offset is not None,
@@ -302,7 +302,7 @@ def blocks(problem, block_q: int | None = None,
     A ``FlashBlocks``.
   """
   ops = getattr(problem, "ops", problem)
-  bm = ops.block_mask
+  bm = ops.rule
   if bm is not None and bm.kinds is not None:
     return FlashBlocks(*flash_core.block_sizes(ops, block_q, block_k),
                        "block_mask")

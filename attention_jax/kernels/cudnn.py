@@ -93,8 +93,8 @@ class Cudnn(base.Kernel):
     ops = problem.ops
     q, k, v, mask, bias, lengths, q_lengths = _caller(ops)
     structured = {"q_lengths": q_lengths, "window": ops.window,
-                  "segment_ids": ops.q_seg, "sinks": ops.sinks,
-                  "score_mod": ops.score_mod, "rule": ops.block_mask}
+                  "segment_ids": ops.q_segment_ids, "sinks": ops.sinks,
+                  "score_mod": ops.score_mod, "rule": ops.rule}
     return problem_of(q, k, v, mask, bias, lengths, problem.return_lse,
                       {n: x for n, x in structured.items() if x is not None},
                       is_causal=ops.causal, offset=_offset(ops))
@@ -122,7 +122,7 @@ def _caller(ops: checks.Operands):
   """The operands with heads merged again (jax.nn groups heads itself)."""
   g = ops.groups
   return (grouping.merge(ops.query, g, -3), grouping.merge(ops.key, g, -3),
-          grouping.merge(ops.value, g, -3), grouping.merge(ops.mask, g, -3),
+          grouping.merge(ops.value, g, -3), grouping.merge(ops.dense, g, -3),
           grouping.merge(ops.bias, g, -3),
           grouping.merge(ops.kv_lengths, g, -1),
           grouping.merge(ops.q_lengths, g, -1))
@@ -231,8 +231,8 @@ def _rows_seeing_something(t, s, offset, b: intervals.Bounds, kv, q, mask,
                            bias):
   """Bool ``[B|1, N|1, T]``: the rows with a key to see (None: all rows)."""
   rows, cols = _grid(t, s)
-  kv_length = None if kv is None else kv[:, None, None, None]  # [B,1,1,1]
-  ok = intervals.visible(rows, cols, _on_grid(offset), b, kv_length=kv_length)
+  kv_lengths = None if kv is None else kv[:, None, None, None]  # [B,1,1,1]
+  ok = intervals.visible(rows, cols, _on_grid(offset), b, kv_lengths=kv_lengths)
   finite_bias = None if bias is None else bias > -jnp.inf  # -inf blocks
   for extra in (mask, finite_bias):
     if extra is not None:

@@ -115,12 +115,13 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
 
   def pattern():
     """Where the mask fields allow, ``[T, S]`` (None: everywhere)."""
-    q_seg = None if h.q_seg is None else h.q_seg[:, None]
-    k_seg = None if h.k_seg is None else h.k_seg[None, :]
-    allowed = and_(h.mask, intervals.visible(
-        rows, cols, offset, bounds, h.q_length, h.kv_length, q_seg, k_seg))
-    if h.block_mask is not None:  # the predicate the flash core evaluates
-      allowed = and_(allowed, h.block_mask.mask_fn(*h.index, q_at, kv_at))
+    q_segment_ids = None if h.q_segment_ids is None else h.q_segment_ids[:, None]
+    kv_segment_ids = None if h.kv_segment_ids is None else h.kv_segment_ids[None, :]
+    allowed = and_(h.dense, intervals.visible(
+        rows, cols, offset, bounds, h.q_lengths, h.kv_lengths, q_segment_ids,
+        kv_segment_ids))
+    if h.rule is not None:  # the predicate the flash core evaluates
+      allowed = and_(allowed, h.rule.mask_fn(*h.index, q_at, kv_at))
     return allowed
 
   allowed = pattern()
@@ -130,7 +131,7 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
   # blocked logit is finite and the softmax may block with an additive
   # -inf, which XLA fuses with the products instead of a select pass over
   # [T, S].
-  additive = (h.mask is None and h.bias is None and score_mod is None)
+  additive = (h.dense is None and h.bias is None and score_mod is None)
   plain = _only_bounds(h)
   unseen = allowed is not None and not (plain and _every_key_seen(bounds, t,
                                                                   s))
@@ -191,7 +192,7 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
     weights = softmax.masked_softmax(logits, allowed)  # [T, S]
     lse = softmax.masked_logsumexp(logits, allowed) if want_lse else None
   if h.sink is not None:  # exp(sink) joins each row's denominator
-    weights, _, lse = numerics.with_sink(weights, lse, h.sink, h.q_length)
+    weights, _, lse = numerics.with_sink(weights, lse, h.sink, h.q_lengths)
   probs = weights
   if seed is not None:  # inverted dropout: E[probs] == weights
     keep = dropout.keep_mask(seed, *h.index, q_at, kv_at,
@@ -214,8 +215,8 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
 
 def _only_bounds(h) -> bool:
   """Whether the head's pattern is at most a causal bound and a window."""
-  return all(x is None for x in (h.mask, h.kv_length, h.q_length, h.q_seg,
-                                 h.k_seg, h.block_mask, h.q_offset))
+  return all(x is None for x in (h.dense, h.kv_lengths, h.q_lengths, h.q_segment_ids,
+                                 h.kv_segment_ids, h.rule, h.q_offset))
 
 
 def _every_key_seen(b: intervals.Bounds, t: int, s: int) -> bool:

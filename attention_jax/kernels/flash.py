@@ -66,11 +66,11 @@ class Flash(base.Kernel):
     if problem.pages is None:
       return None
     ops, z = problem.ops, problem.pages.page_size
-    if ops.mask is not None or ops.bias is not None:
+    if ops.dense is not None or ops.bias is not None:
       return ("it reads a paged cache page by page and takes no dense mask "
               "or bias over its slots (a [T, M * Z] array): say it with "
               "the mask's fields, a rule or a score modifier")
-    if ops.block_mask is not None and ops.block_mask.kinds is not None:
+    if ops.rule is not None and ops.rule.kinds is not None:
       return ("it reads a paged cache page by page, so a BlockMask's "
               "tables (built for other blocks) do not apply: pass the rule "
               "itself, aj.MaskRule(fn)")
@@ -173,7 +173,7 @@ def with_rule_tables(ops: checks.Operands, block_q: int, block_k: int):
   Per (b, h) where the rule depends on them (``checks.rule_batch``),
   split like the heads.
   """
-  bm = ops.block_mask
+  bm = ops.rule
   if bm is None or bm.kinds is not None:
     return ops
   if ops.positioned:
@@ -190,4 +190,4 @@ def with_rule_tables(ops: checks.Operands, block_q: int, block_k: int):
   if batch:
     built = built.with_tables(
         grouping.split(jnp.asarray(x), ops.groups, -3) for x in built.tables)
-  return ops._replace(block_mask=built)
+  return ops._replace(rule=built)

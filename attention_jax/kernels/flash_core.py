@@ -67,7 +67,7 @@ elsewhere):
   once, before any kernel: ``kernels.base.canonicalize``.)
 
 Operands: ``mask`` bool and ``bias`` float are ``[T|1, S|1]`` (size-1 axes
-broadcast), ``kv_length``/``q_length`` int32 scalars (valid keys / queries) or
+broadcast), ``kv_lengths``/``q_lengths`` int32 scalars (valid keys / queries) or
 None. Causality and windows are written with an ``offset`` (``intervals``):
 query row ``r`` stands at key position ``r + offset``, and the key blocks a
 query block may see form one interval, the only ones visited.
@@ -326,8 +326,8 @@ def _zero_like_all(*operands):
 def patterned(st: Static, ex: broadcast.Head) -> bool:
   """Whether any entry can be blocked by a pattern or mask (static)."""
   return (st.bounds != (None, None) or st.s % st.bk != 0
-          or any(x is not None for x in (ex.mask, ex.kv_length, ex.q_length,
-                                         ex.q_seg, ex.block_mask)))
+          or any(x is not None for x in (ex.dense, ex.kv_lengths, ex.q_lengths,
+                                         ex.q_segment_ids, ex.rule)))
 
 
 def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
@@ -404,16 +404,17 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
     return logits, ok, mod_vjp, raw
   if st.s % st.bk:
     ok = both(cols < st.s)
-  q_seg = k_seg = None
-  if ex.q_seg is not None:
-    q_seg = jax.lax.dynamic_slice_in_dim(ex.q_seg, i0, st.bq)[:, None]
-    k_seg = jax.lax.dynamic_slice_in_dim(ex.k_seg, j0, st.bk)[None, :]
+  q_segment_ids = kv_segment_ids = None
+  if ex.q_segment_ids is not None:
+    q_segment_ids = jax.lax.dynamic_slice_in_dim(ex.q_segment_ids, i0, st.bq)[:, None]
+    kv_segment_ids = jax.lax.dynamic_slice_in_dim(ex.kv_segment_ids, j0, st.bk)[None, :]
   ok = both(intervals.visible(rows, cols, place.offset, st.bounds,
-                              ex.q_length, ex.kv_length, q_seg, k_seg))
-  if ex.mask is not None:
-    ok = both(_tile(ex.mask, i0, j0, st.bq, st.bk))
-  if ex.block_mask is not None:
-    ok = both(jnp.broadcast_to(ex.block_mask.mask_fn(
+                              ex.q_lengths, ex.kv_lengths, q_segment_ids,
+                              kv_segment_ids))
+  if ex.dense is not None:
+    ok = both(_tile(ex.dense, i0, j0, st.bq, st.bk))
+  if ex.rule is not None:
+    ok = both(jnp.broadcast_to(ex.rule.mask_fn(
         *ex.index, rows + place.q_start, cols + place.kv_start),
                                (st.bq, st.bk)))
   return logits, ok, mod_vjp, raw
@@ -436,10 +437,10 @@ def _nested(lo, hi, full_lo, full_hi):
 
 def segment_summary(st: Static, ex: broadcast.Head):
   """Per-block min/max segment ids ``(q_min, q_max, k_min, k_max)`` or None."""
-  if ex.q_seg is None:
+  if ex.q_segment_ids is None:
     return None
-  return (*intervals.block_min_max(ex.q_seg, st.bq),
-          *intervals.block_min_max(ex.k_seg, st.bk))
+  return (*intervals.block_min_max(ex.q_segment_ids, st.bq),
+          *intervals.block_min_max(ex.kv_segment_ids, st.bk))
 
 
 def _intersect(pattern, segments):
@@ -454,8 +455,8 @@ def _intersect(pattern, segments):
 
 def key_ranges(st: Static, ex: broadcast.Head, place: Place, seg, i, num_k: int):
   """Key blocks query block ``i`` visits, and the full ones among them."""
-  args = (st.bounds, i * st.bq, st.bq, st.bk, num_k, place.offset, ex.kv_length,
-          ex.q_length)
+  args = (st.bounds, i * st.bq, st.bq, st.bk, num_k, place.offset, ex.kv_lengths,
+          ex.q_lengths)
   segments = None
   if seg is not None:
     q_min, q_max, k_min, k_max = seg
@@ -467,8 +468,8 @@ def key_ranges(st: Static, ex: broadcast.Head, place: Place, seg, i, num_k: int)
 
 def query_ranges(st: Static, ex: broadcast.Head, place: Place, seg, j, num_q: int):
   """Query blocks that visit key block ``j``, and those that see all of it."""
-  args = (st.bounds, j * st.bk, st.bq, st.bk, num_q, place.offset, ex.kv_length,
-          ex.q_length)
+  args = (st.bounds, j * st.bk, st.bq, st.bk, num_q, place.offset, ex.kv_lengths,
+          ex.q_lengths)
   segments = None
   if seg is not None:
     q_min, q_max, k_min, k_max = seg
@@ -497,15 +498,15 @@ def _walk(st: Static, ex: broadcast.Head, ranges, listed, count: int, body, carr
 
     def step(n, c):
       j = indices[n]
-      if ex.mask is not None:
+      if ex.dense is not None:
         return masked(j, c)
       full = flags[n] & (j >= full_lo) & (j < full_hi)
       return jax.lax.cond(full, lambda c: body(j, True, c),
                           lambda c: masked(j, c), c)
 
     return jax.lax.fori_loop(first, last, step, carry)
-  rule_only = ex.block_mask is not None  # a rule without tables (ring)
-  if ex.mask is not None or rule_only:  # every visited block is checked
+  rule_only = ex.rule is not None  # a rule without tables (ring)
+  if ex.dense is not None or rule_only:  # every visited block is checked
     return jax.lax.fori_loop(lo, hi, masked, carry)
   carry = jax.lax.fori_loop(lo, full_lo, masked, carry)
   carry = jax.lax.fori_loop(full_lo, full_hi,
@@ -553,8 +554,8 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
     def key_block(j, full, carry):
       row_max, total, acc, code, *raw_max = carry
       j0 = j * st.bk
-      kj, k_bad = _key_rows(st, k, j0, ex.kv_length)  # [bk, H]
-      vj, v_bad = _key_rows(st, v, j0, ex.kv_length)  # [bk, Hv]
+      kj, k_bad = _key_rows(st, k, j0, ex.kv_lengths)  # [bk, H]
+      vj, v_bad = _key_rows(st, v, j0, ex.kv_lengths)  # [bk, Hv]
       if ex.kv_code is None:  # reduce the loaded block (ring: keys travel)
         bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
             v_bad, numerics.BAD_VALUE, numerics.CLEAN))  # [bk]
@@ -596,8 +597,8 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
     if raw_carry:
       init += (init[0],)
     listed = None
-    if ex.block_mask is not None and ex.block_mask.kinds is not None:
-      listed = (ex.block_mask.kv_indices[i], ex.block_mask.kv_full[i])
+    if ex.rule is not None and ex.rule.kinds is not None:
+      listed = (ex.rule.kv_indices[i], ex.rule.kv_full[i])
     ranges = key_ranges(st, ex, place, seg, i, num_k)
     row_max, total, acc, code, *raw_max = _walk(st, ex, ranges, listed,
                                                 num_k, key_block, init)
@@ -754,8 +755,8 @@ def tangent(st: Static, residuals, linear):
     def key_block(j, full, carry):
       acc, m = carry
       j0 = j * st.bk
-      kj, _ = _key_rows(st, k, j0, ex.kv_length)  # [bk, H]
-      vj, _ = _key_rows(st, v, j0, ex.kv_length)  # [bk, Hv]
+      kj, _ = _key_rows(st, k, j0, ex.kv_lengths)  # [bk, H]
+      vj, _ = _key_rows(st, v, j0, ex.kv_lengths)  # [bk, Hv]
       logits, ok, mod_jvp, _ = _block_logits(
           st, qi, kj, i0, j0, ex, place, full,
           want_jvp=st.score_mod is not None)
@@ -766,7 +767,7 @@ def tangent(st: Static, residuals, linear):
         if dqi is not None:
           ds = ds + jnp.einsum("TH,SH->TS", dqi, kj.astype(f32))
         if dk is not None:
-          dkj, _ = _key_rows(st, dk, j0, ex.kv_length)
+          dkj, _ = _key_rows(st, dk, j0, ex.kv_lengths)
           ds = ds + jnp.einsum("TH,SH->TS", qi.astype(f32), dkj.astype(f32))
         ds = ds * st.scale
         if dbias is not None:
@@ -786,14 +787,14 @@ def tangent(st: Static, residuals, linear):
       if pds is not None:
         acc = acc + jnp.einsum("TS,SV->TV", pds, vj.astype(f32))
       if dv is not None:
-        dvj, _ = _key_rows(st, dv, j0, ex.kv_length)
+        dvj, _ = _key_rows(st, dv, j0, ex.kv_lengths)
         acc = acc + jnp.einsum("TS,SV->TV", p, dvj.astype(f32))
       return acc, m
 
     init = (jnp.zeros((st.bq, hv), f32) + zero, jnp.zeros((st.bq,), f32) + zero)
     listed = None
-    if ex.block_mask is not None and ex.block_mask.kinds is not None:
-      listed = (ex.block_mask.kv_indices[i], ex.block_mask.kv_full[i])
+    if ex.rule is not None and ex.rule.kinds is not None:
+      listed = (ex.rule.kv_indices[i], ex.rule.kv_full[i])
     ranges = key_ranges(st, ex, place, seg, i, num_k)
     acc, m = _walk(st, ex, ranges, listed, num_k, key_block, init)
     out_i = jax.lax.dynamic_slice_in_dim(out, i0, st.bq).astype(f32)
@@ -835,8 +836,8 @@ def backward(st, residuals, cotangents, drop: Dropout | None = None):
   def key_block(carry, j):
     dq, dbias, dargs = carry
     j0 = j * st.bk
-    kj, _ = _key_rows(st, k, j0, ex.kv_length)
-    vj, _ = _key_rows(st, v, j0, ex.kv_length)
+    kj, _ = _key_rows(st, k, j0, ex.kv_lengths)
+    vj, _ = _key_rows(st, v, j0, ex.kv_lengths)
 
     def query_block(i, full, inner):
       dkj, dvj, dq, dbias, dargs = inner
@@ -873,8 +874,8 @@ def backward(st, residuals, cotangents, drop: Dropout | None = None):
     init = (jnp.zeros(kj.shape, f32) + zero, jnp.zeros(vj.shape, f32) + zero,
             dq, dbias, dargs)
     listed = None
-    if ex.block_mask is not None and ex.block_mask.kinds is not None:
-      listed = (ex.block_mask.q_indices[j], ex.block_mask.q_full[j])
+    if ex.rule is not None and ex.rule.kinds is not None:
+      listed = (ex.rule.q_indices[j], ex.rule.q_full[j])
     ranges = query_ranges(st, ex, place, seg, j, num_q)
     dkj, dvj, dq, dbias, dargs = _walk(st, ex, ranges, listed, num_q,
                                        query_block, init)
@@ -909,16 +910,18 @@ def padded_head(st: Static, tp: int, sp: int, h: broadcast.Head
                 ) -> broadcast.Head:
   """A head's operands padded to whole blocks (segment ids edge-padded;
   a block mask's tables as arrays, indexed by traced blocks)."""
-  mask, bias = h.mask, h.bias
+  mask, bias = h.dense, h.bias
   if mask is not None:
     mask = pad_axis(pad_axis(mask, 0, tp, False), 1, sp, False)
   if bias is not None:
     bias = pad_axis(pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
   block_mask = None
-  if h.block_mask is not None:
-    block_mask = jax.tree.map(jnp.asarray, h.block_mask)
-  return h._replace(mask=mask, bias=bias, q_seg=_edge_pad(h.q_seg, tp),
-                    k_seg=_edge_pad(h.k_seg, sp), block_mask=block_mask)
+  if h.rule is not None:
+    block_mask = jax.tree.map(jnp.asarray, h.rule)
+  return h._replace(dense=mask, bias=bias,
+                    q_segment_ids=_edge_pad(h.q_segment_ids, tp),
+                    kv_segment_ids=_edge_pad(h.kv_segment_ids, sp),
+                    rule=block_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -995,8 +998,8 @@ def single_head(q, k, v, h, garbage=None, seed=None, rate=None, *,
   dropout (``Dropout``), or None. Returns ``(out, None, lse)``, and
   ``max_logits [T]`` too with ``max_logits=True`` among ``blocks``.
   """
-  if h.mask is not None:  # keys no query sees (finite garbage): zero them
-    k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)  # [S|1]
+  if h.dense is not None:  # keys no query sees (finite garbage): zero them
+    k, v = numerics.zero_unseen(jnp.any(h.dense, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
   q_code, kv_code = numerics.codes(q, k, v)  # [Tp], [Sp]: once per head
   ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(
@@ -1011,7 +1014,7 @@ def paged_head(q, k: PagedRows, v: PagedRows, h, drop=None, *, out_dtype,
   ``M * Z``); as ``single_head`` otherwise.
 
   Keys and values are never padded or gathered: each key block loads its
-  page, zero past the head's ``kv_length`` (which a paged call has), and
+  page, zero past the head's ``kv_lengths`` (which a paged call has), and
   the block ranges visit only the pages below it that the pattern lets a
   query block see. Garbage is looked for in each loaded block (the
   per-head codes of ``single_head`` would read the whole pool).
@@ -1031,7 +1034,7 @@ def _attend_head(st: Static, q, k, v, ex: broadcast.Head, h, out_dtype,
                                        Place(*h.offsets(st.t, st.s)), drop)
   out, lse, code = out[:st.t], lse[:st.t], code[:st.t]
   if h.sink is not None:
-    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_lengths)
   if st.max_logits:  # the sink is no logit of a key: it changes nothing
     max_logits = max_logits[:st.t]
   # NaN or inf reaches only the rows that may see it (the walk's codes):
@@ -1092,7 +1095,7 @@ def block_sizes(ops, block_q, block_k) -> tuple[int, int]:
   at T = 4096: 2.4 s; 256 x 256: 3.4 s), or the window's or segment ids'
   blocks with one.
   """
-  bm = ops.block_mask
+  bm = ops.rule
   if bm is not None and bm.kinds is not None:
     for size_name, given, own in (("block_q", block_q, bm.block_q),
                                   ("block_k", block_k, bm.block_k)):
@@ -1105,7 +1108,7 @@ def block_sizes(ops, block_q, block_k) -> tuple[int, int]:
   # Small blocks waste little at a window's edges; 16 or more heads'
   # blocks together still make ops XLA splits over the cores.
   many_heads = math.prod(ops.query.shape[:-2]) >= 16
-  if ops.q_seg is not None:
+  if ops.q_segment_ids is not None:
     rule = (256, 256)
   elif ops.window is not None:
     rule = (128, 128) if many_heads else (256, 256)

@@ -142,7 +142,7 @@ def flash_reference(st: Static, a: Arrays):
                                           a.pages.key_scales),
         flash_core.PagedRows(a.pages.value_pages, kv_head, row,
                              a.pages.value_scales),
-        broadcast.Head(kv_length=length, q_offset=q_off, kv_offset=kv_off,
+        broadcast.Head(kv_lengths=length, q_offset=q_off, kv_offset=kv_off,
                        sink=sink), scale=st.scale, is_causal=st.causal,
         window=st.window, block_q=1, block_k=z, out_dtype=a.query.dtype)
     return out[0], lse[0]

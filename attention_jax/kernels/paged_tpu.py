@@ -18,7 +18,7 @@ What it implements, and the bridge:
 * One query (``T == 1``) seeing every key of its sequence below its
   length, which is what causality at a decoding step's positions says:
   with ``q_offset``/``kv_offset`` the query sees the keys at positions up
-  to its own, so the length given to the kernel is ``min(kv_length,
+  to its own, so the length given to the kernel is ``min(kv_lengths,
   q_offset - kv_offset + 1)`` (traced values welcome). A window, a rule, a
   dense mask, segment ids or query lengths would need a lower bound or a
   pattern the kernel has no place for: not declared, refused by name.

@@ -178,13 +178,13 @@ def _own_tables(ops, bq: int, bk: int):
   block is the kernel's one padded block); ``flash.with_rule_tables`` then
   builds them from the rule at the kernel's sizes. A block mask's sizes
   are the flash core's; Triton needs its own tiles."""
-  bm = ops.block_mask
+  bm = ops.rule
   if bm is None or bm.kinds is None:
     return ops
   t, s = ops.query.shape[-2], ops.key.shape[-2]
   if (bm.block_q, bm.block_k) == (min(bq, t), min(bk, s)):
     return ops
-  return ops._replace(block_mask=bm.with_tables((None,) * 5))
+  return ops._replace(rule=bm.with_tables((None,) * 5))
 
 
 def _launch(h: int, t: int, s: int) -> tuple[int, int, int]:
@@ -232,8 +232,8 @@ def _unlowered(ops, bq: int, bk: int) -> str | None:
       return out, vjp(jnp.ones_like(out))
 
     checks.append(("score_mod", with_vjp))
-  if ops.block_mask is not None:
-    checks.append(("the mask rule", lambda: ops.block_mask.mask_fn(*idx)))
+  if ops.rule is not None:
+    checks.append(("the mask rule", lambda: ops.rule.mask_fn(*idx)))
   for what, traced in checks:
     try:
       closed = jax.make_jaxpr(traced)()
@@ -295,7 +295,7 @@ class _Spec(NamedTuple):
   bias: bool
   segments: bool
   length: bool
-  q_length: bool
+  q_lengths: bool
   listed: bool  # a block mask's tables
   every_block_checked: bool  # a dense mask or a rule: no full blocks
   patterned: bool
@@ -333,7 +333,7 @@ def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
   cols = j0 + jax.lax.broadcasted_iota(jnp.int32, (1, st.bk), 1)
   # (offset: query row r stands at key column r + offset; the score
   # modifier and the rule see positions q_start + r, kv_start + c)
-  length, q_length, b, h, offset, q_start, kv_start = tiles.ints
+  length, q_lengths, b, h, offset, q_start, kv_start = tiles.ints
   if tiles.bias is not None:
     logits = logits + tiles.bias.astype(_F32)
     ok = both(logits > -jnp.inf)
@@ -358,12 +358,14 @@ def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
     return logits, ok, mod_vjp
   if st.s % st.bk:
     ok = both(cols < st.s)
-  q_seg = k_seg = None
-  if tiles.q_seg is not None:
-    q_seg, k_seg = tiles.q_seg[:, None], tiles.k_seg[None, :]
+  q_segment_ids = kv_segment_ids = None
+  if tiles.q_segment_ids is not None:
+    q_segment_ids = tiles.q_segment_ids[:, None]
+    kv_segment_ids = tiles.kv_segment_ids[None, :]
   ok = both(intervals.visible(rows, cols, offset, st.bounds,
-                              q_length if sp.q_length else None,
-                              length if sp.length else None, q_seg, k_seg))
+                              q_lengths if sp.q_lengths else None,
+                              length if sp.length else None, q_segment_ids,
+                              kv_segment_ids))
   if tiles.mask is not None:
     ok = both(jnp.broadcast_to(tiles.mask != 0, (st.bq, st.bk)))
   if sp.rule is not None:
@@ -404,8 +406,8 @@ class _Refs(NamedTuple):
   ints: Any  # int32 [7]: kv length, q length, b, h, offset, q_start, kv_start
   ranges: Any
   table: Any
-  q_seg: Any
-  k_seg: Any
+  q_segment_ids: Any
+  kv_segment_ids: Any
   mask: Any
   bias: Any
   seed: Any  # dropout's uint32 [2] (a tile: its two words)
@@ -419,12 +421,12 @@ def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Refs:
   """Reads one block's operands at rows ``i0``, columns ``j0``."""
   st = sp.st
   ints = tuple(r.ints[n] for n in range(7))
-  q_seg = k_seg = mask = bias = seed = rate = None
+  q_segment_ids = kv_segment_ids = mask = bias = seed = rate = None
   if sp.dropout:
     seed, rate = (r.seed[0], r.seed[1]), r.rate[0]
   if sp.segments:
-    q_seg = r.q_seg[pl.ds(i0, st.bq)]
-    k_seg = r.k_seg[pl.ds(j0, st.bk)]
+    q_segment_ids = r.q_segment_ids[pl.ds(i0, st.bq)]
+    kv_segment_ids = r.kv_segment_ids[pl.ds(j0, st.bk)]
   if sp.mask_shape is not None:
     rows, cols = sp.mask_shape
     mask = r.mask[pl.ds(i0, st.bq) if rows != 1 else pl.ds(0, 1),
@@ -432,7 +434,7 @@ def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Refs:
   if sp.bias:
     bias = r.bias[pl.ds(i0, st.bq), pl.ds(j0, st.bk)]
   mod_shapes, diff_shapes, rule_shapes = shapes
-  return _Refs(ints, None, None, q_seg, k_seg, mask, bias, seed, rate,
+  return _Refs(ints, None, None, q_segment_ids, kv_segment_ids, mask, bias, seed, rate,
                tuple(map(_load_const, r.mod_consts, mod_shapes)),
                tuple(map(_load_const, r.mod_diff, diff_shapes)),
                tuple(map(_load_const, r.rule_consts, rule_shapes)))
@@ -626,7 +628,7 @@ def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
 def _flatten(r: _Refs) -> list:
   """The present operands of ``r`` in order (the kernels' refs)."""
   flat = [r.ints, r.ranges]
-  for x in (r.table, r.q_seg, r.k_seg, r.mask, r.bias, r.seed, r.rate):
+  for x in (r.table, r.q_segment_ids, r.kv_segment_ids, r.mask, r.bias, r.seed, r.rate):
     if x is not None:
       flat.append(x)
   return flat + [*r.mod_consts, *r.mod_diff, *r.rule_consts]
@@ -637,7 +639,7 @@ def _unflatten(refs, sp: _Spec) -> list:
   take = lambda present: refs.pop(0) if present else None  # noqa: E731
   ints, ranges = refs.pop(0), refs.pop(0)
   table = take(sp.listed)
-  q_seg, k_seg = take(sp.segments), take(sp.segments)
+  q_segment_ids, kv_segment_ids = take(sp.segments), take(sp.segments)
   mask = take(sp.mask_shape is not None)
   bias = take(sp.bias)
   seed, rate = take(sp.dropout), take(sp.dropout)
@@ -646,7 +648,7 @@ def _unflatten(refs, sp: _Spec) -> list:
   mod_consts = tuple(refs.pop(0) for _ in range(n_mod))
   mod_diff = tuple(refs.pop(0) for _ in range(sp.num_diff))
   rule_consts = tuple(refs.pop(0) for _ in range(n_rule))
-  return [ints, ranges, table, q_seg, k_seg, mask, bias, seed, rate,
+  return [ints, ranges, table, q_segment_ids, kv_segment_ids, mask, bias, seed, rate,
           mod_consts, mod_diff, rule_consts]
 
 
@@ -788,8 +790,8 @@ def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
   ``seed`` (uint32 ``[2]``) and ``rate`` (float32 scalar) are the call's
   dropout (``flash.drop_operands``), or None without dropout.
   """
-  if h.mask is not None:  # keys no query sees (finite garbage): zero them
-    k, v = numerics.zero_unseen(jnp.any(h.mask, axis=0), k, v)
+  if h.dense is not None:  # keys no query sees (finite garbage): zero them
+    k, v = numerics.zero_unseen(jnp.any(h.dense, axis=0), k, v)
   hv = v.shape[-1]
   st, q, k, v = _padded(q, k, v, **blocks)
   ex = flash_core.padded_head(st, q.shape[0], k.shape[0], h)
@@ -806,22 +808,22 @@ def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
                   jnp.zeros((), i32), jnp.zeros((), i32),
                   jnp.zeros((st.bq, 1), i32), jnp.zeros((1, st.bk), i32),
                   *mod_diff, blocks=getattr(st.score_mod, "blocks", True))
-  bm = ex.block_mask
+  bm = ex.rule
   if bm is not None:
     rule = _replay(bm.mask_fn, jnp.zeros((), i32), jnp.zeros((), i32),
                    jnp.zeros((st.bq, 1), i32), jnp.zeros((1, st.bk), i32))
   listed = bm is not None and bm.kinds is not None
-  sp = _Spec(st, None if ex.mask is None else ex.mask.shape, bias is not None,
-             ex.q_seg is not None, ex.kv_length is not None,
-             ex.q_length is not None, listed,
-             ex.mask is not None or (bm is not None and not listed),
+  sp = _Spec(st, None if ex.dense is None else ex.dense.shape, bias is not None,
+             ex.q_segment_ids is not None, ex.kv_lengths is not None,
+             ex.q_lengths is not None, listed,
+             ex.dense is not None or (bm is not None and not listed),
              flash_core.patterned(st, ex), mod, len(mod_diff), rule,
              seed is not None, launch)
   zero = jnp.zeros((), i32)
   b_idx, h_idx = (zero, zero) if ex.index is None else ex.index
   ints = jnp.stack([
-      jnp.asarray(st.s if ex.kv_length is None else ex.kv_length, i32),
-      jnp.asarray(st.t if ex.q_length is None else ex.q_length, i32),
+      jnp.asarray(st.s if ex.kv_lengths is None else ex.kv_lengths, i32),
+      jnp.asarray(st.t if ex.q_lengths is None else ex.q_lengths, i32),
       jnp.asarray(b_idx, i32), jnp.asarray(h_idx, i32),
       *(jnp.asarray(x, i32) for x in ex.offsets(st.t, st.s))])
 
@@ -830,8 +832,9 @@ def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
     if listed:
       table = bm.kv_indices if rows else bm.q_indices
     return _Refs(
-        ints, _ranges(st, ex, num_q, num_k, rows, table), table, ex.q_seg, ex.k_seg,
-        None if ex.mask is None else ex.mask.astype(jnp.int8), None, seed,
+        ints, _ranges(st, ex, num_q, num_k, rows, table), table,
+        ex.q_segment_ids, ex.kv_segment_ids,
+        None if ex.dense is None else ex.dense.astype(jnp.int8), None, seed,
         rate, () if mod is None else mod.consts, (),
         () if rule is None else rule.consts)
 
@@ -864,7 +867,7 @@ def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
   out, lse, code = attend(q, k, v, bias, mod_diff, fixed(True), fixed(False))
   out, lse, code = out[:st.t, :hv], lse[:st.t], code[:st.t]
   if h.sink is not None:
-    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_lengths)
   # poisoned after the custom VJP: those rows pass no cotangent back
   out, lse = numerics.poison(code, out.astype(out_dtype), lse)
   return out, None, lse

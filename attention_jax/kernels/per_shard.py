@@ -81,7 +81,7 @@ def run(kernel: base.Kernel, problem: base.Problem) -> base.Result:
 
   # The rule's (b, h) as the shard's global indices, when it reads one
   # along a split axis (the kernels build tables over the shard's own).
-  bm = ops.block_mask
+  bm = ops.rule
   if bm is not None and _reads_split(bm.mask_fn, ops, sizes):
     local_b = ops.leading[batch_dim] // sizes[batch_dim]
     local_h = 1 if head_dim is None else (
@@ -91,12 +91,12 @@ def run(kernel: base.Kernel, problem: base.Problem) -> base.Result:
   # Every array leaf becomes an operand with its spec; the rest is static.
   # Concrete arrays every shard sees whole stay constants (Splash reads
   # its masks and rules' arrays on the host).
-  leaves = _roles(ops._replace(block_mask=bm), problem, grouped)
+  leaves = _roles(ops._replace(rule=bm), problem, grouped)
   constant = [not isinstance(x, jax.core.Tracer) and not any(spec)
               for _, x, spec in leaves]
   arrays = [x for (_, x, _), c in zip(leaves, constant) if not c]
   specs = tuple(spec for (_, _, spec), c in zip(leaves, constant) if not c)
-  shifted = bm is not ops.block_mask
+  shifted = bm is not ops.rule
 
   def shard(*arrays):
     given = iter(arrays)
@@ -154,9 +154,9 @@ def _is_array(x) -> bool:
 
 
 # The core dims (what is not a leading dim) of each per-head operand.
-_CORE = {"query": 2, "key": 2, "value": 2, "mask": 2, "bias": 2,
-         "kv_lengths": 0, "q_lengths": 0, "q_seg": 1, "k_seg": 1,
-         "sinks": 0, "q_offset": 0, "kv_offset": 0}
+_CORE = {"query": 2, "key": 2, "value": 2, "dense": 2, "bias": 2,
+         "kv_lengths": 0, "q_lengths": 0, "q_segment_ids": 1,
+         "kv_segment_ids": 1, "sinks": 0, "q_offset": 0, "kv_offset": 0}
 
 
 def _roles(ops, problem, grouped: _Layout):
@@ -169,7 +169,7 @@ def _roles(ops, problem, grouped: _Layout):
   if ops.head_index is not None:
     for i, x in enumerate(ops.head_index):
       found.append((("head_index", i), x, grouped.spec(np.shape(x), 0)))
-  bm = ops.block_mask
+  bm = ops.rule
   if bm is not None:
     for i, x in enumerate(bm.tables):
       if x is not None:  # [..., nq, nk|m]: per (b, h) like a mask
@@ -232,7 +232,7 @@ def _rebuild(problem, ops, bm, leaves, values, grouped, caller):
     groups = grouping.Groups(groups.num_heads // heads,
                              groups.num_kv_heads // heads)
   local_ops = ops._replace(
-      **fields, head_index=head_index, block_mask=bm, score_mod=score_mod,
+      **fields, head_index=head_index, rule=bm, score_mod=score_mod,
       groups=groups, batch_shape=grouped.local(ops.batch_shape, 0),
       leading=caller.local(ops.leading, 0))
   pages = problem.pages
@@ -320,7 +320,7 @@ def _globalized(bm, local_b: int, local_h: int):
 def _with_offsets(problem, partition, batch_dim, head_dim, caller):
   """The shard's first ``(b, h)`` put into its globalized rule."""
   ops = problem.ops
-  bm = ops.block_mask
+  bm = ops.rule
   rule = bm.mask_fn
   inner = rule.params[0]
   b0 = h0 = np.zeros((), np.int32)
@@ -334,5 +334,5 @@ def _with_offsets(problem, partition, batch_dim, head_dim, caller):
   rule = mask_lib.MaskRule(rule.fn, (inner, b0, h0), rule.examples)
   bm = mask_lib.BlockMask(rule, bm.q_len, bm.kv_len, bm.block_q, bm.block_k,
                           *bm.tables)
-  return problem._replace(ops=ops._replace(block_mask=bm))
+  return problem._replace(ops=ops._replace(rule=bm))
 

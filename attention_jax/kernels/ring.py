@@ -249,20 +249,20 @@ class _Held(NamedTuple):
   """A key block and its segment ids, which travel round the ring."""
   k: jax.Array
   v: jax.Array
-  k_seg: jax.Array | None  # int32 [n * Csp]
+  kv_segment_ids: jax.Array | None  # int32 [n * Csp]
 
 
 class _Blocks(NamedTuple):
   """Every device's key-block length and position (int32 ``[P]`` each, or
   None), gathered once per call: a held block's are indexed by whose it
   is, not sent round with it at every step."""
-  kv_length: jax.Array | None
+  kv_lengths: jax.Array | None
   kv_offset: jax.Array | None
 
 
 def _gather(rg: _Ring, ex: broadcast.Head) -> _Blocks:
   return _Blocks(*(None if x is None else jax.lax.all_gather(x, rg.axis_name)
-                   for x in (ex.kv_length, ex.kv_offset)))
+                   for x in (ex.kv_lengths, ex.kv_offset)))
 
 
 def _travel(rg: _Ring, held: _Held, by: int = 1) -> _Held:
@@ -331,11 +331,12 @@ def _pair(rg: _Ring, ex: broadcast.Head, blocks: _Blocks, held: _Held,
   length, offset = (None if x is None else x[src] for x in blocks)
   column = (src * n + b) * sp  # of the [P * n * Csp] columns, layout order
   ex_ab = ex._replace(
-      mask=_window(ex.mask, a * tp, column, tp, sp),
+      dense=_window(ex.dense, a * tp, column, tp, sp),
       bias=_window(ex.bias, a * tp, column, tp, sp),
-      q_length=_chunk_length(ex.q_length, a, ct),
-      q_seg=_chunk(ex.q_seg, a, tp), k_seg=_chunk(held.k_seg, b, sp),
-      kv_length=_chunk_length(length, b, cs), kv_offset=offset)
+      q_lengths=_chunk_length(ex.q_lengths, a, ct),
+      q_segment_ids=_chunk(ex.q_segment_ids, a, tp),
+      kv_segment_ids=_chunk(held.kv_segment_ids, b, sp),
+      kv_lengths=_chunk_length(length, b, cs), kv_offset=offset)
   if ex.q_offset is None:  # nothing placed: no causality, window or rule
     return _Pair(a, b, ex_ab, flash_core.Place(0), column)
   # a chunk stands (its global index - the device's first) chunks further
@@ -386,7 +387,7 @@ def _ring_forward(rg: _Ring, q, k, v, ex, blocks):
   result = (jnp.zeros((rows, v.shape[-1]), jnp.float32) + zero, none,
             none if rg.block.max_logits else None,
             jnp.zeros((rows,), jnp.float32) + zero)
-  held = _Held(k, v, ex.k_seg)
+  held = _Held(k, v, ex.kv_segment_ids)
   if rg.steps == tuple(range(rg.size)):  # every step: one shift each
     def step_fn(step, carry):
       result, held = carry
@@ -476,7 +477,7 @@ def _ring_tangent(rg, residuals, linear):
 
     return jax.lax.fori_loop(0, rg.chunks ** 2, pair, acc)
 
-  held = _Held(k, v, ex.k_seg)
+  held = _Held(k, v, ex.kv_segment_ids)
   if rg.steps == tuple(range(rg.size)):
     def step_fn(step, carry):
       held, held_t, acc = carry
@@ -528,7 +529,7 @@ def _ring_bwd(rg, residuals, cotangents):
   acc = (zeros(q), zeros(k), zeros(v),
          None if ex.bias is None else zeros(ex.bias),
          tuple(map(zeros, ex.mod_consts)))
-  held = _Held(k, v, ex.k_seg)
+  held = _Held(k, v, ex.kv_segment_ids)
   if rg.steps == tuple(range(rg.size)):
     def step_fn(step, carry):
       held, (dq, dk, dv, dbias, dargs) = carry
@@ -624,7 +625,7 @@ def _single_head(q, k, v, h, garbage, *, axis_name, size, steps, layout,
   # P * n key chunks.
   q = _pad_chunks(q, 0, n, st.t, tp, 0)
   k, v = (_pad_chunks(x, 0, n, st.s, sp, 0) for x in (k, v))
-  mask, bias = h.mask, h.bias
+  mask, bias = h.dense, h.bias
   if mask is not None:
     mask = _pad_chunks(_pad_chunks(mask, 0, n, st.t, tp, False), 1,
                        size * n, st.s, sp, False)
@@ -632,18 +633,18 @@ def _single_head(q, k, v, h, garbage, *, axis_name, size, steps, layout,
     bias = _pad_chunks(_pad_chunks(bias, 0, n, st.t, tp, 0.0), 1, size * n,
                        st.s, sp, 0.0)
   ex = h._replace(
-      mask=mask, bias=bias, garbage=garbage,
-      q_seg=_pad_chunks(h.q_seg, 0, n, st.t, tp, 0, edge=True),
-      k_seg=_pad_chunks(h.k_seg, 0, n, st.s, sp, 0, edge=True),
-      block_mask=None if h.block_mask is None else jax.tree.map(
-          jnp.asarray, h.block_mask))
+      dense=mask, bias=bias, garbage=garbage,
+      q_segment_ids=_pad_chunks(h.q_segment_ids, 0, n, st.t, tp, 0, edge=True),
+      kv_segment_ids=_pad_chunks(h.kv_segment_ids, 0, n, st.s, sp, 0, edge=True),
+      rule=None if h.rule is None else jax.tree.map(
+          jnp.asarray, h.rule))
   st, ex = flash_core.hoist_score_mod(st, ex, q, replay_closures=False)
   rg = rg._replace(block=st)
   out, lse, max_logits, code = _ring(rg, q, k, v, ex, _gather(rg, ex))
   out, lse, code, max_logits = (_strip_chunks(x, n, st.t, tp)
                                 for x in (out, lse, code, max_logits))
   if h.sink is not None:
-    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_length)
+    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_lengths)
   # NaN or inf reaches only the rows that may see it (flash_core's blocks
   # are made finite as they are loaded; each step's codes merge by max):
   # poisoned after the custom VJP, those rows pass no cotangent back.
@@ -861,7 +862,7 @@ class Ring(base.Kernel):
   def supports(self, problem: base.Problem) -> str | None:
     ops = problem.ops
     t, s = ops.query.shape[-2], ops.key.shape[-2]
-    for name, x in (("dense mask", ops.mask), ("bias", ops.bias)):
+    for name, x in (("dense mask", ops.dense), ("bias", ops.bias)):
       if x is not None:
         return (f"it takes a {name} only over every key column of the "
                 f"sequence ([..., T|1, P*S|1]), which the call's checks "
@@ -897,17 +898,17 @@ class Ring(base.Kernel):
     problem = base.scale_in_query(problem)  # a traced scale too
     ops = problem.ops
     size = self.size()
-    rule = ops.block_mask
+    rule = ops.rule
     if rule is not None:
       # A rule is evaluated at positions in every block a device visits
       # (no tables: the held block changes every step).
       t, s = ops.query.shape[-2], ops.key.shape[-2]
-      ops = ops._replace(block_mask=BlockMask(
+      ops = ops._replace(rule=BlockMask(
           rule.mask_fn, t, s, t, s, None, None, None, None, None))
     if self.columns is not None:  # split by head groups as the call's are
       mask, bias = self.columns
       ops = ops._replace(
-          mask=None if mask is None else grouping.split(
+          dense=None if mask is None else grouping.split(
               numerics.as_bool_mask(mask), ops.groups, -3),
           bias=grouping.split(bias, ops.groups, -3))
     block_q, block_k = flash_core.block_sizes(ops, self.block_q,

@@ -168,7 +168,7 @@ def _rule_mask(ops, t: int, s: int) -> np.ndarray | None:
   # into the caller's jit (splash needs its mask on the host).
   with jax.ensure_compile_time_eval():
     try:
-      allowed = ops.block_mask.mask_fn(b, h, rows, cols)
+      allowed = ops.rule.mask_fn(b, h, rows, cols)
     except (jax.errors.TracerArrayConversionError,
             jax.errors.ConcretizationTypeError,
             jax.errors.TracerBoolConversionError):
@@ -185,15 +185,15 @@ def _static_mask(ops, t: int, s: int) -> tuple[np.ndarray | None, str | None]:
   """The dense mask and the rule as one bool NumPy ``[..., T|1, S|1]``
   (None without them), or the reason they cannot be static."""
   mask = None
-  if ops.mask is not None:
-    mask = _concrete(ops.mask)
+  if ops.dense is not None:
+    mask = _concrete(ops.dense)
     if mask is None:
       return None, ("its mask is static (block tables built on the host), "
                     "and this dense mask is traced (under jax.jit every mask "
                     "array is): express it as lengths, segment ids or a "
                     "rule, or use 'flash'")
     mask = mask.astype(bool)
-  if ops.block_mask is not None:
+  if ops.rule is not None:
     rule = _rule_mask(ops, t, s)
     if rule is None:
       return None, ("its mask is static (block tables built on the host), "
@@ -260,8 +260,8 @@ class Splash(base.Kernel):
     t, s = ops.query.shape[-2], ops.key.shape[-2]
     if t == 0 or s == 0:
       return f"it needs T and S >= 1, got T={t}, S={s}"
-    if ops.block_mask is not None:
-      batch = checks.rule_batch(ops.block_mask.mask_fn, ops.leading, s)
+    if ops.rule is not None:
+      batch = checks.rule_batch(ops.rule.mask_fn, ops.leading, s)
       cells = math.prod(batch) * t * s
       if cells > HOST_MASK_LIMIT:
         return (f"its mask is static: this rule would be evaluated on the "
@@ -292,7 +292,8 @@ class Splash(base.Kernel):
     dtype = problem.out_dtype
     q, k, v = (full(x, 2).astype(dtype)
                for x in (ops.query, ops.key, ops.value))
-    rows = dict(q_seg=full(ops.q_seg, 1), k_seg=full(ops.k_seg, 1),
+    rows = dict(q_segment_ids=full(ops.q_segment_ids, 1),
+                kv_segment_ids=full(ops.kv_segment_ids, 1),
                 kv_len=full(ops.kv_lengths, 0), q_len=full(ops.q_lengths, 0))
     sinks = full(ops.sinks, 0)
     static, _ = _static_mask(ops, t, s)
@@ -401,19 +402,19 @@ class Splash(base.Kernel):
         mask_lib.MultiHeadMask(masks), block_sizes=sizes,
         save_residuals=True, attn_logits_soft_cap=cap, head_shards=1,
         q_seq_shards=1, interpret=self.interpret)
-    segmented = (rows["q_seg"] is not None or rows["kv_len"] is not None
+    segmented = (rows["q_segment_ids"] is not None or rows["kv_len"] is not None
                  or sp > s)
 
-    def one(q, k, v, q_seg, k_seg, kv_len, q_len, sink):
+    def one(q, k, v, q_segment_ids, kv_segment_ids, kv_len, q_len, sink):
       """q ``[G, T, H]``, k ``[S, H]``, v ``[S, Hv]``; per-row arrays of
       this slice; sink ``[G|1]`` or None."""
       q, k, v, q_code, kv_code = numerics.sanitize(q, k, v)
 
       def visible(start, size):  # rows [start, start + size): [G|1, size, S]
         rows = start + jnp.arange(size)[:, None]
-        ids = None if q_seg is None else (
-            jax.lax.dynamic_slice_in_dim(q_seg, start, size)[:, None],
-            k_seg[None, :])
+        ids = None if q_segment_ids is None else (
+            jax.lax.dynamic_slice_in_dim(q_segment_ids, start, size)[:, None],
+            kv_segment_ids[None, :])
         ok = intervals.visible(rows, jnp.arange(s)[None, :], s - t, bounds,
                                q_len, kv_len, *(ids or (None, None)))
         if pattern is not None:
@@ -433,8 +434,8 @@ class Splash(base.Kernel):
       segment_ids = None
       seen = None if key_seen is None else jnp.asarray(key_seen)
       if segmented:
-        if q_seg is not None:
-          q_ids, k_ids = _renumber(q_seg, k_seg)
+        if q_segment_ids is not None:
+          q_ids, k_ids = _renumber(q_segment_ids, kv_segment_ids)
         else:
           q_ids = jnp.zeros((t,), jnp.int32)
           k_ids = jnp.zeros((s,), jnp.int32)
@@ -465,7 +466,7 @@ class Splash(base.Kernel):
       return numerics.poison(code, out, lse)
 
     operands = (q, k[..., 0, :, :], v[..., 0, :, :],
-                *(_drop_head(rows[n], 1) for n in ("q_seg", "k_seg")),
+                *(_drop_head(rows[n], 1) for n in ("q_segment_ids", "kv_segment_ids")),
                 *(_drop_head(rows[n], 0) for n in ("kv_len", "q_len")),
                 sinks)
     return broadcast.broadcast_vmap(one, (3, 2, 2, 1, 1, 0, 0, 1), operands)
@@ -476,14 +477,14 @@ def _drop_head(x, core: int):
   return None if x is None else x[(Ellipsis, 0) + (slice(None),) * core]
 
 
-def _renumber(q_seg, k_seg):
+def _renumber(q_segment_ids, kv_segment_ids):
   """Segment ids as ranks among the sorted query ids: equal ids stay equal,
   a key id that no query has becomes -1 (so -1 and -2 match nothing)."""
-  t = q_seg.shape[0]
-  ordered = jnp.sort(q_seg)
-  q_ids = jnp.searchsorted(ordered, q_seg, side="left")
-  at = jnp.searchsorted(ordered, k_seg, side="left")
-  found = (at < t) & (ordered[jnp.minimum(at, t - 1)] == k_seg)
+  t = q_segment_ids.shape[0]
+  ordered = jnp.sort(q_segment_ids)
+  q_ids = jnp.searchsorted(ordered, q_segment_ids, side="left")
+  at = jnp.searchsorted(ordered, kv_segment_ids, side="left")
+  found = (at < t) & (ordered[jnp.minimum(at, t - 1)] == kv_segment_ids)
   return q_ids.astype(jnp.int32), jnp.where(found, at, -1).astype(jnp.int32)
 
 

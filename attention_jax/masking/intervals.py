@@ -9,12 +9,12 @@ attention passes each step's offset). With ``(left, right)`` the resolved
 window bounds (``None`` = unbounded), query ``r`` may see key ``c`` iff
 
     r + offset - left <= c <= r + offset + right,
-    c < kv_length,  r < q_length.
+    c < kv_lengths,  r < q_lengths.
 
 ``causal`` is ``right = 0`` (with a wider ``right`` the causal bound wins);
 a window ``(left, right)`` is jax.nn's ``local_window_size`` (an int ``w``
 means ``(w, w)``). Packed sequences add segment ids: query ``r`` may see
-key ``c`` only when ``q_seg[r] == k_seg[c]``.
+key ``c`` only when ``q_segment_ids[r] == kv_segment_ids[c]``.
 
 ``jax_nn_band`` says how ``jax.nn.dot_product_attention`` (top-left
 aligned: offset 0) expresses a band: its own ``is_causal`` and
@@ -104,11 +104,11 @@ def bounds(is_causal: bool, window: tuple[int, int] | None) -> Bounds:
   return Bounds(left, right)
 
 
-def visible(rows, cols, offset, b: Bounds, q_length=None, kv_length=None,
-            q_seg=None, k_seg=None):
+def visible(rows, cols, offset, b: Bounds, q_lengths=None, kv_lengths=None,
+            q_segment_ids=None, kv_segment_ids=None):
   """Bool of broadcast ``rows`` x ``cols`` where a query may see a key.
 
-  ``q_seg``/``k_seg`` are the segment ids of ``rows``/``cols`` (same
+  ``q_segment_ids``/``kv_segment_ids`` are the segment ids of ``rows``/``cols`` (same
   shapes) or None. None when nothing is excluded (no bound, no length, no
   segments): callers then skip every mask pass.
   """
@@ -121,12 +121,12 @@ def visible(rows, cols, offset, b: Bounds, q_length=None, kv_length=None,
     ok = both(cols <= rows + offset + b.right)
   if b.left is not None:
     ok = both(cols >= rows + offset - b.left)
-  if kv_length is not None:
-    ok = both(cols < kv_length)
-  if q_length is not None:
-    ok = both(rows < q_length)
-  if q_seg is not None:
-    ok = both(q_seg == k_seg)
+  if kv_lengths is not None:
+    ok = both(cols < kv_lengths)
+  if q_lengths is not None:
+    ok = both(rows < q_lengths)
+  if q_segment_ids is not None:
+    ok = both(q_segment_ids == kv_segment_ids)
   return ok
 
 
@@ -213,39 +213,39 @@ def _blocks(first, last, size: int, count: int):
 
 
 def key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
-                    kv_length=None, q_length=None):
+                    kv_lengths=None, q_lengths=None):
   """Key blocks ``[lo, hi)`` that query rows ``[i0, i0 + bq)`` may see.
 
   Exact for these patterns: the columns the rows may see form one interval,
   and the range is exactly the blocks it touches (tested by brute force).
   """
   last_row = i0 + bq - 1
-  if q_length is not None:
-    last_row = jnp.minimum(last_row, q_length - 1)
+  if q_lengths is not None:
+    last_row = jnp.minimum(last_row, q_lengths - 1)
   first = 0 if b.left is None else i0 + offset - b.left
   last = num_k * bk - 1
   if b.right is not None:
     last = last_row + offset + b.right
-  if kv_length is not None:
-    last = jnp.minimum(last, kv_length - 1)
-  if q_length is not None:  # rows past the length see nothing
+  if kv_lengths is not None:
+    last = jnp.minimum(last, kv_lengths - 1)
+  if q_lengths is not None:  # rows past the length see nothing
     last = jnp.where(last_row >= i0, last, first - 1)
   return _blocks(first, last, bk, num_k)
 
 
 def query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int, offset,
-                      kv_length=None, q_length=None):
+                      kv_lengths=None, q_lengths=None):
   """Query blocks ``[lo, hi)`` whose rows may see key columns ``[j0, j0 + bk)``."""
   last_col = j0 + bk - 1
-  if kv_length is not None:
-    last_col = jnp.minimum(last_col, kv_length - 1)
+  if kv_lengths is not None:
+    last_col = jnp.minimum(last_col, kv_lengths - 1)
   first = 0 if b.right is None else j0 - offset - b.right
   last = num_q * bq - 1
   if b.left is not None:
     last = last_col - offset + b.left
-  if q_length is not None:
-    last = jnp.minimum(last, q_length - 1)
-  if kv_length is not None:  # columns past the length are seen by nobody
+  if q_lengths is not None:
+    last = jnp.minimum(last, q_lengths - 1)
+  if kv_lengths is not None:  # columns past the length are seen by nobody
     last = jnp.where(last_col >= j0, last, first - 1)
   return _blocks(first, last, bq, num_q)
 
@@ -258,7 +258,7 @@ def _full_blocks(first, last, size: int, count: int):
 
 
 def full_key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
-                         kv_length=None, q_length=None, s: int | None = None):
+                         kv_lengths=None, q_lengths=None, s: int | None = None):
   """Key blocks every entry of which rows ``[i0, i0 + bq)`` may see.
 
   ``s`` is the true key length (columns past it are padding). Exact for
@@ -269,24 +269,24 @@ def full_key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
   last = big - 1 if b.right is None else i0 + offset + b.right
   if s is not None:
     last = jnp.minimum(last, s - 1)
-  if kv_length is not None:
-    last = jnp.minimum(last, kv_length - 1)
-  if q_length is not None:  # a row past the length sees nothing
-    last = jnp.where(i0 + bq <= q_length, last, first - 1)
+  if kv_lengths is not None:
+    last = jnp.minimum(last, kv_lengths - 1)
+  if q_lengths is not None:  # a row past the length sees nothing
+    last = jnp.where(i0 + bq <= q_lengths, last, first - 1)
   return _full_blocks(first, last, bk, num_k)
 
 
 def full_query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int,
-                           offset, kv_length=None, q_length=None,
+                           offset, kv_lengths=None, q_lengths=None,
                            s: int | None = None):
   """Query blocks every row of which sees all of columns ``[j0, j0 + bk)``."""
   big = num_q * bq
   first = 0 if b.right is None else j0 + bk - 1 - offset - b.right
   last = big - 1 if b.left is None else j0 - offset + b.left
-  if q_length is not None:
-    last = jnp.minimum(last, q_length - 1)
+  if q_lengths is not None:
+    last = jnp.minimum(last, q_lengths - 1)
   end = j0 + bk
-  for limit in (s, kv_length):  # a column past a length is seen by nobody
+  for limit in (s, kv_lengths):  # a column past a length is seen by nobody
     if limit is not None:
       last = jnp.where(end <= limit, last, first - 1)
   return _full_blocks(first, last, bq, num_q)

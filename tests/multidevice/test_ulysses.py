@@ -45,8 +45,8 @@ def _allowed(t, s, n, *, causal=False, window=None, kv_lengths=None,
   if q_lengths is not None:
     allowed &= (i < np.asarray(q_lengths)[:, None, None, None])
   if segments is not None:
-    q_seg, k_seg = segments
-    allowed &= (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
+    q_segment_ids, kv_segment_ids = segments
+    allowed &= (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
   if head_rule:  # _head_rule: head h skips the first h keys
     allowed &= j >= np.arange(n)[:, None, None]
   if dense is not None:
