@@ -156,8 +156,66 @@ SUBSETS = {
 
 
 def case_names(kernel: str) -> tuple[str, ...]:
-  """The cases a kernel's column runs."""
+  """The cases a kernel's column runs (the exhaustive run)."""
   return SUBSETS.get(kernel, tuple(CASES))
+
+
+# Columns whose every case runs by default; the others (the
+# sequence-parallel harnesses, the interpreted Pallas kernels: seconds a
+# case) run ``covering_cases`` by default and the rest under
+# ``-m exhaustive``.
+EVERY_CASE_BY_DEFAULT = frozenset({"dense", "flash", "cudnn"})
+
+
+def facets(case: Case) -> frozenset[str]:
+  """What a case exercises, finer than ``Case.features`` (what a kernel
+  refuses): the kind of segment ids and of rule, garbage and NaN
+  padding."""
+  found = set(case.features())
+  if case.segments:
+    found.add(f"segments:{case.segments}")
+  if case.rule:
+    found.add(f"rule:{case.rule}")
+  for name in ("garbage", "nan_padding"):
+    if getattr(case, name):
+      found.add(name)
+  return frozenset(found)
+
+
+def covering_cases(kernel: str) -> tuple[str, ...]:
+  """The fewest of a column's cases (greedy, in ``CASES`` order on ties)
+  that exercise every facet its cases exercise, and every feature it
+  refuses (each at least once), and a case it refuses for its shapes."""
+  names = case_names(kernel)
+  if kernel in EVERY_CASE_BY_DEFAULT:
+    return names
+  refused = REFUSES.get(kernel, frozenset())
+  shaped = REFUSES_SHAPES.get(kernel, (lambda case: False,))[0]
+
+  def goals(name):
+    case = CASES[name]
+    if case.features() & refused:  # a refusal: its refused features
+      return {f"refuses:{f}" for f in case.features() & refused}
+    return set(facets(case)) | ({"refuses:shape"} if shaped(case) else set())
+
+  left = set().union(*(goals(n) for n in names))
+  chosen = []
+  while left:
+    best = max(names, key=lambda n: len(goals(n) & left))
+    chosen.append(best)
+    left -= goals(best)
+  return tuple(n for n in names if n in chosen)
+
+
+_CASE_TEST = re.compile(r"^test_(contract|forward_mode)_(.+?)__(.+)$")
+
+
+def is_exhaustive(test_name: str) -> bool:
+  """Whether a contract test (``test_contract_<kernel>__<case>``,
+  ``test_forward_mode_<kernel>__<case>``) runs only in the exhaustive run:
+  its case is not among its column's ``covering_cases``."""
+  found = _CASE_TEST.match(test_name)
+  return bool(found) and found[3] not in covering_cases(found[2])
 
 
 def kernel_names() -> list[str]:
@@ -654,9 +712,9 @@ def _differentiable_extras(case: Case):
 def _allowed(case: Case, mask, lengths, q_lengths, bias):
   """Where query t may see key s, [B, N, T, S], written out from the case."""
   allowed = np.ones((B, N, case.t, case.s), bool)
-  q_seg, k_seg = _segment_ids(case)
-  if q_seg is not None:
-    allowed &= (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
+  q_segment_ids, kv_segment_ids = _segment_ids(case)
+  if q_segment_ids is not None:
+    allowed &= (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
   i, j = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
   if case.positions is not None:  # [B, 1, T, 1], [B, 1, 1, S] positions
     q_off, kv_off = (np.array(x)[:, None, None, None] for x in case.positions)
@@ -879,12 +937,13 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
       ``name`` (``extra``: more keywords of the call), whether the kernel
       refuses the case's features."""
       q, k, v, mask, bias, lengths, q_lengths = _operands(case)
-      q_seg, k_seg = _segment_ids(case)
+      q_segment_ids, kv_segment_ids = _segment_ids(case)
       parts = dict(causal=case.causal, window=case.window,
                    kv_lengths=lengths, q_lengths=q_lengths, dense=mask,
-                   q_segment_ids=None if q_seg is None else jnp.asarray(q_seg),
-                   kv_segment_ids=None if k_seg is None else jnp.asarray(
-                       k_seg), rule=_rule(case))
+                   q_segment_ids=None if q_segment_ids is None else jnp.asarray(
+                       q_segment_ids),
+                   kv_segment_ids=None if kv_segment_ids is None else jnp.asarray(
+                       kv_segment_ids), rule=_rule(case))
       if case.positions is not None:
         parts["q_offset"], parts["kv_offset"] = (
             jnp.array(x, jnp.int32) for x in case.positions)

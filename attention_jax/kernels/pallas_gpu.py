@@ -828,9 +828,7 @@ def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
       *(jnp.asarray(x, i32) for x in ex.offsets(st.t, st.s))])
 
   def fixed(rows: bool):
-    table = None
-    if listed:
-      table = bm.kv_indices if rows else bm.q_indices
+    table = (bm.kv_indices if rows else bm.q_indices) if listed else None
     return _Refs(
         ints, _ranges(st, ex, num_q, num_k, rows, table), table,
         ex.q_segment_ids, ex.kv_segment_ids,
