@@ -61,7 +61,7 @@ class Block(nnx.Module):
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.attention = aj.MultiHeadAttention(
         d, config.num_heads, rngs=rngs, normalize_qk=config.normalize_qk,
-        rope=config.rope_base, attention_fn=implementation,
+        rope=aj.Rope(base=config.rope_base), attention_fn=implementation,
         # A causal window: each token sees itself and `window` before it.
         mask=None if window is None else aj.Mask(causal=True,
                                                  window=(window, 0)),

@@ -71,7 +71,7 @@ class DecodingPositionsTest(chex.TestCase):
     pads = jnp.array([0, 3])
     rule = aj.MaskRule(lambda b, h, q, kv, p: (kv < p) | (kv <= q),
                        jnp.int32(4))  # a prefix of 4 tokens, at positions
-    layer = _layer(aj.Mask(causal=True, rule=rule), rope=10_000.0)
+    layer = _layer(aj.Mask(causal=True, rule=rule), rope=aj.Rope(base=10_000.0))
     x = _data.normal(1, (2, 16, D))
     got = _chunked(layer, x, 8, 32, left_padding=pads)
     dense = Recording.seen[0].dense

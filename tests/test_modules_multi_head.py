@@ -227,7 +227,7 @@ class KVCacheTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("mha", None, {}), ("gqa", 2, {}),
       ("mqa_qk_norm_rope_head_dim", 1, dict(head_dim=6, normalize_qk=True,
-                                            rope=100.0)))
+                                            rope=aj.Rope(base=100.0))))
   def test_prefill_then_steps_equals_full_causal(self, kv_heads, options):
     mha = _module(num_kv_heads=kv_heads, **options)
     x = _x(t=8)
@@ -281,7 +281,7 @@ class KVCacheTest(parameterized.TestCase):
   def test_rope_equals_rotating_projected_heads_by_hand(self):
     # Independent of the module's path: project with plain matmuls, rotate
     # with apply_rope (itself tested against NumPy), attend, project out.
-    mha = _module(num_kv_heads=2, rope=500.0)
+    mha = _module(num_kv_heads=2, rope=aj.Rope(base=500.0))
     x = _x(seed=5, t=6)
     p = mha.params_dict()
 
@@ -291,8 +291,8 @@ class KVCacheTest(parameterized.TestCase):
       return jnp.swapaxes(y.reshape(2, 6, n, 4), 1, 2)  # [B, n, T, H]
 
     pos = jnp.arange(6)
-    q = aj.apply_rope(heads("W_q", 4), pos, base=500.0)
-    k = aj.apply_rope(heads("W_k", 2), pos, base=500.0)
+    q = aj.apply_rope(heads("W_q", 4), pos, rope=aj.Rope(base=500.0))
+    k = aj.apply_rope(heads("W_k", 2), pos, rope=aj.Rope(base=500.0))
     out = aj.scaled_dot_product_attention(q, k, heads("W_v", 2),
                                           is_causal=True)
     out = jnp.swapaxes(out, 1, 2).reshape(2, 6, 16)
@@ -307,7 +307,7 @@ class KVCacheTest(parameterized.TestCase):
     # prefilled in chunks of 4 then 2 rotates from the cache positions.
     # Both against the float64 lesson with the positions written out, and
     # with values distinct from keys.
-    mha = _module(num_kv_heads=2, rope=100.0)
+    mha = _module(num_kv_heads=2, rope=aj.Rope(base=100.0))
     x, v = _x(seed=6, t=6), _x(seed=7, t=6)
     params = mha.params_dict()
     p64 = jax.tree.map(np.asarray, params)
@@ -318,7 +318,8 @@ class KVCacheTest(parameterized.TestCase):
                                 late.astype(np.float32), **TOL)
     chex.assert_trees_all_close(
         aj.multi_head_attention(params, x[:, 4:], x, v, is_causal=True,
-                                rope=100.0), late.astype(np.float32), **TOL)
+                                rope=aj.Rope(base=100.0)),
+        late.astype(np.float32), **TOL)
     full, _ = reference.multi_head_attention(
         p64, x, x, x, is_causal=True, rope_base=100.0,
         query_positions=np.arange(6), key_positions=np.arange(6))
@@ -331,7 +332,7 @@ class KVCacheTest(parameterized.TestCase):
   def test_rope_positions_restart_per_packed_document(self):
     # (Rotary decoding is checked by the qk-norm/rope prefill case and the
     # ragged test; windows while decoding by the ring-buffer test.)
-    mha = _module(num_kv_heads=2, rope=10000.0,
+    mha = _module(num_kv_heads=2, rope=aj.Rope(base=10000.0),
                   mask=aj.Mask(causal=True, window=(3, 0)))
     x = _x(seed=6, t=8)
     # Packed: the second document's positions restart at 0.
@@ -409,7 +410,7 @@ class KVCacheTest(parameterized.TestCase):
     # example equals its own unpadded causal forward (RoPE positions per
     # example, GQA), and padded prompt rows neither enter the cache nor
     # shift the positions.
-    mha = _module(num_kv_heads=2, rope=100.0)
+    mha = _module(num_kv_heads=2, rope=aj.Rope(base=100.0))
     lengths = np.array([2, 5])
     seqs = [_x(seed=20 + b, b=1, t=int(n) + 3) for b, n in enumerate(lengths)]
     prompt = jnp.concatenate(  # [B, 5, D], right-padded with zeros

@@ -113,7 +113,7 @@ class PositionsTest(absltest.TestCase):
     chex.assert_trees_all_close(steps[1, 2:], got[1, 2:], **STEP_TOL)
 
   def test_custom_positions_match_numpy(self):
-    mha = _module(rope=50.0)
+    mha = _module(rope=aj.Rope(base=50.0))
     x = _x(seed=5)
     pos = np.array([[3, 1, 4, 1, 5, 9], [2, 6, 5, 3, 5, 8]])
     want, _ = reference.multi_head_attention(
@@ -255,7 +255,7 @@ class CrossAttentionCacheTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "pass no key/value"):
       cross(_x(t=1), _x(t=5), decode=True)
     with self.assertRaisesRegex(ValueError, "rope=None"):
-      _module(rope=10000.0).init_cross_cache(_x(t=5))
+      _module(rope=aj.Rope(base=10000.0)).init_cross_cache(_x(t=5))
     with self.assertRaisesRegex(ValueError, "kv_features=16"):
       cross.init_cross_cache(jnp.ones((2, 5, 8)))
 
@@ -267,13 +267,13 @@ class ValidationTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "rope=None"):
       _module()(x, positions=jnp.arange(6))
     with self.assertRaisesRegex(ValueError, r"positions has shape \(5,\)"):
-      _module(rope=10.0)(x, positions=jnp.arange(5))
+      _module(rope=aj.Rope(base=10.0))(x, positions=jnp.arange(5))
     with self.assertRaisesRegex(TypeError, "integer array"):
-      _module(rope=10.0)(x, positions=jnp.arange(6.0))
+      _module(rope=aj.Rope(base=10.0))(x, positions=jnp.arange(6.0))
     with self.assertRaisesRegex(ValueError, "pass kv_positions"):
-      _module(rope=10.0)(x, _x(t=4), positions=jnp.arange(6))
+      _module(rope=aj.Rope(base=10.0))(x, _x(t=4), positions=jnp.arange(6))
     with self.assertRaisesRegex(ValueError, "pass kv_positions"):  # S == T
-      _module(rope=10.0)(x, _x(seed=1), positions=jnp.arange(6))
+      _module(rope=aj.Rope(base=10.0))(x, _x(seed=1), positions=jnp.arange(6))
     with self.assertRaisesRegex(ValueError, "rotates no features"):
       _module(rope=aj.Rope(fraction=0.1))  # at construction, H = 4
     with self.assertRaisesRegex(TypeError, "returned 1 value"):
@@ -281,7 +281,7 @@ class ValidationTest(absltest.TestCase):
           x, return_lse=True)
     with self.assertRaisesRegex(ValueError, "output_gate must be"):
       _module(output_gate="sigmoid")
-    mha = _module(rope=10.0)
+    mha = _module(rope=aj.Rope(base=10.0))
     mha.init_cache(2, 8)
     with self.assertRaisesRegex(ValueError, "while decoding"):
       mha(x, decode=True, kv_positions=jnp.arange(6))

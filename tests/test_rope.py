@@ -85,8 +85,8 @@ class ApplyRopeTest(chex.TestCase):
     x = _data.normal(0, (b, n, t, h), dtype)
     positions = (_positions(1, (t,)) if pos_kind == "shared"
                  else _positions(2, (b, 1, t)))
-    fn = self.variant(functools.partial(rope.apply_rope, base=base,
-                                        fraction=fraction))
+    fn = self.variant(functools.partial(
+        rope.apply_rope, rope=rope.Rope(base=base, fraction=fraction)))
     out = fn(x, positions)
     chex.assert_shape(out, x.shape)
     self.assertEqual(out.dtype, x.dtype)
@@ -105,7 +105,8 @@ class ApplyRopeTest(chex.TestCase):
     # H=12, fraction 0.75 -> int(9) -> 8 rotated features; float positions.
     x = _data.normal(3, (4, 12))
     positions = np.array([0.0, 1.5, 7.25, 30.0], np.float32)
-    fn = self.variant(functools.partial(rope.apply_rope, fraction=0.75))
+    fn = self.variant(functools.partial(rope.apply_rope,
+                                        rope=rope.Rope(fraction=0.75)))
     out = fn(x, positions)
     np.testing.assert_allclose(
         out, _rope_reference(x, positions, fraction=0.75), **F32_TOL)
@@ -150,8 +151,8 @@ class RelativePositionTest(chex.TestCase):
 
     @self.variant
     def scores(m, n):
-      rq = rope.apply_rope(q, m, fraction=fraction)
-      rk = rope.apply_rope(k, n, fraction=fraction)
+      rq = rope.apply_rope(q, m, rope=rope.Rope(fraction=fraction))
+      rk = rope.apply_rope(k, n, rope=rope.Rope(fraction=fraction))
       return jnp.einsum("bth,bsh->bts", rq, rk)
 
     got = scores(m, n)
@@ -174,8 +175,8 @@ class RelativePositionTest(chex.TestCase):
     x = _data.normal(20, (3, 5, h))
     # Large positions too: the angle may be off, the norm must not be.
     positions = _positions(21, (3, 5), high=100_000)
-    out = self.variant(functools.partial(rope.apply_rope, fraction=fraction))(
-        x, positions)
+    out = self.variant(functools.partial(
+        rope.apply_rope, rope=rope.Rope(fraction=fraction)))(x, positions)
     pair_norm = lambda a: np.hypot(np.asarray(a[..., :4], np.float64),
                                    np.asarray(a[..., 4:8], np.float64))
     # cos**2 + sin**2 = 1 to a few float32 ulp, plus one rounding per output:
@@ -269,13 +270,16 @@ class ValidationTest(parameterized.TestCase):
     kwargs.update(override)
     x, positions = kwargs.pop("x"), kwargs.pop("positions")
     with self.assertRaisesRegex(exception, pattern):
+      if kwargs:  # base and fraction: the Rope holds them
+        kwargs = {"rope": rope.Rope(**kwargs)}
       rope.apply_rope(x, positions, **kwargs)
 
   def test_base_must_be_static(self):
     x = jnp.ones((4, 8))
     with self.assertRaisesRegex(TypeError, r"base must be a Python number, "
                                 r"got a traced value"):
-      jax.jit(lambda base: rope.apply_rope(x, jnp.arange(4), base=base))(1e4)
+      jax.jit(lambda base: rope.apply_rope(x, jnp.arange(4),
+                                           rope=rope.Rope(base=base)))(1e4)
 
   @parameterized.named_parameters(
       ("float_ids", np.zeros((2, 5), np.float32), TypeError,

@@ -443,9 +443,12 @@ MODULE_CASES = [
     ("mha_soft_cap", lambda: aj.MultiHeadAttention(
         16, 4, logits_soft_cap=-1.0, rngs=nnx.Rngs(0)), ValueError,
      r"logits_soft_cap must be positive"),
+    ("mha_rope_number", lambda: aj.MultiHeadAttention(
+        16, 4, rope=10000.0, rngs=nnx.Rngs(0)), TypeError,
+     r"rope=10000.0 is a number: .*rope=aj.Rope\(base=10000.0\)"),
     ("mha_rope_base", lambda: aj.MultiHeadAttention(
-        16, 4, rope=-1.0, rngs=nnx.Rngs(0)), ValueError,
-     r"a number is the rotary base and must be positive"),
+        16, 4, rope=aj.Rope(base=-1.0), rngs=nnx.Rngs(0)), ValueError,
+     r"base must be positive"),
     ("bahdanau_hidden", lambda: aj.BahdanauAttention(
         6, 4, 0, rngs=nnx.Rngs(0)), ValueError,
      r"hidden_features must be positive, got 0"),

@@ -212,7 +212,8 @@ def generate(
     >>> class LM(nnx.Module):
     ...   def __init__(self, rngs):
     ...     self.embed = nnx.Embed(11, 8, rngs=rngs)
-    ...     self.attn = aj.MultiHeadAttention(8, 2, rope=100.0, rngs=rngs)
+    ...     self.attn = aj.MultiHeadAttention(8, 2, rope=aj.Rope(base=100.0),
+    ...                                    rngs=rngs)
     ...     self.out = nnx.Linear(8, 11, rngs=rngs)
     ...   def __call__(self, tokens, lengths=None):
     ...     x = self.embed(tokens)

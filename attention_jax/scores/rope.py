@@ -759,35 +759,28 @@ def _check_seq_len_array(seq_len) -> None:
 
 
 def as_rope(value) -> Rope | None:
-  """A ``rope=`` option as a ``Rope``: None, a base number, or a ``Rope``.
-
-  A positive Python number is the base of plain RoPE (``rope=10000.0``
-  means ``Rope(base=10000.0)``), kept for callers that passed one before
-  ``Rope`` existed.
+  """A ``rope=`` option checked: None (no rotary embedding) or a ``Rope``.
 
   Raises:
-    TypeError: a bool, a string, an array or anything else.
-    ValueError: a number that is not positive and finite.
+    TypeError: anything else, with the ``Rope`` to write for a number
+      (``rope=10000.0`` is ``Rope(base=10000.0)``) or a scaling's name.
 
   Example:
     >>> from attention_jax.scores.rope import Rope, as_rope
-    >>> as_rope(500.0) == Rope(base=500.0), as_rope(None)
+    >>> as_rope(Rope(base=500.0)) == Rope(base=500.0), as_rope(None)
     (True, None)
   """
   if value is None or isinstance(value, Rope):
     return value
-  hint = ("pass None (no rotary embedding), a positive base such as 10000.0, "
-          "or a Rope, e.g. Rope(base=500000.0, scaling='llama3', factor=8.0, "
-          "original_max_positions=8192)")
+  hint = ("pass None (no rotary embedding) or a Rope, e.g. Rope(base="
+          "500000.0, scaling='llama3', factor=8.0, original_max_positions="
+          "8192)")
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"rope={value!r} is a bool, not a rotary embedding: "
                     f"{hint}.")
   if isinstance(value, (int, float, np.integer, np.floating)):
-    number = float(value)
-    if not (np.isfinite(number) and number > 0.0):
-      raise ValueError(f"rope={value!r}: a number is the rotary base and must "
-                       f"be positive and finite, e.g. 10000.0.")
-    return Rope(base=number)
+    raise TypeError(f"rope={value!r} is a number: the rotary base goes in "
+                    f"the Rope, rope=aj.Rope(base={float(value)!r}).")
   if isinstance(value, str):
     fix = (f"Rope(scaling={value!r}, ...)" if value in SCALINGS
            else f"Rope(...) (scalings: {', '.join(map(repr, SCALINGS))})")
@@ -796,27 +789,26 @@ def as_rope(value) -> Rope | None:
   if isinstance(value, (jax.Array, jax.core.Tracer, np.ndarray)):
     raise TypeError(
         f"rope must be static, got an array of shape "
-        f"{checks.shape_of(value)}: {hint} (float(...) of a concrete "
-        f"value).")
+        f"{checks.shape_of(value)}: {hint}.")
   raise TypeError(f"rope={value!r} ({type(value).__name__}) is not a rotary "
                   f"embedding: {hint}.")
 
 
-def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
-               fraction: float = 1.0, rope: Rope | None = None,
+def apply_rope(x: ArrayLike, positions: ArrayLike, *,
+               rope: Rope | None = None,
                seq_len: ArrayLike | None = None) -> jax.Array:
   """Rotates the features of ``x`` by angles proportional to ``positions``.
 
   Convention ("half-split", as in Gemma, flax, HF llama and most
-  llama-in-JAX code): with ``R = int(H * fraction)`` rounded down to even
-  and ``h = R / 2``, feature ``i < h`` is paired with feature ``i + h`` and
-  the pair is rotated by the angle ``p * theta_i`` for position ``p``
-  (``theta_i = base**(-2 i / R)`` without scaling)::
+  llama-in-JAX code): with ``R = int(H * rope.fraction)`` rounded down to
+  even and ``h = R / 2``, feature ``i < h`` is paired with feature ``i + h``
+  and the pair is rotated by the angle ``p * theta_i`` for position ``p``
+  (``theta_i = rope.base**(-2 i / R)`` without scaling)::
 
     out[i]     = x[i] * cos - x[i + h] * sin
     out[i + h] = x[i + h] * cos + x[i] * sin
 
-  Features ``R:`` (partial rotary, ``fraction < 1``) pass unchanged.
+  Features ``R:`` (partial rotary, ``Rope(fraction < 1)``) pass unchanged.
   Checkpoints trained with interleaved pairs ``(x[2i], x[2i + 1])`` (GPT-J,
   ``rotate_every_two``, Meta's original llama) use
   ``rope=Rope(interleaved=True)``: pair ``i`` is then ``(x[2i], x[2i + 1])``
@@ -848,13 +840,8 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
       T]`` for ``[B, N, T, H]``, ``pos[:, :, None]`` of HF's ``[3, B,
       T]``): all of ``x.ndim`` axes, so that plain ``[B, ..., T]``
       positions with ``B == P`` are refused, never read as sections.
-    base: the wavelength base, a positive Python number (10000 in the
-      paper; long-context models use larger values). With ``rope``, put it
-      in the ``Rope``.
-    fraction: the share of the head dim to rotate, in ``(0, 1]``. With
-      ``rope``, put it in the ``Rope``.
-    rope: the full description (``Rope``); None: ``Rope(base=base,
-      fraction=fraction)``.
+    rope: the embedding (``Rope``: base, fraction, scaling, layout); None:
+      ``Rope()``, the paper's (base 10000, every feature rotated).
     seq_len: ``scaling="dynamic"`` or ``"longrope"`` only: the length
       ``L`` their frequencies are chosen for (a number or a scalar array,
       may be traced); None: ``max(positions) + 1`` over the whole array, as
@@ -865,13 +852,11 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
 
   Raises:
     TypeError: ``x`` not floating point, ``positions`` not integer or
-      float, ``base`` or ``fraction`` not a Python number, ``rope`` not a
-      ``Rope``, or ``rope`` given with a non-default ``base`` or
-      ``fraction``.
+      float, ``rope`` not a ``Rope``.
     ValueError: odd ``H``, ``x`` of rank < 2, ``positions`` not
       broadcastable (or, with ``sections``, without the leading axis of
-      ``len(sections)`` and ``x.ndim`` axes in all), ``base <= 0``,
-      ``fraction`` outside ``(0, 1]`` or rotating no features, ``seq_len``
+      ``len(sections)`` and ``x.ndim`` axes in all), a fraction rotating no
+      features, ``seq_len``
       given without dynamic or longrope scaling, ``short_factor`` /
       ``long_factor`` without ``R / 2`` entries, ``sections`` not summing
       to ``R / 2``.
@@ -884,7 +869,7 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
     ((1, 2, 4, 8), dtype('float32'))
     >>> bool(jnp.all(out[:, :, 0] == q[:, :, 0]))  # position 0: identity
     True
-    >>> apply_rope(jnp.array([[1.0, 0.0]]), jnp.array([1]), base=1.0)
+    >>> apply_rope(jnp.array([[1.0, 0.0]]), jnp.array([1]), rope=Rope(base=1.0))
     Array([[0.5403023 , 0.84147096]], dtype=float32)
     >>> long = Rope(base=500000.0, scaling="llama3", factor=8.0,
     ...             original_max_positions=8192, interleaved=True)
@@ -910,10 +895,7 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0,
   if head_dim % 2:
     raise ValueError(f"x must have an even head dim H (features are rotated "
                      f"in pairs), got shape {x.shape} with H={head_dim}.")
-  if rope is None:
-    rope = Rope(base=base, fraction=fraction)
-  else:
-    _check_rope_alone(rope, base, fraction)
+  rope = Rope() if rope is None else as_rope(rope)
   rot = _rotary_dim(head_dim, rope.fraction)
   rope._check_sections_dim(rot, head_dim)
   if rope.scaling == "longrope":
@@ -1022,28 +1004,6 @@ def _check_section_positions(sections, pos_shape, x_shape) -> None:
 def _plain_theta(base: float, rot: int) -> np.ndarray:
   """``base**(-2 i / R)`` in float64, ``[R / 2]``."""
   return base ** (-2.0 * np.arange(rot // 2, dtype=np.float64) / rot)
-
-
-def _check_rope_alone(rope, base, fraction) -> None:
-  """``rope=`` is a ``Rope`` and carries base and fraction itself."""
-  if not isinstance(rope, Rope):
-    raise TypeError(
-        f"rope must be an attention_jax.Rope or None, got {rope!r} "
-        f"({type(rope).__name__}); as_rope(...) turns a base number into "
-        f"one.")
-  beside = [f"{name}={value!r}" for name, value, default
-            in (("base", base, 10000.0), ("fraction", fraction, 1.0))
-            if not _is_number(value, default)]
-  if beside:
-    raise TypeError(
-        f"apply_rope got rope= and {', '.join(beside)}: put them in the Rope "
-        f"(Rope(base=..., fraction=..., ...)), not beside it.")
-
-
-def _is_number(value, number: float) -> bool:
-  return (not isinstance(value, (bool, np.bool_, jax.core.Tracer))
-          and isinstance(value, (int, float, np.integer, np.floating))
-          and float(value) == number)
 
 
 def segment_positions(segment_ids: ArrayLike) -> jax.Array:

@@ -57,7 +57,7 @@ class ExplicitAxesTest(parameterized.TestCase):
       ("flash", dict(attention_fn="flash"), dict(), True),
       ("sinks_t5_gate_norm_rope", dict(
           attention_sinks=True, t5_bias=aj.T5Bias(8, 16),
-          output_gate="headwise", normalize_qk=True, rope=100.0),
+          output_gate="headwise", normalize_qk=True, rope=aj.Rope(base=100.0)),
        dict(is_causal=True), False),
   )
   def test_equals_unsharded(self, init, call, cross):

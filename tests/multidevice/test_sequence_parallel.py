@@ -35,7 +35,7 @@ def _mesh(**sizes):
 
 
 def _layer(attention_fn, head_axis=None):
-  return aj.MultiHeadAttention(D, N, num_kv_heads=K, rope=10000.0,
+  return aj.MultiHeadAttention(D, N, num_kv_heads=K, rope=aj.Rope(base=10000.0),
                                attention_fn=attention_fn,
                                head_axis=head_axis, rngs=nnx.Rngs(0))
 
