@@ -789,12 +789,12 @@ class OverridesTest(parameterized.TestCase):
     self.assertEqual(loaded.options["rope"], rope)
     pairs = self.compare(loaded, self.sd, base=100.0, interleaved=True)
     self.assertGreater(np.abs(pairs - half).max(), 1e-2 * np.abs(half).max())
-    # A base number is a plain Rope; the config's rope is then not read, so
+    # An overriding Rope replaces the config's, which is then not read, so
     # a rope type the loader does not map is no obstacle.
     longrope = {**self.cfg, "rope_scaling": {"rope_type": "longrope"}}
     loaded = checkpoints.load_attention_weights(
         self.sd, family="llama", config=longrope, layer=0,
-        overrides={"rope": 1000.0})
+        overrides={"rope": aj.Rope(base=1000.0)})
     self.assertEqual(loaded.options["rope"], aj.Rope(base=1000.0))
     self.compare(loaded, self.sd, base=1000.0)
 

@@ -37,7 +37,8 @@ class TinyLM(nnx.Module):
     rngs = nnx.Rngs(seed)
     self.embed = nnx.Embed(V, D, rngs=rngs)
     self.layers = nnx.List([
-        aj.MultiHeadAttention(D, 4, num_kv_heads=2, rope=aj.Rope(base=100.0), rngs=rngs),
+        aj.MultiHeadAttention(D, 4, num_kv_heads=2, rope=aj.Rope(base=100.0),
+                              rngs=rngs),
         aj.MultiHeadAttention(
             D, 4, num_kv_heads=2, rope=aj.Rope(base=100.0), rngs=rngs,
             mask=None if window is None else aj.Mask(causal=True,

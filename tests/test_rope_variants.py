@@ -302,15 +302,14 @@ class ApplyRopeVariantsTest(parameterized.TestCase):
   def test_default_rope_is_the_plain_call_exactly(self):
     x = _data.normal(3, (2, 5, 12))
     positions = _positions(4, (2, 5))
-    for kwargs, rope in [
-        (dict(), Rope()),
-        (dict(base=500.0, fraction=0.5), Rope(base=500.0, fraction=0.5)),
+    for plain, rope in [
+        (None, Rope()),
         # factor 1 divides by one: the same frequencies exactly.
-        (dict(base=500.0), Rope(base=500.0, scaling="linear", factor=1.0)),
+        (Rope(base=500.0), Rope(base=500.0, scaling="linear", factor=1.0)),
     ]:
       np.testing.assert_array_equal(
           rope_lib.apply_rope(x, positions, rope=rope),
-          rope_lib.apply_rope(x, positions, **kwargs))
+          rope_lib.apply_rope(x, positions, rope=plain))
 
   def test_dynamic_at_or_below_the_trained_context_is_plain_rope(self):
     x = _data.normal(5, (3, 6, 16))
