@@ -364,7 +364,7 @@ class LatentAttentionTest(chex.TestCase):
                mscale=1.0, mscale_all_dim=1.0)
     want = (HN + HR) ** -0.5 * (0.1 * np.log(40.0) + 1.0) ** 2
     self.assertAlmostEqual(latent.default_scale(HN + HR, rope), want, 12)
-    self.assertEqual(latent.default_scale(HN + HR, 10000.0),
+    self.assertEqual(latent.default_scale(HN + HR, Rope()),
                      (HN + HR) ** -0.5)
 
 

@@ -66,8 +66,10 @@ def test_readme_gives_the_quick_subset_command():
   commands = [line.split("#")[0].strip() for line in body.splitlines()
               if line.strip()]
   assert commands[2] == 'python -m pytest -m "not slow"', commands
+  assert commands[3] == "python -m pytest -m exhaustive", commands
   pyproject = (ROOT / "pyproject.toml").read_text()
   assert re.search(r'^markers = \[\s*"slow:', pyproject, re.MULTILINE)
+  assert re.search(r'^\s*"exhaustive:', pyproject, re.MULTILINE)
 
 
 def test_first_command_installs_this_checkout():

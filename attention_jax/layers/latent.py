@@ -81,6 +81,9 @@ from attention_jax.scores import rope as rope_lib
 
 Params = dict[str, dict[str, jax.Array]]
 
+# The default rotation: the paper's (base 10000; a frozen value).
+_PLAIN_ROPE = rope_lib.Rope()
+
 # The layout of each parameter, for messages.
 LAYOUT = {
     "W_dq": "kernel [D, Rq], bias [Rq]",
@@ -452,7 +455,7 @@ def latent_attention(
     mask: Mask | ArrayLike | None = None,
     *,
     positions: ArrayLike | None = None,
-    rope: Any = 10000.0,
+    rope: rope_lib.Rope | None = _PLAIN_ROPE,
     scale: float | None = None,
     is_causal: bool = False,
     attention_fn: Any = None,
@@ -475,8 +478,8 @@ def latent_attention(
     positions: integer ``[B, T]`` (or ``[T]``) rotary positions, e.g. from 0
       at each left-padded example's first real token; None: ``0..T-1``,
       restarting per document with segment ids.
-    rope: an ``aj.Rope``, a rotary base (a number: ``aj.Rope(base)``) or
-      None (no rotation; ``k_pe`` stays a shared position-free head).
+    rope: an ``aj.Rope`` (by default ``aj.Rope()``, base 10000) or None
+      (no rotation; ``k_pe`` stays a shared position-free head).
     scale: multiplier of ``q . k``; None is ``default_scale(Hn + Hr,
       rope)``.
     is_causal: shorthand for ``mask & aj.Mask(causal=True)``.
@@ -600,7 +603,7 @@ def latent_decode(
     mask: Mask | ArrayLike | None = None,
     *,
     positions: ArrayLike | None = None,
-    rope: Any = 10000.0,
+    rope: rope_lib.Rope | None = _PLAIN_ROPE,
     scale: float | None = None,
     attention_fn: Any = None,
     precision: multi_head.Precision = None,

@@ -52,6 +52,9 @@ from attention_jax.scores import rope as rope_lib
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
 _ZEROS = nnx.initializers.zeros_init()
 
+# The default rotation: the paper's (base 10000; a frozen value).
+_PLAIN_ROPE = rope_lib.Rope()
+
 
 class MultiHeadLatentAttention(nnx.Module):
   """Multi-head latent attention (DeepSeek-V2/V3): a small cache per token.
@@ -75,8 +78,9 @@ class MultiHeadLatentAttention(nnx.Module):
     out_features: ``Dout``; None means ``d_model``.
     rope: an ``aj.Rope`` (DeepSeek-V3 long context: ``aj.Rope(base,
       scaling="yarn", factor=40, original_max_positions=4096,
-      mscale=1.0, mscale_all_dim=1.0, interleaved=True)``), a rotary base
-      (a number), or None; applied to ``q_pe`` and ``k_pe`` only.
+      mscale=1.0, mscale_all_dim=1.0, interleaved=True)``; by default
+      ``aj.Rope()``, base 10000), or None; applied to ``q_pe`` and ``k_pe``
+      only.
     scale: multiplier of ``q . k``; None means ``1 / sqrt(Hn + Hr)``,
       multiplied by YaRN's ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2``
       when ``rope`` is a YaRN ``Rope`` with ``mscale_all_dim`` (as DeepSeek
@@ -130,7 +134,7 @@ class MultiHeadLatentAttention(nnx.Module):
       v_head_dim: int,
       q_lora_rank: int | None = None,
       out_features: int | None = None,
-      rope: Any = 10000.0,
+      rope: rope_lib.Rope | None = _PLAIN_ROPE,
       scale: float | None = None,
       use_bias: bool = False,
       precision: multi_head.Precision = None,
