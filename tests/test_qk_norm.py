@@ -61,7 +61,8 @@ class QKNormFormulaTest(chex.TestCase):
     params = _params(norm)
     x = _data.normal(3, (2, 6, D)) * 3.0  # not unit scale: the norm shows
     fn = self.variant(functools.partial(
-        aj.multi_head_attention, rope=BASE, is_causal=True, qk_norm=norm))
+        aj.multi_head_attention, rope=aj.Rope(base=BASE), is_causal=True,
+        qk_norm=norm))
     out = fn(params, x, x, x)
     pos = np.arange(6)
     want, _ = reference.multi_head_attention(
@@ -87,7 +88,7 @@ class QKNormFormulaTest(chex.TestCase):
     params["W_o"].pop("bias")
     x = _data.normal(3, (2, 6, D))  # ... so epsilon 1e-5 is 10% of q**2
     run = functools.partial(aj.multi_head_attention, params, x, x, x,
-                            rope=BASE, is_causal=True)
+                            rope=aj.Rope(base=BASE), is_causal=True)
     base = run(qk_norm=aj.QKNorm(epsilon=1e-6))
     moved = run(qk_norm=aj.QKNorm(**{"epsilon": 1e-6, **change}))
     self.assertGreater(float(jnp.max(jnp.abs(base - moved))),
