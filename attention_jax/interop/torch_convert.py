@@ -84,76 +84,12 @@ def from_torch_multihead_attention(
     >>> p["W_q"]["kernel"].shape, p["W_o"]["kernel"].shape   # [D, N, H], [N, H, D]
     ((8, 2, 4), (2, 4, 8))
   """
-  state = module_or_state_dict
-  if hasattr(state, "state_dict") and callable(state.state_dict):
-    module = state
-    if getattr(module, "add_zero_attn", False):
-      raise ValueError(
-          "the torch module has add_zero_attn=True (a zero key/value appended "
-          "to every sequence), which multi_head_attention does not model.")
-    if num_heads is not None and num_heads != module.num_heads:
-      raise ValueError(f"num_heads={num_heads} but the torch module has "
-                       f"num_heads={module.num_heads}.")
-    num_heads = module.num_heads
-    state = module.state_dict()
-  if not isinstance(state, Mapping):
-    raise TypeError(f"expected a torch.nn.MultiheadAttention or its "
-                    f"state_dict(), got {type(state).__name__}.")
-  if num_heads is None:
-    raise ValueError("num_heads is required with a state_dict (a module "
-                     "carries it): from_torch_multihead_attention(sd, "
-                     "num_heads=N).")
-  checks.check_positive_int("num_heads", num_heads)
-  if "bias_k" in state or "bias_v" in state:
-    raise ValueError(
-        "the state_dict has bias_k/bias_v (add_bias_kv=True: a learned key "
-        "and value appended to every sequence), which multi_head_attention "
-        "does not model; build the torch module without add_bias_kv.")
-  unknown = sorted(set(state) - set(_KNOWN))
-  if unknown:
-    raise ValueError(
-        f"unexpected state_dict entries {unknown}; a MultiheadAttention's "
-        f"are {list(_KNOWN[:7])} (strip a parent module's prefix first).")
+  state, num_heads = _state_and_heads(module_or_state_dict, num_heads)
+  _check_entries(state)
   sd = {name: _numpy(x) for name, x in state.items()}
-  if "out_proj.weight" not in sd:
-    raise ValueError(f"the state_dict lacks out_proj.weight; got keys "
-                     f"{sorted(sd)}.")
-  e = sd["out_proj.weight"].shape[0]
-  if sd["out_proj.weight"].shape != (e, e):
-    raise _shape_error("out_proj.weight", sd["out_proj.weight"].shape,
-                       "[E, E]")
-  if e % num_heads:
-    raise ValueError(f"embed_dim E={e} (out_proj.weight "
-                     f"{sd['out_proj.weight'].shape}) is not divisible by "
-                     f"num_heads={num_heads}.")
+  e = _embed_dim(sd, num_heads)
   h = e // num_heads
-  separate = [n for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight")
-              if n in sd]
-  if "in_proj_weight" in sd:
-    if separate:
-      raise ValueError(f"the state_dict has both in_proj_weight and "
-                       f"{separate}; torch has one or the other.")
-    w = sd["in_proj_weight"]
-    if w.shape != (3 * e, e):
-      raise _shape_error("in_proj_weight", w.shape, f"[3E, E] = {(3 * e, e)}")
-    wq, wk, wv = w[:e], w[e:2 * e], w[2 * e:]  # rows q, k, v
-  else:
-    if len(separate) != 3:
-      raise ValueError(f"the state_dict needs in_proj_weight or all of "
-                       f"q_proj_weight, k_proj_weight, v_proj_weight; got "
-                       f"keys {sorted(sd)}.")
-    wq, wk, wv = (sd[n] for n in separate)
-    if wq.shape != (e, e):
-      raise _shape_error("q_proj_weight", wq.shape, f"[E, E] = {(e, e)}")
-    for name, w in (("k_proj_weight", wk), ("v_proj_weight", wv)):
-      if w.ndim != 2 or w.shape[0] != e:
-        raise _shape_error(name, w.shape, f"[E, kdim] with E = {e}")
-    if wk.shape != wv.shape:
-      raise ValueError(
-          f"kdim={wk.shape[1]} != vdim={wv.shape[1]} (k_proj_weight "
-          f"{wk.shape}, v_proj_weight {wv.shape}): multi_head_attention's "
-          f"keys and values share one input width (kv_features), so it "
-          f"cannot take keys and values of different widths.")
+  wq, wk, wv = _input_weights(sd, e)
 
   def as_jnp(x):
     return jnp.asarray(x, dtype)
@@ -178,6 +114,93 @@ def from_torch_multihead_attention(
                          f"[E] = {(e,)}")
     params["W_o"]["bias"] = as_jnp(sd["out_proj.bias"])
   return params
+
+
+def _state_and_heads(state: Any,
+                     num_heads: int | None) -> tuple[Mapping, int]:
+  """The state_dict and N: a module carries N and flags we cannot model."""
+  if hasattr(state, "state_dict") and callable(state.state_dict):
+    module = state
+    if getattr(module, "add_zero_attn", False):
+      raise ValueError(
+          "the torch module has add_zero_attn=True (a zero key/value appended "
+          "to every sequence), which multi_head_attention does not model.")
+    if num_heads is not None and num_heads != module.num_heads:
+      raise ValueError(f"num_heads={num_heads} but the torch module has "
+                       f"num_heads={module.num_heads}.")
+    num_heads = module.num_heads
+    state = module.state_dict()
+  if not isinstance(state, Mapping):
+    raise TypeError(f"expected a torch.nn.MultiheadAttention or its "
+                    f"state_dict(), got {type(state).__name__}.")
+  if num_heads is None:
+    raise ValueError("num_heads is required with a state_dict (a module "
+                     "carries it): from_torch_multihead_attention(sd, "
+                     "num_heads=N).")
+  checks.check_positive_int("num_heads", num_heads)
+  return state, num_heads
+
+
+def _check_entries(state: Mapping) -> None:
+  """Refuses entries we would otherwise drop silently (bias_k, a prefix)."""
+  if "bias_k" in state or "bias_v" in state:
+    raise ValueError(
+        "the state_dict has bias_k/bias_v (add_bias_kv=True: a learned key "
+        "and value appended to every sequence), which multi_head_attention "
+        "does not model; build the torch module without add_bias_kv.")
+  unknown = sorted(set(state) - set(_KNOWN))
+  if unknown:
+    raise ValueError(
+        f"unexpected state_dict entries {unknown}; a MultiheadAttention's "
+        f"are {list(_KNOWN[:7])} (strip a parent module's prefix first).")
+
+
+def _embed_dim(sd: Mapping[str, np.ndarray], num_heads: int) -> int:
+  """E, from out_proj.weight: the one matrix torch always has."""
+  if "out_proj.weight" not in sd:
+    raise ValueError(f"the state_dict lacks out_proj.weight; got keys "
+                     f"{sorted(sd)}.")
+  e = sd["out_proj.weight"].shape[0]
+  if sd["out_proj.weight"].shape != (e, e):
+    raise _shape_error("out_proj.weight", sd["out_proj.weight"].shape,
+                       "[E, E]")
+  if e % num_heads:
+    raise ValueError(f"embed_dim E={e} (out_proj.weight "
+                     f"{sd['out_proj.weight'].shape}) is not divisible by "
+                     f"num_heads={num_heads}.")
+  return e
+
+
+def _input_weights(sd: Mapping[str, np.ndarray],
+                   e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """torch's q, k, v ``[E, in]``: fused in_proj_weight or three (kdim/vdim)."""
+  separate = [n for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+              if n in sd]
+  if "in_proj_weight" in sd:
+    if separate:
+      raise ValueError(f"the state_dict has both in_proj_weight and "
+                       f"{separate}; torch has one or the other.")
+    w = sd["in_proj_weight"]
+    if w.shape != (3 * e, e):
+      raise _shape_error("in_proj_weight", w.shape, f"[3E, E] = {(3 * e, e)}")
+    return w[:e], w[e:2 * e], w[2 * e:]  # rows q, k, v
+  if len(separate) != 3:
+    raise ValueError(f"the state_dict needs in_proj_weight or all of "
+                     f"q_proj_weight, k_proj_weight, v_proj_weight; got "
+                     f"keys {sorted(sd)}.")
+  wq, wk, wv = (sd[n] for n in separate)
+  if wq.shape != (e, e):
+    raise _shape_error("q_proj_weight", wq.shape, f"[E, E] = {(e, e)}")
+  for name, w in (("k_proj_weight", wk), ("v_proj_weight", wv)):
+    if w.ndim != 2 or w.shape[0] != e:
+      raise _shape_error(name, w.shape, f"[E, kdim] with E = {e}")
+  if wk.shape != wv.shape:
+    raise ValueError(
+        f"kdim={wk.shape[1]} != vdim={wv.shape[1]} (k_proj_weight "
+        f"{wk.shape}, v_proj_weight {wv.shape}): multi_head_attention's "
+        f"keys and values share one input width (kv_features), so it "
+        f"cannot take keys and values of different widths.")
+  return wq, wk, wv
 
 
 def to_torch_multihead_attention(

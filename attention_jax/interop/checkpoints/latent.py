@@ -87,17 +87,9 @@ def softmax_scale(cfg: Mapping[str, Any], layer: int, qk_head_dim: int) -> float
   return value * _mscale(float(p["factor"]), float(p["mscale_all_dim"])) ** 2
 
 
-def _build(cfg: Mapping[str, Any], layer: int, read: reading.Reader,
-           overrides: Mapping[str, Any], attention: str) -> registry.Built:
-  """One DeepSeek-V3 layer's MLA params, ``MultiHeadLatentAttention``
-  options and notes."""
-  del attention  # self-attention only
-  unknown = sorted(set(overrides) - set(_OVERRIDABLE))
-  if unknown:
-    raise ValueError(
-        f"overrides {unknown} do not apply to {_FAMILY}: its layer is "
-        f"aj.MultiHeadLatentAttention, whose inferred options are "
-        f"{list(_OVERRIDABLE)} (no qk-norm, sinks, soft cap or score_mod).")
+def _sizes(
+    cfg: Mapping[str, Any]) -> tuple[int, int, int | None, int, int, int, int]:
+  """``(D, N, Rq, R, Hn, Hr, Hv)``, refusing what HF's code cannot run."""
   d = _size(cfg, "hidden_size")
   n = _size(cfg, "num_attention_heads")
   k = cfg.get("num_key_value_heads")
@@ -120,11 +112,14 @@ def _build(cfg: Mapping[str, Any], layer: int, read: reading.Reader,
   if hr % 2:
     raise ValueError(f"config qk_rope_head_dim={hr} is odd: rope rotates "
                      "feature pairs.")
-  bias = bool(cfg.get("attention_bias", False))
+  return d, n, rq, r, hn, hr, hv
+
+
+def _query_params(read: reading.Reader, d: int, n: int, rq: int | None,
+                  hqk: int, bias: bool,
+                  dims: str) -> dict[str, dict[str, Any]]:
+  """The query: full-rank ``W_q``, or low-rank ``W_dq``, ``q_norm``, ``W_uq``."""
   bias_note = f"config attention_bias={bias}"
-  dims = (f"hidden_size={d}, heads={n}, q_lora_rank={rq}, kv_lora_rank={r}, "
-          f"qk_nope_head_dim={hn}, qk_rope_head_dim={hr}, v_head_dim={hv}")
-  hqk = hn + hr
   params: dict[str, dict[str, Any]] = {}
   if rq is None:
     w = read.get("q_proj.weight", (n * hqk, d),
@@ -143,6 +138,27 @@ def _build(cfg: Mapping[str, Any], layer: int, read: reading.Reader,
                  f"[heads * (qk_nope_head_dim + qk_rope_head_dim), "
                  f"q_lora_rank]; {dims}")
     params["W_uq"] = {"kernel": w.T.reshape(rq, n, hqk)}
+  return params
+
+
+def _build(cfg: Mapping[str, Any], layer: int, read: reading.Reader,
+           overrides: Mapping[str, Any], attention: str) -> registry.Built:
+  """One DeepSeek-V3 layer's MLA params, ``MultiHeadLatentAttention``
+  options and notes."""
+  del attention  # self-attention only
+  unknown = sorted(set(overrides) - set(_OVERRIDABLE))
+  if unknown:
+    raise ValueError(
+        f"overrides {unknown} do not apply to {_FAMILY}: its layer is "
+        f"aj.MultiHeadLatentAttention, whose inferred options are "
+        f"{list(_OVERRIDABLE)} (no qk-norm, sinks, soft cap or score_mod).")
+  d, n, rq, r, hn, hr, hv = _sizes(cfg)
+  bias = bool(cfg.get("attention_bias", False))
+  bias_note = f"config attention_bias={bias}"
+  dims = (f"hidden_size={d}, heads={n}, q_lora_rank={rq}, kv_lora_rank={r}, "
+          f"qk_nope_head_dim={hn}, qk_rope_head_dim={hr}, v_head_dim={hv}")
+  hqk = hn + hr
+  params = _query_params(read, d, n, rq, hqk, bias, dims)
   w = read.get("kv_a_proj_with_mqa.weight", (r + hr, d),
                f"[kv_lora_rank + qk_rope_head_dim, hidden_size]; {dims}")
   params["W_dkv"] = {"kernel": w.T}  # [D, R + Hr]: latent, then rotary key
