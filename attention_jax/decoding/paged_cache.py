@@ -270,8 +270,37 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array | None, *,
     ([3, 1], [[0, 1, 4], [2, 4, 4]], [1, 1, 1, 0])
   """
   _check_cache(cache)
-  b, m = cache.page_table.shape
-  p, k, z = cache.num_pages, cache.key_pages.shape[1], cache.page_size
+  _check_append(cache, key, value)
+  b, t = cache.page_table.shape[0], key.shape[2]
+  n = kv_cache.check_new_lengths(new_lengths, b, t)  # [B] or None
+  n = jnp.broadcast_to(jnp.clip(t if n is None else n, 0, t), (b,))
+  start, end = cache.lengths, cache.lengths + n  # [B]
+  claim = _claim(cache, start, end, n, t)
+  cache = _take_pages(cache, claim)
+  page, slot = _token_slots(cache, claim.ok, start, n, t)  # [B, T]
+  key_pages, key_scales = _written(cache.key_pages, cache.key_scales, key,
+                                   page, slot, cache.quantized)
+  value_pages, value_scales = cache.value_pages, cache.value_scales
+  if value is not None:
+    value_pages, value_scales = _written(value_pages, value_scales, value,
+                                         page, slot, cache.quantized)
+  nonfinite = cache.nonfinite
+  if nonfinite is not None:  # the pages a NaN or inf is written to
+    bad = ~jnp.isfinite(key).all((1, 3))  # [B, T]
+    if value is not None:
+      bad |= ~jnp.isfinite(value).all((1, 3))
+    nonfinite = nonfinite.at[jnp.where(bad, page, cache.num_pages)].set(
+        True, mode="drop")
+  return PagedKVCache(
+      key_pages, value_pages, cache.page_table,
+      jnp.where(claim.ok, end, start), cache.refcount,
+      cache.overflow | (~claim.ok & (n > 0)), key_scales, value_scales,
+      nonfinite)
+
+
+def _check_append(cache: PagedKVCache, key, value) -> None:
+  """Raises unless key (value) are float ``[B, K, T, H|Hv]`` that fit the pages."""
+  b, k = cache.page_table.shape[0], cache.key_pages.shape[1]
   if (value is None) != (cache.value_pages is None):
     raise ValueError(
         "value must be None for a cache whose values are its keys "
@@ -290,15 +319,25 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array | None, *,
           f"{name} must be [B, K, T, {'H' if name == 'key' else 'Hv'}] = "
           f"[{b}, {k}, T, {pages.shape[3]}] to fit the cache's pages "
           f"{pages.shape}, got {np.shape(x)}.")
-  t = key.shape[2]
-  value_t = t if value is None else value.shape[2]
-  if value_t != t:
+  if value is not None and value.shape[2] != key.shape[2]:
     raise ValueError(f"key and value must bring the same T tokens, got "
                      f"{key.shape} and {value.shape}.")
-  n = kv_cache.check_new_lengths(new_lengths, b, t)  # [B] or None
-  n = jnp.broadcast_to(jnp.clip(t if n is None else n, 0, t), (b,))
-  start, end = cache.lengths, cache.lengths + n  # [B]
 
+
+class _Claim(NamedTuple):
+  """The pages one ``append`` takes; R: the logical pages it may touch."""
+  j: jax.Array  # [B, R]: each sequence's logical pages start // Z + r
+  need: jax.Array  # [B, R]: which of them get a new page (only where ok)
+  new_page: jax.Array  # [B, R]: the page each gets (P: none)
+  src: jax.Array  # [B]: a shared page copied on write (P: none)
+  dst: jax.Array  # [B]: its copy, new_page[:, 0] (P: none)
+  ok: jax.Array  # [B]: whose whole write fits
+
+
+def _claim(cache: PagedKVCache, start, end, n, t: int) -> _Claim:
+  """The pages each sequence starts or copies on write: all it needs or none."""
+  b, m = cache.page_table.shape
+  p, z = cache.num_pages, cache.page_size
   # Logical pages this call may touch: start // Z + r, r < R.
   r_max = -(-t // z) + 1
   j = start[:, None] // z + jnp.arange(r_max)[None, :]  # [B, R]
@@ -320,11 +359,16 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array | None, *,
   rank = jnp.cumsum(need.reshape(-1)).reshape(b, r_max) - 1  # [B, R]
   free_ids = jnp.nonzero(free, size=b * r_max, fill_value=p)[0]
   new_page = jnp.where(need, free_ids[jnp.clip(rank, 0, b * r_max - 1)], p)
+  copy = copied & ok
+  return _Claim(j, need, new_page, jnp.where(copy, held, p),
+                jnp.where(copy, new_page[:, 0], p), ok)
 
-  # Copy on write: the copy gets the page's contents, the original loses a
-  # holder (and is free when that was its last).
-  src = jnp.where(copied & ok, held, p)  # [B]
-  dst = jnp.where(copied & ok, new_page[:, 0], p)
+
+def _take_pages(cache: PagedKVCache, claim: _Claim) -> PagedKVCache:
+  """``cache`` holding the claimed pages: copies made, counts and tables set."""
+  b, m = cache.page_table.shape
+  src, dst = claim.src, claim.dst  # [B]
+
   def copied_page(pages):
     if pages is None:
       return None
@@ -336,44 +380,39 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array | None, *,
                     cache.value_scales))
   nonfinite = cache.nonfinite
   if nonfinite is not None:  # a new page starts clean, a copy as its source
-    nonfinite = copied_page(nonfinite.at[new_page.reshape(-1)].set(
+    nonfinite = copied_page(nonfinite.at[claim.new_page.reshape(-1)].set(
         False, mode="drop"))
+  # the copied page loses a holder (and is free when that was its last)
   refcount = cache.refcount.at[src].add(-1, mode="drop")
-  refcount = refcount.at[new_page.reshape(-1)].add(1, mode="drop")
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], j.shape)
-  page_table = cache.page_table.at[
-      rows, jnp.where(need, j, m)].set(new_page, mode="drop")
+  refcount = refcount.at[claim.new_page.reshape(-1)].add(1, mode="drop")
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], claim.j.shape)
+  cols = jnp.where(claim.need, claim.j, m)
+  page_table = cache.page_table.at[rows, cols].set(claim.new_page, mode="drop")
+  return cache._replace(
+      key_pages=key_pages, value_pages=value_pages, page_table=page_table,
+      refcount=refcount, key_scales=key_scales, value_scales=value_scales,
+      nonfinite=nonfinite)
 
-  # The tokens: position start + i of sequence b, where the write fitted.
+
+def _token_slots(cache: PagedKVCache, ok, start, n, t: int):
+  """``(page, slot) [B, T]`` of each new token; page P (dropped): not written."""
+  m, p, z = cache.max_pages, cache.num_pages, cache.page_size
   pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
   real = (jnp.arange(t)[None, :] < n[:, None]) & ok[:, None]
-  page = jnp.take_along_axis(page_table, jnp.clip(pos // z, 0, m - 1), 1)
-  page = jnp.where(real, page, p)  # [B, T]; P is dropped
-  slot = pos % z
+  page = jnp.take_along_axis(cache.page_table, jnp.clip(pos // z, 0, m - 1),
+                             1)
+  return jnp.where(real, page, p), pos % z
 
-  def written(pages, scales, x):
-    """The pages (and scales) with ``x [B, K, T, H]`` written, quantised
-    on write when the cache is."""
-    if scales is not None:
-      x, scale = quantize.quantize(x, cache.quantized)  # scale [B, K, T]
-      scales = scales.at[page, :, slot].set(jnp.swapaxes(scale, 1, 2),
-                                            mode="drop")
-    pages = pages.at[page, :, slot].set(
-        jnp.swapaxes(x, 1, 2).astype(pages.dtype), mode="drop")
-    return pages, scales
 
-  key_pages, key_scales = written(key_pages, key_scales, key)
-  if value is not None:
-    value_pages, value_scales = written(value_pages, value_scales, value)
-  if nonfinite is not None:  # the pages a NaN or inf is written to
-    bad = ~jnp.isfinite(key).all((1, 3))  # [B, T]
-    if value is not None:
-      bad |= ~jnp.isfinite(value).all((1, 3))
-    nonfinite = nonfinite.at[jnp.where(bad, page, p)].set(True, mode="drop")
-  return PagedKVCache(
-      key_pages, value_pages, page_table,
-      jnp.where(ok, end, start), refcount,
-      cache.overflow | (~ok & (n > 0)), key_scales, value_scales, nonfinite)
+def _written(pages, scales, x, page, slot, quantized):
+  """``pages`` (``scales``) with ``x [B, K, T, H]`` written, quantised if kept so."""
+  if scales is not None:
+    x, scale = quantize.quantize(x, quantized)  # scale [B, K, T]
+    scales = scales.at[page, :, slot].set(jnp.swapaxes(scale, 1, 2),
+                                          mode="drop")
+  pages = pages.at[page, :, slot].set(
+      jnp.swapaxes(x, 1, 2).astype(pages.dtype), mode="drop")
+  return pages, scales
 
 
 def release(cache: PagedKVCache, done: ArrayLike) -> PagedKVCache:

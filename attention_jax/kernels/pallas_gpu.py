@@ -41,6 +41,10 @@ by ``broadcast.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
 to its grid. Arrays a score modifier or a mask rule reads are passed to the
 kernels as operands (a kernel may not close over arrays): the function is
 traced once at block shapes (``jax.make_jaxpr``) and replayed inside.
+This module is the kernel (what it implements and refuses, its launch)
+and one head's driver (padding, block tables, the custom VJP, the three
+``pallas_call`` launches); the kernels' bodies, with the block-level
+helpers they share, are ``kernels/pallas_blocks.py``.
 
 On a GPU it lowers through Triton (``num_warps``/``num_stages`` and block
 sizes by head dim, ``_launch``); ``PallasGpu(interpret=True)`` runs the
@@ -58,10 +62,8 @@ unmeasured.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 from jax.experimental import pallas as pl
@@ -69,11 +71,11 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from attention_jax.core import broadcast
-from attention_jax.core import dropout
 from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
+from attention_jax.kernels import pallas_blocks
 from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
 
@@ -161,8 +163,8 @@ class PallasGpu(base.Kernel):
     bq, bk = self._blocks(ops)
     ops = flash.with_rule_tables(_own_tables(ops, bq, bk), bq, bk)
     _, _, warps = _launch(ops.query.shape[-1], bq, bk)
-    launch = _Launch(self.interpret, self.num_warps or warps,
-                     self.num_stages)
+    launch = pallas_blocks.Launch(self.interpret, self.num_warps or warps,
+                                  self.num_stages)
     head = functools.partial(
         _single_head, launch=launch, scale=problem.scale,
         is_causal=ops.causal, window=ops.window, score_mod=ops.score_mod,
@@ -199,12 +201,6 @@ def _launch(h: int, t: int, s: int) -> tuple[int, int, int]:
   bq, bk = (128, 64) if h <= 64 else (64, 64)
   fit = lambda n, b: min(b, max(16, 1 << max(n - 1, 0).bit_length()))  # noqa: E731
   return fit(t, bq), fit(s, bk), 4 if h <= 64 else 8
-
-
-class _Launch(NamedTuple):
-  interpret: bool
-  num_warps: int
-  num_stages: int
 
 
 def _unlowered(ops, bq: int, bk: int) -> str | None:
@@ -268,398 +264,14 @@ def _primitives(jaxpr) -> set[str]:
   return names
 
 
-class _Replay(NamedTuple):
-  """A function traced at block shapes, to be replayed inside a kernel.
-
-  ``fn(consts, *args)`` evaluates the traced program; ``consts`` are the
-  arrays it read (passed to the kernel as operands).
-  """
-  jaxpr: Any
-  consts: tuple
-  blocks: bool = True  # whether it may write -inf (score modifiers)
-
-  def __call__(self, consts, *args):
-    out, = jax.core.eval_jaxpr(self.jaxpr, list(consts), *args)
-    return out
-
-
-def _replay(fn: Callable, *examples, blocks: bool = True) -> _Replay:
-  closed = jax.make_jaxpr(fn)(*examples)
-  return _Replay(closed.jaxpr, tuple(closed.consts), blocks)
-
-
-class _Spec(NamedTuple):
-  """A head's static layout: what each kernel receives and how to read it."""
-  st: flash_core.Static
-  mask_shape: tuple[int, int] | None
-  bias: bool
-  segments: bool
-  length: bool
-  q_lengths: bool
-  listed: bool  # a block mask's tables
-  every_block_checked: bool  # a dense mask or a rule: no full blocks
-  patterned: bool
-  mod: _Replay | None  # (score, b, h, q_idx, kv_idx, *diff) -> score
-  num_diff: int  # the score modifier's differentiable arrays
-  rule: _Replay | None  # (b, h, q_idx, kv_idx) -> bool
-  dropout: bool  # the kernels receive a seed and a rate
-  launch: _Launch
-
-
-def _load_const(ref, shape):
-  return ref[...].reshape(shape)
-
-
-def _logits(sp: _Spec, qi, kj, i0, j0, tiles: _Refs, full: bool,
-            want_vjp: bool = False):
-  """Float32 logits of one block, where allowed (``ok``), and a VJP.
-
-  As ``flash_core``'s block logits: ``scale * q.k + bias``, then the score
-  modifier; ``full`` blocks skip the pattern; padded query rows need no
-  mask (their outputs are dropped, their cotangents zero).
-  """
-  st = sp.st
-  logits = jax.lax.dot_general(qi, kj, (((1,), (1,)), ((), ())),
-                               preferred_element_type=_F32)  # [bq, bk]
-  logits = logits * st.scale
-  ok = None
-
-  def both(extra):
-    if extra is None:
-      return ok
-    return extra if ok is None else ok & extra
-
-  rows = i0 + jax.lax.broadcasted_iota(jnp.int32, (st.bq, 1), 0)
-  cols = j0 + jax.lax.broadcasted_iota(jnp.int32, (1, st.bk), 1)
-  # (offset: query row r stands at key column r + offset; the score
-  # modifier and the rule see positions q_start + r, kv_start + c)
-  length, q_lengths, b, h, offset, q_start, kv_start = tiles.ints
-  if tiles.bias is not None:
-    logits = logits + tiles.bias.astype(_F32)
-    ok = both(logits > -jnp.inf)
-  mod_vjp = None
-  if sp.mod is not None:
-    consts = tiles.mod_consts
-
-    def mod(score, *diff):
-      return jnp.broadcast_to(
-          sp.mod(consts, score, b, h, q_start + rows, kv_start + cols,
-                 *diff).astype(_F32),
-          score.shape)
-
-    safe = logits if ok is None else jnp.where(ok, logits, 0.0)
-    if want_vjp:
-      logits, mod_vjp = jax.vjp(mod, safe, *tiles.mod_diff)
-    else:
-      logits = mod(safe, *tiles.mod_diff)
-    if sp.mod.blocks:
-      ok = both(logits > -jnp.inf)
-  if full:
-    return logits, ok, mod_vjp
-  if st.s % st.bk:
-    ok = both(cols < st.s)
-  q_segment_ids = kv_segment_ids = None
-  if tiles.q_segment_ids is not None:
-    q_segment_ids = tiles.q_segment_ids[:, None]
-    kv_segment_ids = tiles.kv_segment_ids[None, :]
-  ok = both(intervals.visible(rows, cols, offset, st.bounds,
-                              q_lengths if sp.q_lengths else None,
-                              length if sp.length else None, q_segment_ids,
-                              kv_segment_ids))
-  if tiles.mask is not None:
-    ok = both(jnp.broadcast_to(tiles.mask != 0, (st.bq, st.bk)))
-  if sp.rule is not None:
-    ok = both(jnp.broadcast_to(sp.rule(tiles.rule_consts, b, h,
-                                       q_start + rows, kv_start + cols),
-                               (st.bq, st.bk)))
-  return logits, ok, mod_vjp
-
-
-def _walk(sp: _Spec, ranges_ref, idx, table_ref, count: int, body, carry):
-  """``body(block, full, carry)`` over the blocks block ``idx`` visits.
-
-  ``ranges_ref[idx]`` is ``(lo, hi, full_lo, full_hi, first, last)``;
-  with a block mask ``table_ref[idx, first:last]`` lists the blocks (each
-  checked: Triton has no ``cond`` on a flag here, and a full block's mask
-  is all True).
-  """
-  if not sp.patterned:
-    return jax.lax.fori_loop(0, count, lambda j, c: body(j, True, c), carry)
-  lo, hi, full_lo, full_hi, first, last = (ranges_ref[idx, n]
-                                           for n in range(6))
-  masked = lambda j, c: body(j, False, c)  # noqa: E731
-  if sp.listed:
-    return jax.lax.fori_loop(first, last,
-                             lambda n, c: masked(table_ref[idx, n], c), carry)
-  if sp.every_block_checked:
-    return jax.lax.fori_loop(lo, hi, masked, carry)
-  carry = jax.lax.fori_loop(lo, full_lo, masked, carry)
-  carry = jax.lax.fori_loop(full_lo, full_hi,
-                            lambda j, c: body(j, True, c), carry)
-  return jax.lax.fori_loop(full_hi, hi, masked, carry)
-
-
-class _Refs(NamedTuple):
-  """The kernel operands besides q, k, v (None = absent): refs in a kernel,
-  or one block's values read from them (``_tiles``; ``ints`` then scalars,
-  ``ranges``/``table`` None)."""
-  ints: Any  # int32 [7]: kv length, q length, b, h, offset, q_start, kv_start
-  ranges: Any
-  table: Any
-  q_segment_ids: Any
-  kv_segment_ids: Any
-  mask: Any
-  bias: Any
-  seed: Any  # dropout's uint32 [2] (a tile: its two words)
-  rate: Any  # dropout's float32 [1] (a tile: the scalar)
-  mod_consts: tuple
-  mod_diff: tuple
-  rule_consts: tuple
-
-
-def _tiles(sp: _Spec, r: _Refs, shapes, i0, j0) -> _Refs:
-  """Reads one block's operands at rows ``i0``, columns ``j0``."""
-  st = sp.st
-  ints = tuple(r.ints[n] for n in range(7))
-  q_segment_ids = kv_segment_ids = mask = bias = seed = rate = None
-  if sp.dropout:
-    seed, rate = (r.seed[0], r.seed[1]), r.rate[0]
-  if sp.segments:
-    q_segment_ids = r.q_segment_ids[pl.ds(i0, st.bq)]
-    kv_segment_ids = r.kv_segment_ids[pl.ds(j0, st.bk)]
-  if sp.mask_shape is not None:
-    rows, cols = sp.mask_shape
-    mask = r.mask[pl.ds(i0, st.bq) if rows != 1 else pl.ds(0, 1),
-                  pl.ds(j0, st.bk) if cols != 1 else pl.ds(0, 1)]
-  if sp.bias:
-    bias = r.bias[pl.ds(i0, st.bq), pl.ds(j0, st.bk)]
-  mod_shapes, diff_shapes, rule_shapes = shapes
-  return _Refs(ints, None, None, q_segment_ids, kv_segment_ids, mask, bias, seed, rate,
-               tuple(map(_load_const, r.mod_consts, mod_shapes)),
-               tuple(map(_load_const, r.mod_diff, diff_shapes)),
-               tuple(map(_load_const, r.rule_consts, rule_shapes)))
-
-
-def _finite(rows):
-  """``(rows with NaN and inf as 0, [n] bool: rows that held one)``."""
-  ok = jnp.isfinite(rows)
-  return jnp.where(ok, rows, jnp.zeros_like(rows)), jnp.min(
-      ok.astype(jnp.int32), axis=-1) == 0
-
-
-def _key_rows(st, ref, j0, length, has_length):
-  """A key/value tile, zero past ``length``, finite, and its bad rows."""
-  rows = ref[pl.ds(j0, st.bk), :]
-  if has_length:
-    valid = j0 + jax.lax.broadcasted_iota(jnp.int32, (st.bk, 1), 0) < length
-    rows = jnp.where(valid, rows, jnp.zeros_like(rows))
-  return _finite(rows)
-
-
-def _forward_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
-                    *refs):
-  st = sp.st
-  r = _Refs(*_unflatten(refs[:num_refs], sp))
-  out_ref, lse_ref, code_ref = refs[num_refs:]
-  i = pl.program_id(0)
-  i0 = i * st.bq
-  qi, q_bad = _finite(q_ref[...])  # [bq, H]
-  length = r.ints[0]
-
-  def key_block(j, full, carry):
-    row_max, total, acc, code = carry
-    j0 = j * st.bk
-    kj, k_bad = _key_rows(st, k_ref, j0, length, sp.length)  # [bk, H]
-    vj, v_bad = _key_rows(st, v_ref, j0, length, sp.length)  # [bk, Hv]
-    tiles = _tiles(sp, r, shapes, i0, j0)
-    logits, ok, _ = _logits(sp, qi, kj, i0, j0, tiles, full)
-    bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
-        v_bad, numerics.BAD_VALUE, numerics.CLEAN))[None, :]  # [1, bk]
-    seen = bad if ok is None else jnp.where(ok, bad, numerics.CLEAN)
-    code = jnp.maximum(code, jnp.max(seen, -1))  # [bq]
-    allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
-    new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
-    shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
-    p = flash_core.masked_exp(logits, ok, shift)  # [bq, bk]
-    rescale = jnp.exp(row_max - shift)  # 0 while row_max = -inf
-    total = total * rescale + p.sum(-1)  # undropped: the lse is too
-    acc = acc * rescale[:, None] + jax.lax.dot_general(
-        _dropper(sp, tiles, i0, j0)(p).astype(vj.dtype), vj,
-        (((1,), (0,)), ((), ())), preferred_element_type=_F32)
-    return new_max, total, acc, code
-
-  hv = v_ref.shape[-1]
-  init = (jnp.full((st.bq,), -jnp.inf, _F32), jnp.zeros((st.bq,), _F32),
-          jnp.zeros((st.bq, hv), _F32), jnp.zeros((st.bq,), _F32))
-  row_max, total, acc, code = _walk(sp, r.ranges, i, r.table,
-                                    k_ref.shape[0] // st.bk, key_block, init)
-  seen = total > 0
-  # a bad query spoils its row where it sees a key
-  code_ref[...] = jnp.maximum(code, jnp.where(seen & q_bad, numerics.BAD_KEY,
-                                              numerics.CLEAN))
-  safe_total = jnp.where(seen, total, 1.0)
-  out_ref[...] = (acc / safe_total[:, None]).astype(out_ref.dtype)
-  lse_ref[...] = jnp.where(
-      seen, jnp.where(row_max > -jnp.inf, row_max, 0.0) + jnp.log(safe_total),
-      -jnp.inf)
-
-
-def _probabilities(sp, qi, kj, i0, j0, tiles, full, lse_i, want_vjp):
-  """``P = exp(logits - lse)`` of one block (0 where blocked), and the VJP."""
-  logits, ok, mod_vjp = _logits(sp, qi, kj, i0, j0, tiles, full, want_vjp)
-  row_ok = (lse_i > -jnp.inf)[:, None]
-  ok = row_ok if ok is None else ok & row_ok
-  shift = jnp.where(lse_i > -jnp.inf, lse_i, 0.0)
-  return flash_core.masked_exp(logits, ok, shift), mod_vjp
-
-
-def _dropper(sp: _Spec, tiles: _Refs, i0, j0) -> Callable:
-  """The block's dropout: ``x [bq, bk] -> x / (1 - rate)`` where kept, else
-  0 (the identity without dropout).
-
-  Inverted dropout as the dense kernel applies it to the probabilities
-  (and, in the backward pass, to their cotangent ``dO V^T``). The keep
-  mask is drawn again from ``(seed, b, h, q_idx, kv_idx)`` in every kernel
-  (``core/dropout.py``): no ``[T, S]`` bits are stored between passes. One
-  draw per block, shared by the block's uses.
-  """
-  if not sp.dropout:
-    return lambda x: x
-  st = sp.st
-  _, _, b, h, _, q_start, kv_start = tiles.ints
-  rows = q_start + i0 + jax.lax.broadcasted_iota(jnp.int32, (st.bq, 1), 0)
-  cols = kv_start + j0 + jax.lax.broadcasted_iota(jnp.int32, (1, st.bk), 1)
-  keep = dropout.keep(dropout.row_keys(tiles.seed, b, h, rows), cols,
-                      dropout.threshold(tiles.rate))  # [bq, bk]
-  return lambda x: jnp.where(keep, x / (1.0 - tiles.rate), 0.0)
-
-
-def _dkdv_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
-                 do_ref, lse_ref, delta_ref, *refs):
-  """Key block ``j``: dk, dv, its column of dbias, its share of d(mod)."""
-  st = sp.st
-  r = _Refs(*_unflatten(refs[:num_refs], sp))
-  outs = list(refs[num_refs + sp.bias:])  # (past dbias's zeros, aliased)
-  dk_ref, dv_ref = outs[:2]
-  dbias_ref = outs[2] if sp.bias else None
-  ddiff_refs = outs[2 + sp.bias:]
-  j = pl.program_id(0)
-  j0 = j * st.bk
-  length = r.ints[0]
-  kj, _ = _key_rows(st, k_ref, j0, length, sp.length)
-  vj, _ = _key_rows(st, v_ref, j0, length, sp.length)
-  diff_shapes = shapes[1]
-
-  def query_block(i, full, carry):
-    dkj, dvj, ddiff = carry
-    i0 = i * st.bq
-    qi, _ = _finite(q_ref[pl.ds(i0, st.bq), :])
-    doi = do_ref[pl.ds(i0, st.bq), :]
-    tiles = _tiles(sp, r, shapes, i0, j0)
-    p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full,
-                                lse_ref[pl.ds(i0, st.bq)], sp.mod is not None)
-    drop = _dropper(sp, tiles, i0, j0)
-    dvj = dvj + jax.lax.dot_general(
-        drop(p).astype(doi.dtype), doi,
-        (((0,), (0,)), ((), ())), preferred_element_type=_F32)
-    dp = jax.lax.dot_general(doi, vj.astype(doi.dtype),
-                             (((1,), (1,)), ((), ())),
-                             preferred_element_type=_F32)
-    dp = drop(dp)  # dP = d(dropped P) * M / (1 - rate)
-    ds = p * (dp - delta_ref[pl.ds(i0, st.bq)][:, None])  # [bq, bk]
-    if mod_vjp is not None:
-      ds, *d_diff = mod_vjp(ds)
-      ddiff = tuple(acc + d.astype(_F32) for acc, d in zip(ddiff, d_diff))
-    dkj = dkj + jax.lax.dot_general(ds.astype(qi.dtype), qi,
-                                    (((0,), (0,)), ((), ())),
-                                    preferred_element_type=_F32) * st.scale
-    if dbias_ref is not None:
-      plgpu.store(dbias_ref.at[pl.ds(i0, st.bq), pl.ds(j0, st.bk)],
-                  ds.astype(dbias_ref.dtype))
-    return dkj, dvj, ddiff
-
-  init = (jnp.zeros(kj.shape, _F32), jnp.zeros(vj.shape, _F32),
-          tuple(jnp.zeros(s, _F32) for s in diff_shapes))
-  dkj, dvj, ddiff = _walk(sp, r.ranges, j, r.table, q_ref.shape[0] // st.bq,
-                          query_block, init)
-  dk_ref[...] = dkj.astype(dk_ref.dtype)
-  dv_ref[...] = dvj.astype(dv_ref.dtype)
-  for ref, d in zip(ddiff_refs, ddiff):
-    ref[...] = d.reshape(ref.shape)
-
-
-def _dq_kernel(sp: _Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
-               do_ref, lse_ref, delta_ref, *refs):
-  """Query block ``i``: dq."""
-  st = sp.st
-  r = _Refs(*_unflatten(refs[:num_refs], sp))
-  dq_ref, = refs[num_refs:]
-  i = pl.program_id(0)
-  i0 = i * st.bq
-  qi, _ = _finite(q_ref[...])
-  doi = do_ref[...]
-  lse_i = lse_ref[...]
-  delta_i = delta_ref[...]
-  length = r.ints[0]
-
-  def key_block(j, full, dqi):
-    j0 = j * st.bk
-    kj, _ = _key_rows(st, k_ref, j0, length, sp.length)
-    vj, _ = _key_rows(st, v_ref, j0, length, sp.length)
-    tiles = _tiles(sp, r, shapes, i0, j0)
-    p, mod_vjp = _probabilities(sp, qi, kj, i0, j0, tiles, full, lse_i,
-                                sp.mod is not None)
-    dp = jax.lax.dot_general(doi, vj.astype(doi.dtype),
-                             (((1,), (1,)), ((), ())),
-                             preferred_element_type=_F32)
-    dp = _dropper(sp, tiles, i0, j0)(dp)  # dP = d(dropped P) * M / (1 - rate)
-    ds = p * (dp - delta_i[:, None])
-    if mod_vjp is not None:
-      ds = mod_vjp(ds)[0]
-    return dqi + jax.lax.dot_general(ds.astype(kj.dtype), kj,
-                                     (((1,), (0,)), ((), ())),
-                                     preferred_element_type=_F32) * st.scale
-
-  dqi = _walk(sp, r.ranges, i, r.table, k_ref.shape[0] // st.bk, key_block,
-              jnp.zeros(qi.shape, _F32))
-  dq_ref[...] = dqi.astype(dq_ref.dtype)
-
-
-def _flatten(r: _Refs) -> list:
-  """The present operands of ``r`` in order (the kernels' refs)."""
-  flat = [r.ints, r.ranges]
-  for x in (r.table, r.q_segment_ids, r.kv_segment_ids, r.mask, r.bias, r.seed, r.rate):
-    if x is not None:
-      flat.append(x)
-  return flat + [*r.mod_consts, *r.mod_diff, *r.rule_consts]
-
-
-def _unflatten(refs, sp: _Spec) -> list:
-  refs = list(refs)
-  take = lambda present: refs.pop(0) if present else None  # noqa: E731
-  ints, ranges = refs.pop(0), refs.pop(0)
-  table = take(sp.listed)
-  q_segment_ids, kv_segment_ids = take(sp.segments), take(sp.segments)
-  mask = take(sp.mask_shape is not None)
-  bias = take(sp.bias)
-  seed, rate = take(sp.dropout), take(sp.dropout)
-  n_mod = 0 if sp.mod is None else len(sp.mod.consts)
-  n_rule = 0 if sp.rule is None else len(sp.rule.consts)
-  mod_consts = tuple(refs.pop(0) for _ in range(n_mod))
-  mod_diff = tuple(refs.pop(0) for _ in range(sp.num_diff))
-  rule_consts = tuple(refs.pop(0) for _ in range(n_rule))
-  return [ints, ranges, table, q_segment_ids, kv_segment_ids, mask, bias, seed, rate,
-          mod_consts, mod_diff, rule_consts]
-
-
 def _as_operand(x):
   """A kernel operand: 0-d arrays become ``[1]`` (read back reshaped)."""
   x = jnp.asarray(x)
   return x.reshape(1) if x.ndim == 0 else x
 
 
-def _call(kernel, sp: _Spec, grid: int, inputs, in_specs, out_shape,
-          out_specs, aliases=None):
+def _call(kernel, sp: pallas_blocks.Spec, grid: int, inputs, in_specs,
+          out_shape, out_specs, aliases=None):
   return pl.pallas_call(
       kernel, grid=(grid,), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, input_output_aliases=aliases or {},
@@ -681,7 +293,7 @@ def _rows(block: int, width: int | None = None):
   return pl.BlockSpec((block, width), lambda n: (n, 0))
 
 
-def _shapes(sp: _Spec, mod_diff):
+def _shapes(sp: pallas_blocks.Spec, mod_diff):
   mod_shapes = () if sp.mod is None else tuple(
       jnp.shape(c) for c in sp.mod.consts)
   rule_shapes = () if sp.rule is None else tuple(
@@ -689,11 +301,12 @@ def _shapes(sp: _Spec, mod_diff):
   return mod_shapes, tuple(jnp.shape(c) for c in mod_diff), rule_shapes
 
 
-def _forward(sp: _Spec, q, k, v, fixed: _Refs):
+def _forward(sp: pallas_blocks.Spec, q, k, v, fixed: pallas_blocks.Refs):
   st = sp.st
-  flat = [_as_operand(x) for x in _flatten(fixed)]
+  flat = [_as_operand(x) for x in pallas_blocks.flatten(fixed)]
   shapes = _shapes(sp, fixed.mod_diff)
-  kernel = functools.partial(_forward_kernel, sp, shapes, len(flat))
+  kernel = functools.partial(pallas_blocks.forward_kernel, sp, shapes,
+                             len(flat))
   hv = v.shape[-1]
   out, lse, code = _call(
       kernel, sp, q.shape[0] // st.bq, [q, k, v, *flat],
@@ -706,8 +319,8 @@ def _forward(sp: _Spec, q, k, v, fixed: _Refs):
   return out, lse, code
 
 
-def _backward(sp: _Spec, q, k, v, out, lse, d_out, d_lse, key_fixed: _Refs,
-              query_fixed: _Refs):
+def _backward(sp: pallas_blocks.Spec, q, k, v, out, lse, d_out, d_lse,
+              key_fixed: pallas_blocks.Refs, query_fixed: pallas_blocks.Refs):
   """dq, dk, dv, dbias, d(mod arrays) from the two backward kernels."""
   st = sp.st
   delta = jnp.sum(d_out.astype(_F32) * out.astype(_F32), -1) - d_lse  # [Tp]
@@ -715,7 +328,7 @@ def _backward(sp: _Spec, q, k, v, out, lse, d_out, d_lse, key_fixed: _Refs,
   shapes = _shapes(sp, key_fixed.mod_diff)
   num_k = k.shape[0] // st.bk
   # dk, dv (and dbias, d(mod arrays)): one program per key block.
-  flat = [_as_operand(x) for x in _flatten(key_fixed)]
+  flat = [_as_operand(x) for x in pallas_blocks.flatten(key_fixed)]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_specs = [_rows(st.bk, k.shape[-1]), _rows(st.bk, v.shape[-1])]
@@ -733,7 +346,7 @@ def _backward(sp: _Spec, q, k, v, out, lse, d_out, d_lse, key_fixed: _Refs,
     shape = (num_k,) + (jnp.shape(c) or (1,))
     out_shape.append(jax.ShapeDtypeStruct(shape, _F32))
     out_specs.append(pl.BlockSpec((1,) + shape[1:], _slab_index(len(shape))))
-  kernel = functools.partial(_dkdv_kernel, sp, shapes, len(flat))
+  kernel = functools.partial(pallas_blocks.dkdv_kernel, sp, shapes, len(flat))
   results = _call(kernel, sp, num_k, inputs, in_specs, out_shape, out_specs,
                   aliases)
   dk, dv = results[:2]
@@ -741,8 +354,8 @@ def _backward(sp: _Spec, q, k, v, out, lse, d_out, d_lse, key_fixed: _Refs,
   d_diff = tuple(d.sum(0).reshape(jnp.shape(c)) for d, c in
                  zip(results[2 + sp.bias:], key_fixed.mod_diff))
   # dq: one program per query block.
-  flat = [_as_operand(x) for x in _flatten(query_fixed)]
-  kernel = functools.partial(_dq_kernel, sp, shapes, len(flat))
+  flat = [_as_operand(x) for x in pallas_blocks.flatten(query_fixed)]
+  kernel = functools.partial(pallas_blocks.dq_kernel, sp, shapes, len(flat))
   dq, = _call(
       kernel, sp, q.shape[0] // st.bq, [*common, *flat],
       [_rows(st.bq, q.shape[-1]), _whole(k), _whole(v),
@@ -782,8 +395,8 @@ def _ranges(st: flash_core.Static, ex, num_q: int, num_k: int, rows: bool,
                    -1).astype(jnp.int32)
 
 
-def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
-                 **blocks):
+def _single_head(q, k, v, h, seed, rate, *, launch: pallas_blocks.Launch,
+                 out_dtype, **blocks):
   """One head (``broadcast.Head``): pad, attend in the kernels, strip, sink,
   poison the rows that saw a NaN or inf.
 
@@ -801,24 +414,9 @@ def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
   bias = None
   if ex.bias is not None:  # whole tiles; the broadcast's cotangent sums
     bias = jnp.broadcast_to(ex.bias, (q.shape[0], k.shape[0]))
-  mod = rule = None
   mod_diff = tuple(ex.mod_consts)
-  if st.score_mod is not None:
-    mod = _replay(st.score_mod, jnp.zeros((st.bq, st.bk), _F32),
-                  jnp.zeros((), i32), jnp.zeros((), i32),
-                  jnp.zeros((st.bq, 1), i32), jnp.zeros((1, st.bk), i32),
-                  *mod_diff, blocks=getattr(st.score_mod, "blocks", True))
-  bm = ex.rule
-  if bm is not None:
-    rule = _replay(bm.mask_fn, jnp.zeros((), i32), jnp.zeros((), i32),
-                   jnp.zeros((st.bq, 1), i32), jnp.zeros((1, st.bk), i32))
-  listed = bm is not None and bm.kinds is not None
-  sp = _Spec(st, None if ex.dense is None else ex.dense.shape, bias is not None,
-             ex.q_segment_ids is not None, ex.kv_lengths is not None,
-             ex.q_lengths is not None, listed,
-             ex.dense is not None or (bm is not None and not listed),
-             flash_core.patterned(st, ex), mod, len(mod_diff), rule,
-             seed is not None, launch)
+  sp = _spec(st, ex, bias is not None, seed is not None, launch)
+  bm, listed = ex.rule, sp.listed
   zero = jnp.zeros((), i32)
   b_idx, h_idx = (zero, zero) if ex.index is None else ex.index
   ints = jnp.stack([
@@ -829,12 +427,12 @@ def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
 
   def fixed(rows: bool):
     table = (bm.kv_indices if rows else bm.q_indices) if listed else None
-    return _Refs(
+    return pallas_blocks.Refs(
         ints, _ranges(st, ex, num_q, num_k, rows, table), table,
         ex.q_segment_ids, ex.kv_segment_ids,
         None if ex.dense is None else ex.dense.astype(jnp.int8), None, seed,
-        rate, () if mod is None else mod.consts, (),
-        () if rule is None else rule.consts)
+        rate, () if sp.mod is None else sp.mod.consts, (),
+        () if sp.rule is None else sp.rule.consts)
 
   # The custom VJP closes over nothing traced (vmap's tracers would leak
   # into the backward pass): the block tables travel as arguments.
@@ -869,6 +467,30 @@ def _single_head(q, k, v, h, seed, rate, *, launch: _Launch, out_dtype,
   # poisoned after the custom VJP: those rows pass no cotangent back
   out, lse = numerics.poison(code, out.astype(out_dtype), lse)
   return out, None, lse
+
+
+def _spec(st: flash_core.Static, ex, bias: bool, dropout: bool,
+          launch: pallas_blocks.Launch) -> pallas_blocks.Spec:
+  """The head's layout for the kernels, its modifier and rule traced at blocks."""
+  i32 = jnp.int32
+  idx = (jnp.zeros((), i32), jnp.zeros((), i32), jnp.zeros((st.bq, 1), i32),
+         jnp.zeros((1, st.bk), i32))
+  mod = rule = None
+  mod_diff = tuple(ex.mod_consts)
+  if st.score_mod is not None:
+    mod = pallas_blocks.replay(
+        st.score_mod, jnp.zeros((st.bq, st.bk), _F32), *idx, *mod_diff,
+        blocks=getattr(st.score_mod, "blocks", True))
+  bm = ex.rule
+  if bm is not None:
+    rule = pallas_blocks.replay(bm.mask_fn, *idx)
+  listed = bm is not None and bm.kinds is not None
+  return pallas_blocks.Spec(
+      st, None if ex.dense is None else ex.dense.shape, bias,
+      ex.q_segment_ids is not None, ex.kv_lengths is not None,
+      ex.q_lengths is not None, listed,
+      ex.dense is not None or (bm is not None and not listed),
+      flash_core.patterned(st, ex), mod, len(mod_diff), rule, dropout, launch)
 
 
 def _padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
