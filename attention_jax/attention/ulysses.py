@@ -179,6 +179,51 @@ def ulysses_attention(
   mask = mask_lib.as_mask(mask, is_causal=is_causal)
   p = _axis_size("axis_name", axis_name)
   rings = 1 if ring_axis is None else _axis_size("ring_axis", ring_axis)
+  _check_kernel_options(ring_axis, implementation, block_q, block_k)
+  n, t, kv_heads, s = _head_split(query, key, value, p, axis_name, layout,
+                                  ring_axis)
+  s_global = s * p * rings
+  index = jax.lax.axis_index(axis_name)
+  heads = _Heads(axis_name, index * (n // p), n // p, n)
+  # Put the sequence back in order only where the kernel reads it whole.
+  order = ring_layout.unzigzag if (layout == "zigzag"
+                                   and ring_axis is None) else None
+
+  query = _to_heads(query, axis_name)  # [B, N/P, P*T, H]
+  if kv_heads % p:  # fewer key/value heads than devices: one each
+    key, value = (jnp.repeat(x, p // kv_heads, axis=1) for x in (key, value))
+  key, value = (_to_heads(x, axis_name) for x in (key, value))
+  mask = None if mask is None else _group_mask(mask, heads, t, t * p * rings,
+                                               s_global)
+  bias = None if bias is None else _rows_and_heads(
+      "bias", bias, heads, t, s_global)
+  score_mod = _shift_score_mod(score_mod, heads)
+  sinks = None if sinks is None else _sinks(sinks, heads)
+  # What is replicated over the axis now serves this device's heads alone:
+  # marked as varying over it, its gradient is the sum over the devices
+  # (the kernels' custom VJPs return per-device gradients).
+  bias, sinks, scale, score_mod = _varying((bias, sinks, scale, score_mod),
+                                           axis_name)
+  if order is not None:
+    query, key, value = (order(x, p) for x in (query, key, value))
+    mask, bias = _in_order(mask, bias, p)
+
+  out, lse, max_logits = _attend(
+      query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
+      sinks=sinks, implementation=implementation, ring_axis=ring_axis,
+      layout=layout, block_q=block_q, block_k=block_k, return_lse=return_lse,
+      return_max_logits=return_max_logits)
+  rows = [out] + [x for x in (lse, max_logits) if x is not None]
+  if order is not None:  # back to the layout's order, [.., P*T(, Hv)]
+    rows = [ring_layout.zigzag(x, p, axis=-2 if x.ndim == 4 else -1)
+            for x in rows]
+  # [B, N, T, Hv], then [B, N, T] each
+  out, *extra = [_to_sequence(x, axis_name) for x in rows]
+  return (out, *extra) if extra else out
+
+
+def _check_kernel_options(ring_axis, implementation, block_q, block_k):
+  """Refuses options the chosen path would silently ignore."""
   if ring_axis is not None and implementation is not None:
     raise ValueError(
         f"ulysses_attention(ring_axis={ring_axis!r}) runs the ring kernel "
@@ -192,6 +237,11 @@ def ulysses_attention(
         "flash kernel's block sizes, but implementation="
         f"{implementation!r} was given too: pass the sizes to that kernel "
         "(e.g. aj.kernels.Flash(block_q, block_k)) or drop implementation.")
+
+
+def _head_split(query, key, value, p: int, axis_name, layout: str,
+                ring_axis) -> tuple[int, int, int, int]:
+  """``(N, T, K, S)``, checked before any collective runs (a clear error)."""
   q_shape, k_shape = checks.shape_of(query), checks.shape_of(key)
   v_shape = checks.shape_of(value)
   if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
@@ -220,32 +270,13 @@ def ulysses_attention(
         f"S = {s} must be even (two chunks each, of the 2 * devices chunks "
         "the zigzag layout cuts the sequence into); pad the sequence to a "
         f"multiple of 2 * {p} tokens.")
-  s_global = s * p * rings
-  index = jax.lax.axis_index(axis_name)
-  heads = _Heads(axis_name, index * (n // p), n // p, n)
-  # Put the sequence back in order only where the kernel reads it whole.
-  order = ring_layout.unzigzag if (layout == "zigzag"
-                                   and ring_axis is None) else None
+  return n, t, kv_heads, s
 
-  query = _to_heads(query, axis_name)  # [B, N/P, P*T, H]
-  if kv_heads % p:  # fewer key/value heads than devices: one each
-    key, value = (jnp.repeat(x, p // kv_heads, axis=1) for x in (key, value))
-  key, value = (_to_heads(x, axis_name) for x in (key, value))
-  mask = None if mask is None else _group_mask(mask, heads, t, t * p * rings,
-                                               s_global)
-  bias = None if bias is None else _rows_and_heads(
-      "bias", bias, heads, t, s_global)
-  score_mod = _shift_score_mod(score_mod, heads)
-  sinks = None if sinks is None else _sinks(sinks, heads)
-  # What is replicated over the axis now serves this device's heads alone:
-  # marked as varying over it, its gradient is the sum over the devices
-  # (the kernels' custom VJPs return per-device gradients).
-  bias, sinks, scale, score_mod = _varying((bias, sinks, scale, score_mod),
-                                           axis_name)
-  if order is not None:
-    query, key, value = (order(x, p) for x in (query, key, value))
-    mask, bias = _in_order(mask, bias, p)
 
+def _attend(query, key, value, mask, *, bias, scale, score_mod, sinks,
+            implementation, ring_axis, layout, block_q, block_k, return_lse,
+            return_max_logits):
+  """The kernel, or the hybrid's ring: ``(out, lse|None, max_logits|None)``."""
   if ring_axis is None:
     if implementation is None and (block_q is not None
                                    or block_k is not None):
@@ -264,13 +295,7 @@ def ulysses_attention(
     out, *rest = result
     lse = rest.pop(0) if return_lse else None
     max_logits = rest.pop(0) if return_max_logits else None
-  rows = [out] + [x for x in (lse, max_logits) if x is not None]
-  if order is not None:  # back to the layout's order, [.., P*T(, Hv)]
-    rows = [ring_layout.zigzag(x, p, axis=-2 if x.ndim == 4 else -1)
-            for x in rows]
-  # [B, N, T, Hv], then [B, N, T] each
-  out, *extra = [_to_sequence(x, axis_name) for x in rows]
-  return (out, *extra) if extra else out
+  return out, lse, max_logits
 
 
 def _axis_size(name: str, axis) -> int:
