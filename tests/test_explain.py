@@ -3,7 +3,7 @@ the flash walk's empty / full / partial block pairs.
 
 Block counts are checked against a brute-force classification of a NumPy
 mask written out from the pattern; the chosen kernel against the one
-``scaled_dot_product_attention`` really runs (``aj.kernels.choose``
+``scaled_dot_product_attention`` really runs (``aj.kernels.base.choose``
 recorded).
 
 Shape glossary: B batch, N query heads, T query length, S key/value
@@ -43,13 +43,13 @@ def _brute_force(allowed, bq: int, bk: int):
 def _ran(call):
   """The kernel ``call()`` runs, as ``scaled_dot_product_attention`` picks it."""
   chosen = []
-  choose = aj.kernels.choose
+  choose = aj.kernels.base.choose
 
   def recording(*a, **kw):
     chosen.append(choose(*a, **kw))
     return chosen[-1]
 
-  with mock.patch.object(aj.kernels, "choose", recording):
+  with mock.patch.object(aj.kernels.base, "choose", recording):
     call()
   (kernel,) = chosen
   return kernel.name

@@ -7,9 +7,9 @@ that broadcast.
 
 ``scaled_dot_product_attention`` is the one public entry point over every
 kernel: it resolves ``implementation=`` to the kernels to try
-(``kernels.candidates``), validates the call once
+(``base.candidates`` over ``kernels.REGISTRY``), validates the call once
 (``kernels.base.canonicalize``: a ``Problem``), picks the first kernel that
-supports it (``kernels.choose``) and runs it. The kernels never import this
+supports it (``base.choose``) and runs it. The kernels never import this
 module. Every kernel honours one contract (masks True = may attend,
 bottom-right causal, a query with nothing to attend to gets output 0 and
 lse ``-inf`` with zero gradients, float32 compute for 16-bit inputs),
@@ -51,7 +51,7 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
       dropout_rng=dropout_rng, implementation=implementation,
       return_weights=return_weights, return_lse=return_lse,
       return_max_logits=return_max_logits, pages=pages, partition=partition)
-  kernel = kernels.choose(candidates, problem, automatic)
+  kernel = base.choose(candidates, problem, automatic)
   call = kernel
   if problem.partition is not None and not kernel.partitionable:
     call = functools.partial(per_shard.run, kernel)
@@ -73,8 +73,8 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
   (``typed_partition``)."""
   checks.check_static_bool("is_causal", is_causal)
   mask = mask_lib.as_mask(mask, is_causal=is_causal)
-  candidates, automatic = kernels.candidates(implementation)
-  if partition is None:
+  candidates, automatic = base.candidates(implementation, kernels.REGISTRY)
+  if partition is None and not jax.sharding.get_abstract_mesh().empty:
     partition = typed_partition(query)
   problem = base.canonicalize(
       query, key, value, mask, bias=bias, scale=scale, score_mod=score_mod,
@@ -95,7 +95,7 @@ def typed_partition(query) -> base.Partition | None:
   sequence) are not a partition's.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not hasattr(query, "shape"):
+  if mesh.empty or not hasattr(query, "shape"):  # (the caller checks too)
     return None
   explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
               if kind == jax.sharding.AxisType.Explicit}

@@ -9,7 +9,7 @@ ceil(S / bk) blocks; ``...`` leading dims.
 call with ``dot_product.run``'s own ``dot_product.prepare``
 (``mask.as_mask``, ``kernels.candidates``, ``kernels.base.canonicalize``),
 asks every candidate kernel what it makes of the problem
-(``kernels.verdicts``, the walk ``kernels.choose`` makes),
+(``base.verdicts``, the walk ``base.choose`` makes),
 and for the flash kernel counts the (query block, key block) pairs of every
 head the way its walk classifies them (``flash_core.key_ranges``, or a
 block mask's tables): *empty* (skipped), *full* (run without a mask pass)
@@ -31,9 +31,11 @@ from attention_jax import kernels
 from attention_jax.attention import dot_product
 from attention_jax.core import broadcast
 from attention_jax.core import checks
+from attention_jax.kernels import base
 from attention_jax.kernels import block_cache
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
+from attention_jax.kernels import operands
 from attention_jax.masking import intervals
 
 
@@ -206,7 +208,7 @@ def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
       return_max_logits=return_max_logits)
   chosen = None
   verdicts = []
-  for kernel, verdict, reason in kernels.verdicts(candidates, problem,
+  for kernel, verdict, reason in base.verdicts(candidates, problem,
                                                   automatic):
     if chosen is not None:  # choose stops here; say what it would have met
       reason = {"refuses": f"would refuse: {reason}",
@@ -236,7 +238,7 @@ def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
 
 
 def _flash_blocks(explained: Explanation, kernel: flash.Flash,
-                  ops: checks.Operands) -> Explanation:
+                  ops: operands.Operands) -> Explanation:
   """``explained`` with the flash kernel's blocks and its walk's counts."""
   # What Flash.__call__ runs: given, a block mask's, tuned, else defaults.
   bq, bk, _ = block_cache.blocks(ops, kernel.block_q, kernel.block_k)

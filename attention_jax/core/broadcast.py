@@ -137,7 +137,7 @@ class Head(NamedTuple):
 def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
                extra_core_ndims: Sequence[int] = (), *,
                one_at_a_time: int = 0):
-  """Runs a single-head kernel over validated operands (``checks.Operands``).
+  """Runs a single-head kernel over validated operands (``operands.Operands``).
 
   ``head_fn(q, k, v, head, *extra)`` sees ``[T, H]``, ``[S, H]``,
   ``[S, Hv]`` and a ``Head`` of the other operands, and returns

@@ -30,8 +30,6 @@ that would be a silent wrong answer.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,8 +112,9 @@ def any_nonfinite(*arrays):
   entries whose float32 sum overflows also answer True: the search then
   runs and finds nothing, a cost and never a wrong answer.
   """
-  total = functools.reduce(jnp.add, [jnp.sum(x, dtype=jnp.float32)
-                                     for x in arrays])
+  total = jnp.zeros((), jnp.float32)
+  for x in arrays:
+    total = total + jnp.sum(x, dtype=jnp.float32)
   return ~jnp.isfinite(total)
 
 
@@ -172,14 +171,14 @@ def poison(code, out, *key_stats):
   query (they do not depend on the values). The NaN is a constant: those
   rows' cotangents stop here. Returns ``(out, *key_stats)``.
   """
-  def nan_where(bad, x):
-    if x is None:
-      return None
-    bad = bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim))
-    return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
-
-  return (nan_where(code >= BAD_VALUE, out),
-          *(nan_where(code >= BAD_KEY, x) for x in key_stats))
+  poisoned = []
+  for i, x in enumerate((out, *key_stats)):
+    bad = code >= (BAD_VALUE if i == 0 else BAD_KEY)
+    if x is not None:
+      bad = bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim))
+      x = jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+    poisoned.append(x)
+  return tuple(poisoned)
 
 
 def zero_unseen(seen, *arrays):

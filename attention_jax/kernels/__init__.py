@@ -30,18 +30,16 @@ are split over mesh axes (``partition=``): a kernel with ``partitionable
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax.numpy as jnp
 
 from attention_jax.core.broadcast import Head
 from attention_jax.core.broadcast import lift_heads
-from attention_jax.core.checks import Operands
 from attention_jax.core.numerics import compute_dtype
 from attention_jax.core.numerics import with_sink
 from attention_jax.core.numerics import zero_unseen
 from attention_jax.core.softmax import masked_logsumexp
 from attention_jax.core.softmax import masked_softmax
+from attention_jax.kernels import base
 from attention_jax.kernels.autotune import Tuned
 from attention_jax.kernels.autotune import autotune
 from attention_jax.kernels.autotune import flash_blocks
@@ -52,16 +50,18 @@ from attention_jax.kernels.base import Pages
 from attention_jax.kernels.base import Partition
 from attention_jax.kernels.base import Problem
 from attention_jax.kernels.base import Result
+from attention_jax.kernels.base import choose
 from attention_jax.kernels.base import float32_only
 from attention_jax.kernels.base import no_max_logits
 from attention_jax.kernels.base import no_weights_or_dropout
-from attention_jax.kernels.base import refusal
 from attention_jax.kernels.base import too_small
 from attention_jax.kernels.base import undeclared
+from attention_jax.kernels.base import verdicts
 from attention_jax.kernels.block_cache import FlashBlocks
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
+from attention_jax.kernels.operands import Operands
 from attention_jax.kernels.paged_gpu import PagedGpu
 from attention_jax.kernels.paged_tpu import PagedTpu
 from attention_jax.kernels.pallas_gpu import PallasGpu
@@ -101,66 +101,13 @@ def _names() -> list[str]:
 
 def by_name(name: str) -> Kernel:
   """The registered kernel called ``name``."""
-  for kernel in REGISTRY:
-    if kernel.name == name:
-      return kernel
-  raise ValueError(
-      f"implementation must be None, a kernel, a sequence of them, or one of "
-      f"{_names()}, got {name!r}.")
+  return base.by_name(name, REGISTRY)
 
 
 def candidates(implementation) -> tuple[tuple[Kernel, ...], bool]:
-  """``(kernels to try in order, automatic)`` for an ``implementation=``."""
-  if implementation is None:
-    return REGISTRY, True
-  if isinstance(implementation, (str, Kernel)):
-    implementation = (implementation,)
-  if not isinstance(implementation, Sequence) or not implementation:
-    raise ValueError(
-        f"implementation must be None, a kernel name ({_names()}), "
-        f"a Kernel, or a non-empty sequence of them; got {implementation!r}.")
-  kernels = []
-  for item in implementation:
-    if isinstance(item, str):
-      item = by_name(item)
-    if not isinstance(item, Kernel):
-      raise TypeError(
-          f"implementation entries must be kernel names or "
-          f"attention_jax.kernels.Kernel instances, got {item!r}.")
-    kernels.append(item)
-  return tuple(kernels), False
-
-
-def verdicts(kernels: Sequence[Kernel], problem: Problem, automatic: bool):
-  """Yields ``(kernel, verdict, reason)`` in order: ``"refuses"``
-  (``supports``' reason), ``"declines"`` (``declines``' reason, asked only
-  when automatic) or ``"takes"`` (reason None). Lazy: ``choose`` stops at
-  the first that takes the problem."""
-  for kernel in kernels:
-    # supports' reasons say most (and suggest a fix); what a kernel does not
-    # declare is refused even when its supports() does not know the feature.
-    reason = refusal(kernel, problem)
-    if reason is not None:
-      yield kernel, "refuses", reason
-      continue
-    reason = kernel.declines(problem) if automatic else None
-    yield kernel, "takes" if reason is None else "declines", reason
-
-
-def choose(kernels: Sequence[Kernel], problem: Problem,
-           automatic: bool) -> Kernel:
-  """The first kernel that takes ``problem``; else a ValueError with each
-  kernel's reason."""
-  reasons = []
-  for kernel, verdict, reason in verdicts(kernels, problem, automatic):
-    if verdict == "takes":
-      return kernel
-    reasons.append((kernel.name, reason))
-  if len(reasons) == 1:
-    name, reason = reasons[0]
-    raise ValueError(f"implementation={name!r} is not possible: {reason}.")
-  listed = "; ".join(f"{name}: {reason}" for name, reason in reasons)
-  raise ValueError(f"no implementation takes this call ({listed}).")
+  """``(kernels to try in order, automatic)`` for an ``implementation=``
+  (``base.candidates`` over ``REGISTRY``)."""
+  return base.candidates(implementation, REGISTRY)
 
 
 class Registration:

@@ -4,7 +4,7 @@ Shape glossary: B batch, N query heads, K key/value heads, T query length,
 S key/value length, H head dim, Hv value head dim; ``...`` leading dims.
 
 ``canonicalize`` checks a call once, in the caller's terms, and builds a
-``Problem``: the operands with heads grouped (``checks.Operands``: the
+``Problem``: the operands with heads grouped (``operands.Operands``: the
 mask's fields, the bias, sinks, score modifier and the (b, h) indices they
 see), the scale, dropout and what to return. A kernel is a ``Kernel``:
 
@@ -41,6 +41,7 @@ order; the dispatcher (``dot_product``) walks it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import math
 from typing import Any, ClassVar, NamedTuple
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 
 from attention_jax.core import broadcast
 from attention_jax.core import checks
+from attention_jax.kernels import operands
 from attention_jax.masking import mask as mask_lib
 
 # What every kernel returns (defined beside lift_heads, which builds it).
@@ -134,7 +136,7 @@ class Partition:
 
 class Problem(NamedTuple):
   """One attention call, validated."""
-  ops: checks.Operands  # operands, heads grouped, the mask's fields
+  ops: operands.Operands  # operands, heads grouped, the mask's fields
   scale: Any  # float, or a scalar array
   out_dtype: Any
   dropout_rate: Any = 0.0
@@ -158,12 +160,13 @@ class Problem(NamedTuple):
     from its default (``dropout_rate``, ``return_weights``, ``return_lse``,
     ``return_max_logits``, and any option added to it later).
     """
+    given = {} if self.mask is None else dict(vars(self.mask))
+    for name in _CALL_OPERANDS:
+      given[name] = getattr(self.ops, name)
     found = set()
-    if self.mask is not None:
-      found.update(name for name, x in vars(self.mask).items()
-                   if x is not None and x is not False)
-    found.update(name for name in _CALL_OPERANDS
-                 if getattr(self.ops, name) is not None)
+    for name, x in given.items():
+      if x is not None and x is not False:
+        found.add(name)
     if self.pages is not None and self.pages.key_scales is not None:
       found.add("page_scales")  # quantised pages: dequantised on load
     for name, default in type(self)._field_defaults.items():
@@ -252,7 +255,7 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   ``mask`` is a ``Mask`` or None (``mask.as_mask`` converts the other
   accepted values); ``scale`` None means ``1 / sqrt(H)``. With ``pages``
   (a paged cache) ``key`` and ``value`` are None: the pages stand for
-  them (``checks.paged_operands``). ``partition`` (a ``Partition`` or
+  them (``operands.paged_operands``). ``partition`` (a ``Partition`` or
   None) is checked against the ambient mesh and the operands
   (``check_partition``).
   """
@@ -271,27 +274,29 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
     if key is not None or value is not None:
       raise TypeError("a paged call reads its keys and values from the "
                       "pages: pass key=None and value=None with pages=.")
-    key, value = checks.paged_operands(
+    key, value = operands.paged_operands(
         query, pages.key_pages, pages.value_pages, pages.table, mask,
         pages.key_scales, pages.value_scales)
   checks.check_dropout(dropout_rate, dropout_rng)
   # Dropout draws each entry's bit from its head's (b, h): core/dropout.py.
-  ops = checks.attention_operands(query, key, value, mask,
+  ops = operands.attention_operands(query, key, value, mask,
                                   bias, sinks=sinks, score_mod=score_mod,
                                   head_index=dropout_rng is not None)
-  checks.check_call_scale(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
+  else:
+    checks.check_call_scale(scale)
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
   if pages is not None:
     pages = Pages(*(None if x is None else jnp.asarray(x) for x in pages))
-  partition = check_partition(partition, ops)
+  if partition is not None:
+    partition = check_partition(partition, ops)
   return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
                  bool(return_weights), bool(return_lse),
                  bool(return_max_logits), mask, pages, partition)
 
 
-def split_dims(ops: checks.Operands) -> tuple[int | None, int | None]:
+def split_dims(ops: operands.Operands) -> tuple[int | None, int | None]:
   """``(batch, heads)``: the positions of ``B`` and ``N`` among the
   caller's leading dims (``ops.leading``), as ``score_mod``'s ``(b, h)``
   count them: the last two of ``[..., B, N]``, the only one of ``[B]``
@@ -304,7 +309,7 @@ def split_dims(ops: checks.Operands) -> tuple[int | None, int | None]:
   return rank - 2, rank - 1
 
 
-def check_partition(partition, ops: checks.Operands) -> Partition | None:
+def check_partition(partition, ops: operands.Operands) -> Partition | None:
   """``partition`` checked against the ambient mesh and the operands:
   the ``Partition`` (None when it splits nothing).
 
@@ -391,6 +396,73 @@ def undeclared(kernel: Kernel, problem: Problem) -> str | None:
   listed = ", ".join(sorted(missing))
   return (f"it does not implement {listed} (not in {type(kernel).__name__}"
           f".implements); a kernel runs only what it declares")
+
+
+def by_name(name: str, registry: Sequence[Kernel]) -> Kernel:
+  """The kernel of ``registry`` called ``name``."""
+  for kernel in registry:
+    if kernel.name == name:
+      return kernel
+  raise ValueError(
+      f"implementation must be None, a kernel, a sequence of them, or one of "
+      f"{[k.name for k in registry]}, got {name!r}.")
+
+
+def candidates(implementation, registry: Sequence[Kernel]
+               ) -> tuple[tuple[Kernel, ...], bool]:
+  """``(kernels to try in order, automatic)`` for an ``implementation=``:
+  None is ``registry`` (``kernels.REGISTRY``), in its order."""
+  if implementation is None:
+    return tuple(registry), True
+  if isinstance(implementation, (str, Kernel)):
+    implementation = (implementation,)
+  if not isinstance(implementation, Sequence) or not implementation:
+    raise ValueError(
+        f"implementation must be None, a kernel name "
+        f"({[k.name for k in registry]}), a Kernel, or a non-empty sequence "
+        f"of them; got {implementation!r}.")
+  kernels = []
+  for item in implementation:
+    if isinstance(item, str):
+      item = by_name(item, registry)
+    if not isinstance(item, Kernel):
+      raise TypeError(
+          f"implementation entries must be kernel names or "
+          f"attention_jax.kernels.Kernel instances, got {item!r}.")
+    kernels.append(item)
+  return tuple(kernels), False
+
+
+def verdicts(kernels: Sequence[Kernel], problem: Problem, automatic: bool):
+  """Yields ``(kernel, verdict, reason)`` in order: ``"refuses"``
+  (``supports``' reason), ``"declines"`` (``declines``' reason, asked only
+  when automatic) or ``"takes"`` (reason None). Lazy: ``choose`` stops at
+  the first that takes the problem."""
+  for kernel in kernels:
+    # supports' reasons say most (and suggest a fix); what a kernel does not
+    # declare is refused even when its supports() does not know the feature.
+    reason = refusal(kernel, problem)
+    if reason is not None:
+      yield kernel, "refuses", reason
+      continue
+    reason = kernel.declines(problem) if automatic else None
+    yield kernel, "takes" if reason is None else "declines", reason
+
+
+def choose(kernels: Sequence[Kernel], problem: Problem,
+           automatic: bool) -> Kernel:
+  """The first kernel that takes ``problem``; else a ValueError with each
+  kernel's reason."""
+  reasons = []
+  for kernel, verdict, reason in verdicts(kernels, problem, automatic):
+    if verdict == "takes":
+      return kernel
+    reasons.append((kernel.name, reason))
+  if len(reasons) == 1:
+    name, reason = reasons[0]
+    raise ValueError(f"implementation={name!r} is not possible: {reason}.")
+  listed = "; ".join(f"{name}: {reason}" for name, reason in reasons)
+  raise ValueError(f"no implementation takes this call ({listed}).")
 
 
 # Below this many scores per head the dense kernel is as fast (see the

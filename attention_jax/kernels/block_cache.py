@@ -44,15 +44,15 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from attention_jax.core import checks
 from attention_jax.kernels import flash_core
+from attention_jax.kernels import operands
 
 ENV = "AJ_AUTOTUNE_CACHE"
 FILE_NAME = "flash_blocks.json"
 # The file's layout; a file of another version is ignored (never misread).
 VERSION = 1
 
-# {path: {key: entry}}: each file read once per process (``_entries``).
+# {path: {key: entry}}: each file read once per process (``lookup``).
 _MEMORY: dict[str, dict[str, dict[str, Any]]] = {}
 
 
@@ -74,7 +74,7 @@ class FlashBlocks(NamedTuple):
 def cache_path() -> pathlib.Path | None:
   """The cache file (not created here), or None when ``$AJ_AUTOTUNE_CACHE``
   is ``off``. Decided by the name alone: no file system call, since
-  ``blocks`` asks on every flash call."""
+  ``lookup`` reads it on every flash call (through ``_path``)."""
   return _path(os.environ.get(ENV), os.environ.get("XDG_CACHE_HOME"),
                os.environ.get("HOME"))
 
@@ -133,7 +133,7 @@ def fingerprint(backend: str | None = None) -> dict[str, str]:
   return dict(_machine(backend or jax.default_backend()))
 
 
-def signature(ops: checks.Operands) -> dict[str, Any]:
+def signature(ops: operands.Operands) -> dict[str, Any]:
   """What of one call decides its best blocks (``ops``: ``Problem.ops``).
 
   Lengths, head dims and dtype set each block's work. The leading dims
@@ -218,14 +218,6 @@ def _read(path: pathlib.Path) -> dict[str, dict[str, Any]]:
   return {k: v for k, v in data["entries"].items() if _valid(v)}
 
 
-def _entries(path: pathlib.Path) -> dict[str, dict[str, Any]]:
-  """The entries of ``path``, read once per process (then from memory)."""
-  name = str(path)
-  if name not in _MEMORY:
-    _MEMORY[name] = _read(path)
-  return _MEMORY[name]
-
-
 def forget() -> None:
   """Drops what this process read, so the next lookup reads the files
   again (after another process tuned, or the file was edited)."""
@@ -273,10 +265,13 @@ def lookup(problem) -> tuple[int, int] | None:
   """
   if getattr(problem, "pages", None) is not None:
     return None
-  path = cache_path()
+  path = _path(os.environ.get(ENV), os.environ.get("XDG_CACHE_HOME"),
+               os.environ.get("HOME"))  # (cache_path, without a call more)
   if path is None:
     return None
-  entries = _entries(path)
+  entries = _MEMORY.get(str(path))
+  if entries is None:  # read once per process, then from memory
+    entries = _MEMORY[str(path)] = _read(path)
   if not entries:  # nothing tuned: no key to build
     return None
   entry = entries.get(cache_key(problem))

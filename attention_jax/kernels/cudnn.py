@@ -59,6 +59,7 @@ from attention_jax.core import checks
 from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.kernels import base
+from attention_jax.kernels import operands
 from attention_jax.masking import intervals
 
 # Parts of a problem jax.nn.dot_product_attention has no counterpart for.
@@ -110,7 +111,7 @@ class Cudnn(base.Kernel):
     return base.Result(out)
 
 
-def _offset(ops: checks.Operands):
+def _offset(ops: operands.Operands):
   """The mask's ``q_offset - kv_offset``, ``[B|1, N|1]`` (heads merged), or
   None for the bottom-right alignment (as ``broadcast.Head.offsets``)."""
   if not ops.positioned:
@@ -118,7 +119,7 @@ def _offset(ops: checks.Operands):
   return grouping.merge(ops.q_offset - ops.kv_offset, ops.groups, -1)
 
 
-def _caller(ops: checks.Operands):
+def _caller(ops: operands.Operands):
   """The operands with heads merged again (jax.nn groups heads itself)."""
   g = ops.groups
   return (grouping.merge(ops.query, g, -3), grouping.merge(ops.key, g, -3),

@@ -96,35 +96,14 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
   # XLA copies).
   one_row = t == 1
   given = query, key, value  # the codes read them, only if there is garbage
+  q_bad = None
   if one_row:
     q_bad = ~jnp.all(jnp.isfinite(query))
     query, = numerics.finite_values(query)
   else:
     query, key, value = numerics.finite_values(query, key, value)
-
-  def and_(a, b):
-    if b is None:
-      return a
-    b = jnp.broadcast_to(b, (t, s))
-    return b if a is None else a & b
-
-  rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
-  offset, q_start, kv_start = h.offsets(t, s)
-  q_at, kv_at = rows + q_start, cols + kv_start  # what rules/score_mod see
-  bounds = intervals.bounds(is_causal, window)
-
-  def pattern():
-    """Where the mask fields allow, ``[T, S]`` (None: everywhere)."""
-    q_segment_ids = None if h.q_segment_ids is None else h.q_segment_ids[:, None]
-    kv_segment_ids = None if h.kv_segment_ids is None else h.kv_segment_ids[None, :]
-    allowed = and_(h.dense, intervals.visible(
-        rows, cols, offset, bounds, h.q_lengths, h.kv_lengths, q_segment_ids,
-        kv_segment_ids))
-    if h.rule is not None:  # the predicate the flash core evaluates
-      allowed = and_(allowed, h.rule.mask_fn(*h.index, q_at, kv_at))
-    return allowed
-
-  allowed = pattern()
+  at = _Indices(h, t, s, intervals.bounds(is_causal, window))
+  allowed = at.pattern(h)
   # Only a structural pattern blocks (iota comparisons, lengths, segments):
   # the operands are sanitized, and unseen keys and empty rows' queries
   # zeroed (finite garbage there could still overflow a product), so every
@@ -132,44 +111,17 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
   # -inf, which XLA fuses with the products instead of a select pass over
   # [T, S].
   additive = (h.dense is None and h.bias is None and score_mod is None)
-  plain = _only_bounds(h)
-  unseen = allowed is not None and not (plain and _every_key_seen(bounds, t,
-                                                                  s))
-  if unseen:  # (one row: its values after the bias and score_mod, below)
-    seen_keys = jnp.any(allowed, axis=0)  # [S]
-    if one_row:
-      key, = numerics.zero_unseen(seen_keys, key)
-    else:
-      key, value = numerics.zero_unseen(seen_keys, key, value)
-  if (additive and allowed is not None
-      and not (plain and _every_row_sees(bounds, t, s))):
-    query, = numerics.zero_unseen(jnp.any(allowed, axis=1), query)
-  logits = jnp.einsum("TH,SH->TS", query, key,
-                      preferred_element_type=compute_dtype)  # [T, S]
-  logits = logits * jnp.asarray(scale, compute_dtype)
-  if one_row:  # the query is finite: a NaN or inf here is the key's
-    bad_key = ~jnp.isfinite(logits)  # [1, S]
-    logits = jnp.where(bad_key, jnp.zeros((), logits.dtype), logits)
-  raw = logits  # before the bias and score_mod: what max_logits reads
-  finite = None  # where a -inf bias or score_mod blocks
-  if h.bias is not None:
-    logits = logits + jnp.broadcast_to(h.bias.astype(compute_dtype), (t, s))
-    finite = logits > -jnp.inf
-  if score_mod is not None:
-    safe = logits if finite is None else jnp.where(finite, logits, 0.0)
-    b, n = h.index
-    logits = jnp.broadcast_to(score_mod(safe, b, n, q_at, kv_at),
-                              (t, s)).astype(compute_dtype)
-    if getattr(score_mod, "blocks", True):  # the built-ins never block
-      finite = (logits > -jnp.inf) if finite is None else (
-          finite & (logits > -jnp.inf))
+  query, key, value = _zero_unseen(query, key, value, h, at, allowed,
+                                   additive, one_row)
+  logits, raw, finite, bad_key = _logits(query, key, h, at, scale, score_mod,
+                                         compute_dtype, one_row)
   if finite is not None:  # where a bias or score_mod blocks
-    allowed = and_(allowed, finite)
+    allowed = _and(allowed, finite, t, s)
 
   def codes():  # [T]: the largest code each row sees
     # The pattern is recomputed from its small operands here, so that the
     # branch takes no materialised [T, S] array.
-    return numerics.seen_codes(and_(pattern(), finite),
+    return numerics.seen_codes(_and(at.pattern(h), finite, t, s),
                                *numerics.codes(*given))
 
   if one_row:
@@ -184,7 +136,107 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
     seen = raw if allowed is None else jnp.where(allowed, raw, -jnp.inf)
     max_logits = jax.lax.stop_gradient(
         jnp.max(seen, axis=-1, initial=-jnp.inf))  # [T]
-  want_lse = want_lse or h.sink is not None
+  weights, lse = _weights(logits, allowed, h, additive,
+                          want_lse or h.sink is not None)
+  probs = weights
+  if seed is not None:  # inverted dropout: E[probs] == weights
+    keep = dropout.keep_mask(seed, *h.index, at.q, at.kv,
+                             dropout_rate)  # [T, S]
+    probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  out = jnp.einsum("TS,SV->TV", probs, value.astype(compute_dtype),
+                   preferred_element_type=compute_dtype)  # [T, Hv]
+  if one_row:  # a value it attends to that is not finite makes out so
+    code = _one_row_code(out, allowed, bad_key, q_bad, s)
+  out, weights, lse, max_logits = numerics.poison(
+      code, out.astype(out_dtype), weights, lse, max_logits)
+  if want_max_logits:
+    return out, weights, lse, max_logits
+  return out, weights, lse
+
+
+def _and(a, b, t: int, s: int):
+  """``a & b`` over ``[T, S]``, either None for everywhere."""
+  if b is None:
+    return a
+  b = jnp.broadcast_to(b, (t, s))
+  return b if a is None else a & b
+
+
+class _Indices:
+  """One head's rows and columns: ``rows [T, 1]``, ``cols [1, S]``, the
+  band's offset, and the positions rules and score_mod see (``q``,
+  ``kv``)."""
+
+  def __init__(self, h, t: int, s: int, bounds: intervals.Bounds):
+    self.t, self.s, self.bounds = t, s, bounds
+    self.rows, self.cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    self.offset, q_start, kv_start = h.offsets(t, s)
+    self.q, self.kv = self.rows + q_start, self.cols + kv_start
+
+  def pattern(self, h):
+    """Where the mask fields allow, ``[T, S]`` (None: everywhere)."""
+    q_ids = None if h.q_segment_ids is None else h.q_segment_ids[:, None]
+    kv_ids = None if h.kv_segment_ids is None else h.kv_segment_ids[None, :]
+    allowed = _and(h.dense, intervals.visible(
+        self.rows, self.cols, self.offset, self.bounds, h.q_lengths,
+        h.kv_lengths, q_ids, kv_ids), self.t, self.s)
+    if h.rule is not None:  # the predicate the flash core evaluates
+      allowed = _and(allowed, h.rule.mask_fn(*h.index, self.q, self.kv),
+                     self.t, self.s)
+    return allowed
+
+
+def _zero_unseen(query, key, value, h, at: _Indices, allowed, additive: bool,
+                 one_row: bool):
+  """Keys (and values) no query sees, and queries that see nothing, zeroed:
+  finite garbage there could still overflow a product. One row's values
+  wait for its bias and score_mod (``single_head``)."""
+  t, s, bounds = at.t, at.s, at.bounds
+  plain = _only_bounds(h)
+  if allowed is not None and not (plain and _every_key_seen(bounds, t, s)):
+    seen_keys = jnp.any(allowed, axis=0)  # [S]
+    if one_row:
+      key, = numerics.zero_unseen(seen_keys, key)
+    else:
+      key, value = numerics.zero_unseen(seen_keys, key, value)
+  if (additive and allowed is not None
+      and not (plain and _every_row_sees(bounds, t, s))):
+    query, = numerics.zero_unseen(jnp.any(allowed, axis=1), query)
+  return query, key, value
+
+
+def _logits(query, key, h, at: _Indices, scale, score_mod, compute_dtype,
+            one_row: bool):
+  """``(logits, raw, finite, bad_key)``: the scaled logits after the bias
+  and score_mod ``[T, S]``, before them (what max_logits reads), where a
+  -inf bias or score_mod blocks (None: nowhere) and, for one row, where a
+  key is not finite (else None)."""
+  t, s = at.t, at.s
+  logits = jnp.einsum("TH,SH->TS", query, key,
+                      preferred_element_type=compute_dtype)  # [T, S]
+  logits = logits * jnp.asarray(scale, compute_dtype)
+  bad_key = None
+  if one_row:  # the query is finite: a NaN or inf here is the key's
+    bad_key = ~jnp.isfinite(logits)  # [1, S]
+    logits = jnp.where(bad_key, jnp.zeros((), logits.dtype), logits)
+  raw = logits
+  finite = None
+  if h.bias is not None:
+    logits = logits + jnp.broadcast_to(h.bias.astype(compute_dtype), (t, s))
+    finite = logits > -jnp.inf
+  if score_mod is not None:
+    safe = logits if finite is None else jnp.where(finite, logits, 0.0)
+    b, n = h.index
+    logits = jnp.broadcast_to(score_mod(safe, b, n, at.q, at.kv),
+                              (t, s)).astype(compute_dtype)
+    if getattr(score_mod, "blocks", True):  # the built-ins never block
+      finite = (logits > -jnp.inf) if finite is None else (
+          finite & (logits > -jnp.inf))
+  return logits, raw, finite, bad_key
+
+
+def _weights(logits, allowed, h, additive: bool, want_lse: bool):
+  """``(weights [T, S], lse [T] or None)``, a sink in the denominator."""
   if additive:
     weights, lse = softmax.softmax_and_lse(logits, allowed)  # [T, S], [T]
     lse = lse if want_lse else None
@@ -193,24 +245,17 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
     lse = softmax.masked_logsumexp(logits, allowed) if want_lse else None
   if h.sink is not None:  # exp(sink) joins each row's denominator
     weights, _, lse = numerics.with_sink(weights, lse, h.sink, h.q_lengths)
-  probs = weights
-  if seed is not None:  # inverted dropout: E[probs] == weights
-    keep = dropout.keep_mask(seed, *h.index, q_at, kv_at,
-                             dropout_rate)  # [T, S]
-    probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-  out = jnp.einsum("TS,SV->TV", probs, value.astype(compute_dtype),
-                   preferred_element_type=compute_dtype)  # [T, Hv]
-  if one_row:  # a value it attends to that is not finite makes out so
-    sees = jnp.ones((1, s), bool) if allowed is None else allowed
-    code = jnp.where(jnp.any(sees & bad_key) | (q_bad & jnp.any(sees)),
-                     numerics.BAD_KEY, jnp.where(
-                         jnp.any(~jnp.isfinite(out)), numerics.BAD_VALUE,
-                         numerics.CLEAN)).astype(jnp.float32)[None]
-  out, weights, lse, max_logits = numerics.poison(
-      code, out.astype(out_dtype), weights, lse, max_logits)
-  if want_max_logits:
-    return out, weights, lse, max_logits
-  return out, weights, lse
+  return weights, lse
+
+
+def _one_row_code(out, allowed, bad_key, q_bad, s: int):
+  """One query row's code ``[1]``: a bad key or query it sees, else a
+  value that made its output non-finite."""
+  sees = jnp.ones((1, s), bool) if allowed is None else allowed
+  return jnp.where(jnp.any(sees & bad_key) | (q_bad & jnp.any(sees)),
+                   numerics.BAD_KEY, jnp.where(
+                       jnp.any(~jnp.isfinite(out)), numerics.BAD_VALUE,
+                       numerics.CLEAN)).astype(jnp.float32)[None]
 
 
 def _only_bounds(h) -> bool:

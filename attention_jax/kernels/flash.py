@@ -31,13 +31,13 @@ import math
 import jax.numpy as jnp
 
 from attention_jax.core import broadcast
-from attention_jax.core import checks
 from attention_jax.core import dropout
 from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import block_cache
 from attention_jax.kernels import flash_core
+from attention_jax.kernels import operands
 from attention_jax.masking import block_tables as block_mask_lib
 
 
@@ -58,13 +58,11 @@ class Flash(base.Kernel):
     base.check_block_size("block_k", self.block_k)
 
   def supports(self, problem: base.Problem) -> str | None:
-    return (base.no_weights(problem)
-            or base.float32_only(problem) or self._paged(problem))
+    return (base.no_weights(problem) or base.float32_only(problem)
+            or (self._paged(problem) if problem.pages is not None else None))
 
   def _paged(self, problem: base.Problem) -> str | None:
     """What it cannot do with pages: arrays over the logical key axis."""
-    if problem.pages is None:
-      return None
     ops, z = problem.ops, problem.pages.page_size
     if ops.dense is not None or ops.bias is not None:
       return ("it reads a paged cache page by page and takes no dense mask "
@@ -167,10 +165,10 @@ def drop_operands(problem: base.Problem):
           jnp.asarray(problem.dropout_rate, jnp.float32))
 
 
-def with_rule_tables(ops: checks.Operands, block_q: int, block_k: int):
+def with_rule_tables(ops: operands.Operands, block_q: int, block_k: int):
   """``ops`` with a table-less rule's block tables built at these sizes.
 
-  Per (b, h) where the rule depends on them (``checks.rule_batch``),
+  Per (b, h) where the rule depends on them (``operands.rule_batch``),
   split like the heads.
   """
   bm = ops.rule
@@ -182,7 +180,7 @@ def with_rule_tables(ops: checks.Operands, block_q: int, block_k: int):
     # lengths and segments leave, as ring attention does.
     return ops
   t, s = bm.shape
-  batch = checks.rule_batch(bm.mask_fn, ops.leading, s)
+  batch = operands.rule_batch(bm.mask_fn, ops.leading, s)
   if not batch and getattr(bm.mask_fn, "examples", None) is not None:
     batch = (1,) * len(ops.leading)  # a per-example rule at batch 1
   built = block_mask_lib.block_mask(bm.mask_fn, t, s, batch=batch,

@@ -14,9 +14,9 @@ recomputes each block's probabilities from that log-sum-exp
 (``D = rowsum(dO * O) - dlse``, ``dS = P * (dP - D)``), walking the key
 blocks and, for each, only the query blocks that can see it.
 
-Internal interface (what ``kernels/flash.py``, ``kernels/ring.py`` and
-``kernels/pallas_gpu.py`` use; nothing else of this module is imported
-elsewhere):
+Internal interface (what ``kernels/flash.py``, the ring kernel's files,
+``kernels/pallas_gpu.py`` and ``kernels/pallas_blocks.py`` use; nothing
+else of this module is imported elsewhere):
 
 * ``Static``: one head's static configuration (scale, causal/window bounds,
   score modifier, true lengths, block sizes, whether to return the row
@@ -514,6 +514,70 @@ def _walk(st: Static, ex: broadcast.Head, ranges, listed, count: int, body, carr
   return jax.lax.fori_loop(full_hi, hi, masked, carry)
 
 
+def _online_block(st: Static, ex: broadcast.Head, place: Place, k, v, qi, i0,
+                  drop, drop_rows, defer: bool, raw_carry: bool, j, full,
+                  carry):
+  """One key block of ``forward``'s online softmax: the carry (row maxima,
+  row sums, accumulated values ``[bq, Hv]``, codes, raw maxima when kept)
+  after key block ``j``; ``full`` (static) says it needs no mask pass."""
+  later = st.scale if defer else 1.0
+  row_max, total, acc, code, *raw_max = carry
+  j0 = j * st.bk
+  kj, k_bad = _key_rows(st, k, j0, ex.kv_lengths)  # [bk, H]
+  vj, v_bad = _key_rows(st, v, j0, ex.kv_lengths)  # [bk, Hv]
+  if ex.kv_code is None:  # reduce the loaded block (ring: keys travel)
+    bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
+        v_bad, numerics.BAD_VALUE, numerics.CLEAN))  # [bk]
+  else:  # the head's codes (a row reduction per loaded block costs more
+    # than the block's other work on XLA:CPU; then dead code). Keys past
+    # the length need no clearing: a full block lies below it, and a
+    # partial block's `ok` leaves them out.
+    bad = jax.lax.dynamic_slice_in_dim(ex.kv_code, j0, st.bk)  # [bk]
+  logits, ok, _, raw = _block_logits(st, qi, kj, i0, j0, ex, place, full,
+                                     scale=1.0 if defer else None)
+  bad = bad[None, :]  # [1, bk]
+  if ok is None:  # every row sees every column
+    code = jnp.maximum(code, jnp.max(bad))
+  else:  # a [bq, bk] pass, made only when there is garbage
+    seen = lambda c, ok, bad: jnp.maximum(c, jnp.max(  # noqa: E731
+        jnp.where(ok, bad, numerics.CLEAN), -1))
+    code = seen(code, ok, bad) if ex.garbage is None else jax.lax.cond(
+        ex.garbage, seen, lambda c, ok, bad: c, code, ok, bad)  # [bq]
+  if raw_carry:
+    seen = raw if ok is None else jnp.where(ok, raw, -jnp.inf)
+    raw_max = [jnp.maximum(raw_max[0], jnp.max(seen, -1))]  # [bq]
+  allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
+  new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
+  shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+  p = masked_exp(logits, ok, shift, later)  # [bq, bk]
+  rescale = jnp.exp((row_max - shift) * later)  # 0 while row_max = -inf
+  total = total * rescale + p.sum(-1)
+  if drop is not None:  # the dropped probabilities meet the values
+    p = jnp.where(drop.keep(drop_rows, place, j0, st.bk), p, 0.0)
+  acc = acc * rescale[:, None] + jnp.einsum(
+      "TS,SV->TV", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+  return new_max, total, acc, code, *raw_max
+
+
+def _row_results(st: Static, carry, q_bad, drop, later, raw_carry: bool):
+  """A query block's ``(out [bq, Hv], lse, max_logits or None, code)``
+  from the walk's final carry."""
+  row_max, total, acc, code, *raw_max = carry
+  max_logits = None
+  if st.max_logits:  # raw_max, or row_max in raw-logit units
+    max_logits = raw_max[0] if raw_carry else row_max * later
+  seen = total > 0
+  out = acc / jnp.where(seen, total, 1.0)[:, None]
+  if drop is not None:
+    out = out * drop.inverse
+  lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+                  * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  # A bad query spoils its row where it sees a key (seen: total >= 1).
+  code = jnp.maximum(code, jnp.where(seen & q_bad, numerics.BAD_KEY,
+                                     numerics.CLEAN))
+  return out, lse, max_logits, code
+
+
 def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
             drop: Dropout | None = None):
   """Online softmax; ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None,
@@ -550,46 +614,8 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
     if ex.q_code is not None:  # (then the reduction above is dead code)
       q_bad = jax.lax.dynamic_slice_in_dim(ex.q_code, i0, st.bq) > 0
     drop_rows = None if drop is None else drop.rows(ex, place, i0, st.bq)
-
-    def key_block(j, full, carry):
-      row_max, total, acc, code, *raw_max = carry
-      j0 = j * st.bk
-      kj, k_bad = _key_rows(st, k, j0, ex.kv_lengths)  # [bk, H]
-      vj, v_bad = _key_rows(st, v, j0, ex.kv_lengths)  # [bk, Hv]
-      if ex.kv_code is None:  # reduce the loaded block (ring: keys travel)
-        bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
-            v_bad, numerics.BAD_VALUE, numerics.CLEAN))  # [bk]
-      else:  # the head's codes (a row reduction per loaded block costs
-        # more than the block's other work on XLA:CPU; then dead code).
-        # Keys past the length need no clearing: a full block lies below
-        # it, and a partial block's `ok` leaves them out.
-        bad = jax.lax.dynamic_slice_in_dim(ex.kv_code, j0, st.bk)  # [bk]
-      logits, ok, _, raw = _block_logits(st, qi, kj, i0, j0, ex, place,
-                                         full, scale=1.0 if defer else None)
-      bad = bad[None, :]  # [1, bk]
-      if ok is None:  # every row sees every column
-        code = jnp.maximum(code, jnp.max(bad))
-      else:  # a [bq, bk] pass, made only when there is garbage
-        seen = lambda c, ok, bad: jnp.maximum(c, jnp.max(  # noqa: E731
-            jnp.where(ok, bad, numerics.CLEAN), -1))
-        code = seen(code, ok, bad) if ex.garbage is None else jax.lax.cond(
-            ex.garbage, seen, lambda c, ok, bad: c, code, ok, bad)  # [bq]
-      if raw_carry:
-        seen = raw if ok is None else jnp.where(ok, raw, -jnp.inf)
-        raw_max = [jnp.maximum(raw_max[0], jnp.max(seen, -1))]  # [bq]
-      allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
-      new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
-      shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-      p = masked_exp(logits, ok, shift, later)  # [bq, bk]
-      rescale = jnp.exp((row_max - shift) * later)  # 0 while row_max = -inf
-      total = total * rescale + p.sum(-1)
-      if drop is not None:  # the dropped probabilities meet the values
-        p = jnp.where(drop.keep(drop_rows, place, j0, st.bk), p, 0.0)
-      acc = acc * rescale[:, None] + jnp.einsum(
-          "TS,SV->TV", p.astype(v.dtype), vj,
-          preferred_element_type=jnp.float32)
-      return new_max, total, acc, code, *raw_max
-
+    key_block = functools.partial(_online_block, st, ex, place, k, v, qi, i0,
+                                  drop, drop_rows, defer, raw_carry)
     init = (jnp.full((st.bq,), -jnp.inf, jnp.float32) + zero,
             jnp.zeros((st.bq,), jnp.float32) + zero,
             jnp.zeros((st.bq, hv), jnp.float32) + zero,
@@ -600,21 +626,8 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
     if ex.rule is not None and ex.rule.kinds is not None:
       listed = (ex.rule.kv_indices[i], ex.rule.kv_full[i])
     ranges = key_ranges(st, ex, place, seg, i, num_k)
-    row_max, total, acc, code, *raw_max = _walk(st, ex, ranges, listed,
-                                                num_k, key_block, init)
-    max_logits = None
-    if st.max_logits:  # raw_max, or row_max in raw-logit units
-      max_logits = raw_max[0] if raw_carry else row_max * later
-    seen = total > 0
-    out = acc / jnp.where(seen, total, 1.0)[:, None]
-    if drop is not None:
-      out = out * drop.inverse
-    lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-                    * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    # A bad query spoils its row where it sees a key (seen: total >= 1).
-    code = jnp.maximum(code, jnp.where(seen & q_bad, numerics.BAD_KEY,
-                                       numerics.CLEAN))
-    return out, lse, max_logits, code
+    carry = _walk(st, ex, ranges, listed, num_k, key_block, init)
+    return _row_results(st, carry, q_bad, drop, later, raw_carry)
 
   out, lse, max_logits, code = jax.lax.map(query_block, jnp.arange(num_q))
   if max_logits is not None:

@@ -36,9 +36,9 @@ import jax
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from attention_jax.core import checks
 from attention_jax.core import grouping
 from attention_jax.kernels import base
+from attention_jax.kernels import operands
 from attention_jax.masking import mask as mask_lib
 
 
@@ -270,7 +270,7 @@ def _result_specs(problem, caller: _Layout) -> base.Result:
 def _reads_split(mask_fn, ops, sizes) -> bool:
   """Whether a rule reads ``b`` or ``h`` along a split leading dim."""
   s = ops.key.shape[-2]
-  needed = checks.rule_batch(mask_fn, ops.leading, s)
+  needed = operands.rule_batch(mask_fn, ops.leading, s)
   return any(n > 1 and split > 1 for n, split in zip(needed, sizes))
 
 

@@ -82,6 +82,7 @@ bridge:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import typing
@@ -91,10 +92,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.core import broadcast
-from attention_jax.core import checks
 from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.kernels import base
+from attention_jax.kernels import operands
 from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
 
@@ -261,7 +262,7 @@ class Splash(base.Kernel):
     if t == 0 or s == 0:
       return f"it needs T and S >= 1, got T={t}, S={s}"
     if ops.rule is not None:
-      batch = checks.rule_batch(ops.rule.mask_fn, ops.leading, s)
+      batch = operands.rule_batch(ops.rule.mask_fn, ops.leading, s)
       cells = math.prod(batch) * t * s
       if cells > HOST_MASK_LIMIT:
         return (f"its mask is static: this rule would be evaluated on the "
@@ -358,118 +359,162 @@ class Splash(base.Kernel):
            window, lse_grad):
     """One splash kernel over ``q [..., G, T, H]`` and ``k, v [..., 1, S,
     H|Hv]``, vmapped over the other leading dims."""
-    kernel_lib, mask_lib = _splash()
-    heads = q.shape[-3]
-    # One predicate for the whole call, outside the vmap below (where a
-    # per-slice cond would run both branches).
-    garbage = numerics.any_nonfinite(q, k, v)
     tp = -(-t // self.block_q) * self.block_q  # whole blocks
     sp = -(-s // self.block_kv) * self.block_kv
     bounds = intervals.bounds(causal, window)
-    if static is None:  # splash's own lazy masks, evaluated in the kernel
-      shape = (tp, sp)
-      if bounds.left is None and bounds.right is None:
-        head_mask = mask_lib.FullMask(shape)
-      elif bounds.left is None and bounds.right == 0:
-        head_mask = mask_lib.CausalMask(shape, offset=s - t)
-      else:
-        head_mask = mask_lib.LocalMask(shape, (bounds.left, bounds.right),
-                                       offset=s - t)
-      masks = [head_mask] * heads
-      pattern = None
-      # The rows' bands overlap, so together they see keys from the first
-      # row's left bound on (the last row's right bound is past S - 1).
-      first = 0 if bounds.left is None else s - t - bounds.left
-      key_seen = np.arange(s) >= first if first > 0 else None
-    else:
-      band = intervals.visible(np.arange(t)[:, None], np.arange(s)[None, :],
-                               s - t, bounds)
-      allowed = np.broadcast_to(static, static.shape[:1] + (t, s))
-      if band is not None:
-        allowed = allowed & band
-      pattern = allowed  # [G|1, T, S] NumPy
-      key_seen = allowed.any(axis=(0, 1))  # [S]: shared keys, any head
-      padded = np.zeros(allowed.shape[:1] + (tp, sp), bool)
-      padded[:, :t, :s] = allowed
-      masks = [mask_lib.NumpyMask(m) for m in padded]
-      masks = masks * heads if len(masks) == 1 else masks
+    masks, pattern, key_seen = _head_masks(static, bounds, t, s, tp, sp,
+                                           q.shape[-3])
+    segmented = (rows["q_segment_ids"] is not None or rows["kv_len"] is not None
+                 or sp > s)
+    # One predicate for the whole call, outside the vmap below (where a
+    # per-slice cond would run both branches).
+    garbage = numerics.any_nonfinite(q, k, v)
+    call = _Call(self._kernel(masks, cap), t, s, tp, sp, bounds, pattern,
+                 key_seen, segmented, garbage, scale, lse_grad)
+    operands = (q, k[..., 0, :, :], v[..., 0, :, :],
+                *(_drop_head(rows[n], 1) for n in ("q_segment_ids", "kv_segment_ids")),
+                *(_drop_head(rows[n], 0) for n in ("kv_len", "q_len")),
+                sinks)
+    return broadcast.broadcast_vmap(functools.partial(_one_slice, call),
+                                    (3, 2, 2, 1, 1, 0, 0, 1), operands)
+
+  def _kernel(self, masks, cap):
+    """Splash's MQA kernel over ``masks`` (one per query head), at our blocks."""
+    kernel_lib, mask_lib = _splash()
     sizes = kernel_lib.BlockSizes(
         block_q=self.block_q, block_kv=self.block_kv,
         block_kv_compute=self.block_kv, block_q_dkv=self.block_q,
         block_kv_dkv=self.block_kv, block_kv_dkv_compute=self.block_kv,
         block_q_dq=self.block_q, block_kv_dq=self.block_kv)
-    kernel = kernel_lib.make_splash_mqa(
+    return kernel_lib.make_splash_mqa(
         mask_lib.MultiHeadMask(masks), block_sizes=sizes,
         save_residuals=True, attn_logits_soft_cap=cap, head_shards=1,
         q_seq_shards=1, interpret=self.interpret)
-    segmented = (rows["q_segment_ids"] is not None or rows["kv_len"] is not None
-                 or sp > s)
 
-    def one(q, k, v, q_segment_ids, kv_segment_ids, kv_len, q_len, sink):
-      """q ``[G, T, H]``, k ``[S, H]``, v ``[S, Hv]``; per-row arrays of
-      this slice; sink ``[G|1]`` or None."""
-      q, k, v, q_code, kv_code = numerics.sanitize(q, k, v)
 
-      def visible(start, size):  # rows [start, start + size): [G|1, size, S]
-        rows = start + jnp.arange(size)[:, None]
-        ids = None if q_segment_ids is None else (
-            jax.lax.dynamic_slice_in_dim(q_segment_ids, start, size)[:, None],
-            kv_segment_ids[None, :])
-        ok = intervals.visible(rows, jnp.arange(s)[None, :], s - t, bounds,
-                               q_len, kv_len, *(ids or (None, None)))
-        if pattern is not None:
-          tile = jax.lax.dynamic_slice_in_dim(jnp.asarray(pattern), start,
-                                              size, axis=1)
-          ok = tile if ok is None else tile & ok[None]
-        return ok
+class _Call(typing.NamedTuple):
+  """What every slice of one ``_run`` shares: the vmap closes over it."""
+  kernel: typing.Any  # splash's kernel (make_splash_mqa)
+  t: int
+  s: int
+  tp: int  # T and S padded to whole blocks
+  sp: int
+  bounds: typing.Any  # intervals.bounds of causal and window
+  pattern: np.ndarray | None  # [G|1, T, S]: static mask & band, or None
+  key_seen: np.ndarray | None  # [S]: keys some row may see, or None (all)
+  segmented: bool  # splash gets segment ids (ours, kv lengths, padding)
+  garbage: jax.Array  # bool scalar: some q, k or v entry is not finite
+  scale: typing.Any  # float or a traced scalar
+  lse_grad: bool
 
-      code = jax.lax.cond(
-          garbage,
-          lambda: numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
-          lambda: jnp.zeros(q_code.shape, jnp.float32))  # [G, T]
-      q = (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(
-          q.dtype)
-      if q_len is not None:  # rows past q_len are not queries (may be NaN)
-        q = jnp.where((jnp.arange(t) < q_len)[None, :, None], q, 0)
-      segment_ids = None
-      seen = None if key_seen is None else jnp.asarray(key_seen)
-      if segmented:
-        if q_segment_ids is not None:
-          q_ids, k_ids = _renumber(q_segment_ids, kv_segment_ids)
-        else:
-          q_ids = jnp.zeros((t,), jnp.int32)
-          k_ids = jnp.zeros((s,), jnp.int32)
-        if kv_len is not None:
-          k_ids = jnp.where(jnp.arange(s) < kv_len, k_ids, -1)
-        valid = k_ids >= 0
-        seen = valid if seen is None else seen & valid
-        segment_ids = kernel_lib.SegmentIds(
-            jnp.pad(q_ids, (0, tp - t), constant_values=-2),
-            jnp.pad(k_ids, (0, sp - s), constant_values=-1))
-      if seen is not None:  # padding may hold NaN: no product may meet it
-        k = jnp.where(seen[:, None], k, 0)
-        v = jnp.where(seen[:, None], v, 0)
-      q = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0)))
-      k, v = (jnp.pad(x, ((0, sp - s), (0, 0))) for x in (k, v))
-      sink = None if sink is None else jnp.broadcast_to(
-          sink.astype(jnp.float32), (heads,))
-      out, lse = _attend(kernel, lse_grad, q, k, v, segment_ids, sink)
-      out, lse = out[:, :t], lse[:, :t]
-      if sink is None:  # rows that see nothing: ours are 0 and -inf
-        sees = lse > kernel.kwargs["mask_value"] / 2
-        out = jnp.where(sees[..., None], out, 0)
-        lse = jnp.where(sees, lse, -jnp.inf)
-      if q_len is not None:
-        inside = jnp.arange(t) < q_len
-        out = jnp.where(inside[None, :, None], out, 0)
-        lse = jnp.where(inside[None, :], lse, -jnp.inf)
-      return numerics.poison(code, out, lse)
 
-    operands = (q, k[..., 0, :, :], v[..., 0, :, :],
-                *(_drop_head(rows[n], 1) for n in ("q_segment_ids", "kv_segment_ids")),
-                *(_drop_head(rows[n], 0) for n in ("kv_len", "q_len")),
-                sinks)
-    return broadcast.broadcast_vmap(one, (3, 2, 2, 1, 1, 0, 0, 1), operands)
+def _head_masks(static, bounds, t: int, s: int, tp: int, sp: int,
+                heads: int):
+  """Splash's masks per head (lazy, or NumPy [Tp, Sp]), pattern and key_seen."""
+  _, mask_lib = _splash()
+  if static is None:
+    shape = (tp, sp)
+    if bounds.left is None and bounds.right is None:
+      head_mask = mask_lib.FullMask(shape)
+    elif bounds.left is None and bounds.right == 0:
+      head_mask = mask_lib.CausalMask(shape, offset=s - t)
+    else:
+      head_mask = mask_lib.LocalMask(shape, (bounds.left, bounds.right),
+                                     offset=s - t)
+    # The rows' bands overlap, so together they see keys from the first
+    # row's left bound on (the last row's right bound is past S - 1).
+    first = 0 if bounds.left is None else s - t - bounds.left
+    key_seen = np.arange(s) >= first if first > 0 else None
+    return [head_mask] * heads, None, key_seen
+  band = intervals.visible(np.arange(t)[:, None], np.arange(s)[None, :],
+                           s - t, bounds)
+  allowed = np.broadcast_to(static, static.shape[:1] + (t, s))
+  if band is not None:
+    allowed = allowed & band
+  key_seen = allowed.any(axis=(0, 1))  # [S]: shared keys, any head
+  padded = np.zeros(allowed.shape[:1] + (tp, sp), bool)
+  padded[:, :t, :s] = allowed
+  masks = [mask_lib.NumpyMask(m) for m in padded]
+  return (masks * heads if len(masks) == 1 else masks), allowed, key_seen
+
+
+def _one_slice(c: _Call, q, k, v, q_segment_ids, kv_segment_ids, kv_len,
+               q_len, sink):
+  """One slice's call: q ``[G, T, H]``, k ``[S, H]``, v ``[S, Hv]``, sink ``[G|1]``."""
+  t, s = c.t, c.s
+  q, k, v, q_code, kv_code = numerics.sanitize(q, k, v)
+  code = _slice_codes(c, q_code, kv_code, q_segment_ids, kv_segment_ids,
+                      kv_len, q_len)  # [G, T]
+  q = (q.astype(jnp.float32) * jnp.asarray(c.scale, jnp.float32)).astype(
+      q.dtype)
+  if q_len is not None:  # rows past q_len are not queries (may be NaN)
+    q = jnp.where((jnp.arange(t) < q_len)[None, :, None], q, 0)
+  segment_ids, seen = _kernel_segments(c, q_segment_ids, kv_segment_ids,
+                                       kv_len)
+  if seen is not None:  # padding may hold NaN: no product may meet it
+    k = jnp.where(seen[:, None], k, 0)
+    v = jnp.where(seen[:, None], v, 0)
+  q = jnp.pad(q, ((0, 0), (0, c.tp - t), (0, 0)))
+  k, v = (jnp.pad(x, ((0, c.sp - s), (0, 0))) for x in (k, v))
+  sink = None if sink is None else jnp.broadcast_to(
+      sink.astype(jnp.float32), (q.shape[0],))
+  out, lse = _attend(c.kernel, c.lse_grad, q, k, v, segment_ids, sink)
+  out, lse = out[:, :t], lse[:, :t]
+  if sink is None:  # rows that see nothing: ours are 0 and -inf
+    sees = lse > c.kernel.kwargs["mask_value"] / 2
+    out = jnp.where(sees[..., None], out, 0)
+    lse = jnp.where(sees, lse, -jnp.inf)
+  if q_len is not None:
+    inside = jnp.arange(t) < q_len
+    out = jnp.where(inside[None, :, None], out, 0)
+    lse = jnp.where(inside[None, :], lse, -jnp.inf)
+  return numerics.poison(code, out, lse)
+
+
+def _slice_codes(c: _Call, q_code, kv_code, q_segment_ids, kv_segment_ids,
+                 kv_len, q_len):
+  """Each row's numerics code ``[G, T]``, which splash cannot carry (0: clean)."""
+  t, s = c.t, c.s
+
+  def visible(start, size):  # rows [start, start + size): [G|1, size, S]
+    rows = start + jnp.arange(size)[:, None]
+    ids = None if q_segment_ids is None else (
+        jax.lax.dynamic_slice_in_dim(q_segment_ids, start, size)[:, None],
+        kv_segment_ids[None, :])
+    ok = intervals.visible(rows, jnp.arange(s)[None, :], s - t, c.bounds,
+                           q_len, kv_len, *(ids or (None, None)))
+    if c.pattern is not None:
+      tile = jax.lax.dynamic_slice_in_dim(jnp.asarray(c.pattern), start,
+                                          size, axis=1)
+      ok = tile if ok is None else tile & ok[None]
+    return ok
+
+  return jax.lax.cond(
+      c.garbage,
+      lambda: numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
+      lambda: jnp.zeros(q_code.shape, jnp.float32))
+
+
+def _kernel_segments(c: _Call, q_segment_ids, kv_segment_ids, kv_len):
+  """Splash's SegmentIds, lengths and padding as ids no query has; keys seen."""
+  t, s = c.t, c.s
+  seen = None if c.key_seen is None else jnp.asarray(c.key_seen)
+  if not c.segmented:
+    return None, seen
+  if q_segment_ids is not None:
+    q_ids, k_ids = _renumber(q_segment_ids, kv_segment_ids)
+  else:
+    q_ids = jnp.zeros((t,), jnp.int32)
+    k_ids = jnp.zeros((s,), jnp.int32)
+  if kv_len is not None:
+    k_ids = jnp.where(jnp.arange(s) < kv_len, k_ids, -1)
+  valid = k_ids >= 0
+  seen = valid if seen is None else seen & valid
+  kernel_lib, _ = _splash()
+  segment_ids = kernel_lib.SegmentIds(
+      jnp.pad(q_ids, (0, c.tp - t), constant_values=-2),
+      jnp.pad(k_ids, (0, c.sp - s), constant_values=-1))
+  return segment_ids, seen
 
 
 def _drop_head(x, core: int):

@@ -112,21 +112,20 @@ def visible(rows, cols, offset, b: Bounds, q_lengths=None, kv_lengths=None,
   shapes) or None. None when nothing is excluded (no bound, no length, no
   segments): callers then skip every mask pass.
   """
-  ok = None
-
-  def both(extra):
-    return extra if ok is None else ok & extra
-
+  parts = []
   if b.right is not None:
-    ok = both(cols <= rows + offset + b.right)
+    parts.append(cols <= rows + offset + b.right)
   if b.left is not None:
-    ok = both(cols >= rows + offset - b.left)
+    parts.append(cols >= rows + offset - b.left)
   if kv_lengths is not None:
-    ok = both(cols < kv_lengths)
+    parts.append(cols < kv_lengths)
   if q_lengths is not None:
-    ok = both(rows < q_lengths)
+    parts.append(rows < q_lengths)
   if q_segment_ids is not None:
-    ok = both(q_segment_ids == kv_segment_ids)
+    parts.append(q_segment_ids == kv_segment_ids)
+  ok = None
+  for part in parts:
+    ok = part if ok is None else ok & part
   return ok
 
 

@@ -234,7 +234,7 @@ class Mask:
       raise TypeError(f"Mask's causal must be a Python bool (static), got "
                       f"{causal!r}.")
     self.causal = bool(causal)
-    self.window = intervals.check_window(window)
+    self.window = None if window is None else intervals.check_window(window)
     self.q_lengths = None if q_lengths is None else _integer_array(
         "q_lengths", q_lengths)
     self.kv_lengths = None if kv_lengths is None else _integer_array(
