@@ -55,8 +55,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from attention_jax.core import broadcast
 from attention_jax.core import checks
-from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import operands
@@ -116,17 +116,16 @@ def _offset(ops: operands.Operands):
   None for the bottom-right alignment (as ``broadcast.Head.offsets``)."""
   if not ops.positioned:
     return None
-  return grouping.merge(ops.q_offset - ops.kv_offset, ops.groups, -1)
+  return broadcast.merge_groups(ops.q_offset - ops.kv_offset, ops.groups, -1)
 
 
 def _caller(ops: operands.Operands):
   """The operands with heads merged again (jax.nn groups heads itself)."""
-  g = ops.groups
-  return (grouping.merge(ops.query, g, -3), grouping.merge(ops.key, g, -3),
-          grouping.merge(ops.value, g, -3), grouping.merge(ops.dense, g, -3),
-          grouping.merge(ops.bias, g, -3),
-          grouping.merge(ops.kv_lengths, g, -1),
-          grouping.merge(ops.q_lengths, g, -1))
+  g, merge = ops.groups, broadcast.merge_groups
+  return (merge(ops.query, g, -3), merge(ops.key, g, -3),
+          merge(ops.value, g, -3), merge(ops.dense, g, -3),
+          merge(ops.bias, g, -3), merge(ops.kv_lengths, g, -1),
+          merge(ops.q_lengths, g, -1))
 
 
 def _per_example_problem(name, lengths, batch) -> str | None:

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 from attention_jax.core import broadcast
 from attention_jax.core import dropout
-from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import block_cache
@@ -187,5 +186,5 @@ def with_rule_tables(ops: operands.Operands, block_q: int, block_k: int):
                                     block_q=block_q, block_k=block_k)
   if batch:
     built = built.with_tables(
-        grouping.split(jnp.asarray(x), ops.groups, -3) for x in built.tables)
+        broadcast.split_groups(jnp.asarray(x), ops.groups, -3) for x in built.tables)
   return ops._replace(rule=built)

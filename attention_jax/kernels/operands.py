@@ -10,7 +10,7 @@ fields, the bias, sinks, score modifier and rule in the caller's terms
 (query heads N against key/value heads K), and returns ``Operands``: the
 same values under the ``Mask``'s own field names, per-example ones
 aligned to the left of the leading dims, int32, and every array with a
-head axis split for grouped-query attention (``core/grouping.py``),
+head axis split for grouped-query attention (``core/broadcast.py``: ``split_groups``),
 ready for ``lift_heads``. Every check raises ``ValueError`` (shapes,
 values) or ``TypeError`` (dtypes) naming the argument and the shapes.
 """
@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_jax.core import broadcast
 from attention_jax.core import checks
-from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.masking import intervals
 from attention_jax.masking import mask as mask_lib
 
 
 class Operands(NamedTuple):
-  """Validated attention operands, heads grouped (see ``grouping``)."""
+  """Validated attention operands, heads grouped (``broadcast.split_groups``)."""
   query: jax.Array  # [..., T, H]
   key: jax.Array  # [..., S, H]
   value: jax.Array  # [..., S, Hv]
@@ -45,7 +45,7 @@ class Operands(NamedTuple):
   # int32 (b, h) indices for score_mod, each broadcastable to the leading
   # dims (grouped like the heads), or None without a score_mod.
   head_index: tuple[jax.Array, jax.Array] | None
-  groups: grouping.Groups | None
+  groups: broadcast.Groups | None
   batch_shape: tuple[int, ...]  # broadcast leading dims (grouped)
   # Static parts of the pattern.
   window: tuple[int, int] | None = None  # (left, right)
@@ -326,7 +326,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   accept, once, with ``mask.as_mask``). The checks are stated in the
   caller's terms (query heads N against key/value heads K); the operands
   come back with the head axis split when ``K`` divides ``N``
-  (``grouping``), ready for ``lift_heads``. A rule becomes a
+  (``broadcast.split_groups``), ready for ``lift_heads``. A rule becomes a
   ``BlockMask`` with tables as given, or one without tables (``kinds is
   None``) whose tables the kernel builds at its own block sizes.
   ``head_index``: give every head its ``(b, h)`` even without a score
@@ -336,7 +336,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   query, key, value = _arrays(query, key, value)
   shapes = q_shape, k_shape, _ = tuple(map(np.shape, (query, key, value)))
   t, s = q_shape[-2], k_shape[-2]
-  groups = grouping.find(q_shape, k_shape)
+  groups = broadcast.find_groups(q_shape, k_shape)
   leading = _leading(shapes, groups)
   leading_rank = max(map(len, shapes)) - 2
   rule = m.rule if m.rule is None else _normalised_rule(
@@ -376,7 +376,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
 def _grouped(ops: Operands, head_index: bool) -> Operands:
   """``ops`` with every head axis split by its ``groups`` (``[..., K, G,
   ...]``) and, when asked, each head's ``(b, h)``."""
-  groups, split = ops.groups, grouping.split
+  groups, split = ops.groups, broadcast.split_groups
   rule = ops.rule
   if rule is not None and rule.batch_shape:
     rule = rule.with_tables(split(jnp.asarray(x), groups, -3)
@@ -402,14 +402,14 @@ def _grouped(ops: Operands, head_index: bool) -> Operands:
 
 
 def _split_heads(x, groups):
-  """``grouping.split`` of a key or value, or of the ``ShapeDtypeStruct``
+  """``broadcast.split_groups`` of a key or value, or of the ``ShapeDtypeStruct``
   a paged call's pages stand for."""
   if isinstance(x, jax.ShapeDtypeStruct):
     if groups is None:
       return x
     shape = x.shape[:-3] + (groups.num_kv_heads, 1) + x.shape[-2:]
     return jax.ShapeDtypeStruct(shape, x.dtype)
-  return grouping.split(jnp.asarray(x), groups, -3)
+  return broadcast.split_groups(jnp.asarray(x), groups, -3)
 
 
 def paged_operands(query, key_pages, value_pages, table, mask,
@@ -545,4 +545,4 @@ def _head_index(batch_shape, groups):
     return jnp.arange(batch_shape[0], dtype=jnp.int32), zero
   b = jnp.arange(batch_shape[-2], dtype=jnp.int32)[:, None]  # [B, 1]
   h = jnp.arange(batch_shape[-1], dtype=jnp.int32)[None, :]  # [1, N]
-  return grouping.split(b, groups, -1), grouping.split(h, groups, -1)
+  return broadcast.split_groups(b, groups, -1), broadcast.split_groups(h, groups, -1)

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import broadcast
-from attention_jax.core import grouping
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 
@@ -99,7 +98,7 @@ def step(problem: base.Problem) -> tuple[Static, Arrays]:
       ops.kv_offset, b, "kv_offset")
   sinks = None
   if ops.sinks is not None:
-    sinks = jnp.broadcast_to(grouping.merge(ops.sinks, ops.groups, -1),
+    sinks = jnp.broadcast_to(broadcast.merge_groups(ops.sinks, ops.groups, -1),
                              ops.query.shape[:1] + (n,))[0]  # [N]
   return (Static(float(problem.scale), ops.causal, ops.window),
           Arrays(q, pages, one_per_sequence(ops.kv_lengths, b, "kv_lengths"),
@@ -125,8 +124,8 @@ def result(problem: base.Problem, out, lse=None) -> broadcast.Result:
   out = out.reshape(ops.query.shape[:-1] + (out.shape[-1],))
   if lse is not None:
     lse = lse.reshape(ops.query.shape[:-1])
-  return broadcast.Result(grouping.merge(out, ops.groups, -3),
-                          lse=grouping.merge(lse, ops.groups, -2))
+  return broadcast.Result(broadcast.merge_groups(out, ops.groups, -3),
+                          lse=broadcast.merge_groups(lse, ops.groups, -2))
 
 
 def flash_reference(st: Static, a: Arrays):

@@ -36,7 +36,7 @@ import jax
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from attention_jax.core import grouping
+from attention_jax.core import broadcast
 from attention_jax.kernels import base
 from attention_jax.kernels import operands
 from attention_jax.masking import mask as mask_lib
@@ -229,7 +229,7 @@ def _rebuild(problem, ops, bm, leaves, values, grouped, caller):
   groups = ops.groups
   if groups is not None:
     heads = caller.sizes[-1]
-    groups = grouping.Groups(groups.num_heads // heads,
+    groups = broadcast.Groups(groups.num_heads // heads,
                              groups.num_kv_heads // heads)
   local_ops = ops._replace(
       **fields, head_index=head_index, rule=bm, score_mod=score_mod,

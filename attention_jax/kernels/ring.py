@@ -49,7 +49,6 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import broadcast
-from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
@@ -220,9 +219,9 @@ class Ring(base.Kernel):
     if self.columns is not None:  # split by head groups as the call's are
       mask, bias = self.columns
       ops = ops._replace(
-          dense=None if mask is None else grouping.split(
+          dense=None if mask is None else broadcast.split_groups(
               numerics.as_bool_mask(mask), ops.groups, -3),
-          bias=grouping.split(bias, ops.groups, -3))
+          bias=broadcast.split_groups(bias, ops.groups, -3))
     block_q, block_k = flash_core.block_sizes(ops, self.block_q,
                                               self.block_k)
     head = functools.partial(

@@ -92,7 +92,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.core import broadcast
-from attention_jax.core import grouping
 from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import operands
@@ -179,7 +178,7 @@ def _rule_mask(ops, t: int, s: int) -> np.ndarray | None:
     return None
   allowed = allowed.astype(bool)
   allowed = allowed.reshape((1,) * (rank - allowed.ndim) + allowed.shape)
-  return grouping.split(allowed, ops.groups, -3)
+  return broadcast.split_groups(allowed, ops.groups, -3)
 
 
 def _static_mask(ops, t: int, s: int) -> tuple[np.ndarray | None, str | None]:
@@ -325,8 +324,8 @@ class Splash(base.Kernel):
     lse = jnp.broadcast_to(lse, out_lead[:-1] + (heads, t))
     if not shared:
       out, lse = out[..., 0, :, :], lse[..., 0, :]
-    out = grouping.merge(out.astype(dtype), ops.groups, -3)
-    lse = grouping.merge(lse, ops.groups, -2)
+    out = broadcast.merge_groups(out.astype(dtype), ops.groups, -3)
+    lse = broadcast.merge_groups(lse, ops.groups, -2)
     return base.Result(out, lse=lse if problem.return_lse else None)
 
   def _split(self, q, k, v, rows, sinks, static, settings):
