@@ -121,10 +121,8 @@ class Flash(base.Kernel):
     ops, pages = problem.ops, problem.pages
     block_q, _ = flash_core.block_sizes(ops, self.block_q, None)
     z = pages.page_size
-    # Key blocks of g whole pages: one unless block_k asks for more. One
-    # page is a slice of the pool, more are gathered; fewer, larger blocks
-    # measured no faster on a 2-core CPU (a decode step of 8 rows over
-    # 1024-4096 tokens in pages of 16-256: benchmarks/serving.py), so one.
+    # Key blocks of g whole pages: one unless block_k asks for more (one
+    # page is a slice of the pool, more are gathered: docs/performance.md).
     g = 1 if self.block_k is None else self.block_k // z
     table = jnp.asarray(pages.table, jnp.int32)  # [B, M]
     m = table.shape[-1]

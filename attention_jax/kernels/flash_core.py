@@ -1069,17 +1069,11 @@ def head_group(heads: int, t: int, s: int, block_q: int, block_k: int) -> int:
 
   Under ``vmap`` every pass of the block loop (the logits dot, the row
   maximum, ``exp``, the row sum, the values dot, and the backward's) works
-  on the blocks of all heads at once: at B=4, N=8 a 1024 x 256 block is 32
-  MiB of logits, written and read back through memory by each pass. Heads
-  run ``g`` at a time instead (``lax.map`` with ``vmap`` inside), ``g``
-  such that ``g`` blocks fit in cache yet ``g`` is large enough for XLA to
-  split each op over the cores. Measured on a 2-core CPU (B4 N8 H64
-  T=2048 fp32, 1024 x 256 blocks, CPU seconds, interleaved in one
-  process on a shared machine): forward 0.87 s under vmap, 0.71 s one
-  head at a time, 0.66 s four at a time; forward+backward gains less
-  (3.19 -> 3.08 s one at a time; in wall seconds on two free cores it is
-  within noise: 1.91 s under vmap, 2.08 s four at a time). 128 x 128
-  blocks of 32 heads (2 MiB) are as fast under vmap as in groups of 8-16.
+  on the blocks of all heads at once, written and read back through memory
+  by each pass. Heads run ``g`` at a time instead (``lax.map`` with
+  ``vmap`` inside), ``g`` such that ``g`` blocks fit in cache yet ``g`` is
+  large enough for XLA to split each op over the cores (docs/performance.md,
+  "Default blocks").
   """
   g = max(1, HEAD_GROUP_ENTRIES // (min(t, block_q) * min(s, block_k)))
   return 0 if g >= heads else g
@@ -1088,25 +1082,13 @@ def head_group(heads: int, t: int, s: int, block_q: int, block_k: int) -> int:
 def block_sizes(ops, block_q, block_k) -> tuple[int, int]:
   """The block sizes of a call: the caller's, the block mask's, or the rule.
 
-  The rule, measured on a 2-core CPU (B=4, N=8, H=64, fp32, fwd+bwd; see
-  ``benchmarks.structured``): windows, segment ids and other fine patterns
-  take 256 x 256 blocks (a causal window of 256 at T = 4096: 0.86 s against
-  1.2-1.6 s with a 512 side), so that skipping and full blocks bite at
-  their edges; with 16 heads or more windows take 128 x 128 (B4 N8
-  T=2048, a causal window of 256, interleaved: fwd 0.19 s, fwd+bwd 0.58 s
-  against 0.25 s and 0.69 s at 256 x 256); plain causal takes 512 x 256
-  (B4 N8, five interleaved rounds, medians, as a share of non-causal at
-  its 1024 x 256: T = 1024 fwd 0.86, fwd+bwd 0.79; T = 2048 0.64, 0.66;
-  T = 4096 0.60, 0.68; 256 x 512 gives 0.95, 0.86; 0.66, 0.74; 0.63,
-  0.69; 512 x 512 0.70, 0.75 at T = 2048). Finer blocks would skip more of
-  the triangle but lose more: XLA:CPU runs a dot of a 256 x 256 block
-  per head on one core (about half the matmul peak on two), so a 256 x
-  256 tile costs nearly what a 512 x 256 one does. Everything else 1024 x
-  256 (fewer, larger matmuls). A block
-  mask fixes its own sizes; a rule without tables (its tables are built at
-  these sizes) takes ``block_mask``'s 512 x 256 (a per-example prefix-LM
-  at T = 4096: 2.4 s; 256 x 256: 3.4 s), or the window's or segment ids'
-  blocks with one.
+  Fine patterns (windows, segment ids) take small blocks, so that skipping
+  and full blocks bite at their edges; plain causal takes 512 x 256; the
+  rest 1024 x 256 (fewer, larger matmuls). XLA:CPU runs a dot of a small
+  per-head block on one core, so finer blocks would lose more than they
+  skip. A block mask fixes its own sizes; a rule without tables (built at
+  these sizes) takes 512 x 256, or the window's or segment ids' blocks with
+  one. The measurements: docs/performance.md, "Default blocks".
   """
   bm = ops.rule
   if bm is not None and bm.kinds is not None:
@@ -1125,7 +1107,7 @@ def block_sizes(ops, block_q, block_k) -> tuple[int, int]:
     rule = (256, 256)
   elif ops.window is not None:
     rule = (128, 128) if many_heads else (256, 256)
-  elif bm is not None or ops.causal:  # (each measured: the docstring)
+  elif bm is not None or ops.causal:  # (each measured: docs/performance.md)
     rule = (512, 256)
   else:
     rule = (1024, 256)

@@ -97,10 +97,9 @@ def block_mask(mask_fn: MaskFn, q_len: int, kv_len: int, *,
     batch: the leading dims the rule depends on, e.g. ``(B, 1)`` for a
       per-example rule over ``[B, N, T, H]`` operands or ``(B, N)`` per head
       too; ``()`` (default) when it depends on neither (one table for all).
-    block_q: query block size of the blockwise kernels (clipped to ``T``).
-      512 x 256 measured best for a per-example prefix-LM at T = 4096 on a
-      2-core CPU (fwd+bwd, B=4, N=8, H=64: 2.4 s; 256 x 256: 3.4 s; 512 x
-      512: 3.5 s; 1024 x 256: 2.9 s).
+    block_q: query block size of the blockwise kernels (clipped to ``T``);
+      the default 512 x 256 was the fastest for a per-example prefix-LM
+      (docs/performance.md, "Default blocks").
     block_k: key block size (clipped to ``S``).
 
   Returns:
