@@ -6,7 +6,7 @@ an ``aj.Rope``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -192,36 +192,9 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
                   low_freq_factor=float(need("low_freq_factor")),
                   high_freq_factor=float(need("high_freq_factor")))
   if rope_type == "yarn":
-    factor = p.get("factor")
-    if factor is None and max_positions and original:  # HF: the context ratio
-      factor = max_positions / original
-    fields["factor"] = float(need("factor") if factor is None else factor)
-    # HF: `or` defaults (None and 0 mean 32 and 1).
-    fields.update(original_max_positions=original,
-                  beta_fast=float(p.get("beta_fast") or 32.0),
-                  beta_slow=float(p.get("beta_slow") or 1.0),
-                  truncate=bool(p.get("truncate", True)))
-    if p.get("attention_factor") is not None:
-      fields["attention_factor"] = float(p["attention_factor"])
-    elif p.get("mscale") and p.get("mscale_all_dim"):  # HF ignores a lone one
-      fields.update(mscale=float(p["mscale"]),
-                    mscale_all_dim=float(p["mscale_all_dim"]))
+    fields.update(_yarn_fields(p, need, max_positions, original))
   if rope_type == "longrope":
-    # HF 5: the rope parameters' factor, else max_position_embeddings /
-    # original (Phi-3's configs give none); it sets the default magnitude.
-    factor = p.get("factor")
-    if factor is None:
-      factor = reading.positive_int(cfg, "max_position_embeddings",
-                                    family) / original
-    fields.update(original_max_positions=int(original),
-                  short_factor=tuple(map(float, need("short_factor"))),
-                  long_factor=tuple(map(float, need("long_factor"))))
-    if p.get("attention_factor") is not None:
-      fields["attention_factor"] = float(p["attention_factor"])
-    elif float(factor) <= 1.0:  # HF: magnitude 1
-      fields["attention_factor"] = 1.0
-    else:
-      fields["factor"] = float(factor)
+    fields.update(_longrope_fields(p, need, cfg, family, original))
   try:
     return rope_lib.Rope(**fields)
   except (TypeError, ValueError) as e:
@@ -229,3 +202,44 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
                      f"make an aj.Rope: {e}") from e
 
 
+def _yarn_fields(p: Mapping[str, Any], need: Callable[[str], Any],
+                 max_positions, original) -> dict[str, Any]:
+  """YaRN's ``Rope`` fields, with HF's defaults for what a config omits."""
+  factor = p.get("factor")
+  if factor is None and max_positions and original:  # HF: the context ratio
+    factor = max_positions / original
+  # HF: `or` defaults (None and 0 mean 32 and 1).
+  fields = dict(factor=float(need("factor") if factor is None else factor),
+                original_max_positions=original,
+                beta_fast=float(p.get("beta_fast") or 32.0),
+                beta_slow=float(p.get("beta_slow") or 1.0),
+                truncate=bool(p.get("truncate", True)))
+  if p.get("attention_factor") is not None:
+    fields["attention_factor"] = float(p["attention_factor"])
+  elif p.get("mscale") and p.get("mscale_all_dim"):  # HF ignores a lone one
+    fields.update(mscale=float(p["mscale"]),
+                  mscale_all_dim=float(p["mscale_all_dim"]))
+  return fields
+
+
+def _longrope_fields(p: Mapping[str, Any], need: Callable[[str], Any],
+                     cfg: Mapping[str, Any], family: str,
+                     original) -> dict[str, Any]:
+  """LongRoPE's ``Rope`` fields: the factor lists, and the magnitude as HF
+  derives it (``Rope`` refuses a factor and an attention_factor both)."""
+  # HF 5: the rope parameters' factor, else max_position_embeddings /
+  # original (Phi-3's configs give none); it sets the default magnitude.
+  factor = p.get("factor")
+  if factor is None:
+    factor = reading.positive_int(cfg, "max_position_embeddings",
+                                  family) / original
+  fields = dict(original_max_positions=int(original),
+                short_factor=tuple(map(float, need("short_factor"))),
+                long_factor=tuple(map(float, need("long_factor"))))
+  if p.get("attention_factor") is not None:
+    fields["attention_factor"] = float(p["attention_factor"])
+  elif float(factor) <= 1.0:  # HF: magnitude 1
+    fields["attention_factor"] = 1.0
+  else:
+    fields["factor"] = float(factor)
+  return fields
