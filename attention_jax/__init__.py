@@ -3,6 +3,13 @@
 Shape glossary used throughout: B batch, T query length, S key/value length,
 N query heads, K key/value heads, H head dim, D model dim.
 
+The options every attention entry point shares (``mask``, ``bias``,
+``scale``, ``is_causal``, ``score_mod``, ``sinks``, dropout,
+``implementation``, the ``return_*`` flags) are defined in
+docs/options.md and stated in full in code only by
+``aj.scaled_dot_product_attention``'s docstring; the other entry points'
+docstrings say what differs for them.
+
 ``aj.kernels`` is the kernel interface (the registry the automatic choice
 walks, one class per kernel); ``aj.paged_cache`` the paged KV cache's pure
 updates (``append``, ``release``, ``share_prefix``, ``check_overflow``).

@@ -13,7 +13,8 @@ supports it (``base.choose``) and runs it. The kernels never import this
 module. Every kernel honours one contract (masks True = may attend,
 bottom-right causal, a query with nothing to attend to gets output 0 and
 lse ``-inf`` with zero gradients, float32 compute for 16-bit inputs),
-checked by one shared test suite.
+checked by one shared test suite; docs/options.md states it with every
+option.
 """
 
 from __future__ import annotations
@@ -146,116 +147,89 @@ def scaled_dot_product_attention(
 ) -> jax.Array | tuple[jax.Array, ...]:
   """``softmax(query @ key^T * scale + bias, where=mask) @ value``.
 
+  The one complete in-code statement of the options every attention entry
+  point shares; docs/options.md gives each at length (shapes, defaults,
+  which kernels implement it), the contract and what differs per entry
+  point.
+
   Args:
     query: float ``[..., T, H]``.
     key: float ``[..., S, H]``. 4-D queries ``[B, N, T, H]`` against keys
       ``[B, K, S, H]`` with ``K`` dividing ``N`` is grouped-query
-      attention: query head ``n`` uses key/value head ``n // (N / K)``
+      attention: query head ``n`` reads key/value head ``n // (N / K)``
       (only in 4-D is axis 1 read as heads, as in jax.nn).
     value: float ``[..., S, Hv]``; ``Hv`` may differ from ``H``.
-    mask: which (query, key) pairs may attend: an ``aj.Mask`` (causal,
-      windows, query/key lengths, segment ids, a dense array and rules, in
-      one value; the blockwise kernels skip the blocks it rules out), or a
-      bool/integer array broadcastable to ``[..., T, S]`` of the logits'
-      full rank (True / non-zero = may attend; ``Mask(dense=...)``), or an
-      ``aj.BlockMask`` (a rule with precomputed block tables).
-    bias: optional float added to the logits (after scaling), broadcastable to
-      ``[..., T, S]``; ``-inf`` entries block like a False mask.
+    mask: which (query, key) pairs may attend. None: all; an ``aj.Mask``
+      (causal, window, lengths, segment ids, positions, a dense array and a
+      rule, intersected; the blockwise kernels skip the blocks it rules
+      out); a bool/integer array broadcastable to ``[..., T, S]``, of the
+      logits' full rank (True / non-zero = may attend:
+      ``Mask(dense=...)``); or an ``aj.BlockMask``.
+    bias: float broadcastable to ``[..., T, S]``, added to the logits after
+      scaling; ``-inf`` entries block like a False mask. Differentiable.
     scale: multiplier of ``query @ key^T``: a positive finite number or a
-      float scalar array (a learned one may be traced); defaults to ``1 /
+      float scalar array (a learned one may be traced); default ``1 /
       sqrt(H)``.
-    is_causal: shorthand for ``mask & aj.Mask(causal=True)`` (jax.nn's and
-      torch's habit): query ``i`` may attend to key ``j`` only when ``j <= i
-      + (S - T)`` (bottom-right aligned).
-    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` returns modified
-      float32 scores (after scale and bias; ``aj.soft_cap(c)`` caps): ``b`` and
-      ``h`` are the int32 batch and query-head indices (of ``[B, N, T, H]``
-      operands: the last leading axis is ``h``, the one before ``b``; with
-      one leading axis, ``b`` and ``h = 0``), ``q_idx``/``kv_idx`` broadcast
-      integer query/key indices (``[T, 1]`` and ``[1, S]``, or one block's).
-      ``-inf`` blocks an entry. It must be elementwise: its output at ``(i,
-      j)`` reads ``score[i, j]``, ``b``, ``h``, ``q_idx[i]``, ``kv_idx[j]``
-      and arrays indexed by them, never other scores (no sums, row
-      statistics or sorts: each kernel holds other scores), and returns
-      float scores of the score's shape; checked at the call (a jaxpr
-      walk), for every kernel alike. Arrays travel inside it: ``aj.ScoreMod(fn,
-      params)`` (a pytree; ``aj.alibi(slopes)``, ``aj.t5_relative_bias``)
-      or a plain closure (not in ``ring_attention``, which needs them as a
-      ``ScoreMod``); they are differentiated in every implementation.
-    sinks: float broadcastable to the leading dims (``[N]`` or ``[B, N]``
-      for ``[B, N, T, H]``): per-head sink logits; ``exp(sink)`` joins every
-      row's softmax denominator, so weights sum to less than 1 (gpt-oss's
-      learned sinks). Differentiable. The returned lse includes the sink.
-    dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
-      Kept weights are scaled by ``1 / (1 - dropout_rate)``.
+    is_causal: shorthand for ``mask & aj.Mask(causal=True)``: query ``i``
+      attends to key ``j`` only when ``j <= i + (S - T)`` (bottom-right
+      aligned).
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` returning the
+      modified float32 scores (after scale and bias; ``-inf`` blocks):
+      ``b``, ``h`` the batch and query-head indices, ``q_idx``/``kv_idx``
+      broadcast query/key indices (positions when the mask gives them).
+      It must be elementwise (checked at the call); its arrays travel in an
+      ``aj.ScoreMod(fn, params)`` or a closure and are differentiated
+      (``aj.soft_cap``, ``aj.alibi``, ``aj.t5_relative_bias``).
+    sinks: per-head sink logits broadcastable to the leading dims (``[N]``
+      or ``[B, N]``): ``exp(sink)`` joins each row's softmax denominator
+      (the lse includes it). Differentiable.
+    dropout_rate: probability of dropping a weight, in ``[0, 1)``; kept
+      weights are scaled by ``1 / (1 - dropout_rate)``. Every kernel with
+      dropout draws the same bits.
     dropout_rng: ``jax.random.key``; required when ``dropout_rate > 0``.
-    implementation: ``None`` (automatic), a kernel name (``"dense"``,
-      ``"flash"``, ``"cudnn"``, ``"splash"``, ``"paged_tpu"``,
-      ``"paged_gpu"`` (those two: paged calls only), ``"pallas_gpu"``), an
-      ``aj.kernels`` kernel
-      (``aj.kernels.Flash(block_q=512)``, ``aj.kernels.Ring("seq")``, one
-      of your own) or a sequence of them to try in order. ``None`` walks
-      ``aj.kernels.REGISTRY``: cuDNN (GPU), splash (TPU), Pallas GPU, the
-      flash core (O(T + S) memory; no weights, dropout or float64), then
-      dense (everything; the ``[T, S]`` scores), the others skipped below
-      ``T * S`` = 1024 * 1024 scores; each kernel's ``supports`` says what
-      it refuses. When nothing fits, the error lists each kernel's reason;
-      ``aj.explain(...)`` shows the choice without running it. Every kernel
-      gives the same numbers within float32 rounding (tested).
+    implementation: None (automatic: the first kernel of
+      ``aj.kernels.REGISTRY`` that takes the call; all but dense decline
+      below ``T * S`` = 1024 * 1024 scores), a kernel name (``"dense"``,
+      ``"flash"``, ``"cudnn"``, ``"splash"``, ``"pallas_gpu"``,
+      ``"paged_gpu"``, ``"paged_tpu"``), an ``aj.kernels`` kernel
+      (``aj.kernels.Flash(block_q=512)``, one of your own) or a sequence of
+      them to try in order. When none fits, the error gives each one's
+      reason; ``aj.explain(...)`` shows the choice without running it.
     return_weights: also return the attention weights (dense only).
-    return_lse: also return the log-sum-exp of each row's allowed logits.
-    return_max_logits: also return each row's largest raw logit (what
-      QK-clip and logit-growth monitoring read; ``dense``, ``flash``
-      and ring attention; the fused kernels refuse it and the automatic
-      choice skips them).
-    partition: how the leading dims are split over the ambient mesh
-      (``jax.set_mesh``): an ``aj.kernels.Partition(batch=, heads=)`` of
-      mesh axis names. A kernel XLA cannot partition (a Pallas call:
-      ``pallas_gpu``, ``splash``, the paged kernels) then runs on each
-      device's ``[B / P_b, N / P_h]`` slice inside ``jax.shard_map``
-      instead of having its operands all-gathered (or refused on TPU);
-      the pure-JAX kernels are split by XLA as they are. None: read off
-      the query's type on a mesh of explicit axes (``AxisType.Explicit``:
-      its batch and head axes' entries); on auto axes the sharding is not
-      visible while tracing, so None there means no partition. The axes
-      must be in the mesh and not manual (inside a ``jax.shard_map`` over
-      them), their sizes must divide ``B``, ``N`` and ``K``; dropout is
-      refused with a partition for a kernel that runs per shard.
+    return_lse: also return the log-sum-exp of each row's allowed scores.
+    return_max_logits: also return each row's largest raw logit ``scale *
+      q . k`` over the keys it may attend to, before bias, ``score_mod``
+      and sinks (QK-clip, logit-growth monitoring; dense, flash and ring).
+    partition: an ``aj.kernels.Partition(batch=, heads=)`` of axes of the
+      ambient mesh (``jax.set_mesh``) the leading dims are split over: a
+      kernel XLA cannot partition (a Pallas call) then runs per shard
+      inside ``jax.shard_map``; their sizes must divide ``B``, ``N`` and
+      ``K``. None: read off the query's type on explicit mesh axes, else
+      no partition.
 
-  The leading dimensions ``...`` of all operands broadcast like NumPy's.
-  Static arguments for ``jax.jit``: ``scale`` (if a Python float),
-  ``is_causal``, ``dropout_rate``, ``implementation``, ``return_weights``,
-  ``return_lse``, ``return_max_logits``; a ``Mask`` and a ``ScoreMod`` are
-  pytrees (their structure static, their arrays traced).
+  Static under ``jax.jit``: ``is_causal``, ``implementation``, the
+  ``return_*`` flags, ``dropout_rate`` and a Python-float ``scale``; a
+  ``Mask`` and a ``ScoreMod`` are pytrees (structure static, arrays
+  traced).
 
   Returns:
-    ``output`` ``[..., T, Hv]`` in the promoted dtype of the inputs; with
-    ``return_weights=True`` also ``weights`` ``[..., T, S]``, the softmax
-    probabilities before dropout (rows sum to 1, or are all 0 for a query
-    that may attend to nothing, whose output is then 0); with
-    ``return_lse=True`` also ``lse`` ``[..., T]`` (``-inf`` for such rows);
-    with ``return_max_logits=True`` also ``max_logits`` ``[..., T]``: per
-    query row, the maximum of the raw scaled logits ``scale * q . k`` over
-    the keys it may attend to (after every mask field; ``-inf`` bias or
-    ``score_mod`` entries block like the mask), before the bias, any
-    ``score_mod`` (ALiBi, T5, soft cap) and sinks; ``-inf`` for a row with
-    nothing to attend to. It does not depend on the values and is not
-    differentiated (zero gradient, as ``lax.stop_gradient``). Weights, lse
-    and max_logits are float32 (float64 for float64 inputs). Order: the
-    output, then weights, lse and max_logits as asked for, e.g.
-    ``(output, weights)``, ``(output, lse)``, ``(output, weights, lse)``,
-    ``(output, lse, max_logits)`` or ``(output, max_logits)``.
+    ``output [..., T, Hv]`` in the inputs' promoted dtype; then, as asked
+    and in this order, ``weights [..., T, S]`` (the softmax before
+    dropout), ``lse [..., T]`` and ``max_logits [..., T]`` (float32;
+    float64 for float64 inputs), e.g. ``(output, lse)``. A query that may
+    attend to nothing gets output and weights 0, lse and max_logits
+    ``-inf``, and zero gradients; ``max_logits`` has no gradient.
 
   Raises:
     TypeError: non-float query/key/value/bias, a mask that is neither a
       ``Mask``, a ``BlockMask`` nor a bool/integer array, non-integer
-      lengths or segment ids, a mask rule that does not return booleans, a
+      lengths or segment ids, a rule that does not return booleans, a
       ``score_mod`` that returns non-float scores, a non-number ``scale``.
     ValueError: ranks below 2, ``H`` or ``S`` mismatches, leading dims or
       masks/biases that do not broadcast, a dropout rate outside ``[0, 1)``
       or a positive rate without ``dropout_rng``, a ``scale`` that is not
-      positive and finite, a ``score_mod`` that is not elementwise, an
-      implementation that cannot do what was asked.
+      positive and finite, a ``score_mod`` that is not elementwise, a call
+      no candidate kernel takes (each one's reason).
 
   Example:
     >>> q = jnp.ones((2, 4, 8))   # [B, T, H]

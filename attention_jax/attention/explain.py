@@ -133,24 +133,15 @@ def explain(query, key, value, mask=None, *, bias=None, scale=None,
             return_max_logits: bool = False) -> Explanation:
   """Which kernel ``scaled_dot_product_attention`` runs for this call, and why.
 
-  Takes exactly ``scaled_dot_product_attention``'s arguments and runs no
-  attention. Any array may be a ``jax.ShapeDtypeStruct`` (a call too big
-  to allocate is explained from its shapes); those are traced abstractly
-  (``jax.eval_shape``), the rest are used as given, so the answer is that of
-  the call made eagerly with arrays of those shapes (under ``jax.jit`` a
-  kernel may judge traced values otherwise, e.g. splash refuses a traced
-  dense mask).
-
-  Args:
-    query: float ``[..., T, H]``, or a ``jax.ShapeDtypeStruct`` of one.
-    key: float ``[..., S, H]``, or a ``jax.ShapeDtypeStruct``.
-    value: float ``[..., S, Hv]``, or a ``jax.ShapeDtypeStruct``.
-    mask: as ``scaled_dot_product_attention`` (its arrays may be
-      ``ShapeDtypeStruct`` too; then the blocks they shape are not counted).
-    bias: and every other keyword (``scale``, ``is_causal``, ``score_mod``,
-      ``sinks``, ``dropout_rate``, ``dropout_rng``, ``implementation``,
-      ``return_weights``, ``return_lse``, ``return_max_logits``): as
-      ``scaled_dot_product_attention``.
+  Takes ``aj.scaled_dot_product_attention``'s arguments, with their
+  meanings (docs/options.md), but ``partition``, and runs no attention.
+  Any array, a mask's included, may be a ``jax.ShapeDtypeStruct`` (a call
+  too big to allocate is explained from its shapes); those are traced
+  abstractly (``jax.eval_shape``), the rest are used as given, so the
+  answer is that of the call made eagerly with arrays of those shapes
+  (under ``jax.jit`` a kernel may judge traced values otherwise, e.g.
+  splash refuses a traced dense mask). Blocks shaped by an abstract mask
+  array are not counted.
 
   Returns:
     An ``Explanation``: the kernel that runs (None if none takes the call,

@@ -49,9 +49,11 @@ def ring_attention(
 
   Call inside ``jax.shard_map`` (or anything that binds ``axis_name``), with
   the query and key/value sequence dimension sharded over that axis in
-  the ``layout``'s order; the result is this device's rows of full
-  attention over the global sequence. Numbers match
-  ``blockwise_attention`` on the gathered arrays.
+  the ``layout``'s order: query, key and value are this device's ``[...,
+  T, H]``, ``[..., S, H]`` and ``[..., S, Hv]``. The result is this
+  device's rows of attention over the global sequence, the numbers of
+  ``blockwise_attention`` on the gathered arrays; the backward pass goes
+  round the ring blockwise.
 
   Layouts (``attention_jax.kernels.ring_layout``): ``"contiguous"``
   shards the sequence as it is (device ``i`` holds rows ``[i*T, (i+1)*T)``;
@@ -67,68 +69,43 @@ def ring_attention(
   ``T`` and ``S`` must then be even.
 
   Args:
-    query: float ``[..., T, H]``, this device's queries.
-    key: float ``[..., S, H]``, this device's keys (4-D ``[B, K, S, H]``
-      with ``K`` dividing the query heads ``N``: grouped-query attention).
-    value: float ``[..., S, Hv]``.
     mask: None or an ``aj.Mask`` on the *global* sequence (``P*T``
       queries, ``P*S`` keys): ``causal`` and ``window`` are bottom-right
       aligned on the global lengths, and ring steps whose key block they
-      rule out are not made at all (neither their compute nor their
-      ``ppermute``: a causal window within one neighbour's block costs one
-      shift instead of ``P - 1``); ``kv_lengths``/``q_lengths`` are global
-      lengths (replicated); segment ids are this device's ``[T]``/``[B,
-      T]`` and ``[S]``/``[B, S]`` (sharded like the queries and keys; key
-      ids travel round the ring with their keys); a rule (or a
-      ``BlockMask`` built for ``[P*T, P*S]``) is evaluated on global
-      indices in every block a device visits. Positions
+      rule out are not made at all (neither compute nor ``ppermute``);
+      ``kv_lengths``/``q_lengths`` are global (replicated); positions
       (``q_offset``/``kv_offset``) are those of the whole sequence's row 0
-      and column 0, as in any mask (causality, windows, rules and
-      ``score_mod`` then compare and see positions); traced ones make
-      every ring step. A dense mask (``dense``) holds this device's query
-      rows and every key column, ``[..., T|1, P*S|1]`` (rows sharded like
-      the queries, or size 1; columns all the keys in the layout's order,
-      replicated: a key-padding mask ``[..., 1, P*S]`` is replicated
-      whole); each step slices the held block's columns, nothing travels.
-      This device's part of the mask is made once
-      (``aj.kernels.Ring.localize``): its positions travel round the ring
-      with its keys.
+      and column 0 (traced ones make every ring step); a rule (or a
+      ``BlockMask`` built for ``[P*T, P*S]``) sees global indices. Segment
+      ids are this device's ``[T]``/``[B, T]`` and ``[S]``/``[B, S]`` (key
+      ids travel round the ring with their keys). A dense mask holds this
+      device's query rows and every key column, ``[..., T|1, P*S|1]``, in
+      the layout's order (a key-padding mask ``[..., 1, P*S]`` replicated
+      whole); each step slices the held block's columns.
     axis_name: the mesh axis the sequence is split over (``P`` devices).
-    bias: float ``[..., T|1, P*S|1]``, laid out as the dense mask (this
-      device's query rows, every key column); differentiable: its
-      gradient is the sum of the ring steps' column windows (summed over
-      the devices too where its rows are shared, replicated).
-    scale: defaults to ``1/sqrt(H)``.
-    is_causal: shorthand for ``mask & aj.Mask(causal=True)``.
-    score_mod: as in ``blockwise_attention``, called with *global* query
-      and key indices; a ``ScoreMod``'s arrays are replicated (their
-      gradients are summed over the devices). A plain function closing over
-      traced values is refused: pass them as ``aj.ScoreMod(fn, params)``.
-    sinks: per-head sink logits (replicated), as in ``blockwise_attention``.
-    block_q, block_k: block sizes of the per-device blockwise computation.
-    return_lse: also return the global log-sum-exp of each query row.
-    return_max_logits: also return each query row's largest raw logit
-      ``scale * q . k`` over every key of the global sequence it attends to
-      (before ``score_mod`` and sinks; see
-      ``scaled_dot_product_attention``), the max over the ring steps.
+    bias: float ``[..., T|1, P*S|1]``, laid out as the dense mask;
+      differentiable (its gradient summed over the ring steps, and over the
+      devices where its rows are shared).
+    score_mod: called with *global* query and key indices; an
+      ``aj.ScoreMod``'s arrays are replicated (their gradients summed over
+      the devices). A plain function closing over traced values is
+      refused: pass them as ``aj.ScoreMod(fn, params)``.
+    sinks: per-head sink logits, replicated.
+    block_q, block_k: the per-device flash blocks (as in
+      ``blockwise_attention``).
     layout: ``"contiguous"`` or ``"zigzag"`` (above).
 
-  Returns:
-    ``output [..., T, Hv]`` in the inputs' dtype, then ``lse [..., T]``
-    with ``return_lse`` and ``max_logits [..., T]`` with
-    ``return_max_logits``, in that order (float32). Differentiable in
-    query, key, value, bias, sinks and ``score_mod``'s arrays (through
-    ``lse`` too; ``max_logits`` has no gradient); the backward pass goes
-    round the ring blockwise.
+  Other arguments (scale, is_causal, return_lse, return_max_logits: lse
+  and max_logits over the whole sequence), the return values and the
+  errors: as ``aj.scaled_dot_product_attention`` (docs/options.md). No
+  dropout, weights, ``implementation`` or ``partition``.
 
   Raises:
-    ValueError: float64 operands, ``axis_name`` is not bound (not inside
-      ``shard_map``), a dense mask or bias not ``[..., T|1, P*S|1]``, an
-      unknown ``layout`` or odd local lengths under ``"zigzag"``, a
-      ``BlockMask`` built for other than the global lengths, a
-      ``score_mod`` closing over traced values, or operand shapes do not
-      fit (as for ``blockwise_attention``).
-    TypeError: non-float operands, non-integer lengths.
+    ValueError: besides sdpa's: float64 operands, ``axis_name`` not bound
+      (outside ``shard_map``), a dense mask or bias not ``[..., T|1,
+      P*S|1]``, an unknown ``layout`` or odd local lengths under
+      ``"zigzag"``, a ``BlockMask`` built for other than the global
+      lengths, a ``score_mod`` closing over traced values.
 
   Example:
     >>> from jax.sharding import PartitionSpec as P

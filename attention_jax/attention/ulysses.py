@@ -93,25 +93,21 @@ def ulysses_attention(
     key: float ``[B, K, S, H]``, this device's keys; ``K`` divides ``N``
       (grouped-query attention) and either ``P`` divides ``K`` (each device
       takes ``K / P`` heads) or ``K`` divides ``P``: then each key/value
-      head is repeated ``P / K`` times before the all-to-all, so every
-      device receives the one head its query heads share; that sends
-      ``P / K`` times the bytes of this device's keys and values instead of
-      once.
+      head is repeated ``P / K`` times before the all-to-all (sending ``P /
+      K`` times this device's keys and values), so every device receives
+      the one head its query heads share.
     value: float ``[B, K, S, Hv]``.
-    mask: None, an ``aj.Mask``, a bool/integer array (``Mask(dense=...)``)
-      or an ``aj.BlockMask``, on the *whole* sequence (``T_g`` queries,
-      ``S_g`` keys), as in ``ring_attention``: ``causal`` and ``window``
-      bottom-right aligned on the global lengths, ``q_lengths`` /
-      ``kv_lengths`` global (replicated), positions (``q_offset`` /
-      ``kv_offset``) those of the whole sequence's row 0 and column 0, a
-      rule (``Mask(rule=...)``, an ``aj.MaskRule``, a union ``a | b``, or a
-      ``BlockMask`` built for ``[T_g, S_g]``; its per-head tables are cut
-      to this device's heads) called with global indices and the global
-      head. Segment ids are this device's ``[T]`` / ``[B, T]`` and ``[S]``
-      / ``[B, S]`` (sharded like the queries and keys). The dense mask is
-      ``[B|1, N|1, T|1, S_g|1]``: this device's rows (or 1) and every key
-      column, in the order the keys are laid out. Per-head arrays
-      (``[B, N]`` lengths, a dense mask's ``N``) are every head's.
+    mask: on the *whole* sequence (``T_g`` queries, ``S_g`` keys), as in
+      ``ring_attention``: ``causal`` and ``window`` bottom-right aligned on
+      the global lengths, ``q_lengths`` / ``kv_lengths`` global
+      (replicated), positions those of the whole sequence's row 0 and
+      column 0, a rule (or a ``BlockMask`` built for ``[T_g, S_g]``, its
+      per-head tables cut to this device's heads) called with global
+      indices and the global head. Segment ids are this device's ``[T]`` /
+      ``[B, T]`` and ``[S]`` / ``[B, S]``. The dense mask is ``[B|1, N|1,
+      T|1, S_g|1]``: this device's rows (or 1) and every key column, in
+      the keys' layout order. Per-head arrays (``[B, N]`` lengths, a dense
+      mask's ``N``) are every head's.
     axis_name: the mesh axis of the all-to-all (``P`` devices).
     ring_axis: None, or the hybrid's outer mesh axis (``R`` devices): the
       all-to-all runs within each group of ``axis_name`` and
@@ -123,43 +119,32 @@ def ulysses_attention(
       Without a ring it only reorders: the whole sequence is put back in
       order after the all-to-all (one static gather) and the output back
       in the layout's before it returns.
-    bias: optional float ``[B|1, N|1, T|1, S_g|1]``, laid out like the
-      dense mask; differentiable.
-    scale: defaults to ``1/sqrt(H)``.
-    is_causal: shorthand for ``mask & aj.Mask(causal=True)``.
-    score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` as in
-      ``scaled_dot_product_attention``, called with global indices and the
-      global head ``h``; arrays it reads are replicated (an
-      ``aj.ScoreMod``'s are differentiated, their gradients summed over
-      the devices).
-    sinks: per-head sink logits ``[N]`` or ``[B, N]`` (replicated; each
-      device takes its heads').
+    bias: float ``[B|1, N|1, T|1, S_g|1]``, laid out like the dense mask.
+    score_mod: called with global indices and the global head ``h``;
+      arrays it reads are replicated (an ``aj.ScoreMod``'s gradients are
+      summed over the devices).
+    sinks: ``[N]`` or ``[B, N]``, every head's (replicated).
     implementation: the kernel each device runs on its heads' whole
-      sequence (any of ``scaled_dot_product_attention``'s: a name, an
-      ``aj.kernels`` kernel or a list; None: automatic). Not with
-      ``ring_axis`` (the ring is the kernel there).
-    block_q, block_k: block sizes: the flash kernel's
+      sequence (as in sdpa). Not with ``ring_axis`` (the ring is the
+      kernel there).
+    block_q, block_k: the flash kernel's block sizes
       (``aj.kernels.Flash(block_q, block_k)``; not with
       ``implementation``), or the ring's in the hybrid.
-    return_lse: also return the global log-sum-exp of each query row.
-    return_max_logits: also return each query row's largest raw logit
-      (``scaled_dot_product_attention``'s; a kernel that cannot refuses).
 
-  Returns:
-    ``output [B, N, T, Hv]`` (this device's rows, every head) in the
-    inputs' dtype, then ``lse [B, N, T]`` with ``return_lse`` and
-    ``max_logits [B, N, T]`` with ``return_max_logits``, in that order.
-    Differentiable in query, key, value, bias, sinks and ``score_mod``'s
-    arrays (through ``lse`` too).
+  Other arguments (scale, is_causal, return_lse, return_max_logits: over
+  the whole sequence; a kernel without max logits refuses), the return
+  values (``[B, N, T, Hv]``: this device's rows, every head; ``lse`` and
+  ``max_logits`` ``[B, N, T]``) and the errors: as
+  ``aj.scaled_dot_product_attention`` (docs/options.md). No dropout,
+  weights or ``partition``.
 
   Raises:
-    ValueError: ``axis_name`` or ``ring_axis`` not bound (outside
-      ``shard_map``), operands not 4-D, ``P`` not dividing ``N``, ``K``
-      neither divisible by ``P`` nor dividing it, a dense mask or bias not
-      laid out as above, ``implementation`` or block sizes where they would
-      be ignored, an odd ``T`` or ``S`` with ``layout="zigzag"``, a union
-      holding segment ids or a dense mask, or whatever the kernel refuses.
-    TypeError: non-float operands, a non-bool ``is_causal``.
+    ValueError: besides the kernel's: ``axis_name`` or ``ring_axis`` not
+      bound (outside ``shard_map``), operands not 4-D, ``P`` not dividing
+      ``N``, ``K`` neither divisible by ``P`` nor dividing it, a dense mask
+      or bias not laid out as above, ``implementation`` or block sizes
+      where they would be ignored, an odd ``T`` or ``S`` with
+      ``layout="zigzag"``, a union holding segment ids or a dense mask.
 
   Example:
     >>> from jax.sharding import PartitionSpec as P

@@ -79,11 +79,15 @@ def paged_attention(
     mask: the layer's mask (``causal``, ``window``, a rule, ``q_lengths``),
       placed at the sequences' positions; no positions, ``kv_lengths`` or
       segment ids (the cache gives them).
-    scale, score_mod, sinks: as in ``scaled_dot_product_attention``; a
-      score modifier and a rule see positions in the sequence.
-    implementation: as in ``scaled_dot_product_attention``; a kernel that
-      does not read pages (``"flash"`` does) is refused by name.
-    return_lse, return_max_logits: also return them (``[B, N, T]``).
+    implementation: as in sdpa; a kernel that does not read pages
+      (``"flash"``, ``"paged_gpu"`` and ``"paged_tpu"`` do) is refused by
+      name.
+
+  Other arguments (scale, score_mod, sinks, return_lse,
+  return_max_logits): as ``aj.scaled_dot_product_attention``
+  (docs/options.md); a score modifier and a rule see positions in the
+  sequence. No bias, ``is_causal`` (the mask's ``causal``), dropout or
+  weights.
 
   Returns:
     ``[B, N, T, Hv]`` (``H`` for a cache whose values are its keys), then

@@ -145,21 +145,21 @@ def dot_product_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """``jax.nn.dot_product_attention`` with this library's semantics.
 
-  The same signature, layout and causal/window alignment as jax.nn (see the
-  module docstring for what differs: rows that see no key are 0 here).
+  The same signature, layout and causal/window alignment as jax.nn; the
+  options it shares with ``aj.scaled_dot_product_attention`` mean what they
+  mean there (docs/options.md), and rows that see no key are 0 (the module
+  docstring says what differs from jax.nn).
 
   Args:
     query: float ``[B, T, N, H]`` (or ``[T, N, H]``).
-    key: float ``[B, S, K, H]`` (or ``[S, K, H]``); ``K == N`` is
-      multi-head, ``K`` dividing ``N`` grouped-query (query head ``n`` uses
-      key/value head ``n // (N / K)``) and ``K == 1`` multi-query attention.
+    key: float ``[B, S, K, H]`` (or ``[S, K, H]``); ``K`` dividing ``N`` is
+      grouped-query attention (``K == 1``: multi-query).
     value: float ``[B, S, K, Hv]`` (jax.nn needs ``Hv == H``).
-    bias: optional float added to the scaled logits, rank <= 4 and
-      broadcastable to ``[B, N, T, S]`` (leading axes added as in jax.nn).
-      ``-inf`` entries block like a False mask.
-    mask: optional bool (or integer, 0 = blocked), rank <= 4 and
-      broadcastable to ``[B, N, T, S]``; True = may attend.
-    scale: multiplier of the logits; defaults to ``1 / sqrt(H)``.
+    bias: as sdpa's, of rank <= 4 and broadcastable to ``[B, N, T, S]``
+      (leading axes added, as in jax.nn).
+    mask: bool (or integer, 0 = blocked), rank <= 4 and broadcastable to
+      ``[B, N, T, S]``; True = may attend.
+    scale: as sdpa's; defaults to ``1 / sqrt(H)``.
     is_causal: query ``i`` sees keys ``j <= i`` (jax.nn's top-left
       alignment, also when ``T != S``).
     query_seq_lengths: integer ``[B]``: queries at positions ``>=`` the
