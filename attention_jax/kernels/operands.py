@@ -166,7 +166,7 @@ def _per_example(m: mask_lib.Mask, t: int, s: int, leading_rank: int,
     x = _left_aligned(f"Mask's {name}", x, 0, leading_rank,
                       "a scalar or [B]")
     what = f"the mask's {name}"
-    lengths = checks.check_lengths(what, x)
+    lengths = jnp.asarray(x, jnp.int32)  # (Mask checked: integers)
     # One axis per leading dim (or a scalar): a [B] array against [B, N]
     # leading dims would otherwise be read as per-head values when B == N.
     if lengths.ndim not in (0, len(batch_shape)):
@@ -204,8 +204,8 @@ def _segment_pair(m: mask_lib.Mask, t: int, s: int, leading_rank: int,
 
 
 def _segment_ids(name, ids, size, letter, leading_rank):
-  """Integer ids ``[size]`` or ``[..., size]`` with one axis per leading dim."""
-  ids = numerics.integer_array(name, ids, f" [..., {letter}]")
+  """Ids ``[size]`` or ``[..., size]`` with one axis per leading dim, int32
+  (``Mask`` checked that they are integers)."""
   shape = checks.shape_of(ids)
   if len(shape) not in (1, leading_rank + 1) or shape[-1] != size:
     raise ValueError(
@@ -260,12 +260,10 @@ def _left_aligned(name: str, x, core: int, leading_rank: int, layout: str):
 
 
 def _pair_operand(name, x, logits, t, s, q_shape, k_shape, leading):
-  """A dense mask (bool or integer: bool back) or a bias (float) of the
-  logits' full rank whose last two axes fit ``[T, S]``; its leading
-  shape joins ``leading``."""
-  if name == "mask":
-    checks.check_mask_dtype(name, x)
-  else:
+  """A dense mask (bool or integer, as ``Mask`` checked: bool back) or a
+  bias (float) of the logits' full rank whose last two axes fit ``[T,
+  S]``; its leading shape joins ``leading``."""
+  if name == "bias":
     checks.check_float_array(name, x)
   checks.check_logits_rank(name, tuple(np.shape(x)), logits)
   x = numerics.as_bool_mask(x) if name == "mask" else jnp.asarray(x)
