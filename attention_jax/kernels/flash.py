@@ -147,7 +147,7 @@ class Flash(base.Kernel):
                                   pages.key_scales, pages.finite),
           flash_core.PagedRows(pages.value_pages, kv_head, row,
                                pages.value_scales, pages.finite), h,
-          flash_core.Dropout.of(seed, rate), **config)
+          None if seed is None else flash_core.Dropout(seed, rate), **config)
 
     return broadcast.lift_heads(head, ops._replace(key=heads, value=rows),
                                 drop_operands(problem), (1, 0))

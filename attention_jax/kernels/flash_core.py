@@ -137,10 +137,6 @@ class Dropout(NamedTuple):
   seed: jax.Array  # uint32 [2]
   rate: jax.Array  # float32 scalar
 
-  @staticmethod
-  def of(seed, rate) -> Dropout | None:
-    return None if seed is None else Dropout(seed, rate)
-
   def rows(self, ex: broadcast.Head, place: Place, i0, bq: int):
     """The row keys of query block ``i0``: ``[bq, 1]`` uint32."""
     b, h = ex.index
@@ -156,10 +152,6 @@ class Dropout(NamedTuple):
   def inverse(self):
     """``1 / (1 - rate)``: kept probabilities are scaled by it."""
     return 1.0 / (1.0 - self.rate)
-
-
-def _cdiv(a, b):
-  return -(-a // b)
 
 
 def pad_axis(x, axis: int, size: int, value):
@@ -914,7 +906,7 @@ def padded(q, k, v, **config):
   """One head's static config (``static``) and q, k, v padded to whole
   blocks."""
   st = static(q.shape[0], k.shape[0], **config)
-  tp, sp = _cdiv(st.t, st.bq) * st.bq, _cdiv(st.s, st.bk) * st.bk
+  tp, sp = -(-st.t // st.bq) * st.bq, -(-st.s // st.bk) * st.bk  # whole
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 
@@ -1017,7 +1009,8 @@ def single_head(q, k, v, h, garbage=None, seed=None, rate=None, *,
   q_code, kv_code = numerics.codes(q, k, v)  # [Tp], [Sp]: once per head
   ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(
       garbage=garbage, q_code=q_code, kv_code=kv_code)
-  return _attend_head(st, q, k, v, ex, h, out_dtype, Dropout.of(seed, rate))
+  drop = None if seed is None else Dropout(seed, rate)
+  return _attend_head(st, q, k, v, ex, h, out_dtype, drop)
 
 
 def paged_head(q, k: PagedRows, v: PagedRows, h, drop=None, *, out_dtype,
@@ -1033,7 +1026,7 @@ def paged_head(q, k: PagedRows, v: PagedRows, h, drop=None, *, out_dtype,
   per-head codes of ``single_head`` would read the whole pool).
   """
   st = static(q.shape[0], k.shape[0], **blocks)
-  q = pad_axis(q, 0, _cdiv(st.t, st.bq) * st.bq, 0)
+  q = pad_axis(q, 0, -(-st.t // st.bq) * st.bq, 0)  # whole blocks
   ex = padded_head(st, q.shape[0], k.shape[0], h)
   return _attend_head(st, q, k, v, ex, h, out_dtype, drop)
 
@@ -1042,7 +1035,8 @@ def _attend_head(st: Static, q, k, v, ex: broadcast.Head, h, out_dtype,
                  drop: Dropout | None = None):
   """The differentiable walk of one padded head, stripped, sinks,
   poisoned."""
-  st, ex = hoist_score_mod(st, ex, q)
+  if st.score_mod is not None:
+    st, ex = hoist_score_mod(st, ex, q)
   out, lse, max_logits, code = _attend(st, q, k, v, ex,
                                        Place(*h.offsets(st.t, st.s)), drop)
   out, lse, code = out[:st.t], lse[:st.t], code[:st.t]
