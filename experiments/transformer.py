@@ -43,21 +43,6 @@ def sinusoidal_positions(length: int, dim: int) -> jax.Array:
   return jnp.asarray(table)
 
 
-def _attention_fn(fixed_scale: float | None):
-  """The core attention with a fixed scale (to show what 1/sqrt(d_k) does).
-
-  ``None`` keeps the default ``1/sqrt(d_k)`` that ``attend_heads`` passes.
-  """
-  if fixed_scale is None:
-    return None
-
-  def attend(*args, scale=None, **kwargs):
-    del scale  # the caller's 1/sqrt(d_k) is what this model goes without
-    return aj.scaled_dot_product_attention(*args, scale=fixed_scale, **kwargs)
-
-  return attend
-
-
 class FeedForward(nnx.Module):
 
   def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs,
@@ -83,8 +68,8 @@ class EncoderLayer(nnx.Module):
     d = config.d_model
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.self_attention = aj.MultiHeadAttention(
-        d, config.num_heads, attention_fn=_attention_fn(
-            config.attention_scale), head_axis=model_axis, rngs=rngs)
+        d, config.num_heads, scale=config.attention_scale,
+        head_axis=model_axis, rngs=rngs)
     self.norm2 = nnx.LayerNorm(d, rngs=rngs)
     self.ffn = FeedForward(d, config.ffn_dim, rngs=rngs,
                            model_axis=model_axis)
@@ -99,14 +84,13 @@ class DecoderLayer(nnx.Module):
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
                model_axis: str | None = None):
     d = config.d_model
-    attention_fn = _attention_fn(config.attention_scale)
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.self_attention = aj.MultiHeadAttention(
-        d, config.num_heads, attention_fn=attention_fn,
+        d, config.num_heads, scale=config.attention_scale,
         head_axis=model_axis, rngs=rngs)
     self.norm2 = nnx.LayerNorm(d, rngs=rngs)
     self.cross_attention = aj.MultiHeadAttention(
-        d, config.num_heads, attention_fn=attention_fn,
+        d, config.num_heads, scale=config.attention_scale,
         head_axis=model_axis, rngs=rngs)
     self.norm3 = nnx.LayerNorm(d, rngs=rngs)
     self.ffn = FeedForward(d, config.ffn_dim, rngs=rngs,

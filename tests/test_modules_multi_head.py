@@ -123,16 +123,15 @@ class MatchesReferencesTest(parameterized.TestCase):
       with self.assertRaisesRegex(error, "scale"):
         _module(scale=bad)
 
-  def test_a_custom_attention_fn_gets_only_what_it_takes(self):
+  def test_a_custom_attention_fn_refuses_what_it_cannot_take(self):
     # The docs' jax.nn adapter takes the mask (one aj.Mask, turned into
     # jax.nn's keywords, a window among them): a windowed layer runs through
-    # it and equals ours. What it cannot take (a soft cap) is refused by
-    # name before it is called, not with Python's "unexpected keyword".
-    # (A soft cap is a score modifier.)
-    def jax_nn_attention(q, k, v, *, mask=None, bias=None, scale=None):
+    # it and equals ours. What it cannot take (a soft cap: a score modifier)
+    # it refuses, Python's TypeError naming it, with a note saying what the
+    # layer passed: never dropped.
+    def jax_nn_attention(q, k, v, mask, *, bias=None, scale=None):
       swap = lambda x: jnp.swapaxes(x, 1, 2)
-      extra = ({} if mask is None else
-               mask.jax_nn_arguments(q.shape[2], k.shape[2]))
+      extra = mask.jax_nn_arguments(q.shape[2], k.shape[2])
       return swap(jax.nn.dot_product_attention(
           swap(q), swap(k), swap(v), bias=bias, scale=scale, **extra))
 
@@ -146,9 +145,10 @@ class MatchesReferencesTest(parameterized.TestCase):
                                 rtol=1e-6)
     capped = _module(logits_soft_cap=2.0, attention_fn=jax_nn_attention)
     with self.assertRaisesRegex(
-        ValueError, r"attention_fn jax_nn_attention takes no score_mod, "
-        r"which this call passes \(score_mod=ScoreMod"):
+        TypeError, r"unexpected keyword argument 'score_mod'") as caught:
       capped(x)
+    self.assertIn("attention_fn jax_nn_attention was called as (q, k, v, "
+                  "mask, score_mod=...)", caught.exception.__notes__[0])
 
   def test_a_plain_score_mod_is_static_under_nnx_jit(self):
     # A function (not an aj.ScoreMod) is part of the layer's structure, not
@@ -210,9 +210,9 @@ class MatchesReferencesTest(parameterized.TestCase):
   def test_attention_fn_is_used(self):
     calls = []
 
-    def spy(*args, **kwargs):  # is_causal arrives folded into the mask
-      calls.append(kwargs["mask"].causal)
-      return aj.scaled_dot_product_attention(*args, **kwargs)
+    def spy(q, k, v, mask, **options):  # is_causal is folded into the mask
+      calls.append(mask.causal)
+      return aj.scaled_dot_product_attention(q, k, v, mask, **options)
 
     mha = _module(attention_fn=spy)
     plain = _module()

@@ -277,8 +277,8 @@ class ValidationTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "rotates no features"):
       _module(rope=aj.Rope(fraction=0.1))  # at construction, H = 4
     with self.assertRaisesRegex(TypeError, "returned 1 value"):
-      _module(attention_fn=lambda q, k, v, **kw: aj.attend_heads(q, k, v))(
-          x, return_lse=True)
+      _module(attention_fn=lambda q, k, v, mask, **kw: aj.attend_heads(
+          q, k, v))(x, return_lse=True)
     with self.assertRaisesRegex(ValueError, "output_gate must be"):
       _module(output_gate="sigmoid")
     mha = _module(rope=aj.Rope(base=10.0))

@@ -18,8 +18,9 @@ and runs one of
   groups along ``ring_axis``; the sequence is split over ``(ring_axis,
   axis)``, ``ring_axis`` major.
 
-It has ``scaled_dot_product_attention``'s contract (``mask``, ``bias``,
-``scale``, ``score_mod``, ``sinks``, ``return_lse``), so
+It has ``scaled_dot_product_attention``'s contract and options (``mask``,
+``bias``, ``scale``, ``is_causal``, ``score_mod``, ``sinks``,
+``return_lse``: docs/options.md), so
 ``aj.MultiHeadAttention(attention_fn=aj.SequenceParallel("seq"))`` trains
 a model with its sequence split; the projections, norms and feed-forward
 blocks around it are per token, and XLA splits them over the same axis.
@@ -167,10 +168,13 @@ class SequenceParallel:
       ``scaled_dot_product_attention``'s; None: automatic).
     block_q, block_k: the ring's per-device block sizes.
 
-  Called as ``scaled_dot_product_attention`` is, on the whole ``[B, N, T,
-  H]`` / ``[B, K, S, H]`` arrays, inside ``jit`` under ``jax.set_mesh``.
-  Dropout and attention weights are refused (no split attention forms
-  them).
+  Called as ``aj.scaled_dot_product_attention`` is, with its ``mask``,
+  ``bias``, ``scale``, ``is_causal``, ``score_mod``, ``sinks`` and
+  ``return_lse`` (docs/options.md; the mask and bias laid out as in the
+  module docstring), on the whole ``[B, N, T, H]`` / ``[B, K, S, H]``
+  arrays, inside ``jit`` under ``jax.set_mesh``. It takes no dropout,
+  weights or max logits (no split attention forms them), and no
+  ``implementation`` or ``partition`` at the call (its fields say both).
 
   Example:
     >>> mesh = jax.make_mesh((1,), ("seq",),

@@ -261,61 +261,83 @@ def write(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
   with ``cache.left_padding`` the masks and score modifiers see them, and
   the keys', counted from each example's first real token. Returns
   ``(keys, values, mask, score_mod, new cache)`` with keys and values
-  ``[B, K, S', H]``: ``L`` slots of a linear cache, ``W + T`` for a ring
-  buffer (its old slots, then the new keys).
+  ``[B, K, S', H]``: ``L`` slots of a linear cache (``write_linear``),
+  ``W + T`` for a ring buffer (``write_ring``: its old slots, then the new
+  keys).
 
   Raises:
     ValueError: a right-padded prefill without ``q_lengths`` whose mask
       shows it (concrete values; see ``_check_right_padding``).
   """
-  t = k.shape[2]
-  count = t if lengths is None else lengths
-  pads = cache.left_padding
   if cache.window is None:
-    ck, cv, _ = kv_cache.update_kv_cache(
-        cache.key, cache.value, index, k, v, new_lengths=lengths,
-        left_padding=pads)  # [B, K, L, H]
-    keys, values = ck, cv
-    overflow = kv_cache.cache_overflow(index, count, ck.shape[2])
-  else:
-    for name, x in (("a dense mask", None if mask is None else mask.dense),
-                    ("bias", bias),
-                    ("the mask's kv_lengths",
-                     None if mask is None else mask.kv_lengths)):
-      if x is not None:
-        raise ValueError(
-            f"{name} is not supported with a ring-buffer (sliding-window) "
-            "cache, whose slots hold changing positions: the window and "
-            "the per-example positions already say what each query sees. "
-            "For left-padded prompts give the pad counts once, "
-            "init_cache(..., left_padding=pads); for right-padded ones "
-            "the mask's q_lengths.")
-    keys, values, visible, key_pos, ck, cv = kv_cache.update_ring_cache(
-        cache.key, cache.value, index, k, v, window=cache.window,
-        new_lengths=lengths,
-        left_padding=pads)  # [B, K, W + T, H]; visible [B, T, W + T]
-    overflow = jnp.zeros(index.shape, bool)
+    return write_linear(cache, k, v, mask, score_mod, index, lengths,
+                        num_heads, left_padding_hint)
+  return write_ring(cache, k, v, mask, bias, score_mod, index, lengths, q_pos,
+                    num_heads)
+
+
+def write_linear(cache: KVCache, k, v, mask: mask_lib.Mask | None,
+                 score_mod: Any, index, lengths, num_heads: int,
+                 left_padding_hint: bool = True):
+  """``write`` into a linear cache: slot ``j`` holds position ``j``, so the
+  mask stays analytic (``_at_positions``); a right-padded prefill without
+  ``q_lengths`` is caught here (``pad_written``)."""
+  t = k.shape[2]
+  pads = cache.left_padding
+  ck, cv, _ = kv_cache.update_kv_cache(
+      cache.key, cache.value, index, k, v, new_lengths=lengths,
+      left_padding=pads)  # [B, K, L, H]
+  overflow = kv_cache.cache_overflow(index, t if lengths is None else lengths,
+                                     ck.shape[2])
   if cache.overflow is not None:
     overflow = overflow | cache.overflow
-  # A right-padded prefill shows itself by masking the pads as keys.
-  check_padding = (cache.window is None and lengths is None and t > 1
-                   and mask is not None and (mask.kv_lengths is not None
-                                             or mask.dense is not None))
   pad_written = cache.pad_written
-  if check_padding:
+  # A right-padded prefill shows itself by masking the pads as keys.
+  if lengths is None and t > 1 and mask is not None and (
+      mask.kv_lengths is not None or mask.dense is not None):
     hidden = _check_right_padding(mask, index, t, ck.shape[2], overflow,
                                   pads, num_heads, left_padding_hint)
     pad_written = hidden if pad_written is None else pad_written | hidden
-  if cache.window is None:  # slots are positions: the mask stays analytic
-    mask = _at_positions(mask, index, pads, ck.shape[2])
-  else:  # a ring buffer's slots hold changing positions: restate them
-    if pads is not None:  # positions from each example's first real token
-      shift = jnp.asarray(pads, jnp.int32)[:, None]  # [B, 1]
-      q_pos, key_pos = q_pos - shift, key_pos - shift  # [B, T], [B, S']
-    mask, score_mod = _over_slots(mask, score_mod, visible, q_pos, key_pos,
-                                  num_heads)
+  new_cache = KVCache(ck, cv, index + (t if lengths is None else lengths),
+                      overflow, None, pads, pad_written)
+  return (ck, cv, _at_positions(mask, index, pads, ck.shape[2]), score_mod,
+          new_cache)
+
+
+def write_ring(cache: KVCache, k, v, mask: mask_lib.Mask | None, bias,
+               score_mod: Any, index, lengths, q_pos, num_heads: int):
+  """``write`` into a ring buffer of ``W`` slots: the queries attend over
+  its old slots and the new keys (``W + T``), whose positions change per
+  slot, so the band, window, rule and score modifier are restated over
+  them (``_over_slots``)."""
+  for name, x in (("a dense mask", None if mask is None else mask.dense),
+                  ("bias", bias),
+                  ("the mask's kv_lengths",
+                   None if mask is None else mask.kv_lengths)):
+    if x is not None:
+      raise ValueError(
+          f"{name} is not supported with a ring-buffer (sliding-window) "
+          "cache, whose slots hold changing positions: the window and "
+          "the per-example positions already say what each query sees. "
+          "For left-padded prompts give the pad counts once, "
+          "init_cache(..., left_padding=pads); for right-padded ones "
+          "the mask's q_lengths.")
+  pads = cache.left_padding
+  keys, values, visible, key_pos, ck, cv = kv_cache.update_ring_cache(
+      cache.key, cache.value, index, k, v, window=cache.window,
+      new_lengths=lengths,
+      left_padding=pads)  # [B, K, W + T, H]; visible [B, T, W + T]
+  overflow = jnp.zeros(index.shape, bool)
+  if cache.overflow is not None:
+    overflow = overflow | cache.overflow
+  if pads is not None:  # positions from each example's first real token
+    shift = jnp.asarray(pads, jnp.int32)[:, None]  # [B, 1]
+    q_pos, key_pos = q_pos - shift, key_pos - shift  # [B, T], [B, S']
+  mask, score_mod = _over_slots(mask, score_mod, visible, q_pos, key_pos,
+                                num_heads)
+  count = k.shape[2] if lengths is None else lengths
   new_cache = KVCache(ck, cv, index + count, overflow, cache.window, pads,
-                      pad_written)
+                      cache.pad_written)
   return keys, values, mask, score_mod, new_cache
 
 

@@ -82,11 +82,12 @@ def flax_attention_fn(
   The signature of ``flax.nnx.dot_product_attention`` in flax's
   ``[batch..., length, num_heads, head_dim]`` layout, so
   ``nnx.MultiHeadAttention(..., attention_fn=aj.flax_attention_fn)`` runs
-  this library's kernels (dense, blockwise or cuDNN, chosen as in
-  ``scaled_dot_product_attention``). Wherever flax's answer is defined the
-  same way, outputs and gradients match flax's default ``attention_fn``
-  within float32 rounding, also for cross-attention, grouped-query heads
-  and the decode cache (tested). What differs or is refused:
+  this library's kernels (chosen as in ``scaled_dot_product_attention``,
+  whose contract it keeps: docs/options.md). Wherever flax's answer is
+  defined the same way, outputs and gradients match flax's default
+  ``attention_fn`` within float32 rounding, also for cross-attention,
+  grouped-query heads and the decode cache (tested). What differs or is
+  refused:
 
   * A query that may see no key (a fully masked row, e.g. a padding query
     under a padding mask) gets output 0, zero gradients and, when sown,
@@ -116,13 +117,13 @@ def flax_attention_fn(
       key/value head ``n // (N / K)``), as flax's ``num_kv_heads`` (where
       the installed flax has it).
     value: float ``[batch..., S, K, Hv]``.
-    bias: optional float added to the scaled logits, broadcastable to
-      ``[batch..., N, T, S]``.
-    mask: optional, broadcastable to ``[batch..., N, T, S]``; non-zero = may
-      attend (flax's masks are float 0/1; bool and integer work too).
+    bias: as sdpa's (docs/options.md), broadcastable to ``[batch..., N, T,
+      S]``.
+    mask: broadcastable to ``[batch..., N, T, S]``; non-zero = may attend
+      (flax's float 0/1 masks, bool and integer alike).
     broadcast_dropout: must be False when dropout is on (see above).
-    dropout_rng: ``jax.random.key``; required when dropout is on.
-    dropout_rate: probability of dropping an attention weight, in ``[0, 1)``.
+    dropout_rng, dropout_rate: as sdpa's; dropout is on when
+      ``dropout_rate > 0`` and not ``deterministic``.
     deterministic: True turns dropout off.
     dtype: computation and output dtype; None promotes the inputs'.
     precision: None, a ``jax.lax.Precision`` (or its name) or a pair of

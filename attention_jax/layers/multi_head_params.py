@@ -224,6 +224,57 @@ def check_t5_bias(t5_bias) -> None:
                     f"max_distance, bidirectional), got {t5_bias!r}.")
 
 
+def _has_t5(mod) -> bool:
+  """Whether a score modifier is (or chains) a T5 relative bias."""
+  if not isinstance(mod, score_mods.ScoreMod):
+    return False
+  if isinstance(mod.fn, score_mods.T5Bias):
+    return True
+  inner = mod.params if isinstance(mod.params, tuple) else ()
+  return any(_has_t5(m) for m in inner)  # a chain holds its modifiers
+
+
+def check_t5(table_shape: tuple[int, ...] | None,
+             t5_bias: score_mods.T5Bias | None, score_mod: Any) -> None:
+  """A learned T5 table ``[R, N]`` (its shape, or None without one), its
+  settings ``t5_bias`` and the layer's ``score_mod`` agree.
+
+  A table needs ``t5_bias`` (how distances fall into its buckets) and
+  ``t5_bias`` needs a table; a T5 bias inside ``score_mod`` beside the
+  table is refused rather than one of them silently winning.
+
+  Example:
+    >>> check_t5(None, None, None)  # no table, no settings: nothing to check
+  """
+  check_t5_bias(t5_bias)
+  if table_shape is None:
+    if t5_bias is not None:
+      raise ValueError(
+          f"t5_bias={t5_bias!r} describes a learned table that params does "
+          f"not hold: add params['t5_bias'] = {{'table': "
+          f"[{t5_bias.num_buckets}, N]}} (init_multi_head_params(..., "
+          "t5_bias=...) or a module's params_dict()), or leave t5_bias out.")
+    return
+  if t5_bias is None:
+    raise ValueError(
+        f"params['t5_bias']['table'] {list(table_shape)} is a learned T5 "
+        f"relative position bias: pass t5_bias=aj.T5Bias(num_buckets="
+        f"{table_shape[0]}, max_distance=..., bidirectional=...) (the "
+        "layer's t5_bias) to say how distances fall into its buckets.")
+  if t5_bias.num_buckets != table_shape[0]:
+    raise ValueError(
+        f"t5_bias={t5_bias!r} has num_buckets={t5_bias.num_buckets}, but "
+        f"params['t5_bias']['table'] has shape {table_shape}: [num_buckets, "
+        f"N] with {table_shape[0]} buckets. Pass the settings the table was "
+        "learned with.")
+  if _has_t5(score_mod):
+    raise ValueError(
+        "score_mod holds a T5 relative bias, and params['t5_bias']['table'] "
+        f"{list(table_shape)} is the layer's own, which the call applies: "
+        "give the table in one place (drop it from score_mod, or the params "
+        "entry and t5_bias).")
+
+
 def check_output_gate(output_gate) -> None:
   if output_gate is not None and not isinstance(output_gate, str):
     raise TypeError(
@@ -272,6 +323,105 @@ def _wrong(params, name: str, entry: str, expected: str, why: str = ""):
                     f"{expected}{why} ({name}: {LAYOUT[name]}).{flat}")
 
 
+def _projection_dims(params) -> tuple[int, ...]:
+  """``(N, K, H, D, Dkv, Dout)`` from ``W_q``, ``W_k``, ``W_v``, ``W_o`` and
+  their biases, each checked against the others."""
+  for name in ("W_q", "W_k", "W_v", "W_o"):
+    if name not in params:
+      raise ValueError(f"params must have {name} ({LAYOUT[name]}), got keys "
+                       f"{sorted(params)}.")
+    _layer(params, name)
+  q = param_shape(params, "W_q", "kernel")
+  if len(q) != 3:
+    raise _wrong(params, "W_q", "kernel", "[D, N, H]")
+  d, n, h = q
+  k_kernel = param_shape(params, "W_k", "kernel")
+  if len(k_kernel) != 3 or k_kernel[2] != h:
+    raise _wrong(params, "W_k", "kernel", f"[Dkv, K, H] with H={h} (W_q's "
+                 f"head dim)")
+  dkv, k = k_kernel[:2]
+  if n % k:
+    raise _wrong(params, "W_k", "kernel", "[Dkv, K, H]",
+                 f": its K={k} heads must divide W_q's N={n} heads")
+  if param_shape(params, "W_v", "kernel") != k_kernel:
+    raise _wrong(params, "W_v", "kernel", f"{k_kernel}, as W_k's")
+  o = param_shape(params, "W_o", "kernel")
+  if len(o) != 3 or o[:2] != (n, h):
+    raise _wrong(params, "W_o", "kernel", f"[N, H, Dout] with N={n}, H={h} "
+                 f"(W_q's heads and head dim)")
+  dout = o[2]
+  biases = {"W_q": (n, h), "W_k": (k, h), "W_v": (k, h), "W_o": (dout,)}
+  for name, shape in biases.items():
+    if "bias" in params[name] and param_shape(params, name, "bias") != shape:
+      raise _wrong(params, name, "bias", str(shape))
+  return n, k, h, d, dkv, dout
+
+
+def _check_norms(params, n: int, k: int, h: int) -> bool:
+  """Whether ``q_norm``/``k_norm`` are present: both or neither, each
+  ``[H]`` or per head, the two alike."""
+  norms = [name for name in ("q_norm", "k_norm") if name in params]
+  if len(norms) == 1:
+    raise ValueError(f"params has {norms[0]} but not "
+                     f"{({'q_norm', 'k_norm'} - set(norms)).pop()}: qk-norm "
+                     "needs both (each {'scale': [H]}).")
+  ranks = set()
+  for name, heads in zip(norms, (n, k)):
+    _layer(params, name)
+    shape = param_shape(params, name, "scale")
+    if shape not in ((h,), (heads, h)):
+      flat = (f"; a whole-width weight [{heads * h}] reshapes to "
+              f"({heads}, {h})" if shape == (heads * h,) else "")
+      raise _wrong(params, name, "scale",
+                   f"({h},) = [H] (shared) or ({heads}, {h}) (per head)"
+                   f"{flat}")
+    ranks.add(len(shape))
+  if len(ranks) > 1:
+    raise ValueError(
+        f"params['q_norm']['scale'] has shape "
+        f"{param_shape(params, 'q_norm', 'scale')} and params['k_norm']"
+        f"['scale'] {param_shape(params, 'k_norm', 'scale')}: both shared "
+        "[H] or both per head ([N, H] and [K, H]), as one aj.QKNorm's "
+        "weight says.")
+  return bool(norms)
+
+
+def _output_gate(params, d: int, n: int, h: int) -> str | None:
+  """``W_g``'s kind (None without one): ``[D, N, H]`` elementwise, ``[D,
+  N, 1]`` headwise."""
+  if "W_g" not in params:
+    return None
+  _layer(params, "W_g")
+  g_kernel = param_shape(params, "W_g", "kernel")
+  if len(g_kernel) != 3 or g_kernel[:2] != (d, n) or g_kernel[2] not in (h, 1):
+    raise _wrong(params, "W_g", "kernel", f"[D, N, G] with D={d}, N={n} "
+                 f"and G={h} (elementwise) or 1 (headwise)")
+  if "bias" in params["W_g"] and param_shape(params, "W_g",
+                                             "bias") != g_kernel[1:]:
+    raise _wrong(params, "W_g", "bias", str(g_kernel[1:]))
+  # H == 1 reads as elementwise: the same gate either way.
+  return "elementwise" if g_kernel[2] == h else "headwise"
+
+
+def _check_per_head(params, n: int) -> None:
+  """``sinks`` ``[N]`` and a T5 ``table [R, N]``: float, one per query head."""
+  if "sinks" in params:
+    _layer(params, "sinks")
+    if param_shape(params, "sinks", "logits") != (n,):
+      raise _wrong(params, "sinks", "logits", f"({n},) = [N], one per query "
+                   "head of W_q")
+    checks.check_float_array("params['sinks']['logits']",
+                             params["sinks"]["logits"])
+  if "t5_bias" in params:
+    _layer(params, "t5_bias")
+    table = param_shape(params, "t5_bias", "table")
+    if len(table) != 2 or table[1] != n:
+      raise _wrong(params, "t5_bias", "table", f"[num_buckets, N] with "
+                   f"N={n}, one column per query head of W_q")
+    checks.check_float_array("params['t5_bias']['table']",
+                             params["t5_bias"]["table"])
+
+
 def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
                num_kv_heads: int | None = None) -> HeadDims:
   """Validates a multi-head parameter dict and reads its sizes.
@@ -301,87 +451,10 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
   if unknown:
     raise ValueError(f"params has unexpected entries {sorted(unknown)}; "
                      f"multi-head params are {list(LAYOUT)}.")
-  for name in ("W_q", "W_k", "W_v", "W_o"):
-    if name not in params:
-      raise ValueError(f"params must have {name} ({LAYOUT[name]}), got keys "
-                       f"{sorted(params)}.")
-    _layer(params, name)
-  q = param_shape(params, "W_q", "kernel")
-  if len(q) != 3:
-    raise _wrong(params, "W_q", "kernel", "[D, N, H]")
-  d, n, h = q
-  k_kernel = param_shape(params, "W_k", "kernel")
-  if len(k_kernel) != 3 or k_kernel[2] != h:
-    raise _wrong(params, "W_k", "kernel", f"[Dkv, K, H] with H={h} (W_q's "
-                 f"head dim)")
-  dkv, k = k_kernel[:2]
-  if n % k:
-    raise _wrong(params, "W_k", "kernel", "[Dkv, K, H]",
-                 f": its K={k} heads must divide W_q's N={n} heads")
-  if param_shape(params, "W_v", "kernel") != k_kernel:
-    raise _wrong(params, "W_v", "kernel", f"{k_kernel}, as W_k's")
-  o = param_shape(params, "W_o", "kernel")
-  if len(o) != 3 or o[:2] != (n, h):
-    raise _wrong(params, "W_o", "kernel", f"[N, H, Dout] with N={n}, H={h} "
-                 f"(W_q's heads and head dim)")
-  dout = o[2]
-  biases = {"W_q": (n, h), "W_k": (k, h), "W_v": (k, h), "W_o": (dout,)}
-  for name, shape in biases.items():
-    if "bias" in params[name] and param_shape(params, name, "bias") != shape:
-      raise _wrong(params, name, "bias", str(shape))
-  norms = [name for name in ("q_norm", "k_norm") if name in params]
-  if len(norms) == 1:
-    raise ValueError(f"params has {norms[0]} but not "
-                     f"{({'q_norm', 'k_norm'} - set(norms)).pop()}: qk-norm "
-                     "needs both (each {'scale': [H]}).")
-  norm_shapes = []
-  for name, heads in zip(("q_norm", "k_norm"), (n, k)):
-    if name not in params:
-      continue
-    _layer(params, name)
-    shape = param_shape(params, name, "scale")
-    if shape not in ((h,), (heads, h)):
-      flat = (f"; a whole-width weight [{heads * h}] reshapes to "
-              f"({heads}, {h})" if shape == (heads * h,) else "")
-      raise _wrong(params, name, "scale",
-                   f"({h},) = [H] (shared) or ({heads}, {h}) (per head)"
-                   f"{flat}")
-    norm_shapes.append(len(shape))
-  if len(set(norm_shapes)) > 1:
-    raise ValueError(
-        f"params['q_norm']['scale'] has shape "
-        f"{param_shape(params, 'q_norm', 'scale')} and params['k_norm']"
-        f"['scale'] {param_shape(params, 'k_norm', 'scale')}: both shared "
-        "[H] or both per head ([N, H] and [K, H]), as one aj.QKNorm's "
-        "weight says.")
-  output_gate = None
-  if "W_g" in params:
-    _layer(params, "W_g")
-    g_kernel = param_shape(params, "W_g", "kernel")
-    if len(g_kernel) != 3 or g_kernel[:2] != (d, n) or g_kernel[2] not in (
-        h, 1):
-      raise _wrong(params, "W_g", "kernel", f"[D, N, G] with D={d}, N={n} "
-                   f"and G={h} (elementwise) or 1 (headwise)")
-    if "bias" in params["W_g"] and param_shape(params, "W_g",
-                                               "bias") != g_kernel[1:]:
-      raise _wrong(params, "W_g", "bias", str(g_kernel[1:]))
-    # H == 1 reads as elementwise: the same gate either way.
-    output_gate = "elementwise" if g_kernel[2] == h else "headwise"
-  if "sinks" in params:
-    _layer(params, "sinks")
-    if param_shape(params, "sinks", "logits") != (n,):
-      raise _wrong(params, "sinks", "logits", f"({n},) = [N], one per query "
-                   "head of W_q")
-    checks.check_float_array("params['sinks']['logits']",
-                             params["sinks"]["logits"])
-  if "t5_bias" in params:
-    _layer(params, "t5_bias")
-    table = param_shape(params, "t5_bias", "table")
-    if len(table) != 2 or table[1] != n:
-      raise _wrong(params, "t5_bias", "table", f"[num_buckets, N] with "
-                   f"N={n}, one column per query head of W_q")
-    checks.check_float_array("params['t5_bias']['table']",
-                             params["t5_bias"]["table"])
+  n, k, h, d, dkv, dout = _projection_dims(params)
+  normalize_qk = _check_norms(params, n, k, h)
+  output_gate = _output_gate(params, d, n, h)
+  _check_per_head(params, n)
   for arg, value, got, what, layer in (
       ("num_heads", num_heads, n, "heads", "W_q"),
       ("num_kv_heads", num_kv_heads, k, "key/value heads", "W_k")):
@@ -393,4 +466,4 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
             f"{param_shape(params, layer, 'kernel')}: {got} {what}. The head "
             f"counts are read from the params; pass params built for {arg}="
             f"{value} or leave {arg} out.")
-  return HeadDims(n, k, h, d, dkv, dout, bool(norms), output_gate)
+  return HeadDims(n, k, h, d, dkv, dout, normalize_qk, output_gate)

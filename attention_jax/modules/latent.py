@@ -40,6 +40,7 @@ from attention_jax.core import checks
 from attention_jax.decoding import cache_step
 from attention_jax.decoding import paged_cache
 from attention_jax.decoding import quantize
+from attention_jax.layers import attention_fn as attention_fn_lib
 from attention_jax.layers import latent
 from attention_jax.layers import multi_head
 from attention_jax.masking import mask as mask_lib
@@ -96,9 +97,9 @@ class MultiHeadLatentAttention(nnx.Module):
       flat 2-D shapes (``[D, Rq]``, ``[Rq, N*(Hn+Hr)]``, ``[D, R + Hr]``,
       ``[R, N*(Hn+Hv)]``, ``[N*Hv, Dout]``) then reshaped per head.
     bias_init: initialiser for the biases (zeros).
-    attention_fn: replacement for ``aj.scaled_dot_product_attention`` with
-      its contract, or its ``implementation`` (see ``aj.attend_heads``); it
-      always receives ``scale=``.
+    attention_fn: a function of the ``attention_fn`` protocol
+      (``layers/attention_fn.py``: ``attention_fn(q, k, v, mask,
+      **options)``), or a kernel choice; it always receives ``scale=``.
     mask: an ``aj.Mask`` every call is intersected with, e.g.
       ``aj.Mask(causal=True, window=(W - 1, 0))`` (decoding honours it; the
       cache may then be a ring buffer of ``W`` slots).
@@ -173,7 +174,9 @@ class MultiHeadLatentAttention(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.attention_fn = attention_fn
-    self._attention = multi_head.resolve_attention_fn(attention_fn)  # once
+    # Checked once, here; a call checks it again only if reassigned.
+    self._attention = attention_fn_lib.as_attention_fn(attention_fn)
+    self._attention_given = attention_fn
     self.mask = nnx.data(mask)
     for name, shape, _ in latent.param_shapes(dims):
       if name.endswith("_norm"):
@@ -350,10 +353,10 @@ class MultiHeadLatentAttention(nnx.Module):
         self.cache_overflow[...], self.cache_index[...],
         self.cached_latent.shape[1], "latent cache")
 
-  def _resolved_attention(self) -> multi_head.ResolvedAttentionFn:
-    if self._attention.given is self.attention_fn:
+  def _resolved_attention(self) -> attention_fn_lib.AttentionFn:
+    if self._attention_given is self.attention_fn:
       return self._attention
-    return multi_head.resolve_attention_fn(self.attention_fn)
+    return attention_fn_lib.as_attention_fn(self.attention_fn)
 
   def __call__(
       self,

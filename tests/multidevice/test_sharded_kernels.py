@@ -142,16 +142,21 @@ class ShardedModuleTest(parameterized.TestCase):
       self.assertIsNone(dot_product.typed_partition(jnp.ones((2, 8, 4, 4))))
 
   def test_partition_reaches_the_kernel(self):
+    # A kernel choice runs with the layer's partition (a function of the
+    # attention_fn protocol gets none: it sees the whole arrays).
     seen = []
 
-    def spy(q, k, v, *, mask=None, partition=None, scale=None):
-      del k, v, mask, scale
-      seen.append(partition)
-      return q
+    class Recording(aj.kernels.Dense):
+      name = "recording_dense"
+
+      def __call__(self, problem):
+        seen.append(problem.partition)
+        return super().__call__(problem)
 
     with jax.set_mesh(_mesh()):
       layer = aj.MultiHeadAttention(32, 8, rngs=nnx.Rngs(0), head_dim=4,
-                                    head_axis="model", attention_fn=spy)
+                                    head_axis="model",
+                                    attention_fn=Recording())
       layer(self.x)
       layer.batch_axis = ()
       layer(self.x)
