@@ -5,18 +5,21 @@ the ``slow`` marker (``python -m pytest -m "not slow"`` is the quick subset).
 import contextlib
 import ctypes
 import gc
+import inspect
 import os
 import pathlib
+import re
 
-# The tests run thousands of tiny programs: XLA compile time dominates the
-# suite (about 80% of a single-device file's time). Two settings change how
-# fast a program is compiled, not what it computes: LLVM at -O0 (the same
-# IEEE results; no fast-math either way; about a third of the suite), and
-# XLA:CPU's older elemental emitters for fusions (the newer MLIR fusion
-# emitters compile a fusion about twice as slowly: test_kv_cache.py and
-# test_decoding_positions.py spent 25 s compiling with them, 14 s without,
-# and the whole suite went from 847 s to 735 s on 2 cores; the float64
-# references and golden values check that both compute the same).
+# The tests run thousands of tiny programs: building them (JAX's tracing
+# and lowering, then XLA's compile) is most of the suite's time. Two
+# settings change how fast XLA compiles a program, not what it computes:
+# LLVM at -O0 (the same IEEE results; no fast-math either way; about a
+# third of the suite), and XLA:CPU's older elemental emitters for fusions
+# (the newer MLIR fusion emitters compile a fusion about twice as slowly:
+# test_kv_cache.py and test_decoding_positions.py spent 25 s compiling
+# with them, 14 s without, and the whole suite went from 847 s to 735 s on
+# 2 cores; the float64 references and golden values check that both
+# compute the same).
 # Read when the backend starts, so before any computation below. A setting
 # already in XLA_FLAGS wins (the flags pass on to multi-device subprocesses).
 _COMPILE_FASTER = {"xla_backend_optimization_level": "0",
@@ -129,8 +132,10 @@ _ROOT = pathlib.Path(__file__).resolve().parent
 # ids after "::", "" for the whole file), or its module's
 # ``is_exhaustive(test_name)`` says so (the contract: each slow column's
 # cases beyond a subset that covers its features; the multi-device
-# processes). The default run deselects them (`-m "not slow"` too); an -m
-# expression naming "exhaustive" decides for itself.
+# processes; test_cudnn_wiring's option grids beyond every pair), or it is
+# a chex variant that _variant_repeats leaves out. The default run
+# deselects them (`-m "not slow"` too); an -m expression naming
+# "exhaustive" decides for itself.
 EXHAUSTIVE = {
     # The docs pages' examples (README's own run by default).
     "tests/test_readme.py": ("test_python_examples_run[docs/",),
@@ -154,25 +159,72 @@ EXHAUSTIVE = {
     # default; the scaling formula itself in test_rope_variants).
     "tests/test_rope_longrope_mrope.py": (
         "DecodeTest::test_longrope_past_the_original_context",),
+    # That dropping any one mapped option moves a golden's output (a check
+    # of the goldens, which the default run's test_matches_transformers
+    # relies on: every family's layers equal transformers'); and paged
+    # decoding of the families whose options act before the cache (llama's
+    # rope scaling, qwen3's qk-norm): gemma2 (window, soft cap) and gpt_oss
+    # (sinks, window, YaRN) run by default.
+    "tests/test_checkpoints.py": (
+        "GoldenTest::test_each_option_is_seen",
+        "ServingTest::test_paged_decoding_gives_the_checkpoints_outputs0",
+        "ServingTest::test_paged_decoding_gives_the_checkpoints_outputs2"),
+    # The flash kernel against jax.nn on the patterns both share: dense
+    # meets jax.nn on them by default, and flash the float64 reference on
+    # every contract case.
+    "tests/test_dot_product.py": (
+        "ReferenceTest::test_patterns_agree_with_jax_nn4",
+        "ReferenceTest::test_patterns_agree_with_jax_nn5",
+        "ReferenceTest::test_patterns_agree_with_jax_nn6",
+        "ReferenceTest::test_patterns_agree_with_jax_nn7"),
+    # Finite differences through the flash kernel with dropout: the
+    # contract checks its dropout cases' gradients and jvp against the
+    # float64 reference on every kernel by default.
+    "tests/test_flash_autodiff.py": (
+        "ForwardModeTest::test_check_grads_both_modes_with_dropout",),
+    # Eager generation (jit=False) of what runs under jit by default; eager
+    # and jitted both run on test_equals_the_argmax_..._step0 and 1.
+    "tests/test_generate.py": (
+        "GreedyTest::test_equals_the_argmax_of_a_full_forward_recomputed_"
+        "each_step2",
+        "GreedyTest::test_eos_stops_a_row_which_then_emits_pad0",
+        "SamplingTest::test_the_same_key_gives_the_same_tokens_within_the_"
+        "top_k0"),
     # Multi-device (tests/test_multidevice.py runs these files' default
     # and exhaustive tests in a process each). The ring contract's columns
+    # (ring and ring_zigzag sharing their cases, contract.COVERED_TOGETHER)
     # cover every feature of the zigzag and hybrid calls below; the ring
-    # against the references runs on 8 devices (the contract on 4).
+    # against the references at 2, 4 and 8 devices is one check at three
+    # sizes, which the contract makes on 4 (outputs, lse and gradients of
+    # every feature) and test_window_skips_ring_steps on 8 (outputs); a
+    # window that reaches one block back ((3, 0)) is the rule of (7, 0),
+    # two back.
     "tests/multidevice/test_ring.py": (
-        "RingAttentionTest::test_matches_references0",
-        "RingAttentionTest::test_matches_references1",
+        "RingAttentionTest::test_matches_references",
+        "RingAttentionTest::test_window_skips_ring_steps0",
         "RingAttentionTest::test_score_mod_with_a_learned_slope"),
     "tests/multidevice/test_ring_zigzag.py": (
         "ZigzagTest::test_window_rule_dense_mask_bias_max_logits",
         "ZigzagTest::test_causal_lengths_segments_sinks_alibi",
         "ZigzagTest::test_replicated_key_mask_and_bias1"),
     "tests/multidevice/test_ulysses.py": ("UlyssesTest::test_hybrid_ring2_a2a2",),
-    # The layer split both ways (hybrid, zigzag, heads) and the LM's loss
-    # curve under all-to-all run by default.
+    # The layer split with the hybrid (a ring over groups, zigzag, heads
+    # over "model") and with all-to-all (zigzag) runs by default, and the
+    # function with the ring and the heads split in
+    # test_every_array_reaches_its_shard; the LM trained end to end under
+    # each split (experiments/lm.py's sequence-parallel glue) is a whole
+    # experiment, like those above: the layers it splits run by default.
     "tests/multidevice/test_sequence_parallel.py": (
-        "SequenceParallelLMTest::test_loss_curve_equals_one_device_ring_zigzag",
-        "SequenceParallelLMTest::test_loss_curve_equals_one_device_hybrid",
-        "SequenceParallelLayerTest::test_split_layer_equals_the_layer_ring_zigzag"),
+        "SequenceParallelLMTest::",
+        "SequenceParallelLayerTest::test_split_layer_equals_the_layer_ring_"
+        "zigzag",
+        "SequenceParallelLayerTest::test_split_layer_equals_the_layer_ring_"
+        "contiguous_heads"),
+    # The heads split on an Explicit mesh, plain causal self-attention:
+    # the same call with sinks, T5 bias, a gate, qk-norm and rope runs by
+    # default.
+    "tests/multidevice/test_explicit_axes.py": (
+        "ExplicitAxesTest::test_equals_unsharded_self_causal",),
     # Per shard: the Pallas GPU kernel by default, the others exhaustive.
     "tests/multidevice/test_sharded_kernels.py": (
         "ShardedModuleTest::test_equals_unsharded_without_gathering_flash",
@@ -182,8 +234,37 @@ EXHAUSTIVE = {
 }
 
 
-def _exhaustive(item, name) -> bool:
-  if item.get_closest_marker("exhaustive"):
+# chex.variants(with_jit=True, without_jit=True) runs each case of a test
+# twice, eagerly and under jit. By default the first case of each test
+# function runs both; its other cases run one each, alternately under jit
+# and eagerly (in collection order), so both paths still meet every other
+# case's shapes and options between them; the exhaustive run has the
+# rest.
+_VARIANT = re.compile(r"__(with_jit|without_jit)$")
+
+
+def _variant_repeats(items) -> set[str]:
+  """Node ids of the chex variants that the default run leaves out."""
+  tests = {}  # (file, class, test function) -> {case: {variant: node id}}
+  for item in items:
+    found = _VARIANT.search(item.name)
+    function = getattr(item, "obj", None)
+    if not found or function is None:
+      continue
+    key = (item.path, getattr(item, "cls", None),
+           getattr(inspect.unwrap(function), "__qualname__", item.name))
+    case = item.name[:found.start()]
+    tests.setdefault(key, {}).setdefault(case, {})[found[1]] = item.nodeid
+  repeats = set()
+  for cases in tests.values():
+    for i, variants in enumerate(cases.values()):
+      if i and len(variants) == 2:  # the first case keeps both
+        repeats.add(variants["without_jit" if i % 2 else "with_jit"])
+  return repeats
+
+
+def _exhaustive(item, name, repeats=frozenset()) -> bool:
+  if item.get_closest_marker("exhaustive") or item.nodeid in repeats:
     return True
   test_id = item.nodeid.split("::", 1)[-1]
   if any(test_id.startswith(p) for p in EXHAUSTIVE.get(name, ())):
@@ -196,13 +277,14 @@ def pytest_collection_modifyitems(config, items):
   # (The files are named from this repository's root, not rootdir.)
   exhaustive, kept = [], []
   asked = "exhaustive" in (config.option.markexpr or "")
+  repeats = _variant_repeats(items)
   for item in items:
     path = pathlib.Path(item.path).resolve()
     name = path.relative_to(_ROOT).as_posix() if path.is_relative_to(
         _ROOT) else None
     if name not in QUICK_FILES:
       item.add_marker(pytest.mark.slow)
-    if _exhaustive(item, name):
+    if _exhaustive(item, name, repeats):
       item.add_marker(pytest.mark.exhaustive)
       exhaustive.append(item)
     else:

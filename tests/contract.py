@@ -166,6 +166,18 @@ def case_names(kernel: str) -> tuple[str, ...]:
 # ``-m exhaustive``.
 EVERY_CASE_BY_DEFAULT = frozenset({"dense", "flash", "cudnn"})
 
+# Columns that run one kernel in several layouts (ring and ring_zigzag:
+# aj.kernels.Ring, the sequence cut into P contiguous chunks or 2P chunks
+# laid out in pairs; 5-17 CPU-seconds a case on 4 simulated devices) and
+# share their default cases: each facet the kernel takes runs by default
+# in one of the layouts (the greedy alternates between them, zigzag first:
+# its two chunks a device are where positions, masks and lengths are
+# easiest to get wrong), each refusal in each. Every case still runs in
+# every layout in the exhaustive run; the contiguous layout's other
+# features run by default in tests/multidevice/test_ring.py and
+# test_sequence_parallel.py.
+COVERED_TOGETHER = (("ring_zigzag", "ring"),)
+
 
 def facets(case: Case) -> frozenset[str]:
   """What a case exercises, finer than ``Case.features`` (what a kernel
@@ -182,29 +194,58 @@ def facets(case: Case) -> frozenset[str]:
   return frozenset(found)
 
 
+def refused(kernel: str, case: Case) -> frozenset[str]:
+  """Why column ``kernel`` refuses ``case``: the features it refuses, or
+  ``{"shape"}`` for a case it refuses for its shapes (empty: it takes
+  it)."""
+  features = frozenset(case.features() & REFUSES.get(kernel, frozenset()))
+  if features:
+    return features
+  shaped = REFUSES_SHAPES.get(kernel, (lambda case: False,))[0]
+  return frozenset({"shape"}) if shaped(case) else frozenset()
+
+
+def group(kernel: str) -> tuple[str, ...]:
+  """The columns that share ``kernel``'s default cases (itself alone
+  unless ``COVERED_TOGETHER`` names it)."""
+  return next((g for g in COVERED_TOGETHER if kernel in g), (kernel,))
+
+
+@functools.cache
+def _cover(columns: tuple[str, ...]) -> frozenset[tuple[str, str]]:
+  """The fewest ``(column, case)`` pairs (greedy: most new goals first;
+  on ties the column with fewer so far, then ``columns`` and case order)
+  whose cases exercise every facet that the columns' taken cases do, and
+  each column's refusals: every feature it refuses, and its shapes."""
+
+  def goals(column, name):
+    why = refused(column, CASES[name])
+    if why:  # a refusal: each column's own
+      return {f"{column} refuses {f}" for f in why}
+    return set(facets(CASES[name]))
+
+  pairs = [(c, n) for c in columns for n in case_names(c)]
+  left = set().union(*(goals(*p) for p in pairs))
+  chosen, count = set(), dict.fromkeys(columns, 0)
+  while left:
+    best = max(pairs, key=lambda p: (len(goals(*p) & left), -count[p[0]]))
+    chosen.add(best)
+    count[best[0]] += 1
+    left -= goals(*best)
+  return frozenset(chosen)
+
+
 def covering_cases(kernel: str) -> tuple[str, ...]:
-  """The fewest of a column's cases (greedy, in ``CASES`` order on ties)
-  that exercise every facet its cases exercise, and every feature it
-  refuses (each at least once), and a case it refuses for its shapes."""
+  """The column's default cases: every case for ``EVERY_CASE_BY_DEFAULT``,
+  else its share of ``_cover`` over its ``group``: with the other
+  columns' shares they exercise every facet its cases exercise, and it
+  refuses every feature it refuses (each at least once) and, if it has
+  one, a case for its shapes."""
   names = case_names(kernel)
   if kernel in EVERY_CASE_BY_DEFAULT:
     return names
-  refused = REFUSES.get(kernel, frozenset())
-  shaped = REFUSES_SHAPES.get(kernel, (lambda case: False,))[0]
-
-  def goals(name):
-    case = CASES[name]
-    if case.features() & refused:  # a refusal: its refused features
-      return {f"refuses:{f}" for f in case.features() & refused}
-    return set(facets(case)) | ({"refuses:shape"} if shaped(case) else set())
-
-  left = set().union(*(goals(n) for n in names))
-  chosen = []
-  while left:
-    best = max(names, key=lambda n: len(goals(n) & left))
-    chosen.append(best)
-    left -= goals(best)
-  return tuple(n for n in names if n in chosen)
+  chosen = _cover(group(kernel))
+  return tuple(n for n in names if (kernel, n) in chosen)
 
 
 _CASE_TEST = re.compile(r"^test_(contract|forward_mode)_(.+?)__(.+)$")

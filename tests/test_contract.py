@@ -13,33 +13,46 @@ ContractTest = contract.suite(contract.kernel_names())
 
 
 class DefaultSubsetTest(parameterized.TestCase):
-  """The default run's cases of a slow column still exercise everything
-  its column does: every facet of the cases it takes, every feature it
-  refuses, and a refusal for shapes where it has one."""
+  """The default run's cases of the slow columns still exercise everything
+  they do: every facet a column takes, taken by a default case of it or
+  of a column of its group (``contract.COVERED_TOGETHER``: one kernel in
+  several layouts); every feature a column refuses, and a refusal for
+  its shapes where it has one, by the column itself."""
 
-  @parameterized.parameters(
-      *sorted((set(contract.kernel_names()) | set(contract.SEQUENCE_PARALLEL))
-              - contract.EVERY_CASE_BY_DEFAULT))
-  def test_covers_the_column(self, name):
-    every = contract.case_names(name)
-    chosen = contract.covering_cases(name)
-    self.assertLessEqual(set(chosen), set(every))
-    refused = contract.REFUSES[name]
-    taken = lambda names: set().union(*(
-        contract.facets(contract.CASES[n]) for n in names
-        if not contract.CASES[n].features() & refused))
+  @parameterized.named_parameters(*[
+      ("_".join(columns), columns) for columns in sorted({
+          contract.group(name)
+          for name in (set(contract.kernel_names())
+                       | set(contract.SEQUENCE_PARALLEL))
+          - contract.EVERY_CASE_BY_DEFAULT})])
+  def test_covers_the_columns(self, columns):
+    every = {c: contract.case_names(c) for c in columns}
+    chosen = {c: contract.covering_cases(c) for c in columns}
+    why = lambda c, n: contract.refused(c, contract.CASES[n])  # noqa: E731
+    taken = lambda names: set().union(*(  # noqa: E731
+        contract.facets(contract.CASES[n]) for c in columns
+        for n in names[c] if not why(c, n)))
     self.assertEqual(taken(chosen), taken(every))
-    features = lambda names: set().union(*(
-        contract.CASES[n].features() & refused for n in names))
-    self.assertEqual(features(chosen), features(every))
-    shaped = contract.REFUSES_SHAPES.get(name, (lambda case: False,))[0]
-    self.assertEqual(any(shaped(contract.CASES[n]) for n in chosen),
-                     any(shaped(contract.CASES[n]) for n in every))
-    # and the tests the default run keeps are exactly those cases
-    for case in every:
-      self.assertEqual(
-          contract.is_exhaustive(f"test_contract_{name}__{case}"),
-          case not in chosen)
+    for c in columns:
+      self.assertLessEqual(set(chosen[c]), set(every[c]))
+      self.assertEqual(set().union(*(why(c, n) for n in chosen[c])),
+                       set().union(*(why(c, n) for n in every[c])), c)
+      # each column runs some case it takes (each layout runs by default)
+      self.assertTrue(any(not why(c, n) for n in chosen[c]), c)
+      # and the tests the default run keeps are exactly those cases
+      for case in every[c]:
+        self.assertEqual(
+            contract.is_exhaustive(f"test_contract_{c}__{case}"),
+            case not in chosen[c])
+
+  def test_columns_covered_together_run_one_kernel(self):
+    # (what lets one layout's case stand for the other's)
+    for columns in contract.COVERED_TOGETHER:
+      kernels = [contract.CONFIGURED[c] for c in columns]
+      self.assertLen({type(k) for k in kernels}, 1, columns)
+      self.assertLen({contract.REFUSES[c] for c in columns}, 1, columns)
+
+
 # The default run keeps a covering subset of the slow columns' cases.
 is_exhaustive = contract.is_exhaustive
 

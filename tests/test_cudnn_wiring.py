@@ -7,6 +7,8 @@ and ``problem_of`` is reached past its GPU check by mocking the backend.
 """
 
 import functools
+import itertools
+import re
 from unittest import mock
 
 from absl.testing import absltest
@@ -40,6 +42,45 @@ def _wired(q, k, v, mask=None, bias=None, *, is_causal=False, window=None,
   return cudnn.attention(q, k, v, mask, bias, kv_lengths, q_lengths,
                          scale=H ** -0.5, is_causal=is_causal, window=window,
                          implementation="xla")
+
+
+# The option grids of two tests below. By default each runs a few of its
+# grid's combinations in which every two values of any two options meet
+# (``_all_pairs``); the exhaustive run (``-m exhaustive``) has the rest.
+MATCHES_DENSE = dict(ts=[(6, 6), (4, 7), (7, 4)], is_causal=[False, True],
+                     window=[None, (2, 0), (0, 3)], lengths=["kv0", "q0"])
+POSITIONS = dict(positions=["scalar", "top_left", "per_example"],
+                 ts=[(4, 7), (7, 4)],
+                 band=["causal", "window", "causal_window", "two_sided"])
+
+
+def _all_pairs(grid) -> frozenset[int]:
+  """Indices, in ``parameterized.product``'s order, of combinations of
+  ``grid`` that together hold every pair of two options' values (greedy:
+  the most new pairs first, product order on ties)."""
+  combos = list(itertools.product(*(range(len(v)) for v in grid.values())))
+
+  def pairs(combo):
+    return {(i, a, j, b) for (i, a), (j, b)
+            in itertools.combinations(enumerate(combo), 2)}
+
+  left, chosen = set().union(*map(pairs, combos)), set()
+  while left:
+    best = max(range(len(combos)), key=lambda n: len(pairs(combos[n]) & left))
+    chosen.add(best)
+    left -= pairs(combos[best])
+  return frozenset(chosen)
+
+
+_DEFAULT = {"test_matches_dense": _all_pairs(MATCHES_DENSE),
+            "test_positions_match_dense_and_reference": _all_pairs(POSITIONS)}
+
+
+def is_exhaustive(test_name: str) -> bool:
+  """The grids' combinations beyond their pairs (conftest.py reads it)."""
+  found = re.fullmatch(r"(test_\w+?)(\d+)", test_name)
+  return bool(found) and found[1] in _DEFAULT and (
+      int(found[2]) not in _DEFAULT[found[1]])
 
 
 def _positioned_allowed(t, s, q_offset, kv_offset, is_causal, window):
@@ -81,12 +122,7 @@ def _dense(q, k, v, mask=None, bias=None, *, is_causal=False, window=None,
 
 class AttentionTest(parameterized.TestCase):
 
-  @parameterized.product(
-      ts=[(6, 6), (4, 7), (7, 4)],
-      is_causal=[False, True],
-      window=[None, (2, 0), (0, 3)],
-      lengths=["kv0", "q0"],
-  )
+  @parameterized.product(**MATCHES_DENSE)
   def test_matches_dense(self, ts, is_causal, window, lengths):
     t, s = ts
     q, k, v = _qkv(t, s)
@@ -126,11 +162,7 @@ class AttentionTest(parameterized.TestCase):
     np.testing.assert_array_equal(out[1], 0.0)  # key length 0
     self.assertTrue(np.all(np.abs(out[0, :, 3:]).sum(-1) > 0))
 
-  @parameterized.product(
-      positions=["scalar", "top_left", "per_example"],
-      ts=[(4, 7), (7, 4)],
-      band=["causal", "window", "causal_window", "two_sided"],
-  )
+  @parameterized.product(**POSITIONS)
   def test_positions_match_dense_and_reference(self, positions, ts, band):
     t, s = ts
     q_offset, kv_offset = {

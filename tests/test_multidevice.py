@@ -8,7 +8,8 @@ spreads the processes over workers like any other test. The ring
 contract, by far the longest file (a column per layout), runs as several
 processes (a share of its columns' cases each, every case in exactly one)
 so that several workers share it: the default run its columns' covering
-subsets, the exhaustive run (``-m exhaustive``) the rest.
+subsets (ring and ring_zigzag sharing theirs), the exhaustive run (``-m
+exhaustive``) the rest.
 """
 
 import os
@@ -27,11 +28,13 @@ FILES = sorted(p.name for p in (ROOT / "tests" / "multidevice").glob("test_*.py"
 _CONTRACT = "test_contract_ring.py"
 _PREFIX = f"tests/multidevice/{_CONTRACT}::RingContractTest::test_contract_"
 # The contract's cases over all its columns, by node id: the default run's
-# (each column's covering subset) in _DEFAULT_PARTS processes, the others
-# (the exhaustive run's) in _EXHAUSTIVE_PARTS, consecutive shares each, so
-# that several workers share them. The last default share is the file less
-# the other default shares (its other tests run there; the file's own
-# conftest deselects the exhaustive cases).
+# (the columns' covering subsets, contract.covering_cases) in
+# _DEFAULT_PARTS processes, the others (the exhaustive run's) in
+# _EXHAUSTIVE_PARTS, so that several workers share them; a share takes
+# every n-th node, so each holds about as many of each column's cases (a
+# ring case costs 5-17 CPU-seconds, an all-to-all one about 1). The last
+# default share is the file less the other default shares (its other tests
+# run there; contract.is_exhaustive deselects the exhaustive cases).
 _DEFAULT_PARTS = 2
 _EXHAUSTIVE_PARTS = 5
 _NODES = [(f"{_PREFIX}{name}__{case}",
@@ -41,8 +44,7 @@ _NODES = [(f"{_PREFIX}{name}__{case}",
 
 
 def _shares(nodes, parts):
-  return [nodes[i * len(nodes) // parts:(i + 1) * len(nodes) // parts]
-          for i in range(parts)]
+  return [nodes[i::parts] for i in range(parts)]
 
 
 _DEFAULT = _shares([n for n, default in _NODES if default], _DEFAULT_PARTS)
