@@ -129,24 +129,6 @@ def _batch_shape(leading, q_shape, k_shape, groups) -> tuple[int, ...]:
   raise ValueError(f"{what} do not broadcast: {listed}.")
 
 
-def _left_aligned(name: str, x, core: int, leading_rank: int, layout: str):
-  """``x`` (``[...lead, *core]``) with size-1 axes appended to its leading
-  axes up to ``leading_rank``: per-example arrays align to the left."""
-  shape = tuple(np.shape(x))
-  lead = len(shape) - core
-  if lead > leading_rank:
-    raise ValueError(
-        f"{name} with shape {shape} has {lead} leading axes, but the "
-        f"operands have {leading_rank} leading dims: it must be {layout}, "
-        f"aligned to the left of the leading dims (e.g. [B] lengths or "
-        f"[B, T] segment ids for [B, N, T, H] operands).")
-  shape = shape[:lead] + (1,) * (leading_rank - lead) + shape[lead:]
-  try:  # concrete values stay NumPy (their range is checked at trace time)
-    return np.asarray(x).reshape(shape)
-  except jax.errors.TracerArrayConversionError:
-    return jnp.reshape(x, shape)
-
-
 # The mask's per-example fields: lengths, and positions (Mask.offsets).
 _PER_EXAMPLE = ("kv_lengths", "q_lengths", "q_offset", "kv_offset")
 
