@@ -72,9 +72,13 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
   (what ``run`` runs and ``aj.explain`` reports). ``partition`` None is
   read off the query's type on a mesh of explicit axes
   (``typed_partition``)."""
-  checks.check_static_bool("is_causal", is_causal)
-  mask = mask_lib.as_mask(mask, is_causal=is_causal)
-  candidates, automatic = base.candidates(implementation, kernels.REGISTRY)
+  if is_causal is not False:
+    checks.check_static_bool("is_causal", is_causal)
+  if is_causal or not isinstance(mask, Mask):  # (a Mask is converted)
+    mask = mask_lib.as_mask(mask, is_causal=is_causal)
+  candidates, automatic = ((tuple(kernels.REGISTRY), True)
+                           if implementation is None else
+                           base.candidates(implementation, kernels.REGISTRY))
   if partition is None and not jax.sharding.get_abstract_mesh().empty:
     partition = typed_partition(query)
   problem = base.canonicalize(

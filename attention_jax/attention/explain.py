@@ -29,13 +29,11 @@ import numpy as np
 
 from attention_jax import kernels
 from attention_jax.attention import dot_product
-from attention_jax.core import broadcast
 from attention_jax.core import checks
 from attention_jax.kernels import base
 from attention_jax.kernels import block_cache
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
-from attention_jax.kernels import operands
 from attention_jax.masking import intervals
 
 
@@ -229,7 +227,7 @@ def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
 
 
 def _flash_blocks(explained: Explanation, kernel: flash.Flash,
-                  ops: operands.Operands) -> Explanation:
+                  ops: base.Operands) -> Explanation:
   """``explained`` with the flash kernel's blocks and its walk's counts."""
   # What Flash.__call__ runs: given, a block mask's, tuned, else defaults.
   bq, bk, _ = block_cache.blocks(ops, kernel.block_q, kernel.block_k)
@@ -264,7 +262,7 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
   def head(length, q_lengths, q_segment_ids, kv_segment_ids, q_offset, kv_offset,
            *head_tables):
     head_bm = bm.with_tables(head_tables) if per_head_tables else bm
-    ex = flash_core.padded_head(st, num_q * bq, num_k * bk, broadcast.Head(
+    ex = flash_core.padded_head(st, num_q * bq, num_k * bk, base.Head(
         dense=mask, kv_lengths=length, q_lengths=q_lengths, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, rule=head_bm, q_offset=q_offset,
         kv_offset=kv_offset))
@@ -288,7 +286,7 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
       full = jnp.zeros_like(full)
     return jnp.stack([visited, full]).astype(jnp.int32)
 
-  counts = broadcast.broadcast_vmap(
+  counts = base.broadcast_vmap(
       head, (0, 0, 1, 1, 0, 0) + (2,) * len(tables), operands)  # [..., 2]
   # Each entry stands for as many heads (the size-1 dims were shared).
   counts = np.asarray(counts).reshape(-1, 2)

@@ -57,7 +57,7 @@ def seed_words(rng) -> jax.Array:
 def row_keys(seed, b, h, q_idx) -> jax.Array:
   """One uint32 per query row of head ``(b, h)``; broadcasts like ``q_idx``.
 
-  ``b`` and ``h`` are the head's indices (``broadcast.Head.index``, as
+  ``b`` and ``h`` are the head's indices (``base.Head.index``, as
   ``score_mod`` sees them), ``q_idx`` the rows' indices.
   """
   u = lambda x: jnp.asarray(x).astype(_U32)  # noqa: E731 (wraps negatives)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import numerics
+from attention_jax.core import checks
 
 
 def merge_attentions(outputs: Sequence[jax.Array],
@@ -57,7 +57,7 @@ def merge_attentions(outputs: Sequence[jax.Array],
   """
   outputs, lses = _checked(outputs, lses)
   out_dtype = jnp.result_type(*outputs)
-  dtype = numerics.compute_dtype(jnp.result_type(out_dtype, *lses))
+  dtype = checks.compute_dtype(jnp.result_type(out_dtype, *lses))
   lse = [x.astype(dtype) for x in lses]
   top = lse[0]
   for x in lse[1:]:

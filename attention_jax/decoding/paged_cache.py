@@ -47,7 +47,6 @@ from jax.typing import ArrayLike
 import numpy as np
 
 from attention_jax.core import checks
-from attention_jax.core import numerics
 from attention_jax.decoding import kv_cache
 from attention_jax.decoding import quantize
 
@@ -474,7 +473,7 @@ def share_prefix(cache: PagedKVCache, source: ArrayLike, target: ArrayLike,
   z, p = cache.page_size, cache.num_pages
   for name, x in (("source", source), ("target", target),
                   ("length", length)):
-    numerics.integer_array(name, x)
+    checks.integer_array(name, x)
     if np.ndim(x) != 0:
       raise ValueError(f"{name} must be an integer scalar, got shape "
                        f"{np.shape(x)}.")
@@ -575,7 +574,7 @@ def put_rows(cache: PagedKVCache, part: PagedKVCache,
 
 
 def _check_rows(rows, b: int) -> jax.Array:
-  numerics.integer_array("rows", rows)
+  checks.integer_array("rows", rows)
   if np.ndim(rows) != 1:
     raise ValueError(f"rows must be int [R], got shape {np.shape(rows)}.")
   if kv_cache.is_concrete(rows):

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from attention_jax.core.broadcast import Head
-from attention_jax.core.broadcast import lift_heads
-from attention_jax.core.numerics import compute_dtype
-from attention_jax.core.numerics import with_sink
-from attention_jax.core.numerics import zero_unseen
+from attention_jax.core.checks import compute_dtype
+from attention_jax.core.checks import with_sink
+from attention_jax.core.checks import zero_unseen
 from attention_jax.core.softmax import masked_logsumexp
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.kernels import base
@@ -45,13 +43,16 @@ from attention_jax.kernels.autotune import autotune
 from attention_jax.kernels.autotune import flash_blocks
 from attention_jax.kernels.base import MASK_FIELDS
 from attention_jax.kernels.base import OPTIONS
+from attention_jax.kernels.base import Head
 from attention_jax.kernels.base import Kernel
+from attention_jax.kernels.base import Operands
 from attention_jax.kernels.base import Pages
 from attention_jax.kernels.base import Partition
 from attention_jax.kernels.base import Problem
 from attention_jax.kernels.base import Result
 from attention_jax.kernels.base import choose
 from attention_jax.kernels.base import float32_only
+from attention_jax.kernels.base import lift_heads
 from attention_jax.kernels.base import no_max_logits
 from attention_jax.kernels.base import no_weights_or_dropout
 from attention_jax.kernels.base import too_small
@@ -61,7 +62,6 @@ from attention_jax.kernels.block_cache import FlashBlocks
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
-from attention_jax.kernels.operands import Operands
 from attention_jax.kernels.paged_gpu import PagedGpu
 from attention_jax.kernels.paged_tpu import PagedTpu
 from attention_jax.kernels.pallas_gpu import PallasGpu

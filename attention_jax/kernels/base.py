@@ -1,12 +1,20 @@
 """The kernel interface: one validated problem, and kernels that say what they take.
 
-Shape glossary: B batch, N query heads, K key/value heads, T query length,
-S key/value length, H head dim, Hv value head dim; ``...`` leading dims.
+Shape glossary: B batch, T query length, S key/value length, N query heads,
+K key/value heads (G = N // K per key/value head), H head dim, Hv value
+head dim, P pages, Z page size, M pages per row; ``...`` leading dims.
 
-``canonicalize`` checks a call once, in the caller's terms, and builds a
-``Problem``: the operands with heads grouped (``operands.Operands``: the
-mask's fields, the bias, sinks, score modifier and the (b, h) indices they
-see), the scale, dropout and what to return. A kernel is a ``Kernel``:
+``canonicalize`` checks a call once, in the caller's terms (query heads N
+against key/value heads K), and builds a ``Problem``: the operands
+(``attention_operands`` -> ``Operands``: the query, key, value, the
+``Mask``'s fields under their own names, per-example ones aligned to the
+left of the leading dims, int32, the bias, sinks, score modifier and the
+(b, h) indices they see, every array with a head axis split for
+grouped-query attention, ``split_groups``, ready for
+``lift_heads``), the scale (a float unless traced), dropout (a key only
+when entries may drop) and what to return. Every check raises
+``ValueError`` (shapes, values) or ``TypeError`` (dtypes) naming the
+argument and the shapes. A kernel is a ``Kernel``:
 
 * ``name``: what ``implementation=`` calls it;
 * ``implements``: the features (``Problem.features``: the mask's fields,
@@ -37,25 +45,778 @@ differentiated: its gradient is zero (``lax.stop_gradient``).
 
 The registry (``kernels/__init__.py``) lists them in the automatic choice's
 order; the dispatcher (``dot_product``) walks it.
+
+A head's view. The attention maths in this package is written for one head
+and one example (``[T, H]`` queries against ``[S, H]`` keys).
+``broadcast_vmap`` lifts such a function to operands with any leading batch
+dimensions that broadcast like NumPy's: one ``jax.vmap`` per leading
+dimension, mapping the operands that have that dimension and passing the
+others (size 1 or absent) unmapped. A size-1 key/value head dimension
+against ``G`` query heads is therefore shared, never copied, which is how
+grouped-query attention stays cheap. ``lift_heads`` runs a kernel's
+single-head function so, handing it a ``Head`` of that head's operands, and
+returns a ``Result``.
+
+Grouped-query attention as a reshape (``find_groups``, ``split_groups``,
+``merge_groups``): the attention functions take 4-D queries ``[B, N, T,
+H]`` with keys/values ``[B, K, S, H]`` (jax.nn's rule, in our layout: only
+in 4-D is axis 1 the head axis; in ``[B, T, H]`` or 5-D operands a size
+mismatch is a broadcast error, never read as heads). When ``K`` is neither
+``N`` nor 1 (those broadcast as they are), the head axis is split: queries
+become ``[..., K, G, T, H]`` and keys/values ``[..., K, 1, S, H]``, so
+ordinary broadcasting shares each key/value head with its G query heads,
+unmapped by ``vmap`` and never copied; masks, biases and lengths with a
+head axis of N are split the same way. Query head ``n`` uses key/value
+head ``n // G``, as in jax.nn and torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-import dataclasses
+from collections.abc import Callable, Sequence
+import contextlib
 import math
 from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from attention_jax.core import broadcast
 from attention_jax.core import checks
-from attention_jax.kernels import operands
+from attention_jax.kernels import partition as partition_lib
+from attention_jax.masking import intervals
 from attention_jax.masking import mask as mask_lib
 
-# What every kernel returns (defined beside lift_heads, which builds it).
-Result = broadcast.Result
+# (re-exported: the public names live in kernels/__init__.py)
+Partition = partition_lib.Partition
+check_partition = partition_lib.check_partition
+split_dims = partition_lib.split_dims
+
+# A head's view of the call: grouped-query heads, one vmap per leading
+# dim (see the module docstring).
+
+class Groups(NamedTuple):
+  num_heads: int  # N
+  num_kv_heads: int  # K
+
+
+def find_groups(q_shape, k_shape) -> Groups | None:
+  """The grouping of ``[..., N, T, H]`` over ``[..., K, S, H]``, or None.
+
+  None when there is nothing to group: operands that are not both 4-D, or
+  ``K`` in ``(1, N)``. A ``K`` that does not divide ``N`` is left to the
+  broadcast check, whose error names both shapes.
+  """
+  if len(q_shape) != 4 or len(k_shape) != 4:
+    return None
+  n, k = q_shape[-3], k_shape[-3]
+  if k in (1, n) or n % k:
+    return None
+  return Groups(n, k)
+
+
+def split_groups(x, groups: Groups | None, axis: int):
+  """Splits ``x``'s head ``axis`` (negative) of size N, K or 1 into two."""
+  if x is None or groups is None or x.ndim < -axis:
+    return x
+  size = x.shape[axis]
+  if size == groups.num_heads:
+    new = (groups.num_kv_heads, size // groups.num_kv_heads)
+  elif size == groups.num_kv_heads:
+    new = (size, 1)
+  else:  # 1: broadcast over every head
+    new = (1, 1)
+  pos = x.ndim + axis
+  return x.reshape(x.shape[:pos] + new + x.shape[pos + 1:])
+
+
+def merge_groups(x: jax.Array | None, groups: Groups | None, axis: int):
+  """Inverse of ``split`` for results: ``[..., K, G, ...] -> [..., N, ...]``."""
+  if x is None or groups is None:
+    return x
+  pos = x.ndim + axis  # the G axis
+  return x.reshape(x.shape[:pos - 1] + (x.shape[pos - 1] * x.shape[pos],)
+                   + x.shape[pos + 1:])
+
+
+def broadcast_vmap(fn: Callable[..., Any], core_ndims: Sequence[int],
+                   operands: Sequence[Any], sequential: Any = (),
+                   group: int = 1) -> Any:
+  """Applies ``fn`` to operands with broadcast leading (batch) dimensions.
+
+  Args:
+    fn: function of the per-example operands (``None`` operands are passed
+      through as ``None``).
+    core_ndims: for each operand, how many trailing dimensions ``fn`` sees.
+    operands: arrays (or ``None``) whose leading dims, beyond their core dims,
+      broadcast against each other. The caller has validated that they do.
+    sequential: indices of operands whose non-trivial leading dims are
+      mapped with ``lax.map`` (one slice after another) instead of
+      ``vmap``: under ``vmap`` a kernel's data-dependent control flow (block
+      loops and ``cond`` over per-example block tables) would run every
+      branch and the longest loop for every slice.
+    group: with ``sequential``, the innermost mapped dim runs ``group``
+      slices at a time (``lax.map``'s ``batch_size``: ``vmap`` inside).
+
+  Returns:
+    ``fn``'s outputs with the broadcast batch shape prepended to each leaf.
+  """
+  batch_ndim = max((op.ndim - c for op, c in zip(operands, core_ndims)
+                    if op is not None), default=0)
+  padded = []
+  for op, c in zip(operands, core_ndims):
+    if op is not None:
+      op = op.reshape((1,) * (batch_ndim - (op.ndim - c)) + op.shape)
+    padded.append(op)
+  return _map_leading(fn, batch_ndim, tuple(padded), frozenset(sequential),
+                      group)
+
+
+def _map_leading(fn, depth: int, ops: tuple[Any, ...], sequential,
+                 group: int = 1) -> Any:
+  if depth == 0:
+    return fn(*ops)
+  # Operands whose leading size is 1 are shared across this dimension.
+  in_axes = tuple(None if op is None or op.shape[0] == 1 else 0 for op in ops)
+  ops = tuple(op[0] if op is not None and ax is None else op
+              for op, ax in zip(ops, in_axes))
+  inner = lambda *o: _map_leading(fn, depth - 1, o, sequential, group)
+  if all(ax is None for ax in in_axes):
+    return jax.tree.map(lambda x: x[None], inner(*ops))
+  if any(in_axes[i] == 0 for i in sequential):
+    mapped = [i for i, ax in enumerate(in_axes) if ax == 0]
+
+    def one(slices):
+      full = list(ops)
+      for i, x in zip(mapped, slices):
+        full[i] = x
+      return inner(*full)
+
+    # Slices a group at a time (vmap inside) at the innermost leading dim.
+    return jax.lax.map(one, [ops[i] for i in mapped],
+                       batch_size=group if depth == 1 and group > 1 else None)
+  return jax.vmap(inner, in_axes=in_axes)(*ops)
+
+
+class Result(NamedTuple):
+  """What every kernel returns: named, absent values None.
+
+  ``out [..., N, T, Hv]``; ``weights [..., N, T, S]`` (only a kernel that
+  forms them, when ``return_weights``), ``lse [..., N, T]`` and
+  ``max_logits [..., N, T]`` when asked for. Heads merged again.
+  """
+  out: jax.Array
+  weights: jax.Array | None = None
+  lse: jax.Array | None = None
+  max_logits: jax.Array | None = None
+
+
+class Head(NamedTuple):
+  """One head's operands besides q, k, v, as the kernels see them (None =
+  absent); a pytree.
+
+  ``lift_heads`` slices them per head; the flash core pads the arrays to
+  whole blocks (``flash_core.padded_head``) and adds the last four fields.
+  """
+  dense: jax.Array | None = None  # bool [T|1, S|1]
+  bias: jax.Array | None = None  # float [T|1, S|1]
+  kv_lengths: jax.Array | None = None  # int32 scalar: valid keys
+  q_lengths: jax.Array | None = None  # int32 scalar: valid queries
+  q_segment_ids: jax.Array | None = None  # int32 [T]
+  kv_segment_ids: jax.Array | None = None  # int32 [S]
+  sink: jax.Array | None = None  # float scalar
+  index: tuple | None = None  # int32 scalars (b, h) for score_mod, or None
+  rule: Any = None  # a BlockMask (this head's [nq, nk] tables) or None
+  # int32 scalars: positions of query row 0 and key column 0 (the mask's
+  # q_offset/kv_offset), or None for the bottom-right alignment
+  q_offset: jax.Array | None = None
+  kv_offset: jax.Array | None = None
+  # The values score_mod closes over that may carry gradients
+  # (flash_core.hoist_score_mod), passed whole.
+  mod_consts: tuple = ()
+  # bool scalar: whether any of the call's q, k, v holds a NaN or inf; when
+  # False the flash walk skips looking for the rows that see one (a
+  # lax.cond per block: unbatched, so it stays a branch under the heads'
+  # vmap). None: always look.
+  garbage: jax.Array | None = None
+  # float32 [Tp] / [Sp]: each query row's / key row's garbage code
+  # (``core/checks.py``), made
+  # once per head (flash_core.single_head) so the walk reads them per block
+  # instead of reducing each loaded block; None: the walk reduces.
+  q_code: jax.Array | None = None
+  kv_code: jax.Array | None = None
+
+  def offsets(self, t: int, s: int):
+    """``(offset, q_start, kv_start)``: query row ``r`` stands at key column
+    ``r + offset`` (causality, windows); rules and score modifiers see
+    ``q_start + r`` and ``kv_start + c``."""
+    if self.q_offset is None:
+      return s - t, 0, 0
+    return self.q_offset - self.kv_offset, self.q_offset, self.kv_offset
+
+
+def lift_heads(head_fn: Callable[..., Any], ops, extra: Sequence[Any] = (),
+               extra_core_ndims: Sequence[int] = (), *,
+               one_at_a_time: int = 0):
+  """Runs a single-head kernel over validated operands (``base.Operands``).
+
+  ``head_fn(q, k, v, head, *extra)`` sees ``[T, H]``, ``[S, H]``,
+  ``[S, Hv]`` and a ``Head`` of the other operands, and returns
+  ``(out [T, Hv], weights [T, S] or None, lse [T] or None)``, or those and
+  ``max_logits [T]`` (``return_max_logits``). The results come back over
+  the leading dims with grouped heads merged again (``[..., N, T, Hv]``),
+  as the kernel's ``Result`` (what ``head_fn`` did not return is None).
+  ``one_at_a_time`` > 0: the heads run that many at a time, one group
+  after another (``lax.map`` over every leading dim the queries have, its
+  ``batch_size`` at the innermost) instead of all under ``vmap``: a block
+  loop then works on one head's ``[bq, bk]`` block at a time, which stays
+  in cache, where ``vmap`` makes every pass of the loop body walk the
+  blocks of all heads at once through memory.
+  """
+  b, h = (None, None) if ops.head_index is None else ops.head_index
+  # A block mask with per-(b, h) tables is sliced per head like a mask;
+  # one without leading dims is shared.
+  bm = ops.rule
+  per_head_tables = bm is not None and bm.batch_shape
+  tables = bm.tables if per_head_tables else ()
+  # (operand, its core ndims): what one head sees of each
+  fixed = ((ops.query, 2), (ops.key, 2), (ops.value, 2), (ops.dense, 2),
+           (ops.bias, 2), (ops.kv_lengths, 0), (ops.q_lengths, 0),
+           (ops.q_segment_ids, 1), (ops.kv_segment_ids, 1), (ops.sinks, 0),
+           (b, 0), (h, 0),
+           (ops.q_offset, 0), (ops.kv_offset, 0))
+  operands = (*(x for x, _ in fixed), *tables, *extra)
+  core = (*(c for _, c in fixed), *(2,) * len(tables), *extra_core_ndims)
+
+  def per_head(q, k, v, mask, bias, kv_lengths, q_lengths, q_segment_ids,
+               kv_segment_ids, sink,
+               b, h, q_offset, kv_offset, *rest):
+    head_bm = bm
+    if per_head_tables:
+      head_bm = bm.with_tables(rest[:len(tables)])
+    head = Head(mask, bias, kv_lengths, q_lengths, q_segment_ids, kv_segment_ids, sink,
+                None if b is None else (b, h), head_bm, q_offset, kv_offset)
+    return head_fn(q, k, v, head, *rest[len(tables):])
+
+  first_table = len(fixed)  # the index of the tables among the operands
+  sequential = tuple(range(first_table, first_table + len(tables)))
+  if one_at_a_time:
+    sequential = (0, *sequential)  # every leading dim the queries have
+  out, weights, *rows = broadcast_vmap(per_head, core, operands,
+                                       sequential=sequential,
+                                       group=max(one_at_a_time, 1))
+  lse, max_logits = (*rows, None)[:2]  # one value per query row each
+  if ops.groups is None:
+    return Result(out, weights, lse, max_logits)
+  return Result(merge_groups(out, ops.groups, -3),
+                merge_groups(weights, ops.groups, -3),
+                merge_groups(lse, ops.groups, -2),
+                merge_groups(max_logits, ops.groups, -2))
+
+
+# The call's operands, validated once and grouped (what ``Problem.ops``
+# holds); ``canonicalize`` below builds them.
+
+class Operands(NamedTuple):
+  """Validated attention operands, heads grouped (``split_groups``)."""
+  query: jax.Array  # [..., T, H]
+  key: jax.Array  # [..., S, H]
+  value: jax.Array  # [..., S, Hv]
+  dense: jax.Array | None  # bool [..., T|1, S|1], at least 2-D
+  bias: jax.Array | None  # float [..., T|1, S|1], at least 2-D
+  kv_lengths: jax.Array | None  # int32 [...] key/value lengths
+  q_lengths: jax.Array | None  # int32 [...] query lengths
+  q_segment_ids: jax.Array | None  # int32 [..., T] query segment ids
+  kv_segment_ids: jax.Array | None  # int32 [..., S] key segment ids
+  sinks: jax.Array | None  # float [...] per-head sink logits
+  # int32 (b, h) indices for score_mod, each broadcastable to the leading
+  # dims (grouped like the heads), or None without a score_mod.
+  head_index: tuple[jax.Array, jax.Array] | None
+  groups: Groups | None
+  batch_shape: tuple[int, ...]  # broadcast leading dims (grouped)
+  # Static parts of the pattern.
+  window: tuple[int, int] | None = None  # (left, right)
+  score_mod: Any = None
+  rule: Any = None  # a BlockMask (kinds None: tables to build)
+  causal: bool = False
+  leading: tuple[int, ...] = ()  # the caller's broadcast leading dims
+  # int32 [...] positions of query row 0 / key column 0 (Mask.q_offset,
+  # kv_offset), or None for the bottom-right alignment.
+  q_offset: jax.Array | None = None
+  kv_offset: jax.Array | None = None
+
+  @property
+  def positioned(self) -> bool:
+    return self.q_offset is not None
+
+
+_JAX_NN_LAYOUT = (
+    " The operands are read as [..., N, T, H] queries over [..., K, S, H] "
+    "keys/values; jax.nn's [B, T, N, H] layout converts with "
+    "jnp.swapaxes(x, 1, 2) (or call aj.dot_product_attention, which takes "
+    "it as it is).")
+
+
+
+
+def _arrays(query, key, value):
+  """Query, key and value as float arrays of rank >= 2 whose head dims
+  (H) and lengths (S) agree."""
+  arrays = []
+  for name, x, layout in (("query", query, "[..., T, H]"),
+                          ("key", key, "[..., S, H]"),
+                          ("value", value, "[..., S, Hv]")):
+    if x is None:
+      raise TypeError(f"{name} is None: pass a float array {layout}.")
+    x = np.asarray(x) if isinstance(x, (list, tuple)) else x
+    checks.check_float_array(name, x)
+    if np.ndim(x) < 2:
+      raise ValueError(f"{name} must have rank >= 2 ({layout}), got shape "
+                       f"{np.shape(x)}.")
+    arrays.append(x)
+  q_shape, k_shape, v_shape = map(np.shape, arrays)
+  if q_shape[-1] != k_shape[-1]:
+    raise ValueError(
+        f"query and key must have the same head dim H (last axis): query "
+        f"{q_shape}, key {k_shape}."
+        + (_JAX_NN_LAYOUT if len(q_shape) == 4 else ""))
+  if k_shape[-2] != v_shape[-2]:
+    raise ValueError(
+        f"key and value must have the same length S (axis -2): key "
+        f"{k_shape}, value {v_shape}.")
+  return arrays
+
+
+def _leading(shapes, groups) -> dict[str, tuple[int, ...]]:
+  """Each operand's leading dims, key/value heads K read as the N query
+  heads they serve (so they broadcast against the query's)."""
+  leading = {}
+  for name, shape in zip(("query", "key", "value"), shapes):
+    if (name != "query" and groups is not None and len(shape) >= 3
+        and shape[-3] == groups.num_kv_heads):
+      shape = shape[:-3] + (groups.num_heads,) + shape[-2:]
+    leading[name] = tuple(shape[:-2])
+  return leading
+
+
+def _batch_shape(leading, q_shape, k_shape, groups) -> tuple[int, ...]:
+  """The broadcast of every operand's leading dims; a ValueError naming
+  each when they do not broadcast."""
+  try:
+    return tuple(jnp.broadcast_shapes(*leading.values()))
+  except ValueError:
+    pass
+  what = "leading (batch) dimensions of the attention operands"
+  if len(q_shape) == 4 and len(k_shape) == 4 and groups is None:
+    what += (" (4-D operands are [B, N, T, H] queries over [B, K, S, H] "
+             "keys/values: K must be 1, N or a divisor of N. jax.nn's "
+             "[B, T, N, H] layout converts with jnp.swapaxes(x, 1, 2), or "
+             "call aj.dot_product_attention, which takes it as it is)")
+  listed = ", ".join(f"{k} {v}" for k, v in leading.items())
+  raise ValueError(f"{what} do not broadcast: {listed}.")
+
+
+# The mask's per-example fields: lengths, and positions (Mask.offsets).
+_PER_EXAMPLE = ("kv_lengths", "q_lengths", "q_offset", "kv_offset")
+
+
+def _per_example(m: mask_lib.Mask, t: int, s: int, leading_rank: int,
+                 batch_shape, leading):
+  """The mask's lengths and positions (None where unset), aligned to the
+  left of the leading dims, int32, one axis per leading dim (or a scalar),
+  lengths within ``[0, T]`` / ``[0, S]`` when concrete; their shapes join
+  ``leading``."""
+  q_offset, kv_offset = m.offsets(t, s) if m.positioned else (None, None)
+  given = (m.kv_lengths, m.q_lengths, q_offset, kv_offset)
+  out = dict.fromkeys(_PER_EXAMPLE)
+  for name, x, upper in zip(_PER_EXAMPLE, given, (s, t, None, None)):
+    if x is None:
+      continue
+    x = _left_aligned(f"Mask's {name}", x, 0, leading_rank,
+                      "a scalar or [B]")
+    what = f"the mask's {name}"
+    lengths = jnp.asarray(x, jnp.int32)  # (Mask checked: integers)
+    # One axis per leading dim (or a scalar): a [B] array against [B, N]
+    # leading dims would otherwise be read as per-head values when B == N.
+    if lengths.ndim not in (0, len(batch_shape)):
+      raise ValueError(
+          f"{what} with shape {lengths.shape} does not fit the leading dims "
+          f"{batch_shape}: it is a scalar, [B] per example (aligned to the "
+          f"left of the leading dims) or [B, N] per head.")
+    if upper is not None:  # positions may be any integer
+      checks.check_concrete_range(what, x, upper)
+    leading[what] = lengths.shape
+    out[name] = lengths
+  return out
+
+
+def _segment_pair(m: mask_lib.Mask, t: int, s: int, leading_rank: int,
+                  leading):
+  """The mask's segment ids as int32 ``[..., T]`` / ``[..., S]`` (None
+  without); their leading shapes join ``leading``."""
+  q_ids, kv_ids = m.q_segment_ids, m.kv_segment_ids
+  if (q_ids is None) != (kv_ids is None):
+    raise ValueError("segment ids come in pairs: pass q_segment_ids with "
+                     "kv_segment_ids (or q_segment_ids alone for packed "
+                     "self-attention).")
+  pair = []
+  for name, ids, size, letter in (("q_segment_ids", q_ids, t, "T"),
+                                  ("kv_segment_ids", kv_ids, s, "S")):
+    if np.ndim(ids) > 1:
+      ids = _left_aligned(f"Mask's {name}", ids, 1, leading_rank,
+                          f"[{letter}] or [B, {letter}]")
+    ids = _segment_ids(f"the mask's {name}", ids, size, letter,
+                       leading_rank)
+    leading[f"the mask's {name}"] = ids.shape[:-1]
+    pair.append(ids)
+  return tuple(pair)
+
+
+def _segment_ids(name, ids, size, letter, leading_rank):
+  """Ids ``[size]`` or ``[..., size]`` with one axis per leading dim, int32
+  (``Mask`` checked that they are integers)."""
+  shape = checks.shape_of(ids)
+  if len(shape) not in (1, leading_rank + 1) or shape[-1] != size:
+    raise ValueError(
+        f"{name} with shape {shape} must be [{letter}] = [{size}] (shared) "
+        f"or [B, {letter}] (per example; [B, N, {letter}] per head), "
+        f"aligned to the left of the operands' leading dims.")
+  return jnp.asarray(ids, jnp.int32)
+
+
+def _logits_shape(leading, t: int, s: int) -> tuple[int, ...]:
+  """The logits' shape ``[..., T, S]`` for messages (leading dims as given
+  when they do not broadcast; the broadcast check reports that)."""
+  try:
+    lead = tuple(jnp.broadcast_shapes(*leading.values()))
+  except ValueError:
+    lead = max(leading.values(), key=len)
+  return lead + (t, s)
+
+
+def _check_pair_axes(name, shape, t, s, q_shape, k_shape) -> None:
+  """The last two axes fit ``[T, S]``; says so when jax.nn's layout would."""
+  try:
+    checks.check_broadcastable_to(name, shape[-2:], (t, s), "[T, S]", shape)
+  except ValueError as e:
+    hint = ""
+    if len(q_shape) == 4 and len(k_shape) == 4:
+      swapped = (q_shape[1], k_shape[1])  # T, S if read as [B, T, N, H]
+      if all(m in (1, w) for m, w in zip(shape[-2:], swapped)):
+        hint = (" It would fit if the operands were jax.nn's [B, T, N, H] "
+                "layout." + _JAX_NN_LAYOUT)
+    raise ValueError(str(e) + hint) from None
+
+
+def _left_aligned(name: str, x, core: int, leading_rank: int, layout: str):
+  """``x`` (``[...lead, *core]``) with size-1 axes appended to its leading
+  axes up to ``leading_rank``: per-example arrays align to the left."""
+  if x is None:
+    return None
+  shape = checks.shape_of(x)
+  lead = len(shape) - core
+  if lead > leading_rank:
+    raise ValueError(
+        f"{name} with shape {shape} has {lead} leading axes, but the "
+        f"operands have {leading_rank} leading dims: it must be {layout}, "
+        f"aligned to the left of the leading dims (e.g. [B] lengths or "
+        f"[B, T] segment ids for [B, N, T, H] operands).")
+  shape = shape[:lead] + (1,) * (leading_rank - lead) + shape[lead:]
+  try:  # concrete values stay NumPy (their range is checked at trace time)
+    return np.asarray(x).reshape(shape)
+  except jax.errors.TracerArrayConversionError:
+    return jnp.reshape(x, shape)
+
+
+def _pair_operand(name, x, logits, t, s, q_shape, k_shape, leading):
+  """A dense mask (bool or integer, as ``Mask`` checked: bool back) or a
+  bias (float) of the logits' full rank whose last two axes fit ``[T,
+  S]``; its leading shape joins ``leading``."""
+  if name == "bias":
+    checks.check_float_array(name, x)
+  checks.check_logits_rank(name, tuple(np.shape(x)), logits)
+  x = checks.as_bool_mask(x) if name == "mask" else jnp.asarray(x)
+  _check_pair_axes(name, x.shape, t, s, q_shape, k_shape)
+  leading[name] = x.shape[:-2]
+  return x
+
+
+def _normalised_rule(rule, query, key, value, q_shape, t: int, s: int,
+                     leading):
+  """A rule as a ``BlockMask`` (tables as given, or ``kinds`` None: the
+  kernel builds them at its block sizes), checked at the call's indices;
+  tables' batch shape joins ``leading``."""
+  if isinstance(rule, mask_lib.Union):
+    # Each member is held to what it would be held to alone (its arrays are
+    # read elementwise, where a misfit would clamp instead of raising).
+    for member in rule.members():
+      attention_operands(query, key, value, member)
+  examples = getattr(mask_lib.rule_function(rule), "examples", None)
+  if examples is not None:
+    lead = q_shape[:-2]
+    batch = lead[-2] if len(lead) > 1 else (lead[0] if lead else None)
+    if batch != examples:
+      raise ValueError(
+          f"the mask's rule holds one rule per example ({examples} examples, "
+          f"e.g. per-example prefix lengths [{examples}]), but the operands "
+          f"{q_shape} have batch {batch}: give the rule one entry per "
+          "example of this batch.")
+  if not isinstance(rule, mask_lib.BlockMask):
+    fn = rule.bound(t, s) if isinstance(rule, mask_lib.Union) else rule
+    rule = mask_lib.BlockMask(fn, t, s, None, None, None, None, None, None,
+                              None)
+  check_rule(rule.mask_fn, q_shape[:-2], t, s)
+  if rule.shape != (t, s):
+    raise ValueError(
+        f"mask is a BlockMask built for [T, S] = {list(rule.shape)}, "
+        f"but its rule indices here run over T = {t}, S = {s}: build it "
+        f"with block_mask(mask_fn, {t}, {s}, ...).")
+  batch = rule.batch_shape
+  if batch and len(batch) != len(q_shape) - 2:
+    raise ValueError(
+        f"mask is a BlockMask with tables for batch={batch}, but the "
+        f"operands have {len(q_shape) - 2} leading dims {q_shape[:-2]}: "
+        f"build it with one batch entry per leading dim (size 1 to "
+        f"broadcast), e.g. batch=(B, 1) for [B, N, T, H].")
+  if batch:
+    leading["mask"] = batch
+  _check_rule_covered(rule, q_shape[:-2], s)
+  return rule
+
+
+def attention_operands(query, key, value, mask=None, bias=None, *,
+                       sinks=None, score_mod=None,
+                       head_index: bool = False) -> Operands:
+  """Checks the operands of an attention call and normalises them.
+
+  ``mask`` is a ``Mask`` or None (the public functions convert what they
+  accept, once, with ``mask.as_mask``). The checks are stated in the
+  caller's terms (query heads N against key/value heads K); the operands
+  come back with the head axis split when ``K`` divides ``N``
+  (``split_groups``), ready for ``lift_heads``. A rule becomes a
+  ``BlockMask`` with tables as given, or one without tables (``kinds is
+  None``) whose tables the kernel builds at its own block sizes.
+  ``head_index``: give every head its ``(b, h)`` even without a score
+  modifier or rule (dropout draws its mask from them).
+  """
+  m = mask_lib.Mask() if mask is None else mask
+  query, key, value = _arrays(query, key, value)
+  shapes = q_shape, k_shape, _ = tuple(map(np.shape, (query, key, value)))
+  t, s = q_shape[-2], k_shape[-2]
+  groups = find_groups(q_shape, k_shape)
+  leading = _leading(shapes, groups)
+  leading_rank = max(map(len, shapes)) - 2
+  rule = m.rule if m.rule is None else _normalised_rule(
+      m.rule, query, key, value, q_shape, t, s, leading)
+  dense = None
+  if m.dense is not None or bias is not None:
+    logits = _logits_shape(leading, t, s)
+    if m.dense is not None:
+      dense = _pair_operand("mask", m.dense, logits, t, s, q_shape, k_shape,
+                            leading)
+    if bias is not None:
+      bias = _pair_operand("bias", bias, logits, t, s, q_shape, k_shape,
+                           leading)
+  if score_mod is not None:
+    checks.check_score_mod(score_mod, t, s, checks.compute_dtype(query, key))
+  batch_shape = _batch_shape(leading, q_shape, k_shape, groups)
+  fields = dict.fromkeys(_PER_EXAMPLE)
+  if m.kv_lengths is not None or m.q_lengths is not None or m.positioned:
+    fields = _per_example(m, t, s, leading_rank, batch_shape, leading)
+  q_ids = kv_ids = None
+  if m.q_segment_ids is not None or m.kv_segment_ids is not None:
+    q_ids, kv_ids = _segment_pair(m, t, s, leading_rank, leading)
+  if sinks is not None:
+    checks.check_float_array("sinks", sinks)
+    sinks = jnp.asarray(sinks)
+    checks.check_broadcastable_to("sinks", sinks.shape, batch_shape,
+                                  "the leading dims (e.g. [B, N] or [N])")
+  # Again, now with the per-example fields among the leading dims (a
+  # length for another batch does not broadcast).
+  caller_leading = _batch_shape(leading, q_shape, k_shape, groups)
+  return _grouped(Operands(
+      query, key, value, dense, bias, fields["kv_lengths"],
+      fields["q_lengths"], q_ids, kv_ids, sinks, None, groups,
+      caller_leading, m.window, score_mod, rule, bool(m.causal),
+      caller_leading, fields["q_offset"], fields["kv_offset"]),
+                  head_index or score_mod is not None or rule is not None)
+
+
+def _grouped(ops: Operands, head_index: bool) -> Operands:
+  """``ops`` with every head axis split by its ``groups`` (``[..., K, G,
+  ...]``) and, when asked, each head's ``(b, h)``."""
+  groups, split = ops.groups, split_groups
+  index = _head_index(ops.leading, groups) if head_index else None
+  rule = ops.rule
+  if rule is not None and rule.batch_shape:
+    rule = rule.with_tables(split(jnp.asarray(x), groups, -3)
+                            for x in rule.tables)
+  if groups is None:  # nothing to split: the arrays as they are
+    key, value = ops.key, ops.value  # (a paged call's stand as shapes)
+    if not isinstance(key, jax.ShapeDtypeStruct):
+      key, value = jnp.asarray(key), jnp.asarray(value)
+    return ops._replace(query=jnp.asarray(ops.query), key=key, value=value,
+                        head_index=index, rule=rule)
+  batch_shape = ops.leading[:-1] + (groups.num_kv_heads,
+                                    groups.num_heads // groups.num_kv_heads)
+  return ops._replace(
+      query=split(jnp.asarray(ops.query), groups, -3),
+      key=_split_heads(ops.key, groups),
+      value=_split_heads(ops.value, groups),
+      dense=split(ops.dense, groups, -3), bias=split(ops.bias, groups, -3),
+      kv_lengths=split(ops.kv_lengths, groups, -1),
+      q_lengths=split(ops.q_lengths, groups, -1),
+      q_segment_ids=split(ops.q_segment_ids, groups, -2),
+      kv_segment_ids=split(ops.kv_segment_ids, groups, -2),
+      sinks=split(ops.sinks, groups, -1),
+      head_index=index, batch_shape=batch_shape, rule=rule,
+      q_offset=split(ops.q_offset, groups, -1),
+      kv_offset=split(ops.kv_offset, groups, -1))
+
+
+def _split_heads(x, groups):
+  """``split_groups`` of a key or value, or of the ``ShapeDtypeStruct``
+  a paged call's pages stand for."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    shape = x.shape[:-3] + (groups.num_kv_heads, 1) + x.shape[-2:]
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return split_groups(jnp.asarray(x), groups, -3)
+
+
+def paged_operands(query, key_pages, value_pages, table, mask,
+                   key_scales=None, value_scales=None):
+  """Checks a paged call; the logical keys and values the pages stand for.
+
+  ``query [B, N, T, H]`` against ``key_pages [P, K, Z, H]``,
+  ``value_pages [P, K, Z, Hv]`` and ``table`` int ``[B, M]``; the mask
+  must give ``kv_lengths`` (each example's length: what lies past it in
+  its pages is not its own). Returns ``ShapeDtypeStruct``s ``[B, K, M * Z,
+  H]`` and ``[B, K, M * Z, Hv]`` for ``attention_operands`` to check like
+  keys and values (nothing of that size is built). Quantised pages (int8,
+  float8_e4m3fn) come with float32 scales ``[P, K, Z]`` and stand for
+  float32 keys and values.
+  """
+  checks.check_float_array("query", query)
+  q_shape, k_shape, v_shape = map(checks.shape_of,
+                                  (query, key_pages, value_pages))
+  dtypes = []
+  for name, x, scales in (("key_pages", key_pages, key_scales),
+                          ("value_pages", value_pages, value_scales)):
+    if scales is None:
+      checks.check_float_array(name, x)
+      dtypes.append(jnp.result_type(x))
+      continue
+    stored = jnp.result_type(x)
+    if stored not in (jnp.int8, jnp.float8_e4m3fn):
+      raise TypeError(f"{name} with scales must be int8 or float8_e4m3fn "
+                      f"(quantised pages), got {stored}.")
+    checks.check_float_array(f"{name}' scales", scales)
+    if checks.shape_of(scales) != checks.shape_of(x)[:3]:
+      raise ValueError(f"{name}' scales must be [P, K, Z] = "
+                       f"{list(checks.shape_of(x)[:3])}, got "
+                       f"{checks.shape_of(scales)}.")
+    dtypes.append(jnp.dtype(jnp.float32))
+  if len(q_shape) != 4:
+    raise ValueError(f"a paged call takes query [B, N, T, H], got "
+                     f"{q_shape}.")
+  if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[:3] != v_shape[:3]:
+    raise ValueError(
+        f"key_pages and value_pages must be [P, K, Z, H] and [P, K, Z, Hv] "
+        f"with the same P, K, Z, got {k_shape} and {v_shape}.")
+  if not jnp.issubdtype(jnp.result_type(table), jnp.integer):
+    raise TypeError(f"the page table must be integer [B, M], got "
+                    f"{jnp.result_type(table)}.")
+  t_shape = checks.shape_of(table)
+  if len(t_shape) != 2 or t_shape[0] != q_shape[0]:
+    raise ValueError(
+        f"the page table must be [B, M] with the query's B = {q_shape[0]}, "
+        f"got {t_shape}.")
+  if mask is None or mask.kv_lengths is None:
+    raise ValueError(
+        "a paged call needs the mask's kv_lengths (each example's length; "
+        "its pages hold nothing of its own past it): "
+        "aj.paged_attention gives the cache's lengths.")
+  b, m = t_shape
+  k, z = k_shape[1], k_shape[2]
+  return (jax.ShapeDtypeStruct((b, k, m * z, k_shape[3]), dtypes[0]),
+          jax.ShapeDtypeStruct((b, k, m * z, v_shape[3]), dtypes[1]))
+
+
+def check_rule(mask_fn, leading, t: int, s: int) -> None:
+  """A mask rule returns booleans (True = may attend), whatever kernel
+  runs it; checked abstractly at the call's indices."""
+  b, h = intervals.rule_indices(tuple(leading), jnp)
+  lead = (1,) * len(leading)
+  q_idx = jax.ShapeDtypeStruct(lead + (t, 1), jnp.int32)
+  kv_idx = jax.ShapeDtypeStruct(lead + (1, s), jnp.int32)
+  out = jax.eval_shape(mask_fn, b, h, q_idx, kv_idx)
+  dtype = getattr(out, "dtype", None)
+  if dtype != jnp.bool_:
+    shape = tuple(getattr(out, "shape", ()))
+    raise TypeError(
+        f"the mask's rule must return a bool array (True = may attend), got "
+        f"dtype {dtype} with shape {shape} for q_idx [{t}, 1], kv_idx [1, "
+        f"{s}]: return a comparison, e.g. kv_idx <= q_idx, or (x != 0) for "
+        "a number x. Every kernel refuses a rule that returns numbers.")
+
+
+def rule_batch(mask_fn, leading, s: int) -> tuple[int, ...]:
+  """The leading dims a rule depends on: ``leading`` with 1 where it does
+  not (``()`` when it depends on none); read from the rule's output shape
+  over the operands' indices (abstract: nothing is computed)."""
+  if not leading:
+    return ()
+  lead = (1,) * len(leading)
+  b, h = intervals.rule_indices(tuple(leading), jnp)
+  q_idx = jnp.zeros(lead + (1, 1), jnp.int32)
+  kv_idx = jnp.zeros(lead + (1, s), jnp.int32)
+  out = jax.eval_shape(mask_fn, b, h, q_idx, kv_idx).shape
+  out = (1,) * (len(leading) + 2 - len(out)) + tuple(out)
+  batch = tuple(size if dep > 1 else 1
+                for size, dep in zip(leading, out[:-2]))
+  return batch if any(n > 1 for n in batch) else ()
+
+
+def _check_rule_covered(block_mask, leading, s: int) -> None:
+  """Refuses block tables that a rule's use of ``b``/``h`` outruns.
+
+  Tables built for fewer (b, h) than the rule distinguishes would be
+  trusted for every head (full blocks skip the rule, empty ones are never
+  visited): a silent wrong answer.
+  """
+  if not leading or block_mask.kinds is None:  # tables built by the kernel
+    return
+  needed = rule_batch(block_mask.mask_fn, leading, s)
+  tables = block_mask.batch_shape or (1,) * len(leading)
+  for axis, (size, covered) in enumerate(zip(needed, tables)):
+    if size > 1 and covered == 1:
+      raise ValueError(
+          f"mask's rule depends on leading axis {axis} (size {size} of the "
+          f"operands' {tuple(leading)}: "
+          f"{'b' if axis == len(leading) - 2 or len(leading) == 1 else 'h'}"
+          f"), but its BlockMask was built with batch="
+          f"{block_mask.batch_shape}, so its block tables would be trusted "
+          f"for every index: build it with batch={tuple(leading)} (or 1 "
+          "where the rule does not depend on the axis).")
+
+
+def _head_index(batch_shape, groups):
+  """``(b, h)``: int32 indices over the leading dims, for ``score_mod``.
+
+  ``h`` runs over the last leading axis (the query heads of ``[B, N, T,
+  H]``), ``b`` over the one before (the batch); with one leading axis that
+  axis is ``b`` and ``h`` is 0; with none both are 0. Shaped to broadcast
+  against the leading dims, and split like the heads when they are grouped
+  (query head ``n`` keeps its own ``h``).
+  """
+  zero = jnp.zeros((), jnp.int32)
+  if not batch_shape:
+    return zero, zero
+  if len(batch_shape) == 1:
+    return jnp.arange(batch_shape[0], dtype=jnp.int32), zero
+  b = jnp.arange(batch_shape[-2], dtype=jnp.int32)[:, None]  # [B, 1]
+  h = jnp.arange(batch_shape[-1], dtype=jnp.int32)[None, :]  # [1, N]
+  return split_groups(b, groups, -1), split_groups(h, groups, -1)
+
 
 
 class Pages(NamedTuple):
@@ -87,56 +848,9 @@ class Pages(NamedTuple):
     return self.key_pages.shape[2]
 
 
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class Partition:
-  """How a call's leading dims are split over mesh axes (static, hashable).
-
-  ``batch``: the mesh axes the batch ``B`` is split over (of ``[B, N, T,
-  H]`` operands the axis before the heads; of ``[B, T, H]`` the one
-  leading axis); ``heads``: those the heads are split over (``N``, and
-  ``K`` for grouped keys and values: after grouping, ``K``). A name or a
-  tuple of names each, ``()``/None for none. A kernel XLA cannot partition
-  (``Kernel.partitionable`` False: a Pallas call) then runs per shard
-  inside ``jax.shard_map`` over these axes (``kernels.per_shard``); the
-  others are left to XLA's partitioner, which splits them by itself.
-
-  Example:
-    >>> Partition(batch="data", heads="model")
-    Partition(batch=('data',), heads=('model',))
-  """
-  batch: tuple[str, ...] = ()
-  heads: tuple[str, ...] = ()
-
-  def __post_init__(self):
-    for name in ("batch", "heads"):
-      value = getattr(self, name)
-      value = () if value is None else (
-          (value,) if isinstance(value, str) else value)
-      if not isinstance(value, (tuple, list)) or not all(
-          isinstance(a, str) and a for a in value):
-        raise TypeError(
-            f"Partition's {name} must be a mesh axis name or a tuple of "
-            f"them (None for none), got {getattr(self, name)!r}.")
-      object.__setattr__(self, name, tuple(value))
-    twice = sorted({a for a in self.axes if self.axes.count(a) > 1})
-    if twice:
-      raise ValueError(
-          f"Partition uses mesh axis {twice} more than once (batch="
-          f"{self.batch}, heads={self.heads}): a mesh axis splits one "
-          "dimension.")
-
-  @property
-  def axes(self) -> tuple[str, ...]:
-    return self.batch + self.heads
-
-  def __bool__(self) -> bool:
-    return bool(self.axes)
-
-
 class Problem(NamedTuple):
   """One attention call, validated."""
-  ops: operands.Operands  # operands, heads grouped, the mask's fields
+  ops: Operands  # operands, heads grouped, the mask's fields
   scale: Any  # float, or a scalar array
   out_dtype: Any
   dropout_rate: Any = 0.0
@@ -174,7 +888,7 @@ class Problem(NamedTuple):
         continue
       value = getattr(self, name)
       if name == "dropout_rate":
-        if self.dropout_on:
+        if self.dropout_rng is not None:  # (canonicalize: rate 0, no key)
           found.add(name)
       elif value is not default and (isinstance(value, tuple)
                                      or value != default):
@@ -183,13 +897,9 @@ class Problem(NamedTuple):
 
   @property
   def dropout_on(self) -> bool:
-    return not (isinstance(self.dropout_rate, (int, float))
-                and self.dropout_rate == 0.0)
-
-  @property
-  def scores(self) -> int:
-    """``T * S``, the scores of one head."""
-    return self.ops.query.shape[-2] * self.ops.key.shape[-2]
+    """Whether entries are dropped: ``canonicalize`` keeps a key only
+    with a rate that may be positive (a Python 0.0 drops the key)."""
+    return self.dropout_rng is not None
 
 
 # The call's operands besides q, k, v that are features (Problem.features);
@@ -255,7 +965,7 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   ``mask`` is a ``Mask`` or None (``mask.as_mask`` converts the other
   accepted values); ``scale`` None means ``1 / sqrt(H)``. With ``pages``
   (a paged cache) ``key`` and ``value`` are None: the pages stand for
-  them (``operands.paged_operands``). ``partition`` (a ``Partition`` or
+  them (``paged_operands``). ``partition`` (a ``Partition`` or
   None) is checked against the ambient mesh and the operands
   (``check_partition``).
   """
@@ -274,99 +984,32 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
     if key is not None or value is not None:
       raise TypeError("a paged call reads its keys and values from the "
                       "pages: pass key=None and value=None with pages=.")
-    key, value = operands.paged_operands(
+    key, value = paged_operands(
         query, pages.key_pages, pages.value_pages, pages.table, mask,
         pages.key_scales, pages.value_scales)
   checks.check_dropout(dropout_rate, dropout_rng)
+  if isinstance(dropout_rate, (int, float, np.number)) and not dropout_rate:
+    dropout_rate, dropout_rng = 0.0, None  # off: one way to say it
   # Dropout draws each entry's bit from its head's (b, h): core/dropout.py.
-  ops = operands.attention_operands(query, key, value, mask,
+  ops = attention_operands(query, key, value, mask,
                                   bias, sinks=sinks, score_mod=score_mod,
                                   head_index=dropout_rng is not None)
   if scale is None:
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
+  elif not isinstance(scale, (int, float)):
+    checks.check_call_scale(scale)
+    with contextlib.suppress(jax.errors.ConcretizationTypeError):
+      scale = float(scale)  # a concrete array: a constant; traced: kept
   else:
     checks.check_call_scale(scale)
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
   if pages is not None:
     pages = Pages(*(None if x is None else jnp.asarray(x) for x in pages))
   if partition is not None:
-    partition = check_partition(partition, ops)
+    partition = partition_lib.check_partition(partition, ops)
   return Problem(ops, scale, out_dtype, dropout_rate, dropout_rng,
                  bool(return_weights), bool(return_lse),
                  bool(return_max_logits), mask, pages, partition)
-
-
-def split_dims(ops: operands.Operands) -> tuple[int | None, int | None]:
-  """``(batch, heads)``: the positions of ``B`` and ``N`` among the
-  caller's leading dims (``ops.leading``), as ``score_mod``'s ``(b, h)``
-  count them: the last two of ``[..., B, N]``, the only one of ``[B]``
-  (no heads), none without leading dims."""
-  rank = len(ops.leading)
-  if rank == 0:
-    return None, None
-  if rank == 1:
-    return 0, None
-  return rank - 2, rank - 1
-
-
-def check_partition(partition, ops: operands.Operands) -> Partition | None:
-  """``partition`` checked against the ambient mesh and the operands:
-  the ``Partition`` (None when it splits nothing).
-
-  Every axis must be in the mesh (``jax.set_mesh``) and not manual (inside
-  a ``jax.shard_map`` over it the operands are already one device's
-  shard: refused, as splitting them again would be wrong); the product of
-  the batch axes' sizes must divide ``B``, that of the heads axes ``N``
-  and ``K``.
-  """
-  if partition is None:
-    return None
-  if not isinstance(partition, Partition):
-    raise TypeError(
-        f"partition must be an aj.kernels.Partition (e.g. Partition(batch="
-        f"'data', heads='model')) or None, got {partition!r}.")
-  if not partition:
-    return None
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    raise ValueError(
-        f"{partition} names mesh axes, but no mesh is set: call inside "
-        "`with jax.set_mesh(mesh):` (or pass partition=None).")
-  for axis in partition.axes:
-    if axis not in mesh.axis_names:
-      raise ValueError(
-          f"{partition} names mesh axis {axis!r}, which the mesh does not "
-          f"have (its axes: {tuple(mesh.axis_names)}).")
-    kind = mesh.axis_types[mesh.axis_names.index(axis)]
-    if kind == jax.sharding.AxisType.Manual:
-      raise ValueError(
-          f"{partition} names mesh axis {axis!r}, which is manual here "
-          "(inside a jax.shard_map over it): the operands are already one "
-          "device's shard along it; leave it out of the partition.")
-  batch_dim, head_dim = split_dims(ops)
-  lead = ops.leading
-  for what, axes, dim in (("batch", partition.batch, batch_dim),
-                          ("heads", partition.heads, head_dim)):
-    if not axes:
-      continue
-    if dim is None:
-      layout = ("[B, N, T, H] operands (4-D: the heads are axis 1)"
-                if what == "heads" else "operands with a batch axis")
-      raise ValueError(
-          f"{partition} splits the {what} over {axes}, but the operands' "
-          f"leading dims are {lead}: it needs {layout}.")
-    size = math.prod(mesh.shape[a] for a in axes)
-    counts = {"B": lead[dim]} if what == "batch" else {"N": lead[dim]}
-    if what == "heads" and ops.groups is not None:
-      counts["K"] = ops.groups.num_kv_heads
-    for letter, n in counts.items():
-      if n % size:
-        raise ValueError(
-            f"{partition} splits the {what} over mesh axes {axes} of size "
-            f"{size}, which does not divide {letter} = {n} (leading dims "
-            f"{lead}): each device must hold whole {what}; use axes whose "
-            f"sizes divide {letter}, or leave the {what} unsplit.")
-  return partition
 
 
 def refusal(kernel: Kernel, problem: Problem) -> str | None:
@@ -393,9 +1036,28 @@ def undeclared(kernel: Kernel, problem: Problem) -> str | None:
   missing = problem.features - kernel.implements
   if not missing:
     return None
-  listed = ", ".join(sorted(missing))
-  return (f"it does not implement {listed} (not in {type(kernel).__name__}"
-          f".implements); a kernel runs only what it declares")
+  # The common ones say what to use instead; the rest are named.
+  reasons = [_HINTS[name] for name in sorted(missing) if name in _HINTS]
+  unhinted = sorted(missing - _HINTS.keys())
+  if unhinted:
+    reasons.append(
+        f"it does not implement {', '.join(unhinted)} (not in "
+        f"{type(kernel).__name__}.implements); a kernel runs only what it "
+        "declares")
+  return "; ".join(reasons)
+
+
+# What to do instead, for the features a call asks for most often of a
+# kernel that does not have them.
+_HINTS = {
+    "return_weights": ("it never forms the attention weights (use "
+                       "implementation='dense' or None with "
+                       "return_weights=True)"),
+    "dropout_rate": "it has no dropout (use 'flash', 'dense' or "
+                    "dropout_rate=0)",
+    "return_max_logits": ("it does not return max logits (use 'dense', "
+                          "'flash' or ring attention)"),
+}
 
 
 def by_name(name: str, registry: Sequence[Kernel]) -> Kernel:
@@ -492,11 +1154,12 @@ def asked_result(kernel: Kernel, problem: Problem, result) -> Result:
 
 
 def scale_in_query(problem: Problem) -> Problem:
-  """``problem`` with a float scale: a concrete scalar array read as one,
-  a traced one (a learned scale under ``jit``) folded into the queries
-  (``scale * q . k == (scale * q) . k``; scale 1.0), so the blockwise
-  kernels, which compile the scale in as a constant, run it too and its
-  gradient flows through the product, outside their custom VJPs."""
+  """``problem`` with a float scale: a traced one (a learned scale under
+  ``jit``; ``canonicalize`` made every other one a float) folded into the
+  queries (``scale * q . k == (scale * q) . k``; scale 1.0), so the
+  blockwise kernels, which compile the scale in as a constant, run it too
+  and its gradient flows through the product, outside their custom VJPs.
+  A kernel calls it when ``problem.scale`` is not a float."""
   scale = problem.scale
   if isinstance(scale, (int, float)):
     return problem
@@ -510,9 +1173,10 @@ def scale_in_query(problem: Problem) -> Problem:
 
 def too_small(problem: Problem) -> str | None:
   """Why the automatic choice leaves a small problem to the dense kernel."""
-  if problem.scores < MIN_SCORES:
-    return (f"T * S = {problem.scores} is below {MIN_SCORES}, where the "
-            "dense kernel is as fast")
+  scores = problem.ops.query.shape[-2] * problem.ops.key.shape[-2]  # T * S
+  if scores < MIN_SCORES:
+    return (f"T * S = {scores} is below {MIN_SCORES}, where the dense "
+            "kernel is as fast")
   return None
 
 

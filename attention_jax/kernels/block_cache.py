@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
-from attention_jax.kernels import operands
 
 ENV = "AJ_AUTOTUNE_CACHE"
 FILE_NAME = "flash_blocks.json"
@@ -133,7 +133,7 @@ def fingerprint(backend: str | None = None) -> dict[str, str]:
   return dict(_machine(backend or jax.default_backend()))
 
 
-def signature(ops: operands.Operands) -> dict[str, Any]:
+def signature(ops: base.Operands) -> dict[str, Any]:
   """What of one call decides its best blocks (``ops``: ``Problem.ops``).
 
   Lengths, head dims and dtype set each block's work. The leading dims

@@ -40,12 +40,12 @@ Where jax.nn's semantics differ from ours (read from jax 0.10's
   value would reach every row (``0 * NaN`` is NaN) and what it does with one
   is the kernel's. Ours reaches only the rows that may see it, by
   construction rather than by trusting the kernel: q, k and v are
-  ``numerics.sanitize``'d before the call (cuDNN only ever sees finite
+  ``checks.sanitize``'d before the call (cuDNN only ever sees finite
   numbers), and when any entry was not finite (one ``lax.cond``: nothing is
   spent otherwise) each row's code is worked out in plain JAX from our own
-  pattern (band, mask, finite bias, lengths; ``numerics.seen_codes_by_rows``)
+  pattern (band, mask, finite bias, lengths; ``checks.seen_codes_by_rows``)
   and the rows that may see a bad key, value or query are set to NaN
-  (``numerics.poison``), passing no gradient.
+  (``checks.poison``), passing no gradient.
 """
 
 from __future__ import annotations
@@ -55,11 +55,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
 from attention_jax.core import checks
-from attention_jax.core import numerics
 from attention_jax.kernels import base
-from attention_jax.kernels import operands
 from attention_jax.masking import intervals
 
 # Parts of a problem jax.nn.dot_product_attention has no counterpart for.
@@ -111,17 +108,17 @@ class Cudnn(base.Kernel):
     return base.Result(out)
 
 
-def _offset(ops: operands.Operands):
+def _offset(ops: base.Operands):
   """The mask's ``q_offset - kv_offset``, ``[B|1, N|1]`` (heads merged), or
-  None for the bottom-right alignment (as ``broadcast.Head.offsets``)."""
+  None for the bottom-right alignment (as ``base.Head.offsets``)."""
   if not ops.positioned:
     return None
-  return broadcast.merge_groups(ops.q_offset - ops.kv_offset, ops.groups, -1)
+  return base.merge_groups(ops.q_offset - ops.kv_offset, ops.groups, -1)
 
 
-def _caller(ops: operands.Operands):
+def _caller(ops: base.Operands):
   """The operands with heads merged again (jax.nn groups heads itself)."""
-  g, merge = ops.groups, broadcast.merge_groups
+  g, merge = ops.groups, base.merge_groups
   return (merge(ops.query, g, -3), merge(ops.key, g, -3),
           merge(ops.value, g, -3), merge(ops.dense, g, -3),
           merge(ops.bias, g, -3), merge(ops.kv_lengths, g, -1),
@@ -270,8 +267,8 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
   batch, heads, t, _ = query.shape
   s = key.shape[-2]
   b = intervals.bounds(is_causal, window)
-  garbage = numerics.any_nonfinite(query, key, value)
-  query, key, value, q_code, kv_code = numerics.sanitize(query, key, value)
+  garbage = checks.any_nonfinite(query, key, value)
+  query, key, value, q_code, kv_code = checks.sanitize(query, key, value)
   kv_code = jnp.repeat(kv_code, heads // key.shape[1], axis=1)  # [B, N, S]
   offset = s - t if offset is None else offset
   given_mask = mask
@@ -312,7 +309,7 @@ def attention(query, key, value, mask, bias, lengths, q_lengths=None, *,
 
   code = jax.lax.cond(
       garbage,
-      lambda: numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
+      lambda: checks.seen_codes_by_rows(visible, q_code, kv_code, t),
       lambda: jnp.zeros(q_code.shape, jnp.float32))  # [B, N, T]
-  out, = numerics.poison(code, out)
+  out, = checks.poison(code, out)
   return out

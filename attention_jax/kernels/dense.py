@@ -5,11 +5,11 @@ head dim.
 
 ``Dense`` is the kernel (``kernels.base``); ``single_head`` its maths,
 written for one head and lifted over leading dims by
-``broadcast.lift_heads``. Logits, softmax and the weighted sum run in the
+``base.lift_heads``. Logits, softmax and the weighted sum run in the
 compute dtype (float32, float64 for float64 inputs); one path whether or not
 the weights are returned or dropout is on, so the numbers never change with
 those options. NaN or inf in a key, value or query reaches only the rows
-that may see it (``numerics.finite_values``/``codes``/``poison``; one
+that may see it (``checks.finite_values``/``codes``/``poison``; one
 query row, a decoding step, reads what it saw off its own logits and
 output instead, so that a step makes no extra pass over the cache). The
 only kernel with
@@ -26,9 +26,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
+from attention_jax.core import checks
 from attention_jax.core import dropout
-from attention_jax.core import numerics
 from attention_jax.core import softmax
 from attention_jax.kernels import base
 from attention_jax.masking import intervals
@@ -56,14 +55,14 @@ class Dense(base.Kernel):
           q, k, v, h, seed, scale=p.scale, is_causal=ops.causal,
           window=ops.window, score_mod=ops.score_mod,
           dropout_rate=p.dropout_rate, out_dtype=p.out_dtype,
-          compute_dtype=numerics.compute_dtype(p.out_dtype),
+          compute_dtype=checks.compute_dtype(p.out_dtype),
           want_lse=p.return_lse, want_max_logits=p.return_max_logits,
           garbage=garbage)
 
     # One predicate for the whole call (a scalar: unmapped by the heads'
     # vmap, so each head's cond stays a branch and not a select).
-    garbage = numerics.any_nonfinite(ops.query, ops.key, ops.value)
-    return broadcast.lift_heads(head, ops, (seed, garbage), (1, 0))
+    garbage = checks.any_nonfinite(ops.query, ops.key, ops.value)
+    return base.lift_heads(head, ops, (seed, garbage), (1, 0))
 
 
 def single_head(query, key, value, h, seed, *, scale, is_causal, window,
@@ -71,7 +70,7 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
                 want_max_logits=False, garbage=None):
   """One head: q ``[T, H]``, k ``[S, H]``, v ``[S, Hv]``.
 
-  ``h`` is the head's ``broadcast.Head`` (mask, bias, lengths, segment
+  ``h`` is the head's ``base.Head`` (mask, bias, lengths, segment
   ids, sink, the head's ``(b, h)`` for score_mod, block mask), ``seed``
   the call's dropout seed (``dropout.seed_words``) or None: the keep mask
   is drawn per entry from ``(seed, b, h, q_idx, kv_idx)``, as every kernel
@@ -99,9 +98,9 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
   q_bad = None
   if one_row:
     q_bad = ~jnp.all(jnp.isfinite(query))
-    query, = numerics.finite_values(query)
+    query, = checks.finite_values(query)
   else:
-    query, key, value = numerics.finite_values(query, key, value)
+    query, key, value = checks.finite_values(query, key, value)
   at = _Indices(h, t, s, intervals.bounds(is_causal, window))
   allowed = at.pattern(h)
   # Only a structural pattern blocks (iota comparisons, lengths, segments):
@@ -121,12 +120,12 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
   def codes():  # [T]: the largest code each row sees
     # The pattern is recomputed from its small operands here, so that the
     # branch takes no materialised [T, S] array.
-    return numerics.seen_codes(_and(at.pattern(h), finite, t, s),
-                               *numerics.codes(*given))
+    return checks.seen_codes(_and(at.pattern(h), finite, t, s),
+                               *checks.codes(*given))
 
   if one_row:
     if allowed is not None:  # values only where the row attends
-      value, = numerics.zero_unseen(allowed[0], value)
+      value, = checks.zero_unseen(allowed[0], value)
     code = None  # from the logits (here) and the output (below)
   else:
     code = codes() if garbage is None else jax.lax.cond(
@@ -147,7 +146,7 @@ def single_head(query, key, value, h, seed, *, scale, is_causal, window,
                    preferred_element_type=compute_dtype)  # [T, Hv]
   if one_row:  # a value it attends to that is not finite makes out so
     code = _one_row_code(out, allowed, bad_key, q_bad, s)
-  out, weights, lse, max_logits = numerics.poison(
+  out, weights, lse, max_logits = checks.poison(
       code, out.astype(out_dtype), weights, lse, max_logits)
   if want_max_logits:
     return out, weights, lse, max_logits
@@ -196,12 +195,12 @@ def _zero_unseen(query, key, value, h, at: _Indices, allowed, additive: bool,
   if allowed is not None and not (plain and _every_key_seen(bounds, t, s)):
     seen_keys = jnp.any(allowed, axis=0)  # [S]
     if one_row:
-      key, = numerics.zero_unseen(seen_keys, key)
+      key, = checks.zero_unseen(seen_keys, key)
     else:
-      key, value = numerics.zero_unseen(seen_keys, key, value)
+      key, value = checks.zero_unseen(seen_keys, key, value)
   if (additive and allowed is not None
       and not (plain and _every_row_sees(bounds, t, s))):
-    query, = numerics.zero_unseen(jnp.any(allowed, axis=1), query)
+    query, = checks.zero_unseen(jnp.any(allowed, axis=1), query)
   return query, key, value
 
 
@@ -244,7 +243,7 @@ def _weights(logits, allowed, h, additive: bool, want_lse: bool):
     weights = softmax.masked_softmax(logits, allowed)  # [T, S]
     lse = softmax.masked_logsumexp(logits, allowed) if want_lse else None
   if h.sink is not None:  # exp(sink) joins each row's denominator
-    weights, _, lse = numerics.with_sink(weights, lse, h.sink, h.q_lengths)
+    weights, _, lse = checks.with_sink(weights, lse, h.sink, h.q_lengths)
   return weights, lse
 
 
@@ -253,9 +252,9 @@ def _one_row_code(out, allowed, bad_key, q_bad, s: int):
   value that made its output non-finite."""
   sees = jnp.ones((1, s), bool) if allowed is None else allowed
   return jnp.where(jnp.any(sees & bad_key) | (q_bad & jnp.any(sees)),
-                   numerics.BAD_KEY, jnp.where(
-                       jnp.any(~jnp.isfinite(out)), numerics.BAD_VALUE,
-                       numerics.CLEAN)).astype(jnp.float32)[None]
+                   checks.BAD_KEY, jnp.where(
+                       jnp.any(~jnp.isfinite(out)), checks.BAD_VALUE,
+                       checks.CLEAN)).astype(jnp.float32)[None]
 
 
 def _only_bounds(h) -> bool:

@@ -30,13 +30,11 @@ import math
 
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
+from attention_jax.core import checks
 from attention_jax.core import dropout
-from attention_jax.core import numerics
 from attention_jax.kernels import base
 from attention_jax.kernels import block_cache
 from attention_jax.kernels import flash_core
-from attention_jax.kernels import operands
 from attention_jax.masking import block_tables as block_mask_lib
 
 
@@ -57,7 +55,8 @@ class Flash(base.Kernel):
     base.check_block_size("block_k", self.block_k)
 
   def supports(self, problem: base.Problem) -> str | None:
-    return (base.no_weights(problem) or base.float32_only(problem)
+    # (weights are not in `implements`: refused with the hint by name)
+    return (base.float32_only(problem)
             or (self._paged(problem) if problem.pages is not None else None))
 
   def _paged(self, problem: base.Problem) -> str | None:
@@ -83,7 +82,8 @@ class Flash(base.Kernel):
     return base.too_small(problem)
 
   def __call__(self, problem: base.Problem):
-    problem = base.scale_in_query(problem)  # a traced scale too
+    if not isinstance(problem.scale, float):  # traced: into the queries
+      problem = base.scale_in_query(problem)
     if problem.pages is not None:
       return self._paged_call(problem)
     ops = problem.ops
@@ -91,7 +91,8 @@ class Flash(base.Kernel):
     # defaults by pattern (block_cache.blocks).
     block_q, block_k, _ = block_cache.blocks(problem, self.block_q,
                                              self.block_k)
-    ops = with_rule_tables(ops, block_q, block_k)
+    if ops.rule is not None and ops.rule.kinds is None:
+      ops = with_rule_tables(ops, block_q, block_k)
     head = functools.partial(flash_core.single_head, scale=problem.scale,
                              is_causal=ops.causal, window=ops.window,
                              score_mod=ops.score_mod, block_q=block_q,
@@ -100,15 +101,17 @@ class Flash(base.Kernel):
                              out_dtype=problem.out_dtype)
     # One scalar for the call (unmapped by the heads' vmap): without NaN or
     # inf anywhere the walk makes no pass looking for rows that see one.
-    garbage = numerics.any_nonfinite(ops.query, ops.key, ops.value)
+    garbage = checks.any_nonfinite(ops.query, ops.key, ops.value)
     # Heads in cache-sized groups, one group after another; all under
     # vmap when a partition splits them (XLA's partitioner splits the
     # vmapped dims; a loop over them would gather them).
     group = 0 if problem.partition else flash_core.head_group(
         math.prod(ops.query.shape[:-2]), ops.query.shape[-2],
         ops.key.shape[-2], block_q, block_k)
-    return broadcast.lift_heads(head, ops, (garbage, *drop_operands(problem)),
-                                (0, 1, 0), one_at_a_time=group)
+    drop = (None, None) if problem.dropout_rng is None else drop_operands(
+        problem)
+    return base.lift_heads(head, ops, (garbage, *drop), (0, 1, 0),
+                                one_at_a_time=group)
 
 
   def _paged_call(self, problem: base.Problem):
@@ -149,23 +152,23 @@ class Flash(base.Kernel):
                                pages.value_scales, pages.finite), h,
           None if seed is None else flash_core.Dropout(seed, rate), **config)
 
-    return broadcast.lift_heads(head, ops._replace(key=heads, value=rows),
+    return base.lift_heads(head, ops._replace(key=heads, value=rows),
                                 drop_operands(problem), (1, 0))
 
 
 def drop_operands(problem: base.Problem):
   """``(seed [2] uint32, rate float32)`` of a call with dropout, or
   ``(None, None)``: unmapped operands of every head (``core/dropout.py``)."""
-  if problem.dropout_rng is None or not problem.dropout_on:
+  if problem.dropout_rng is None:  # (canonicalize: no key, no dropout)
     return None, None
   return (dropout.seed_words(problem.dropout_rng),
           jnp.asarray(problem.dropout_rate, jnp.float32))
 
 
-def with_rule_tables(ops: operands.Operands, block_q: int, block_k: int):
+def with_rule_tables(ops: base.Operands, block_q: int, block_k: int):
   """``ops`` with a table-less rule's block tables built at these sizes.
 
-  Per (b, h) where the rule depends on them (``operands.rule_batch``),
+  Per (b, h) where the rule depends on them (``base.rule_batch``),
   split like the heads.
   """
   bm = ops.rule
@@ -177,12 +180,12 @@ def with_rule_tables(ops: operands.Operands, block_q: int, block_k: int):
     # lengths and segments leave, as ring attention does.
     return ops
   t, s = bm.shape
-  batch = operands.rule_batch(bm.mask_fn, ops.leading, s)
+  batch = base.rule_batch(bm.mask_fn, ops.leading, s)
   if not batch and getattr(bm.mask_fn, "examples", None) is not None:
     batch = (1,) * len(ops.leading)  # a per-example rule at batch 1
   built = block_mask_lib.block_mask(bm.mask_fn, t, s, batch=batch,
                                     block_q=block_q, block_k=block_k)
   if batch:
     built = built.with_tables(
-        broadcast.split_groups(jnp.asarray(x), ops.groups, -3) for x in built.tables)
+        base.split_groups(jnp.asarray(x), ops.groups, -3) for x in built.tables)
   return ops._replace(rule=built)

@@ -21,20 +21,20 @@ else of this module is imported elsewhere):
 * ``Static``: one head's static configuration (scale, causal/window bounds,
   score modifier, true lengths, block sizes, whether to return the row
   maxima); hashable, the ``nondiff_argnums`` of the custom JVPs.
-* ``ex``, a ``broadcast.Head``: one head's other operands, padded (mask,
+* ``ex``, a ``base.Head``: one head's other operands, padded (mask,
   bias, lengths, segment ids, block mask, ``(b, h)``, the score modifier's
   arrays, the garbage flag); a pytree. ``Place``: where the local rows and
   columns stand.
 * ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
   score_mod, max_logits)`` builds the ``Static`` and pads q, k, v to whole
-  blocks; ``padded_head(st, tp, sp, head)`` pads a ``broadcast.Head``;
+  blocks; ``padded_head(st, tp, sp, head)`` pads a ``base.Head``;
   ``hoist_score_mod(st, ex, like, replay_closures=)`` makes the modifier's
   arrays operands.
 * ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp],
   max_logits [Tp] or None, code [Tp])``; ``max_logits`` (``st.max_logits``)
   is each row's largest raw ``scale * q . k`` over the keys it attends to in
   the visited blocks (``-inf`` if none), before bias and ``score_mod``;
-  ``code`` the largest ``numerics`` code among them and the row's own
+  ``code`` the largest ``checks`` code among them and the row's own
   query (which rows saw a NaN or inf). Both passes replace non-finite
   entries of the blocks they load by 0 (``_finite``), so every product is
   finite.
@@ -52,14 +52,14 @@ else of this module is imported elsewhere):
 * ``Dropout(seed, rate)``: a call's dropout, each block's keep mask drawn
   in every pass (``core/dropout.py``); ``forward``/``backward`` take it.
 * ``single_head(q, k, v, head, garbage=None, seed=None, rate=None, *,
-  out_dtype, **blocks)`` (``garbage``: ``broadcast.Head.garbage``): one
+  out_dtype, **blocks)`` (``garbage``: ``base.Head.garbage``): one
   head end to end, differentiable both ways (a ``jax.custom_jvp`` whose
   tangent is a ``core/linear_map.py`` map: ``tangent`` forward,
   ``backward`` its transpose; gradients through ``lse`` too;
-  the rows that see a NaN or inf are ``numerics.poison``'d after it),
+  the rows that see a NaN or inf are ``checks.poison``'d after it),
   returning ``(out [T, Hv], None, lse [T])`` and, with
   ``max_logits=True``, ``max_logits [T]`` (zero gradient), the
-  ``broadcast.lift_heads`` contract.
+  ``base.lift_heads`` contract.
 * ``patterned``, ``segment_summary``, ``key_ranges``, ``query_ranges``:
   which blocks a block visits (the Pallas GPU kernel computes them outside
   its kernels with these); ``masked_exp``, also used inside its kernels.
@@ -93,10 +93,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
+from attention_jax.core import checks
 from attention_jax.core import dropout
 from attention_jax.core import linear_map
-from attention_jax.core import numerics
+from attention_jax.kernels import base
 from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
 
@@ -137,7 +137,7 @@ class Dropout(NamedTuple):
   seed: jax.Array  # uint32 [2]
   rate: jax.Array  # float32 scalar
 
-  def rows(self, ex: broadcast.Head, place: Place, i0, bq: int):
+  def rows(self, ex: base.Head, place: Place, i0, bq: int):
     """The row keys of query block ``i0``: ``[bq, 1]`` uint32."""
     b, h = ex.index
     q_idx = i0 + jnp.arange(bq)[:, None] + place.q_start
@@ -315,14 +315,14 @@ def _zero_like_all(*operands):
   return zero
 
 
-def patterned(st: Static, ex: broadcast.Head) -> bool:
+def patterned(st: Static, ex: base.Head) -> bool:
   """Whether any entry can be blocked by a pattern or mask (static)."""
   return (st.bounds != (None, None) or st.s % st.bk != 0
           or any(x is not None for x in (ex.dense, ex.kv_lengths, ex.q_lengths,
                                          ex.q_segment_ids, ex.rule)))
 
 
-def _block_logits(st: Static, qi, kj, i0, j0, ex: broadcast.Head, place: Place,
+def _block_logits(st: Static, qi, kj, i0, j0, ex: base.Head, place: Place,
                   full: bool, scale=None, want_vjp: bool = False,
                   want_jvp: bool = False):
   """Float32 logits of one block, where they are allowed, a VJP, raw logits.
@@ -427,7 +427,7 @@ def _nested(lo, hi, full_lo, full_hi):
   return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
 
 
-def segment_summary(st: Static, ex: broadcast.Head):
+def segment_summary(st: Static, ex: base.Head):
   """Per-block min/max segment ids ``(q_min, q_max, k_min, k_max)`` or None."""
   if ex.q_segment_ids is None:
     return None
@@ -438,41 +438,40 @@ def segment_summary(st: Static, ex: broadcast.Head):
 def _intersect(pattern, segments):
   """Pattern intervals ``(lo, hi, full_lo, full_hi)`` and the segment ones."""
   lo, hi, full_lo, full_hi = pattern
-  if segments is not None:
-    a, b, c, d = segments
-    lo, hi = jnp.maximum(lo, a), jnp.minimum(hi, b)
-    full_lo, full_hi = jnp.maximum(full_lo, c), jnp.minimum(full_hi, d)
+  a, b, c, d = segments
+  lo, hi = jnp.maximum(lo, a), jnp.minimum(hi, b)
+  full_lo, full_hi = jnp.maximum(full_lo, c), jnp.minimum(full_hi, d)
   return _nested(lo, hi, full_lo, full_hi)
 
 
-def key_ranges(st: Static, ex: broadcast.Head, place: Place, seg, i, num_k: int):
+def key_ranges(st: Static, ex: base.Head, place: Place, seg, i, num_k: int):
   """Key blocks query block ``i`` visits, and the full ones among them."""
   args = (st.bounds, i * st.bq, st.bq, st.bk, num_k, place.offset, ex.kv_lengths,
           ex.q_lengths)
-  segments = None
-  if seg is not None:
-    q_min, q_max, k_min, k_max = seg
-    segments = intervals.segment_block_ranges(q_min[i], q_max[i], k_min,
-                                              k_max)
+  if seg is None:  # (no segment ids)
+    return _nested(*intervals.key_block_range(*args),
+                   *intervals.full_key_block_range(*args, st.s))
+  q_min, q_max, k_min, k_max = seg
+  segments = intervals.segment_block_ranges(q_min[i], q_max[i], k_min, k_max)
   return _intersect((*intervals.key_block_range(*args),
                      *intervals.full_key_block_range(*args, st.s)), segments)
 
 
-def query_ranges(st: Static, ex: broadcast.Head, place: Place, seg, j, num_q: int):
+def query_ranges(st: Static, ex: base.Head, place: Place, seg, j, num_q: int):
   """Query blocks that visit key block ``j``, and those that see all of it."""
   args = (st.bounds, j * st.bk, st.bq, st.bk, num_q, place.offset, ex.kv_lengths,
           ex.q_lengths)
-  segments = None
-  if seg is not None:
-    q_min, q_max, k_min, k_max = seg
-    segments = intervals.segment_block_ranges(k_min[j], k_max[j], q_min,
-                                              q_max)
+  if seg is None:  # (no segment ids)
+    return _nested(*intervals.query_block_range(*args),
+                   *intervals.full_query_block_range(*args, st.s))
+  q_min, q_max, k_min, k_max = seg
+  segments = intervals.segment_block_ranges(k_min[j], k_max[j], q_min, q_max)
   return _intersect((*intervals.query_block_range(*args),
                      *intervals.full_query_block_range(*args, st.s)),
                     segments)
 
 
-def _walk(st: Static, ex: broadcast.Head, ranges, listed, count: int, body, carry):
+def _walk(st: Static, ex: base.Head, ranges, listed, count: int, body, carry):
   """Runs ``body(index, full, carry)`` over the blocks one block visits.
 
   ``ranges`` are ``_nested`` intervals; ``listed`` is a block mask's row
@@ -506,7 +505,7 @@ def _walk(st: Static, ex: broadcast.Head, ranges, listed, count: int, body, carr
   return jax.lax.fori_loop(full_hi, hi, masked, carry)
 
 
-def _online_block(st: Static, ex: broadcast.Head, place: Place, k, v, qi, i0,
+def _online_block(st: Static, ex: base.Head, place: Place, k, v, qi, i0,
                   drop, drop_rows, defer: bool, raw_carry: bool, j, full,
                   carry):
   """One key block of ``forward``'s online softmax: the carry (row maxima,
@@ -518,8 +517,8 @@ def _online_block(st: Static, ex: broadcast.Head, place: Place, k, v, qi, i0,
   kj, k_bad = _key_rows(st, k, j0, ex.kv_lengths)  # [bk, H]
   vj, v_bad = _key_rows(st, v, j0, ex.kv_lengths)  # [bk, Hv]
   if ex.kv_code is None:  # reduce the loaded block (ring: keys travel)
-    bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
-        v_bad, numerics.BAD_VALUE, numerics.CLEAN))  # [bk]
+    bad = jnp.where(k_bad, checks.BAD_KEY, jnp.where(
+        v_bad, checks.BAD_VALUE, checks.CLEAN))  # [bk]
   else:  # the head's codes (a row reduction per loaded block costs more
     # than the block's other work on XLA:CPU; then dead code). Keys past
     # the length need no clearing: a full block lies below it, and a
@@ -532,7 +531,7 @@ def _online_block(st: Static, ex: broadcast.Head, place: Place, k, v, qi, i0,
     code = jnp.maximum(code, jnp.max(bad))
   else:  # a [bq, bk] pass, made only when there is garbage
     seen = lambda c, ok, bad: jnp.maximum(c, jnp.max(  # noqa: E731
-        jnp.where(ok, bad, numerics.CLEAN), -1))
+        jnp.where(ok, bad, checks.CLEAN), -1))
     code = seen(code, ok, bad) if ex.garbage is None else jax.lax.cond(
         ex.garbage, seen, lambda c, ok, bad: c, code, ok, bad)  # [bq]
   if raw_carry:
@@ -565,12 +564,12 @@ def _row_results(st: Static, carry, q_bad, drop, later, raw_carry: bool):
   lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0)
                   * later + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
   # A bad query spoils its row where it sees a key (seen: total >= 1).
-  code = jnp.maximum(code, jnp.where(seen & q_bad, numerics.BAD_KEY,
-                                     numerics.CLEAN))
+  code = jnp.maximum(code, jnp.where(seen & q_bad, checks.BAD_KEY,
+                                     checks.CLEAN))
   return out, lse, max_logits, code
 
 
-def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
+def forward(st: Static, q, k, v, ex: base.Head, place: Place,
             drop: Dropout | None = None):
   """Online softmax; ``(out [Tp, Hv], lse [Tp], max_logits [Tp] or None,
   code [Tp])``.
@@ -580,7 +579,7 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
   ``lse`` are those without dropout.
 
   All float32; ``max_logits`` only with ``st.max_logits``; ``code`` each
-  row's ``numerics`` code: the largest of the keys it attends to (a NaN
+  row's ``checks`` code: the largest of the keys it attends to (a NaN
   or inf in a key or its value) and of its own query if it attends to any.
   """
   num_q, num_k = q.shape[0] // st.bq, k.shape[0] // st.bk
@@ -597,7 +596,7 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
   # the raw one (times `later`); otherwise a second carry keeps it.
   raw_carry = st.max_logits and not (ex.bias is None
                                      and st.score_mod is None)
-  seg = segment_summary(st, ex)
+  seg = None if ex.q_segment_ids is None else segment_summary(st, ex)
   zero = _zero_like_all(q, k, v, ex, place)
 
   def query_block(i):
@@ -628,7 +627,7 @@ def forward(st: Static, q, k, v, ex: broadcast.Head, place: Place,
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _attend(st: Static, q, k, v, ex: broadcast.Head, place: Place,
+def _attend(st: Static, q, k, v, ex: base.Head, place: Place,
             drop: Dropout | None):
   out, lse, max_logits, code = forward(st, q, k, v, ex, place, drop)
   return out.astype(v.dtype), lse, max_logits, code
@@ -907,26 +906,27 @@ def padded(q, k, v, **config):
   blocks."""
   st = static(q.shape[0], k.shape[0], **config)
   tp, sp = -(-st.t // st.bq) * st.bq, -(-st.s // st.bk) * st.bk  # whole
+  if (tp, sp) == (st.t, st.s):  # whole blocks already
+    return st, q, k, v
   return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
       v, 0, sp, 0)
 
 
-def padded_head(st: Static, tp: int, sp: int, h: broadcast.Head
-                ) -> broadcast.Head:
+def padded_head(st: Static, tp: int, sp: int, h: base.Head
+                ) -> base.Head:
   """A head's operands padded to whole blocks (segment ids edge-padded;
   a block mask's tables as arrays, indexed by traced blocks)."""
-  mask, bias = h.dense, h.bias
-  if mask is not None:
-    mask = pad_axis(pad_axis(mask, 0, tp, False), 1, sp, False)
-  if bias is not None:
-    bias = pad_axis(pad_axis(bias, 0, tp, 0.0), 1, sp, 0.0)
-  block_mask = None
+  fields = {}  # (only those the call sets)
+  if h.dense is not None:
+    fields["dense"] = pad_axis(pad_axis(h.dense, 0, tp, False), 1, sp, False)
+  if h.bias is not None:
+    fields["bias"] = pad_axis(pad_axis(h.bias, 0, tp, 0.0), 1, sp, 0.0)
+  if h.q_segment_ids is not None:
+    fields["q_segment_ids"] = _edge_pad(h.q_segment_ids, tp)
+    fields["kv_segment_ids"] = _edge_pad(h.kv_segment_ids, sp)
   if h.rule is not None:
-    block_mask = jax.tree.map(jnp.asarray, h.rule)
-  return h._replace(dense=mask, bias=bias,
-                    q_segment_ids=_edge_pad(h.q_segment_ids, tp),
-                    kv_segment_ids=_edge_pad(h.kv_segment_ids, sp),
-                    rule=block_mask)
+    fields["rule"] = jax.tree.map(jnp.asarray, h.rule)
+  return h._replace(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -947,8 +947,8 @@ class _Direct:
                    jax.tree.unflatten(self.treedef, leaves))
 
 
-def hoist_score_mod(st: Static, ex: broadcast.Head, like, *,
-                    replay_closures: bool = True) -> tuple[Static, broadcast.Head]:
+def hoist_score_mod(st: Static, ex: base.Head, like, *,
+                    replay_closures: bool = True) -> tuple[Static, base.Head]:
   """``score_mod`` with every array it uses made an operand of the kernel.
 
   A custom VJP cannot differentiate a closure over a traced value (JAX
@@ -997,16 +997,16 @@ def hoist_score_mod(st: Static, ex: broadcast.Head, like, *,
 
 def single_head(q, k, v, h, garbage=None, seed=None, rate=None, *,
                 out_dtype, **blocks):
-  """One head (``broadcast.Head`` operands): pad, attend, strip, sink.
+  """One head (``base.Head`` operands): pad, attend, strip, sink.
 
-  ``garbage``: ``broadcast.Head.garbage``; ``seed``/``rate``: the call's
+  ``garbage``: ``base.Head.garbage``; ``seed``/``rate``: the call's
   dropout (``Dropout``), or None. Returns ``(out, None, lse)``, and
   ``max_logits [T]`` too with ``max_logits=True`` among ``blocks``.
   """
   if h.dense is not None:  # keys no query sees (finite garbage): zero them
-    k, v = numerics.zero_unseen(jnp.any(h.dense, axis=0), k, v)  # [S|1]
+    k, v = checks.zero_unseen(jnp.any(h.dense, axis=0), k, v)  # [S|1]
   st, q, k, v = padded(q, k, v, **blocks)
-  q_code, kv_code = numerics.codes(q, k, v)  # [Tp], [Sp]: once per head
+  q_code, kv_code = checks.codes(q, k, v)  # [Tp], [Sp]: once per head
   ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(
       garbage=garbage, q_code=q_code, kv_code=kv_code)
   drop = None if seed is None else Dropout(seed, rate)
@@ -1031,7 +1031,7 @@ def paged_head(q, k: PagedRows, v: PagedRows, h, drop=None, *, out_dtype,
   return _attend_head(st, q, k, v, ex, h, out_dtype, drop)
 
 
-def _attend_head(st: Static, q, k, v, ex: broadcast.Head, h, out_dtype,
+def _attend_head(st: Static, q, k, v, ex: base.Head, h, out_dtype,
                  drop: Dropout | None = None):
   """The differentiable walk of one padded head, stripped, sinks,
   poisoned."""
@@ -1041,12 +1041,12 @@ def _attend_head(st: Static, q, k, v, ex: broadcast.Head, h, out_dtype,
                                        Place(*h.offsets(st.t, st.s)), drop)
   out, lse, code = out[:st.t], lse[:st.t], code[:st.t]
   if h.sink is not None:
-    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_lengths)
+    out, _, lse = checks.with_sink(out, lse, h.sink, h.q_lengths)
   if st.max_logits:  # the sink is no logit of a key: it changes nothing
     max_logits = max_logits[:st.t]
   # NaN or inf reaches only the rows that may see it (the walk's codes):
   # poisoned after the custom VJP, those rows pass no cotangent back.
-  out, lse, max_logits = numerics.poison(code, out.astype(out_dtype), lse,
+  out, lse, max_logits = checks.poison(code, out.astype(out_dtype), lse,
                                          max_logits)
   if st.max_logits:
     return out, None, lse, max_logits

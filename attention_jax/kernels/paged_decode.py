@@ -29,7 +29,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 
@@ -98,7 +97,7 @@ def step(problem: base.Problem) -> tuple[Static, Arrays]:
       ops.kv_offset, b, "kv_offset")
   sinks = None
   if ops.sinks is not None:
-    sinks = jnp.broadcast_to(broadcast.merge_groups(ops.sinks, ops.groups, -1),
+    sinks = jnp.broadcast_to(base.merge_groups(ops.sinks, ops.groups, -1),
                              ops.query.shape[:1] + (n,))[0]  # [N]
   return (Static(float(problem.scale), ops.causal, ops.window),
           Arrays(q, pages, one_per_sequence(ops.kv_lengths, b, "kv_lengths"),
@@ -118,14 +117,14 @@ def span(st: Static, a: Arrays):
   return lo, jnp.maximum(hi, lo)
 
 
-def result(problem: base.Problem, out, lse=None) -> broadcast.Result:
+def result(problem: base.Problem, out, lse=None) -> base.Result:
   """``out [B, N, Hv]`` (``lse [B, N]``) in the call's layout."""
   ops = problem.ops
   out = out.reshape(ops.query.shape[:-1] + (out.shape[-1],))
   if lse is not None:
     lse = lse.reshape(ops.query.shape[:-1])
-  return broadcast.Result(broadcast.merge_groups(out, ops.groups, -3),
-                          lse=broadcast.merge_groups(lse, ops.groups, -2))
+  return base.Result(base.merge_groups(out, ops.groups, -3),
+                          lse=base.merge_groups(lse, ops.groups, -2))
 
 
 def flash_reference(st: Static, a: Arrays):
@@ -141,7 +140,7 @@ def flash_reference(st: Static, a: Arrays):
                                           a.pages.key_scales),
         flash_core.PagedRows(a.pages.value_pages, kv_head, row,
                              a.pages.value_scales),
-        broadcast.Head(kv_lengths=length, q_offset=q_off, kv_offset=kv_off,
+        base.Head(kv_lengths=length, q_offset=q_off, kv_offset=kv_off,
                        sink=sink), scale=st.scale, is_causal=st.causal,
         window=st.window, block_q=1, block_k=z, out_dtype=a.query.dtype)
     return out[0], lse[0]

@@ -10,7 +10,7 @@ VJP): three kernels, each one program per block of a 1-D grid,
 
 * ``forward_kernel``: query block ``i`` (``q [bq, H]``) walks the key
   blocks it may see with the online softmax; writes ``out [bq, Hv]``, the
-  row ``lse [bq]`` and each row's ``numerics`` code ``[bq]``;
+  row ``lse [bq]`` and each row's ``checks`` code ``[bq]``;
 * ``dkdv_kernel``: key block ``j`` walks the query blocks that see it;
   writes ``dk [bk, H]``, ``dv [bk, Hv]``, its tiles of ``dbias [Tp, Sp]``
   and its share of the score modifier's array cotangents;
@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from attention_jax.core import checks
 from attention_jax.core import dropout
-from attention_jax.core import numerics
 from attention_jax.kernels import flash_core
 from attention_jax.masking import intervals
 
@@ -309,7 +309,7 @@ def _walk(sp: Spec, ranges_ref, idx, table_ref, count: int, body, carry):
 
 def forward_kernel(sp: Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
                    *refs):
-  """Query block ``i``: its output, lse and each row's numerics code."""
+  """Query block ``i``: its output, lse and each row's garbage code."""
   st = sp.st
   r = Refs(*_unflatten(refs[:num_refs], sp))
   out_ref, lse_ref, code_ref = refs[num_refs:]
@@ -325,9 +325,9 @@ def forward_kernel(sp: Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
     vj, v_bad = _key_rows(st, v_ref, j0, length, sp.length)  # [bk, Hv]
     tiles = _tiles(sp, r, shapes, i0, j0)
     logits, ok, _ = _logits(sp, qi, kj, i0, j0, tiles, full)
-    bad = jnp.where(k_bad, numerics.BAD_KEY, jnp.where(
-        v_bad, numerics.BAD_VALUE, numerics.CLEAN))[None, :]  # [1, bk]
-    seen = bad if ok is None else jnp.where(ok, bad, numerics.CLEAN)
+    bad = jnp.where(k_bad, checks.BAD_KEY, jnp.where(
+        v_bad, checks.BAD_VALUE, checks.CLEAN))[None, :]  # [1, bk]
+    seen = bad if ok is None else jnp.where(ok, bad, checks.CLEAN)
     code = jnp.maximum(code, jnp.max(seen, -1))  # [bq]
     allowed = logits if ok is None else jnp.where(ok, logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(allowed, -1))  # [bq]
@@ -347,8 +347,8 @@ def forward_kernel(sp: Spec, shapes, num_refs: int, q_ref, k_ref, v_ref,
                                     k_ref.shape[0] // st.bk, key_block, init)
   seen = total > 0
   # a bad query spoils its row where it sees a key
-  code_ref[...] = jnp.maximum(code, jnp.where(seen & q_bad, numerics.BAD_KEY,
-                                              numerics.CLEAN))
+  code_ref[...] = jnp.maximum(code, jnp.where(seen & q_bad, checks.BAD_KEY,
+                                              checks.CLEAN))
   safe_total = jnp.where(seen, total, 1.0)
   out_ref[...] = (acc / safe_total[:, None]).astype(out_ref.dtype)
   lse_ref[...] = jnp.where(

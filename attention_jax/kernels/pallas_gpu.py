@@ -26,7 +26,7 @@ undropped; the backward kernels apply the same mask and scale to P (for
 dv) and to ``dO V^T`` (for dP). The seed words and the rate (which may be
 traced) are small operands of the kernels. As in the flash core, every
 tile is made finite as it is loaded (NaN and inf replaced by 0), the
-forward kernel also writes each row's ``numerics`` code (the largest over
+forward kernel also writes each row's ``checks`` code (the largest over
 the keys and values it may see, and its own query), and those rows are
 poisoned after the custom VJP: garbage reaches only the rows that may see
 it.
@@ -37,7 +37,7 @@ to it before their dots, as in FlashAttention-2); softmax statistics,
 accumulators and the score modifier are float32.
 
 Written for one head (``[T, H]`` against ``[S, H]``) and lifted over heads
-by ``broadcast.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
+by ``base.lift_heads``; ``vmap`` of a ``pallas_call`` adds the heads
 to its grid. Arrays a score modifier or a mask rule reads are passed to the
 kernels as operands (a kernel may not close over arrays): the function is
 traced once at block shapes (``jax.make_jaxpr``) and replayed inside.
@@ -70,8 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
-from attention_jax.core import numerics
+from attention_jax.core import checks
 from attention_jax.kernels import base
 from attention_jax.kernels import flash
 from attention_jax.kernels import flash_core
@@ -170,7 +169,7 @@ class PallasGpu(base.Kernel):
         is_causal=ops.causal, window=ops.window, score_mod=ops.score_mod,
         block_q=bq, block_k=bk, out_dtype=problem.out_dtype)
     # The dropout seed and rate (or None, None): unmapped, one per call.
-    return broadcast.lift_heads(head, ops, flash.drop_operands(problem),
+    return base.lift_heads(head, ops, flash.drop_operands(problem),
                                 (1, 0))
 
 
@@ -397,14 +396,14 @@ def _ranges(st: flash_core.Static, ex, num_q: int, num_k: int, rows: bool,
 
 def _single_head(q, k, v, h, seed, rate, *, launch: pallas_blocks.Launch,
                  out_dtype, **blocks):
-  """One head (``broadcast.Head``): pad, attend in the kernels, strip, sink,
+  """One head (``base.Head``): pad, attend in the kernels, strip, sink,
   poison the rows that saw a NaN or inf.
 
   ``seed`` (uint32 ``[2]``) and ``rate`` (float32 scalar) are the call's
   dropout (``flash.drop_operands``), or None without dropout.
   """
   if h.dense is not None:  # keys no query sees (finite garbage): zero them
-    k, v = numerics.zero_unseen(jnp.any(h.dense, axis=0), k, v)
+    k, v = checks.zero_unseen(jnp.any(h.dense, axis=0), k, v)
   hv = v.shape[-1]
   st, q, k, v = _padded(q, k, v, **blocks)
   ex = flash_core.padded_head(st, q.shape[0], k.shape[0], h)
@@ -463,9 +462,9 @@ def _single_head(q, k, v, h, seed, rate, *, launch: pallas_blocks.Launch,
   out, lse, code = attend(q, k, v, bias, mod_diff, fixed(True), fixed(False))
   out, lse, code = out[:st.t, :hv], lse[:st.t], code[:st.t]
   if h.sink is not None:
-    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_lengths)
+    out, _, lse = checks.with_sink(out, lse, h.sink, h.q_lengths)
   # poisoned after the custom VJP: those rows pass no cotangent back
-  out, lse = numerics.poison(code, out.astype(out_dtype), lse)
+  out, lse = checks.poison(code, out.astype(out_dtype), lse)
   return out, None, lse
 
 

@@ -36,9 +36,7 @@ import jax
 from jax.sharding import PartitionSpec
 import numpy as np
 
-from attention_jax.core import broadcast
 from attention_jax.kernels import base
-from attention_jax.kernels import operands
 from attention_jax.masking import mask as mask_lib
 
 
@@ -229,7 +227,7 @@ def _rebuild(problem, ops, bm, leaves, values, grouped, caller):
   groups = ops.groups
   if groups is not None:
     heads = caller.sizes[-1]
-    groups = broadcast.Groups(groups.num_heads // heads,
+    groups = base.Groups(groups.num_heads // heads,
                              groups.num_kv_heads // heads)
   local_ops = ops._replace(
       **fields, head_index=head_index, rule=bm, score_mod=score_mod,
@@ -270,7 +268,7 @@ def _result_specs(problem, caller: _Layout) -> base.Result:
 def _reads_split(mask_fn, ops, sizes) -> bool:
   """Whether a rule reads ``b`` or ``h`` along a split leading dim."""
   s = ops.key.shape[-2]
-  needed = operands.rule_batch(mask_fn, ops.leading, s)
+  needed = base.rule_batch(mask_fn, ops.leading, s)
   return any(n > 1 and split > 1 for n, split in zip(needed, sizes))
 
 

@@ -48,8 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
-from attention_jax.core import numerics
+from attention_jax.core import checks
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 from attention_jax.kernels import ring_layout
@@ -219,9 +218,9 @@ class Ring(base.Kernel):
     if self.columns is not None:  # split by head groups as the call's are
       mask, bias = self.columns
       ops = ops._replace(
-          dense=None if mask is None else broadcast.split_groups(
-              numerics.as_bool_mask(mask), ops.groups, -3),
-          bias=broadcast.split_groups(bias, ops.groups, -3))
+          dense=None if mask is None else base.split_groups(
+              checks.as_bool_mask(mask), ops.groups, -3),
+          bias=base.split_groups(bias, ops.groups, -3))
     block_q, block_k = flash_core.block_sizes(ops, self.block_q,
                                               self.block_k)
     head = functools.partial(
@@ -232,10 +231,10 @@ class Ring(base.Kernel):
         out_dtype=problem.out_dtype)
     # Whether any device holds a NaN or inf (keys travel): one scalar
     # all-reduce, so that a clean call's walks skip looking for the rows
-    # that see one (broadcast.Head.garbage).
-    garbage = jax.lax.pmax(numerics.any_nonfinite(
+    # that see one (base.Head.garbage).
+    garbage = jax.lax.pmax(checks.any_nonfinite(
         ops.query, ops.key, ops.value).astype(jnp.int32), self.axis_name) > 0
-    return broadcast.lift_heads(head, ops, (garbage,), (0,))
+    return base.lift_heads(head, ops, (garbage,), (0,))
 
 
 def _pad_chunks(x, axis: int, chunks: int, size: int, padded: int, value,
@@ -296,11 +295,11 @@ def _single_head(q, k, v, h, garbage, *, axis_name, size, steps, layout,
   out, lse, code, max_logits = (_strip_chunks(x, n, st.t, tp)
                                 for x in (out, lse, code, max_logits))
   if h.sink is not None:
-    out, _, lse = numerics.with_sink(out, lse, h.sink, h.q_lengths)
+    out, _, lse = checks.with_sink(out, lse, h.sink, h.q_lengths)
   # NaN or inf reaches only the rows that may see it (flash_core's blocks
   # are made finite as they are loaded; each step's codes merge by max):
   # poisoned after the custom VJP, those rows pass no cotangent back.
-  out, lse, max_logits = numerics.poison(code, out.astype(out_dtype), lse,
+  out, lse, max_logits = checks.poison(code, out.astype(out_dtype), lse,
                                          max_logits)
   if st.max_logits:
     return out, None, lse, max_logits

@@ -39,10 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import broadcast
 from attention_jax.core import checks
+from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
-from attention_jax.kernels import operands
 from attention_jax.kernels import ring_layout
 from attention_jax.masking import intervals
 from attention_jax.masking import mask as mask_lib
@@ -201,7 +200,7 @@ def _check_union(union: mask_lib.Union, leading, big_t: int, big_s: int):
   keys = jax.ShapeDtypeStruct(tuple(leading) + (big_s, 1), jnp.float32)
   for m in union.members():
     jax.eval_shape(
-        lambda q, k, m=m: (operands.attention_operands(q, k, k, m), 0)[1],
+        lambda q, k, m=m: (base.attention_operands(q, k, k, m), 0)[1],
         whole, keys)
 
 
@@ -349,11 +348,11 @@ def block_work(mask: mask_lib.Mask | intervals.Bounds | None, t: int, s: int,
                                             devices):
           where.append((k, d))
           offsets.append(relative + qc * ct - kc * cs)
-  if not flash_core.patterned(st, broadcast.Head()):  # every block
+  if not flash_core.patterned(st, base.Head()):  # every block
     counts = np.full(len(offsets), num_q * num_k)
   else:  # the walk's key ranges, for every pair and query block at once
     lo, hi, _, _ = flash_core.key_ranges(
-        st, broadcast.Head(), flash_core.Place(np.array(offsets)[:, None]),
+        st, base.Head(), flash_core.Place(np.array(offsets)[:, None]),
         None, np.arange(num_q)[None, :], num_k)
     counts = np.asarray(hi - lo).sum(-1)
   for (k, d), count in zip(where, counts):

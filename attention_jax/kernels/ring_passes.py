@@ -45,9 +45,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import broadcast
 from attention_jax.core import linear_map
 from attention_jax.core import merge as merge_lib
+from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 from attention_jax.kernels import ring_layout
 
@@ -96,7 +96,7 @@ class _Blocks(NamedTuple):
   kv_offset: jax.Array | None
 
 
-def gather(rg: Static, ex: broadcast.Head) -> _Blocks:
+def gather(rg: Static, ex: base.Head) -> _Blocks:
   """Every device's key-block lengths and positions (``_Blocks``), once
   per call."""
   return _Blocks(*(None if x is None else jax.lax.all_gather(x, rg.axis_name)
@@ -149,12 +149,12 @@ class _Pair(NamedTuple):
   """One query chunk of this device against one key chunk it holds."""
   a: jax.Array  # int32: the query chunk (local)
   b: jax.Array  # int32: the key chunk (local, of the held block)
-  ex: broadcast.Head  # the pair's operands: lengths, ids, mask, bias
+  ex: base.Head  # the pair's operands: lengths, ids, mask, bias
   place: flash_core.Place
   column: jax.Array  # int32: the key chunk's first padded column
 
 
-def _pair(rg: Static, ex: broadcast.Head, blocks: _Blocks, held: _Held,
+def _pair(rg: Static, ex: base.Head, blocks: _Blocks, held: _Held,
           step, p) -> _Pair:
   """Chunk pair ``p`` (of ``n * n``) at ``step``: query chunk ``p // n``
   of this device meets key chunk ``p % n`` of device ``(i - step) mod P``
@@ -217,7 +217,7 @@ def _fold(rg: Static, q, ex, blocks, held, step, result):
 def _ring_forward(rg: Static, q, k, v, ex, blocks):
   """Float32 ``(out [n*Tp, Hv], lse [n*Tp], max_logits [n*Tp] or None,
   code [n*Tp])`` over the whole ring (``max_logits`` with
-  ``rg.block.max_logits``; ``code`` each row's largest ``numerics`` code
+  ``rg.block.max_logits``; ``code`` each row's largest ``checks`` code
   over the steps: which rows saw a NaN or inf)."""
   rows = q.shape[0]
   zero = _varying_zero(q, k, v, ex, blocks)
@@ -409,7 +409,7 @@ def _ring_bwd(rg, residuals, cotangents):
                   for d, c in zip(dargs, ex.mod_consts))
     if shared_bias:
       dbias = jax.lax.psum(dbias, rg.axis_name)
-  d_ex = broadcast.Head(
+  d_ex = base.Head(
       bias=None if dbias is None else dbias.astype(ex.bias.dtype),
       mod_consts=dargs)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_ex,

@@ -41,12 +41,12 @@ bridge:
   and they add nothing to any gradient.
 * Garbage (``0 * NaN`` is NaN even where a weight is 0). Splash's kernels
   cannot carry a per-row flag, so NaN and inf are handled round them: q, k
-  and v are ``numerics.sanitize``'d before the call (every product
+  and v are ``checks.sanitize``'d before the call (every product
   finite), and when any entry was not finite (one ``lax.cond`` on the whole
   call: nothing is spent otherwise) each row's code is worked out in plain
   JAX from the same pattern (band, static mask, lengths, segment ids,
-  ``numerics.seen_codes_by_rows``), and the rows that may see a bad key,
-  value or query are poisoned (``numerics.poison``). Keys that no query
+  ``checks.seen_codes_by_rows``), and the rows that may see a bad key,
+  value or query are poisoned (``checks.poison``). Keys that no query
   may see by the band, the static mask, ``kv_lengths`` or their segment id
   are also zeroed before the call, as the dense kernel does.
 * Segment ids. Splash compares int32 ids; ours too, but a padded key must
@@ -91,10 +91,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import broadcast
-from attention_jax.core import numerics
+from attention_jax.core import checks
 from attention_jax.kernels import base
-from attention_jax.kernels import operands
 from attention_jax.masking import intervals
 from attention_jax.scores import score_mods
 
@@ -178,7 +176,7 @@ def _rule_mask(ops, t: int, s: int) -> np.ndarray | None:
     return None
   allowed = allowed.astype(bool)
   allowed = allowed.reshape((1,) * (rank - allowed.ndim) + allowed.shape)
-  return broadcast.split_groups(allowed, ops.groups, -3)
+  return base.split_groups(allowed, ops.groups, -3)
 
 
 def _static_mask(ops, t: int, s: int) -> tuple[np.ndarray | None, str | None]:
@@ -261,7 +259,7 @@ class Splash(base.Kernel):
     if t == 0 or s == 0:
       return f"it needs T and S >= 1, got T={t}, S={s}"
     if ops.rule is not None:
-      batch = operands.rule_batch(ops.rule.mask_fn, ops.leading, s)
+      batch = base.rule_batch(ops.rule.mask_fn, ops.leading, s)
       cells = math.prod(batch) * t * s
       if cells > HOST_MASK_LIMIT:
         return (f"its mask is static: this rule would be evaluated on the "
@@ -324,8 +322,8 @@ class Splash(base.Kernel):
     lse = jnp.broadcast_to(lse, out_lead[:-1] + (heads, t))
     if not shared:
       out, lse = out[..., 0, :, :], lse[..., 0, :]
-    out = broadcast.merge_groups(out.astype(dtype), ops.groups, -3)
-    lse = broadcast.merge_groups(lse, ops.groups, -2)
+    out = base.merge_groups(out.astype(dtype), ops.groups, -3)
+    lse = base.merge_groups(lse, ops.groups, -2)
     return base.Result(out, lse=lse if problem.return_lse else None)
 
   def _split(self, q, k, v, rows, sinks, static, settings):
@@ -367,14 +365,14 @@ class Splash(base.Kernel):
                  or sp > s)
     # One predicate for the whole call, outside the vmap below (where a
     # per-slice cond would run both branches).
-    garbage = numerics.any_nonfinite(q, k, v)
+    garbage = checks.any_nonfinite(q, k, v)
     call = _Call(self._kernel(masks, cap), t, s, tp, sp, bounds, pattern,
                  key_seen, segmented, garbage, scale, lse_grad)
     operands = (q, k[..., 0, :, :], v[..., 0, :, :],
                 *(_drop_head(rows[n], 1) for n in ("q_segment_ids", "kv_segment_ids")),
                 *(_drop_head(rows[n], 0) for n in ("kv_len", "q_len")),
                 sinks)
-    return broadcast.broadcast_vmap(functools.partial(_one_slice, call),
+    return base.broadcast_vmap(functools.partial(_one_slice, call),
                                     (3, 2, 2, 1, 1, 0, 0, 1), operands)
 
   def _kernel(self, masks, cap):
@@ -441,7 +439,7 @@ def _one_slice(c: _Call, q, k, v, q_segment_ids, kv_segment_ids, kv_len,
                q_len, sink):
   """One slice's call: q ``[G, T, H]``, k ``[S, H]``, v ``[S, Hv]``, sink ``[G|1]``."""
   t, s = c.t, c.s
-  q, k, v, q_code, kv_code = numerics.sanitize(q, k, v)
+  q, k, v, q_code, kv_code = checks.sanitize(q, k, v)
   code = _slice_codes(c, q_code, kv_code, q_segment_ids, kv_segment_ids,
                       kv_len, q_len)  # [G, T]
   q = (q.astype(jnp.float32) * jnp.asarray(c.scale, jnp.float32)).astype(
@@ -467,12 +465,13 @@ def _one_slice(c: _Call, q, k, v, q_segment_ids, kv_segment_ids, kv_len,
     inside = jnp.arange(t) < q_len
     out = jnp.where(inside[None, :, None], out, 0)
     lse = jnp.where(inside[None, :], lse, -jnp.inf)
-  return numerics.poison(code, out, lse)
+  return checks.poison(code, out, lse)
 
 
 def _slice_codes(c: _Call, q_code, kv_code, q_segment_ids, kv_segment_ids,
                  kv_len, q_len):
-  """Each row's numerics code ``[G, T]``, which splash cannot carry (0: clean)."""
+  """Each row's garbage code ``[G, T]``, which splash cannot carry (0:
+  clean)."""
   t, s = c.t, c.s
 
   def visible(start, size):  # rows [start, start + size): [G|1, size, S]
@@ -490,7 +489,7 @@ def _slice_codes(c: _Call, q_code, kv_code, q_segment_ids, kv_segment_ids,
 
   return jax.lax.cond(
       c.garbage,
-      lambda: numerics.seen_codes_by_rows(visible, q_code, kv_code, t),
+      lambda: checks.seen_codes_by_rows(visible, q_code, kv_code, t),
       lambda: jnp.zeros(q_code.shape, jnp.float32))
 
 

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax.core import checks
-from attention_jax.core import numerics
 from attention_jax.layers import decoder_attention
 
 Params = dict[str, jax.Array]
@@ -108,7 +107,7 @@ def precompute_additive_keys(params: Params, keys: ArrayLike) -> jax.Array:
   checks.check_float_array("keys", keys)
   checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
   _check_params(params, None, checks.shape_of(keys))
-  compute_dtype = numerics.compute_dtype(keys, params["W_k"])
+  compute_dtype = checks.compute_dtype(keys, params["W_k"])
   projected = jnp.einsum("BSK,KA->BSA", jnp.asarray(keys, compute_dtype),
                          params["W_k"].astype(compute_dtype))
   if "b" in params:

@@ -82,12 +82,19 @@ class Implementation:
   batch_axis: str | tuple[str, ...] | None = None
 
   def __call__(self, q, k, v, mask, **options):
+    """The protocol's return: ``out``, or it and the extras asked for."""
+    asked = tuple(options.get(name, False) for name in EXTRAS)
+    return Result(*self.run(q, k, v, mask, **options)).returned(asked)
+
+  def run(self, q, k, v, mask, **options):
+    """The call's ``kernels.Result`` (what ``Keys.attend`` reads: the
+    extras not asked for are None, so nothing is packed and unpacked)."""
     if (self.head_axis is not None or self.batch_axis is not None) and (
         "partition" not in options):
       options["partition"] = sharding.attention_partition(
           self.head_axis, self.batch_axis, q.shape[0])
-    return dot_product.scaled_dot_product_attention(
-        q, k, v, mask, implementation=self.implementation, **options)
+    return dot_product.run(q, k, v, mask, implementation=self.implementation,
+                           **options)
 
 
 def as_attention_fn(attention_fn: Any, *, scale: float | None = None,
@@ -196,6 +203,8 @@ class Keys(NamedTuple):
       options = {**options, "bias": self.bias}
     if self.score_mod is not None:
       options = {**options, "score_mod": self.score_mod}
+    if isinstance(fn, Implementation):  # ours: its Result as it is
+      return Result(*fn.run(q, self.key, self.value, self.mask, **options))
     try:
       result = fn(q, self.key, self.value, self.mask, **options)
     except TypeError as error:

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import checks
-from attention_jax.core import numerics
 from attention_jax.core import softmax
 
 
@@ -50,7 +49,7 @@ def prepare(query, keys, values, mask) -> Inputs:
                      "batch size B.")
   single_step = len(q_shape) == 2
   out_dtype = jnp.result_type(query, keys, values)
-  compute_dtype = numerics.compute_dtype(out_dtype)
+  compute_dtype = checks.compute_dtype(out_dtype)
   query = jnp.asarray(query, compute_dtype)
   if single_step:
     query = query[:, None, :]  # [B, 1, Dq]
@@ -65,7 +64,7 @@ def prepare(query, keys, values, mask) -> Inputs:
     layout = "[B, S]" if single_step else "[B, T, S]"
     checks.check_logits_rank("mask", m_shape, weights, layout)
     checks.check_broadcastable_to("mask", m_shape, weights, layout)
-    mask = numerics.as_bool_mask(mask)
+    mask = checks.as_bool_mask(mask)
     if single_step:
       mask = mask[:, None, :]  # [B, 1, S]
   keys = jnp.asarray(keys, compute_dtype)
@@ -73,7 +72,7 @@ def prepare(query, keys, values, mask) -> Inputs:
   seen = None
   if mask is not None:  # padding may hold NaN: zero keys no step may see
     seen = jnp.any(mask, axis=1)  # [B|1, S]
-    keys, values = numerics.zero_unseen(seen, keys, values)
+    keys, values = checks.zero_unseen(seen, keys, values)
   return Inputs(query, keys, values, mask, seen, single_step, out_dtype,
                 compute_dtype)
 
@@ -82,7 +81,7 @@ def hide_unseen(inputs: Inputs, x):
   """``x [B, S, F]`` with the rows of keys no step may see zeroed."""
   if inputs.seen is None:
     return x
-  return numerics.zero_unseen(inputs.seen, jnp.asarray(x))[0]
+  return checks.zero_unseen(inputs.seen, jnp.asarray(x))[0]
 
 
 def attend(score_one: Callable[[jax.Array, jax.Array], jax.Array],

@@ -55,7 +55,6 @@ from jax.typing import ArrayLike
 import numpy as np
 
 from attention_jax.core import checks
-from attention_jax.core import numerics
 from attention_jax.decoding import cache_step
 from attention_jax.decoding import paged_cache
 from attention_jax.layers import multi_head
@@ -270,8 +269,8 @@ def latent_attention(
     checks.check_logits_rank("mask", shape, full, layout)
     checks.check_broadcastable_to("mask", shape, full, layout)
     # Padded tokens may hold NaN: zero them before W_dkv.
-    seen = jnp.any(numerics.as_bool_mask(m.dense), axis=(1, 2))  # [B|1, S|1]
-    (x_kv,) = numerics.zero_unseen(seen, x)
+    seen = jnp.any(checks.as_bool_mask(m.dense), axis=(1, 2))  # [B|1, S|1]
+    (x_kv,) = checks.zero_unseen(seen, x)
   positions = (_default_positions(m, t) if positions is None
                else _check_positions(positions, b, t))
   q_nope, q_pe, c_kv, k_pe = _projections(params, x, x_kv, positions, rope,

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax.core import checks
-from attention_jax.core import numerics
 from attention_jax.layers import additive
 from attention_jax.layers import decoder_attention
 
@@ -146,7 +145,7 @@ def precompute_luong_keys(params: Params | None, keys: ArrayLike, *,
   checks.check_rank("keys", keys, (3,), "[B, S, Dk]")
   dk = checks.shape_of(keys)[-1]
   _check_params(score, params, None, dk)
-  compute_dtype = numerics.compute_dtype(keys, *(params or {}).values())
+  compute_dtype = checks.compute_dtype(keys, *(params or {}).values())
   keys = jnp.asarray(keys, compute_dtype)
   if score == "dot":
     return keys

@@ -43,7 +43,6 @@ from jax.typing import ArrayLike
 import numpy as np
 
 from attention_jax.core import checks
-from attention_jax.core import numerics
 from attention_jax.decoding.cache_step import KVCache
 from attention_jax.decoding.paged_cache import PagedKVCache
 from attention_jax.layers import attention_fn as attention_fn_lib
@@ -404,7 +403,7 @@ def project_inputs(config: Config, params: Params, call: Call):
   key, value = call.key, call.value
   if dense is not None and call.cache is None:
     seen = jnp.any(dense, axis=(1, 2))  # [B|1, S|1]
-    key, value = numerics.zero_unseen(seen, key, value)
+    key, value = checks.zero_unseen(seen, key, value)
   k = project_heads(key, params["W_k"], precision=precision)
   v = project_heads(value, params["W_v"], precision=precision)
   return q, k, v

@@ -16,7 +16,6 @@ from jax.typing import ArrayLike
 import numpy as np
 
 from attention_jax.core import checks
-from attention_jax.core import numerics
 from attention_jax.masking import intervals
 
 
@@ -111,8 +110,8 @@ def make_attention_mask(query_valid: ArrayLike,
     raise ValueError(
         f"query_valid {checks.shape_of(query_valid)} and key_valid "
         f"{checks.shape_of(key_valid)} have different batch sizes.")
-  q = numerics.as_bool_mask(query_valid)
-  k = numerics.as_bool_mask(key_valid)
+  q = checks.as_bool_mask(query_valid)
+  k = checks.as_bool_mask(key_valid)
   return (q[:, None, :, None] & k[:, None, None, :])  # [B, 1, T, S]
 
 
@@ -142,5 +141,5 @@ def combine_masks(*masks: ArrayLike | None) -> jax.Array | None:
   # Explicit broadcast: callers may run with jax_numpy_rank_promotion="raise".
   out = jnp.ones(shape, bool)
   for m in present:
-    out = out & jnp.broadcast_to(numerics.as_bool_mask(m), shape)
+    out = out & jnp.broadcast_to(checks.as_bool_mask(m), shape)
   return out

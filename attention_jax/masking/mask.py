@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core import numerics
+from attention_jax.core import checks
 from attention_jax.masking import intervals
 
 MaskFn = Callable[..., jax.Array]  # mask_fn(b, h, q_idx, kv_idx) -> bool
@@ -60,7 +60,7 @@ ARRAY_FIELDS = _FIELDS
 
 
 def _integer_array(name: str, x):
-  return numerics.integer_array(f"Mask's {name}", x)
+  return checks.integer_array(f"Mask's {name}", x)
 
 
 @jax.tree_util.register_pytree_node_class
