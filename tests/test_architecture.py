@@ -23,8 +23,7 @@ LAYERS = (
     ("kernels",),             # the kernel interface and the kernels
     ("attention",),           # the attention functions over the kernels
     ("decoding",),            # the caches the layers write into
-    ("layers",),              # the pure layers
-    ("modules",),             # the NNX modules (and generate, which runs them)
+    ("layers",),              # the pure layers, each beside its NNX module
     ("interop",),             # other libraries' signatures and weights
 )
 OUTSIDE = {PACKAGE, f"{PACKAGE}.lesson"}

@@ -17,7 +17,7 @@ import numpy as np
 
 import attention_jax as aj
 from attention_jax.layers import latent
-from attention_jax.modules.latent import MultiHeadLatentAttention
+from attention_jax.layers.latent_module import MultiHeadLatentAttention
 from attention_jax.scores.rope import Rope
 from tests import _data
 

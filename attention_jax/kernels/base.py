@@ -979,7 +979,8 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   for name, flag in (("return_weights", return_weights),
                      ("return_lse", return_lse),
                      ("return_max_logits", return_max_logits)):
-    checks.check_static_bool(name, flag)
+    if flag is not True and flag is not False:  # traced, or not a bool
+      checks.check_static_bool(name, flag)
   if pages is not None:
     if key is not None or value is not None:
       raise TypeError("a paged call reads its keys and values from the "
@@ -987,9 +988,11 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
     key, value = paged_operands(
         query, pages.key_pages, pages.value_pages, pages.table, mask,
         pages.key_scales, pages.value_scales)
-  checks.check_dropout(dropout_rate, dropout_rng)
-  if isinstance(dropout_rate, (int, float, np.number)) and not dropout_rate:
-    dropout_rate, dropout_rng = 0.0, None  # off: one way to say it
+  if dropout_rng is not None or not (isinstance(dropout_rate, float)
+                                     and dropout_rate == 0.0):
+    checks.check_dropout(dropout_rate, dropout_rng)  # (given: checked)
+    if isinstance(dropout_rate, (int, float, np.number)) and not dropout_rate:
+      dropout_rate, dropout_rng = 0.0, None  # off: one way to say it
   # Dropout draws each entry's bit from its head's (b, h): core/dropout.py.
   ops = attention_operands(query, key, value, mask,
                                   bias, sinks=sinks, score_mod=score_mod,

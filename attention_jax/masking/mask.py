@@ -269,7 +269,7 @@ class Mask:
         "q_offset", q_offset)
     self.kv_offset = None if kv_offset is None else _integer_array(
         "kv_offset", kv_offset)
-    if self.positioned and isinstance(rule, (Union, BlockMask)):
+    if isinstance(rule, (Union, BlockMask)) and self.positioned:
       raise ValueError(_POSITIONED_RULE)
 
   @property

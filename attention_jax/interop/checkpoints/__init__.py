@@ -41,9 +41,9 @@ from attention_jax.interop.checkpoints import reading
 from attention_jax.interop.checkpoints import registry
 from attention_jax.interop.checkpoints.families import FAMILIES
 from attention_jax.layers import multi_head
+from attention_jax.layers.latent_module import MultiHeadLatentAttention
+from attention_jax.layers.multi_head_module import MultiHeadAttention
 from attention_jax.layers.qk_norm import QKNorm
-from attention_jax.modules.latent import MultiHeadLatentAttention
-from attention_jax.modules.multi_head import MultiHeadAttention
 from attention_jax.scores import rope as rope_lib
 from attention_jax.scores import score_mods
 

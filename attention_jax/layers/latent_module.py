@@ -43,11 +43,11 @@ from attention_jax.decoding import quantize
 from attention_jax.layers import attention_fn as attention_fn_lib
 from attention_jax.layers import latent
 from attention_jax.layers import multi_head
+from attention_jax.layers.multi_head_module import NormScale
+from attention_jax.layers.multi_head_module import Projection
+from attention_jax.layers.multi_head_module import assign_params
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import Mask
-from attention_jax.modules.multi_head import NormScale
-from attention_jax.modules.multi_head import Projection
-from attention_jax.modules.multi_head import assign_params
 from attention_jax.scores import rope as rope_lib
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default

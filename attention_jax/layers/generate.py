@@ -29,7 +29,7 @@ from jax.typing import ArrayLike
 import numpy as np
 
 from attention_jax.core import checks
-from attention_jax.modules import multi_head as mha_module
+from attention_jax.layers import multi_head_module as mha_module
 
 # decode_fn(model, tokens [B, T], lengths [B] or None) -> logits [B, T, V]
 DecodeFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]

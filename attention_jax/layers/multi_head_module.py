@@ -15,7 +15,7 @@ logits, ``t5_bias`` table, ...). The configuration is one
 ``multi_head_config.Config``, validated when the module is built; a call
 checks only its own inputs and runs ``layers.multi_head.forward``, the same
 steps for the full call and for cached decoding (the caches:
-``modules/multi_head_cache.py``).
+``layers/multi_head_module_cache.py``).
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from attention_jax.core import checks
+from attention_jax.layers import _rngs
 from attention_jax.layers import multi_head
 from attention_jax.layers import multi_head_config
 from attention_jax.layers import multi_head_params
 from attention_jax.layers import qk_norm as qk_norm_lib
 from attention_jax.layers import sharding
 from attention_jax.layers.attention_fn import NO_MASK
+from attention_jax.layers.multi_head_module_cache import CACHE_ROWS
+from attention_jax.layers.multi_head_module_cache import DecodingCaches
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import Mask
-from attention_jax.modules import _rngs
-from attention_jax.modules.multi_head_cache import CACHE_ROWS
-from attention_jax.modules.multi_head_cache import DecodingCaches
 from attention_jax.scores import rope as rope_lib
 from attention_jax.scores import score_mods
 
@@ -568,7 +568,9 @@ class MultiHeadAttention(DecodingCaches):
     if is_causal is not True and is_causal is not False:
       checks.check_static_bool("is_causal", is_causal)
     # While decoding the cache places the causal band (at the positions).
-    call_mask = mask_lib.as_mask(mask, is_causal=is_causal and not decode)
+    causal = is_causal and not decode
+    call_mask = mask if isinstance(mask, Mask) and not causal else (
+        mask_lib.as_mask(mask, is_causal=causal))  # (a Mask is converted)
     if self.mask is not None:
       call_mask = self.mask if call_mask is None else self.mask & call_mask
     params = self.params_dict()
