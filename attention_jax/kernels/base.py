@@ -938,6 +938,10 @@ class Kernel:
   # refused by that reason before ``supports`` is asked (``refusal``),
   # unless it runs in the Pallas interpreter (an ``interpret`` of True).
   backend: ClassVar[str | None] = None
+  # Whether it computes float64 inputs in float64. One that computes in
+  # float32 says False and is refused float64 inputs by that reason
+  # (``float32_only``) before ``supports`` is asked.
+  float64: ClassVar[bool] = True
 
   def supports(self, problem: Problem) -> str | None:
     """Why this kernel cannot run a call it declares (shapes, dtypes,
@@ -1017,8 +1021,9 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
 
 def refusal(kernel: Kernel, problem: Problem) -> str | None:
   """Why ``kernel`` cannot run ``problem``, or None: keys and values in
-  pages it does not read, then off its backend, then its ``supports``,
-  then any feature it does not declare (``undeclared``)."""
+  pages it does not read, then off its backend, then float64 inputs to a
+  float32 kernel (``Kernel.float64``), then its ``supports``, then any
+  feature it does not declare (``undeclared``)."""
   # A paged call's keys and values are pages, which only a kernel that
   # declares them may read: the others are not asked.
   if problem.pages is not None and "pages" not in kernel.implements:
@@ -1031,6 +1036,8 @@ def refusal(kernel: Kernel, problem: Problem) -> str | None:
             if hasattr(kernel, "interpret") else "")
     return (f"it needs a {kernel.backend.upper()}, the backend is "
             f"{here!r}{hint}")
+  if not kernel.float64 and problem.out_dtype == jnp.float64:
+    return float32_only(problem)
   return kernel.supports(problem) or undeclared(kernel, problem)
 
 

@@ -45,6 +45,7 @@ class Flash(base.Kernel):
   block_q: int | None = None
   block_k: int | None = None
   name = "flash"
+  float64 = False  # float32 compute
   implements = base.MASK_FIELDS | {"bias", "sinks", "score_mod",
                                    "dropout_rate", "return_lse",
                                    "return_max_logits", "pages",
@@ -55,9 +56,9 @@ class Flash(base.Kernel):
     base.check_block_size("block_k", self.block_k)
 
   def supports(self, problem: base.Problem) -> str | None:
-    # (weights are not in `implements`: refused with the hint by name)
-    return (base.float32_only(problem)
-            or (self._paged(problem) if problem.pages is not None else None))
+    # (weights are not in `implements`, float64 not computed: refused by
+    # the choice with the hint)
+    return self._paged(problem) if problem.pages is not None else None
 
   def _paged(self, problem: base.Problem) -> str | None:
     """What it cannot do with pages: arrays over the logical key axis."""

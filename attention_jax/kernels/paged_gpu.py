@@ -61,6 +61,7 @@ class PagedGpu(base.Kernel):
   interpret: bool = False
   num_warps: int = 4
   name = "paged_gpu"
+  float64 = False  # float32 compute
   backend = "gpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
@@ -77,9 +78,6 @@ class PagedGpu(base.Kernel):
 
   def supports(self, problem: base.Problem) -> str | None:
     reason = paged_decode.refusal(problem)
-    if reason:
-      return reason
-    reason = base.float32_only(problem)
     if reason:
       return reason
     if not self.interpret:

@@ -113,6 +113,7 @@ class PallasGpu(base.Kernel):
   num_stages: int = 2
   interpret: bool = False
   name = "pallas_gpu"
+  float64 = False  # float32 compute
   backend = "gpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
@@ -132,8 +133,7 @@ class PallasGpu(base.Kernel):
     base.check_block_size("num_stages", self.num_stages)
 
   def supports(self, problem: base.Problem) -> str | None:
-    reason = (base.no_weights(problem) or base.no_max_logits(problem)
-              or base.float32_only(problem))
+    reason = base.no_weights(problem) or base.no_max_logits(problem)
     if reason or self.interpret:
       return reason
     ops = problem.ops

@@ -98,6 +98,7 @@ class Ring(base.Kernel):
   columns: Columns | None = dataclasses.field(default=None, compare=False,
                                               repr=False)
   name = "ring"
+  float64 = False  # float32 compute
   implements = frozenset({"causal", "window", "q_lengths", "kv_lengths",
                           "q_segment_ids", "kv_segment_ids", "rule",
                           "q_offset", "kv_offset", "score_mod", "sinks",
@@ -201,8 +202,7 @@ class Ring(base.Kernel):
         return (f"its {name} has shape {tuple(x.shape)}, built for other "
                 f"lengths than this call's T = {t}, P*S = {size * s}: "
                 "localize it for this call")
-    return (base.no_weights_or_dropout(problem)
-            or base.float32_only(problem))
+    return base.no_weights_or_dropout(problem)
 
   def __call__(self, problem: base.Problem):
     problem = base.scale_in_query(problem)  # a traced scale too

@@ -222,6 +222,7 @@ class Splash(base.Kernel):
   block_q: int = 128
   block_kv: int = 128
   name = "splash"
+  float64 = False  # float32 compute
   backend = "tpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
@@ -245,7 +246,7 @@ class Splash(base.Kernel):
 
   def supports(self, problem: base.Problem) -> str | None:
     reason = (base.no_weights_or_dropout(problem)
-              or base.no_max_logits(problem) or base.float32_only(problem))
+              or base.no_max_logits(problem))
     if reason:
       return reason
     ops = problem.ops
