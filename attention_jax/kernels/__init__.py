@@ -22,9 +22,10 @@ a key; ``zero_unseen`` keeps padding's NaN out of the products,
 hold the fully-masked-row policy; ``no_weights_or_dropout``,
 ``no_max_logits``, ``float32_only`` and ``too_small`` are the refusals the
 library's kernels share (``Kernel.float64 = False`` has the choice refuse
-float64 inputs with ``float32_only``'s reason). ``Partition`` says how a call's batch and heads
-are split over mesh axes (``partition=``): a kernel with ``partitionable
-= False`` (one Pallas call) then runs per shard (``per_shard``).
+float64 inputs with ``float32_only``'s reason). ``Partition`` says how a
+call's batch and heads are split over mesh axes (``partition=``): a kernel
+with ``partitionable = False`` (one Pallas call) then runs per shard
+(``per_shard``).
 ``register`` adds a kernel to the automatic choice
 (``with register(kernel):`` for a scope), ``unregister`` removes it.
 """
