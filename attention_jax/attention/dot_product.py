@@ -76,9 +76,7 @@ def prepare(query, key, value, mask=None, *, bias=None, scale=None,
     checks.check_static_bool("is_causal", is_causal)
   if is_causal or not isinstance(mask, Mask):  # (a Mask is converted)
     mask = mask_lib.as_mask(mask, is_causal=is_causal)
-  candidates, automatic = ((tuple(kernels.REGISTRY), True)
-                           if implementation is None else
-                           base.candidates(implementation, kernels.REGISTRY))
+  candidates, automatic = base.candidates(implementation, kernels.REGISTRY)
   if partition is None and not jax.sharding.get_abstract_mesh().empty:
     partition = typed_partition(query)
   problem = base.canonicalize(

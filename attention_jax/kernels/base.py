@@ -1169,7 +1169,7 @@ def scale_in_query(problem: Problem) -> Problem:
   queries (``scale * q . k == (scale * q) . k``; scale 1.0), so the
   blockwise kernels, which compile the scale in as a constant, run it too
   and its gradient flows through the product, outside their custom VJPs.
-  A kernel calls it when ``problem.scale`` is not a float."""
+  A float scale comes back as it is."""
   scale = problem.scale
   if isinstance(scale, (int, float)):
     return problem

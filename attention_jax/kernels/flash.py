@@ -83,8 +83,7 @@ class Flash(base.Kernel):
     return base.too_small(problem)
 
   def __call__(self, problem: base.Problem):
-    if not isinstance(problem.scale, float):  # traced: into the queries
-      problem = base.scale_in_query(problem)
+    problem = base.scale_in_query(problem)  # a traced scale too
     if problem.pages is not None:
       return self._paged_call(problem)
     ops = problem.ops
@@ -92,8 +91,7 @@ class Flash(base.Kernel):
     # defaults by pattern (block_cache.blocks).
     block_q, block_k, _ = block_cache.blocks(problem, self.block_q,
                                              self.block_k)
-    if ops.rule is not None and ops.rule.kinds is None:
-      ops = with_rule_tables(ops, block_q, block_k)
+    ops = with_rule_tables(ops, block_q, block_k)
     head = functools.partial(flash_core.single_head, scale=problem.scale,
                              is_causal=ops.causal, window=ops.window,
                              score_mod=ops.score_mod, block_q=block_q,
@@ -109,10 +107,8 @@ class Flash(base.Kernel):
     group = 0 if problem.partition else flash_core.head_group(
         math.prod(ops.query.shape[:-2]), ops.query.shape[-2],
         ops.key.shape[-2], block_q, block_k)
-    drop = (None, None) if problem.dropout_rng is None else drop_operands(
-        problem)
-    return base.lift_heads(head, ops, (garbage, *drop), (0, 1, 0),
-                                one_at_a_time=group)
+    return base.lift_heads(head, ops, (garbage, *drop_operands(problem)),
+                           (0, 1, 0), one_at_a_time=group)
 
 
   def _paged_call(self, problem: base.Problem):
@@ -154,7 +150,7 @@ class Flash(base.Kernel):
           None if seed is None else flash_core.Dropout(seed, rate), **config)
 
     return base.lift_heads(head, ops._replace(key=heads, value=rows),
-                                drop_operands(problem), (1, 0))
+                           drop_operands(problem), (1, 0))
 
 
 def drop_operands(problem: base.Problem):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-import numpy as np
 
 from attention_jax.core import checks
 from attention_jax.masking import intervals
@@ -68,12 +67,7 @@ def padding_mask(lengths: ArrayLike, max_len: int) -> jax.Array:
            [1, 1, 1]], dtype=int32)
   """
   checks.check_positive_int("max_len", max_len)
-  if isinstance(lengths, (list, tuple)):
-    lengths = np.asarray(lengths)
-  dtype = jnp.result_type(lengths)
-  if not jnp.issubdtype(dtype, jnp.integer):
-    raise TypeError(f"lengths must be an integer array, got dtype {dtype} "
-                    f"with shape {checks.shape_of(lengths)}.")
+  lengths = checks.integer_array("lengths", lengths)
   checks.check_rank("lengths", lengths, (1,), "[B]")
   checks.check_concrete_range(
       "lengths", lengths, max_len,
