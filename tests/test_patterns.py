@@ -75,15 +75,15 @@ class BlockRangeTest(absltest.TestCase):
         blocks[i, j] = dense[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()
     b = intervals.bounds(p["causal"], p["window"])
     for i in range(num_q):
-      lo, hi = (int(x) for x in intervals.key_block_range(
-          b, i * bq, bq, bk, num_k, s - t, p["kv_len"], p["q_len"]))
+      lo, hi, _, _ = (int(x) for x in intervals.key_blocks(
+          b, i * bq, bq, bk, num_k, s - t, p["kv_len"], p["q_len"], s))
       want = np.flatnonzero(blocks[i])
       got = np.arange(lo, hi)
       # Exact: the visible key blocks of a query block are one interval.
       np.testing.assert_array_equal(got, want, err_msg=f"query block {i}")
     for j in range(num_k):
-      lo, hi = (int(x) for x in intervals.query_block_range(
-          b, j * bk, bq, bk, num_q, s - t, p["kv_len"], p["q_len"]))
+      lo, hi, _, _ = (int(x) for x in intervals.query_blocks(
+          b, j * bk, bq, bk, num_q, s - t, p["kv_len"], p["q_len"], s))
       np.testing.assert_array_equal(np.arange(lo, hi),
                                     np.flatnonzero(blocks[:, j]),
                                     err_msg=f"key block {j}")
@@ -107,13 +107,13 @@ class BlockRangeTest(absltest.TestCase):
     full = ok.reshape(num_q, bq, num_k, bk).all(axis=(1, 3))
     b = intervals.bounds(p["causal"], p["window"])
     for i in range(num_q):
-      lo, hi = (int(x) for x in intervals.full_key_block_range(
+      _, _, lo, hi = (int(x) for x in intervals.key_blocks(
           b, i * bq, bq, bk, num_k, s - t, p["kv_len"], p["q_len"], s))
       np.testing.assert_array_equal(np.arange(lo, hi),
                                     np.flatnonzero(full[i]),
                                     err_msg=f"query block {i}")
     for j in range(num_k):
-      lo, hi = (int(x) for x in intervals.full_query_block_range(
+      _, _, lo, hi = (int(x) for x in intervals.query_blocks(
           b, j * bk, bq, bk, num_q, s - t, p["kv_len"], p["q_len"], s))
       np.testing.assert_array_equal(np.arange(lo, hi),
                                     np.flatnonzero(full[:, j]),

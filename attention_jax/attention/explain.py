@@ -233,7 +233,7 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
   bq, bk, _ = block_cache.blocks(ops, kernel.block_q, kernel.block_k)
   ops = flash.with_rule_tables(ops, bq, bk)  # what the kernel runs with
   t, s = ops.query.shape[-2], ops.key.shape[-2]
-  bq, bk = min(bq, t), min(bk, s)  # as flash_core.padded clips them
+  bq, bk = min(bq, t), min(bk, s)  # as flash_core.static clips them
   explained = dataclasses.replace(explained, block_sizes=(bq, bk))
   bm = ops.rule
   per_head_tables = bm is not None and bool(bm.batch_shape)
@@ -251,7 +251,7 @@ def _flash_blocks(explained: Explanation, kernel: flash.Flash,
         explained, note=f"pairs not counted: they depend on the values of "
         f"{', '.join(traced)}, which are traced here")
   num_q, num_k = -(-t // bq), -(-s // bk)
-  # The kernel's Static as flash_core.padded builds it; the scale and
+  # The kernel's Static as flash_core.static builds it; the scale and
   # score modifier place no block.
   st = flash_core.Static(1.0, intervals.bounds(ops.causal, ops.window), None,
                          t, s, bq, bk)

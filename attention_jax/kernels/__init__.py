@@ -20,9 +20,10 @@ that head's operands; ``allowed`` is where the head's mask lets a query see
 a key; ``zero_unseen`` keeps padding's NaN out of the products,
 ``with_sink`` applies a sink, ``masked_softmax`` / ``masked_logsumexp``
 hold the fully-masked-row policy; ``no_weights_or_dropout``,
-``no_max_logits``, ``float32_only`` and ``too_small`` are the refusals the
-library's kernels share (``Kernel.float64 = False`` has the choice refuse
-float64 inputs with ``float32_only``'s reason). ``Partition`` says how a
+``no_max_logits`` and ``float32_only`` are the refusals the library's
+kernels share (``Kernel.float64 = False`` has the choice refuse float64
+inputs with ``float32_only``'s reason; ``Kernel.min_scores`` has it pass
+over calls below that many scores per head). ``Partition`` says how a
 call's batch and heads are split over mesh axes (``partition=``): a kernel
 with ``partitionable = False`` (one Pallas call) then runs per shard
 (``per_shard``).
@@ -44,6 +45,7 @@ from attention_jax.kernels.autotune import Tuned
 from attention_jax.kernels.autotune import autotune
 from attention_jax.kernels.autotune import flash_blocks
 from attention_jax.kernels.base import MASK_FIELDS
+from attention_jax.kernels.base import MIN_SCORES
 from attention_jax.kernels.base import OPTIONS
 from attention_jax.kernels.base import Head
 from attention_jax.kernels.base import Kernel
@@ -57,7 +59,6 @@ from attention_jax.kernels.base import float32_only
 from attention_jax.kernels.base import lift_heads
 from attention_jax.kernels.base import no_max_logits
 from attention_jax.kernels.base import no_weights_or_dropout
-from attention_jax.kernels.base import too_small
 from attention_jax.kernels.base import undeclared
 from attention_jax.kernels.base import verdicts
 from attention_jax.kernels.block_cache import FlashBlocks
@@ -83,7 +84,7 @@ REGISTRY: tuple[Kernel, ...] = (
     Dense(),
 )
 
-__all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
+__all__ = ["MASK_FIELDS", "MIN_SCORES", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
            "Flash", "FlashBlocks", "Head", "Kernel", "Operands", "PagedGpu", "PagedTpu",
            "Pages",
            "PallasGpu", "Partition",
@@ -93,7 +94,7 @@ __all__ = ["MASK_FIELDS", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
            "candidates", "choose", "compute_dtype", "flash_blocks",
            "float32_only",
            "lift_heads", "masked_logsumexp", "masked_softmax",
-           "no_max_logits", "no_weights_or_dropout", "register", "too_small",
+           "no_max_logits", "no_weights_or_dropout", "register",
            "undeclared", "unregister", "verdicts", "with_sink", "zero_unseen"]
 
 

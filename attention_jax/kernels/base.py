@@ -11,7 +11,8 @@ against key/value heads K), and builds a ``Problem``: the operands
 left of the leading dims, int32, the bias, sinks, score modifier and the
 (b, h) indices they see, every array with a head axis split for
 grouped-query attention, ``split_groups``, ready for
-``lift_heads``), the scale (a float unless traced), dropout (a key only
+``lift_heads``), the scale (a float; a traced one is folded into the
+queries), dropout (a key only
 when entries may drop) and what to return. Every check raises
 ``ValueError`` (shapes, values) or ``TypeError`` (dtypes) naming the
 argument and the shapes. A kernel is a ``Kernel``:
@@ -57,7 +58,7 @@ grouped-query attention stays cheap. ``lift_heads`` runs a kernel's
 single-head function so, handing it a ``Head`` of that head's operands, and
 returns a ``Result``.
 
-Grouped-query attention as a reshape (``find_groups``, ``split_groups``,
+Grouped-query attention as a reshape (``head_axes``, ``split_groups``,
 ``merge_groups``): the attention functions take 4-D queries ``[B, N, T,
 H]`` with keys/values ``[B, K, S, H]`` (jax.nn's rule, in our layout: only
 in 4-D is axis 1 the head axis; in ``[B, T, H]`` or 5-D operands a size
@@ -73,7 +74,6 @@ head ``n // G``, as in jax.nn and torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import contextlib
 import math
 from typing import Any, ClassVar, NamedTuple
 
@@ -97,21 +97,6 @@ split_dims = partition_lib.split_dims
 class Groups(NamedTuple):
   num_heads: int  # N
   num_kv_heads: int  # K
-
-
-def find_groups(q_shape, k_shape) -> Groups | None:
-  """The grouping of ``[..., N, T, H]`` over ``[..., K, S, H]``, or None.
-
-  None when there is nothing to group: operands that are not both 4-D, or
-  ``K`` in ``(1, N)``. A ``K`` that does not divide ``N`` is left to the
-  broadcast check, whose error names both shapes.
-  """
-  if len(q_shape) != 4 or len(k_shape) != 4:
-    return None
-  n, k = q_shape[-3], k_shape[-3]
-  if k in (1, n) or n % k:
-    return None
-  return Groups(n, k)
 
 
 def split_groups(x, groups: Groups | None, axis: int):
@@ -386,16 +371,30 @@ def _arrays(query, key, value):
   return arrays
 
 
-def _leading(shapes, groups) -> dict[str, tuple[int, ...]]:
-  """Each operand's leading dims, key/value heads K read as the N query
-  heads they serve (so they broadcast against the query's)."""
+def head_axes(shapes) -> tuple[Groups | None, dict[str, tuple[int, ...]]]:
+  """``(groups, leading)`` of the query, key and value ``shapes``.
+
+  ``groups``: the grouping of ``[..., N, T, H]`` queries over ``[..., K, S,
+  H]`` keys, or None when there is nothing to group (operands that are not
+  both 4-D, or ``K`` in ``(1, N)``; a ``K`` that does not divide ``N`` is
+  left to the broadcast check, whose error names both shapes).
+  ``leading``: each operand's leading dims, the key/value heads ``K`` read
+  as the ``N`` query heads they serve (so they broadcast against the
+  query's).
+  """
+  q_shape, k_shape = shapes[0], shapes[1]
+  groups = None
+  if len(q_shape) == 4 and len(k_shape) == 4:
+    n, k = q_shape[-3], k_shape[-3]
+    if k not in (1, n) and not n % k:
+      groups = Groups(n, k)
   leading = {}
   for name, shape in zip(("query", "key", "value"), shapes):
     if (name != "query" and groups is not None and len(shape) >= 3
         and shape[-3] == groups.num_kv_heads):
       shape = shape[:-3] + (groups.num_heads,) + shape[-2:]
     leading[name] = tuple(shape[:-2])
-  return leading
+  return groups, leading
 
 
 def _batch_shape(leading, q_shape, k_shape, groups) -> tuple[int, ...]:
@@ -602,8 +601,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
   query, key, value = _arrays(query, key, value)
   shapes = q_shape, k_shape, _ = tuple(map(np.shape, (query, key, value)))
   t, s = q_shape[-2], k_shape[-2]
-  groups = find_groups(q_shape, k_shape)
-  leading = _leading(shapes, groups)
+  groups, leading = head_axes(shapes)
   leading_rank = max(map(len, shapes)) - 2
   rule = m.rule if m.rule is None else _normalised_rule(
       m.rule, query, key, value, q_shape, t, s, leading)
@@ -620,7 +618,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     checks.check_score_mod(score_mod, t, s, checks.compute_dtype(query, key))
   batch_shape = _batch_shape(leading, q_shape, k_shape, groups)
   fields = dict.fromkeys(_PER_EXAMPLE)
-  if m.kv_lengths is not None or m.q_lengths is not None or m.positioned:
+  if any(getattr(m, name) is not None for name in _PER_EXAMPLE):
     fields = _per_example(m, t, s, leading_rank, batch_shape, leading)
   q_ids = kv_ids = None
   if m.q_segment_ids is not None or m.kv_segment_ids is not None:
@@ -851,7 +849,7 @@ class Pages(NamedTuple):
 class Problem(NamedTuple):
   """One attention call, validated."""
   ops: Operands  # operands, heads grouped, the mask's fields
-  scale: Any  # float, or a scalar array
+  scale: float  # (a traced scale is folded into ops.query)
   out_dtype: Any
   dropout_rate: Any = 0.0
   dropout_rng: jax.Array | None = None
@@ -917,6 +915,12 @@ OPTIONS = frozenset({
     "return_lse", "return_max_logits", "pages", "page_scales"})
 
 
+# Below this many scores per head the dense kernel is as fast (see the
+# performance page of the docs) and also yields the weights: the blockwise
+# kernels' ``min_scores``.
+MIN_SCORES = 1024 * 1024
+
+
 class Kernel:
   """What every implementation provides (see the module docstring)."""
   name: ClassVar[str] = "kernel"
@@ -942,6 +946,11 @@ class Kernel:
   # float32 says False and is refused float64 inputs by that reason
   # (``float32_only``) before ``supports`` is asked.
   float64: ClassVar[bool] = True
+  # The automatic choice passes over (``declines``) a call with fewer
+  # scores per head than this (T * S), leaving it to a later kernel: the
+  # blockwise kernels set ``MIN_SCORES``, below which the dense kernel is
+  # as fast and also yields the weights (docs/performance.md). 0: never.
+  min_scores: ClassVar[int] = 0
 
   def supports(self, problem: Problem) -> str | None:
     """Why this kernel cannot run a call it declares (shapes, dtypes,
@@ -950,7 +959,13 @@ class Kernel:
     return None
 
   def declines(self, problem: Problem) -> str | None:
-    del problem
+    """Why the automatic choice passes over a call this kernel takes, or
+    None: by default fewer than ``min_scores`` scores per head, unless the
+    keys are in pages (which no other kernel may read)."""
+    scores = problem.ops.query.shape[-2] * problem.ops.key.shape[-2]  # T*S
+    if scores < self.min_scores and problem.pages is None:
+      return (f"T * S = {scores} is below {self.min_scores}, where the "
+              "dense kernel is as fast")
     return None
 
   def __call__(self, problem: Problem):
@@ -1005,8 +1020,17 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
   elif not isinstance(scale, (int, float)):
     checks.check_call_scale(scale)
-    with contextlib.suppress(jax.errors.ConcretizationTypeError):
-      scale = float(scale)  # a concrete array: a constant; traced: kept
+    try:
+      scale = float(scale)  # a concrete array: a constant
+    except jax.errors.ConcretizationTypeError:
+      # A traced scale (a learned one under jit) joins the queries
+      # (scale * q . k == (scale * q) . k): every kernel compiles a float
+      # scale in, and the gradient flows through this product, outside
+      # any kernel's custom VJP.
+      q = ops.query
+      ops = ops._replace(query=(q * scale.astype(jnp.float32)).astype(
+          q.dtype))
+      scale = 1.0
   else:
     checks.check_call_scale(scale)
   out_dtype = jnp.result_type(ops.query, ops.key, ops.value)
@@ -1027,7 +1051,7 @@ def refusal(kernel: Kernel, problem: Problem) -> str | None:
   # A paged call's keys and values are pages, which only a kernel that
   # declares them may read: the others are not asked.
   if problem.pages is not None and "pages" not in kernel.implements:
-    return undeclared(kernel, problem)
+    return undeclared(kernel, problem.features - kernel.implements)
   here = jax.default_backend()
   if kernel.backend not in (None, here) and not getattr(
       kernel, "interpret", False):
@@ -1038,14 +1062,17 @@ def refusal(kernel: Kernel, problem: Problem) -> str | None:
             f"{here!r}{hint}")
   if not kernel.float64 and problem.out_dtype == jnp.float64:
     return float32_only(problem)
-  return kernel.supports(problem) or undeclared(kernel, problem)
-
-
-def undeclared(kernel: Kernel, problem: Problem) -> str | None:
-  """The reason ``kernel`` refuses what it does not declare, or None."""
+  reason = kernel.supports(problem)
   missing = problem.features - kernel.implements
-  if not missing:
-    return None
+  if reason is None and missing:
+    reason = undeclared(kernel, missing)
+  return reason
+
+
+def undeclared(kernel: Kernel, missing) -> str:
+  """The reason ``kernel`` refuses the features ``missing`` (a non-empty
+  set: ``problem.features - kernel.implements``), which it does not
+  declare."""
   # The common ones say what to use instead; the rest are named.
   reasons = [_HINTS[name] for name in sorted(missing) if name in _HINTS]
   unhinted = sorted(missing - _HINTS.keys())
@@ -1108,8 +1135,8 @@ def candidates(implementation, registry: Sequence[Kernel]
 def verdicts(kernels: Sequence[Kernel], problem: Problem, automatic: bool):
   """Yields ``(kernel, verdict, reason)`` in order: ``"refuses"``
   (``supports``' reason), ``"declines"`` (``declines``' reason, asked only
-  when automatic) or ``"takes"`` (reason None). Lazy: ``choose`` stops at
-  the first that takes the problem."""
+  when automatic) or ``"takes"`` (reason None), past the first that
+  takes it too (``aj.explain`` reports what ``choose`` would have met)."""
   for kernel in kernels:
     # supports' reasons say most (and suggest a fix); what a kernel does not
     # declare is refused even when its supports() does not know the feature.
@@ -1126,8 +1153,11 @@ def choose(kernels: Sequence[Kernel], problem: Problem,
   """The first kernel that takes ``problem``; else a ValueError with each
   kernel's reason."""
   reasons = []
-  for kernel, verdict, reason in verdicts(kernels, problem, automatic):
-    if verdict == "takes":
+  for kernel in kernels:  # (``verdicts``' walk, stopping at the first)
+    reason = refusal(kernel, problem)
+    if reason is None and automatic:
+      reason = kernel.declines(problem)
+    if reason is None:
       return kernel
     reasons.append((kernel.name, reason))
   if len(reasons) == 1:
@@ -1135,11 +1165,6 @@ def choose(kernels: Sequence[Kernel], problem: Problem,
     raise ValueError(f"implementation={name!r} is not possible: {reason}.")
   listed = "; ".join(f"{name}: {reason}" for name, reason in reasons)
   raise ValueError(f"no implementation takes this call ({listed}).")
-
-
-# Below this many scores per head the dense kernel is as fast (see the
-# performance page of the docs) and also yields the weights.
-MIN_SCORES = 1024 * 1024
 
 
 def asked_result(kernel: Kernel, problem: Problem, result) -> Result:
@@ -1161,33 +1186,6 @@ def asked_result(kernel: Kernel, problem: Problem, result) -> Result:
                 result.weights if problem.return_weights else None,
                 result.lse if problem.return_lse else None,
                 result.max_logits if problem.return_max_logits else None)
-
-
-def scale_in_query(problem: Problem) -> Problem:
-  """``problem`` with a float scale: a traced one (a learned scale under
-  ``jit``; ``canonicalize`` made every other one a float) folded into the
-  queries (``scale * q . k == (scale * q) . k``; scale 1.0), so the
-  blockwise kernels, which compile the scale in as a constant, run it too
-  and its gradient flows through the product, outside their custom VJPs.
-  A float scale comes back as it is."""
-  scale = problem.scale
-  if isinstance(scale, (int, float)):
-    return problem
-  try:
-    return problem._replace(scale=float(scale))
-  except jax.errors.ConcretizationTypeError:
-    q = problem.ops.query
-    q = (q * scale.astype(jnp.float32)).astype(q.dtype)
-    return problem._replace(ops=problem.ops._replace(query=q), scale=1.0)
-
-
-def too_small(problem: Problem) -> str | None:
-  """Why the automatic choice leaves a small problem to the dense kernel."""
-  scores = problem.ops.query.shape[-2] * problem.ops.key.shape[-2]  # T * S
-  if scores < MIN_SCORES:
-    return (f"T * S = {scores} is below {MIN_SCORES}, where the dense "
-            "kernel is as fast")
-  return None
 
 
 def check_block_size(name: str, size) -> None:

@@ -72,6 +72,7 @@ _NOT_IN_JAX_NN = {
 class Cudnn(base.Kernel):
   """jax.nn's fused GPU kernel, where it gives the contract's numbers."""
   name = "cudnn"
+  min_scores = base.MIN_SCORES
   backend = "gpu"
   # jax.nn's cuDNN call carries custom_partitioning rules: XLA splits it
   # over batch and heads itself (query, key and value sharded alike).
@@ -96,9 +97,6 @@ class Cudnn(base.Kernel):
     return problem_of(q, k, v, mask, bias, lengths, problem.return_lse,
                       {n: x for n, x in structured.items() if x is not None},
                       is_causal=ops.causal, offset=_offset(ops))
-
-  def declines(self, problem: base.Problem) -> str | None:
-    return base.too_small(problem)
 
   def __call__(self, problem: base.Problem):
     q, k, v, mask, bias, lengths, q_lengths = _caller(problem.ops)

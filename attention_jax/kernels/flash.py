@@ -46,6 +46,7 @@ class Flash(base.Kernel):
   block_k: int | None = None
   name = "flash"
   float64 = False  # float32 compute
+  min_scores = base.MIN_SCORES
   implements = base.MASK_FIELDS | {"bias", "sinks", "score_mod",
                                    "dropout_rate", "return_lse",
                                    "return_max_logits", "pages",
@@ -77,13 +78,7 @@ class Flash(base.Kernel):
               "(leave block_k unset)")
     return None
 
-  def declines(self, problem: base.Problem) -> str | None:
-    if problem.pages is not None:  # the kernel that reads pages on CPU
-      return None
-    return base.too_small(problem)
-
   def __call__(self, problem: base.Problem):
-    problem = base.scale_in_query(problem)  # a traced scale too
     if problem.pages is not None:
       return self._paged_call(problem)
     ops = problem.ops

@@ -25,9 +25,10 @@ else of this module is imported elsewhere):
   bias, lengths, segment ids, block mask, ``(b, h)``, the score modifier's
   arrays, the garbage flag); a pytree. ``Place``: where the local rows and
   columns stand.
-* ``padded(q, k, v, *, scale, is_causal, block_q, block_k, window,
-  score_mod, max_logits)`` builds the ``Static`` and pads q, k, v to whole
-  blocks; ``padded_head(st, tp, sp, head)`` pads a ``base.Head``;
+* ``static(t, s, *, scale, is_causal, block_q, block_k, window,
+  score_mod, max_logits)`` builds the ``Static`` (``single_head`` then pads
+  q, k, v to whole blocks); ``padded_head(st, tp, sp, head)`` pads a
+  ``base.Head``;
   ``hoist_score_mod(st, ex, like, replay_closures=)`` makes the modifier's
   arrays operands.
 * ``forward(st, q, k, v, ex, place)``: float32 ``(out [Tp, Hv], lse [Tp],
@@ -420,13 +421,6 @@ def masked_exp(logits, ok, shift, scale=1.0):
       ok, jnp.exp(jnp.where(ok, logits - shift[:, None], 0.0) * scale), 0.0)
 
 
-def _nested(lo, hi, full_lo, full_hi):
-  """Visited blocks ``[lo, hi)`` holding the full ones ``[full_lo, full_hi)``."""
-  hi = jnp.maximum(hi, lo)
-  full_lo = jnp.clip(full_lo, lo, hi)
-  return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
-
-
 def segment_summary(st: Static, ex: base.Head):
   """Per-block min/max segment ids ``(q_min, q_max, k_min, k_max)`` or None."""
   if ex.q_segment_ids is None:
@@ -436,45 +430,45 @@ def segment_summary(st: Static, ex: base.Head):
 
 
 def _intersect(pattern, segments):
-  """Pattern intervals ``(lo, hi, full_lo, full_hi)`` and the segment ones."""
+  """Pattern intervals ``(lo, hi, full_lo, full_hi)`` and the segment ones,
+  the full blocks kept within the visited ones."""
   lo, hi, full_lo, full_hi = pattern
   a, b, c, d = segments
   lo, hi = jnp.maximum(lo, a), jnp.minimum(hi, b)
   full_lo, full_hi = jnp.maximum(full_lo, c), jnp.minimum(full_hi, d)
-  return _nested(lo, hi, full_lo, full_hi)
+  hi = jnp.maximum(hi, lo)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
 
 
 def key_ranges(st: Static, ex: base.Head, place: Place, seg, i, num_k: int):
   """Key blocks query block ``i`` visits, and the full ones among them."""
-  args = (st.bounds, i * st.bq, st.bq, st.bk, num_k, place.offset, ex.kv_lengths,
-          ex.q_lengths)
+  ranges = intervals.key_blocks(st.bounds, i * st.bq, st.bq, st.bk, num_k,
+                                place.offset, ex.kv_lengths, ex.q_lengths,
+                                st.s)
   if seg is None:  # (no segment ids)
-    return _nested(*intervals.key_block_range(*args),
-                   *intervals.full_key_block_range(*args, st.s))
+    return ranges
   q_min, q_max, k_min, k_max = seg
-  segments = intervals.segment_block_ranges(q_min[i], q_max[i], k_min, k_max)
-  return _intersect((*intervals.key_block_range(*args),
-                     *intervals.full_key_block_range(*args, st.s)), segments)
+  return _intersect(ranges, intervals.segment_block_ranges(
+      q_min[i], q_max[i], k_min, k_max))
 
 
 def query_ranges(st: Static, ex: base.Head, place: Place, seg, j, num_q: int):
   """Query blocks that visit key block ``j``, and those that see all of it."""
-  args = (st.bounds, j * st.bk, st.bq, st.bk, num_q, place.offset, ex.kv_lengths,
-          ex.q_lengths)
+  ranges = intervals.query_blocks(st.bounds, j * st.bk, st.bq, st.bk, num_q,
+                                  place.offset, ex.kv_lengths, ex.q_lengths,
+                                  st.s)
   if seg is None:  # (no segment ids)
-    return _nested(*intervals.query_block_range(*args),
-                   *intervals.full_query_block_range(*args, st.s))
+    return ranges
   q_min, q_max, k_min, k_max = seg
-  segments = intervals.segment_block_ranges(k_min[j], k_max[j], q_min, q_max)
-  return _intersect((*intervals.query_block_range(*args),
-                     *intervals.full_query_block_range(*args, st.s)),
-                    segments)
+  return _intersect(ranges, intervals.segment_block_ranges(
+      k_min[j], k_max[j], q_min, q_max))
 
 
 def _walk(st: Static, ex: base.Head, ranges, listed, count: int, body, carry):
   """Runs ``body(index, full, carry)`` over the blocks one block visits.
 
-  ``ranges`` are ``_nested`` intervals; ``listed`` is a block mask's row
+  ``ranges`` are ``key_ranges``' nested intervals; ``listed`` is a block mask's row
   ``(indices, full flags)`` or None. Empty blocks are never visited; full
   ones run the body without mask passes (``full=True``, static).
   """
@@ -901,17 +895,6 @@ def static(t: int, s: int, *, scale, is_causal, block_q, block_k,
                 bool(max_logits))
 
 
-def padded(q, k, v, **config):
-  """One head's static config (``static``) and q, k, v padded to whole
-  blocks."""
-  st = static(q.shape[0], k.shape[0], **config)
-  tp, sp = -(-st.t // st.bq) * st.bq, -(-st.s // st.bk) * st.bk  # whole
-  if (tp, sp) == (st.t, st.s):  # whole blocks already
-    return st, q, k, v
-  return st, pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
-      v, 0, sp, 0)
-
-
 def padded_head(st: Static, tp: int, sp: int, h: base.Head
                 ) -> base.Head:
   """A head's operands padded to whole blocks (segment ids edge-padded;
@@ -1005,7 +988,11 @@ def single_head(q, k, v, h, garbage=None, seed=None, rate=None, *,
   """
   if h.dense is not None:  # keys no query sees (finite garbage): zero them
     k, v = checks.zero_unseen(jnp.any(h.dense, axis=0), k, v)  # [S|1]
-  st, q, k, v = padded(q, k, v, **blocks)
+  st = static(q.shape[0], k.shape[0], **blocks)
+  tp, sp = -(-st.t // st.bq) * st.bq, -(-st.s // st.bk) * st.bk  # whole
+  if (tp, sp) != (st.t, st.s):  # blocks: q, k, v padded with zeros
+    q, k, v = pad_axis(q, 0, tp, 0), pad_axis(k, 0, sp, 0), pad_axis(
+        v, 0, sp, 0)
   q_code, kv_code = checks.codes(q, k, v)  # [Tp], [Sp]: once per head
   ex = padded_head(st, q.shape[0], k.shape[0], h)._replace(
       garbage=garbage, q_code=q_code, kv_code=kv_code)

@@ -84,7 +84,6 @@ def refusal(problem: base.Problem) -> str | None:
 
 def step(problem: base.Problem) -> tuple[Static, Arrays]:
   """The step of a paged ``problem`` that ``refusal`` let through."""
-  problem = base.scale_in_query(problem)  # a traced scale too
   ops, pages = problem.ops, problem.pages
   b = pages.table.shape[0]
   q = jnp.asarray(ops.query)

@@ -114,6 +114,7 @@ class PallasGpu(base.Kernel):
   interpret: bool = False
   name = "pallas_gpu"
   float64 = False  # float32 compute
+  min_scores = base.MIN_SCORES
   backend = "gpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
@@ -146,7 +147,7 @@ class PallasGpu(base.Kernel):
   def declines(self, problem: base.Problem) -> str | None:
     if self.interpret:
       return "interpret mode is a check, not a speed"
-    return base.too_small(problem)
+    return super().declines(problem)
 
   def _blocks(self, ops) -> tuple[int, int]:
     """The kernel's tile sizes (a block mask's own sizes are not used:
@@ -157,7 +158,6 @@ class PallasGpu(base.Kernel):
             bk if self.block_k is None else self.block_k)
 
   def __call__(self, problem: base.Problem):
-    problem = base.scale_in_query(problem)  # a traced scale too
     ops = problem.ops
     bq, bk = self._blocks(ops)
     ops = flash.with_rule_tables(_own_tables(ops, bq, bk), bq, bk)

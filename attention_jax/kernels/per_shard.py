@@ -21,8 +21,8 @@ the dense mask and bias ``[B|1, N|1, T, S]``, lengths and positions
 ``[B|1, N|1]``, segment ids, sinks, per-(b, h) block tables, the (b, h)
 indices ``score_mod`` and rules see (so each shard's ``score_mod`` sees
 the global ``(b, h)``), and a paged call's pools (along ``K``) and page
-table (along ``B``). Replicated: the scale and a ``ScoreMod``'s or
-``MaskRule``'s params (their gradients are summed over the shards by
+table (along ``B``; a traced scale is already in the queries). Replicated:
+a ``ScoreMod``'s or ``MaskRule``'s params (their gradients are summed over the shards by
 ``shard_map``'s transpose). Static parts (callables, window, causality,
 groups, shapes) stay closed over, with the global shapes rewritten to the
 shard's. The results come back split as ``[B, N]``.
@@ -179,8 +179,6 @@ def _roles(ops, problem, grouped: _Layout):
     for i, x in enumerate(jax.tree.leaves(ops.score_mod)):
       if _is_array(x):
         found.append((("score_mod", i), x, PartitionSpec()))
-  if _is_array(problem.scale):
-    found.append((("scale",), problem.scale, PartitionSpec()))
   pages = problem.pages
   if pages is not None:
     b_entry = grouped.entries[0] if len(grouped.entries) > 1 else None
@@ -239,7 +237,7 @@ def _rebuild(problem, ops, bm, leaves, values, grouped, caller):
         name: got[("pages", name)] for name in pages._fields
         if ("pages", name) in got})
   return problem._replace(
-      ops=local_ops, scale=got.get(("scale",), problem.scale), pages=pages,
+      ops=local_ops, pages=pages,
       mask=_shapes_only(problem.mask), partition=None)
 
 

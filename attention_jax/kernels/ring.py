@@ -205,7 +205,6 @@ class Ring(base.Kernel):
     return base.no_weights_or_dropout(problem)
 
   def __call__(self, problem: base.Problem):
-    problem = base.scale_in_query(problem)  # a traced scale too
     ops = problem.ops
     size = self.size()
     rule = ops.rule

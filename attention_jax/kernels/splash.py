@@ -223,6 +223,7 @@ class Splash(base.Kernel):
   block_kv: int = 128
   name = "splash"
   float64 = False  # float32 compute
+  min_scores = base.MIN_SCORES
   backend = "tpu"
   # One Pallas call: XLA cannot split it over sharded batch or heads, so
   # with a partition it runs per shard (kernels.per_shard).
@@ -273,10 +274,9 @@ class Splash(base.Kernel):
   def declines(self, problem: base.Problem) -> str | None:
     if self.interpret:
       return "interpret mode is a check, not a speed"
-    return base.too_small(problem)
+    return super().declines(problem)
 
   def __call__(self, problem: base.Problem):
-    problem = base.scale_in_query(problem)  # a traced scale too
     ops = problem.ops
     t, s = ops.query.shape[-2], ops.key.shape[-2]
     lead = ops.batch_shape

@@ -24,9 +24,9 @@ aligned: offset 0) expresses a band: its own ``is_causal`` and
 flash core evaluates inside partial blocks. At block granularity each
 (query block, key block) pair is *empty* (no allowed entry: never visited,
 forward or backward), *full* (every entry allowed: visited without any mask
-pass) or *partial*. ``key_block_range``/``query_block_range`` give the
-non-empty blocks and ``full_key_block_range``/``full_query_block_range`` the
-full ones, as intervals, from the bounds, lengths and offset;
+pass) or *partial*. ``key_blocks``/``query_blocks`` give the non-empty
+blocks and the full ones among them, as intervals, from the bounds,
+lengths and offset;
 ``segment_block_ranges`` does the same from per-block minimum and maximum
 segment ids. Each is exact for its own pattern (for segments: packed
 documents, the same non-decreasing ids on both sides; other ids still get
@@ -202,21 +202,31 @@ def jax_nn_band(t: int, s: int, offset, b: Bounds, *,
                                         b))
 
 
-def _blocks(first, last, size: int, count: int):
-  """Blocks ``[lo, hi)`` of ``size`` covering indices ``[first, last]``."""
+def _block_interval(first, last, full_first, full_last, size: int,
+                    count: int):
+  """``(lo, hi, full_lo, full_hi)`` over ``count`` blocks of ``size``:
+  blocks ``[lo, hi)`` touch indices ``[first, last]``; blocks ``[full_lo,
+  full_hi)`` lie wholly inside ``[full_first, full_last]``, clipped into
+  ``[lo, hi)`` (a full block is a visited one)."""
   first = jnp.clip(first, 0, count * size)
   last = jnp.clip(last, -1, count * size - 1)
   lo = jnp.clip(first // size, 0, count)
   hi = jnp.where(last >= first, last // size + 1, lo)
-  return lo, jnp.clip(hi, lo, count)
+  hi = jnp.clip(hi, lo, count)
+  full_lo = jnp.clip(-((-full_first) // size), lo, hi)
+  full_hi = jnp.clip((full_last + 1) // size, 0, count)
+  return lo, hi, full_lo, jnp.clip(full_hi, full_lo, hi)
 
 
-def key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
-                    kv_lengths=None, q_lengths=None):
-  """Key blocks ``[lo, hi)`` that query rows ``[i0, i0 + bq)`` may see.
+def key_blocks(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
+               kv_lengths=None, q_lengths=None, s: int | None = None):
+  """Key blocks of query rows ``[i0, i0 + bq)``: ``(lo, hi, full_lo,
+  full_hi)``, ``[lo, hi)`` the blocks they may see, ``[full_lo, full_hi)``
+  those every entry of which every row sees.
 
-  Exact for these patterns: the columns the rows may see form one interval,
-  and the range is exactly the blocks it touches (tested by brute force).
+  ``s`` is the true key length (columns past it are padding). Exact for
+  these patterns: the columns the rows may see form one interval, and
+  those every row sees another (tested by brute force).
   """
   last_row = i0 + bq - 1
   if q_lengths is not None:
@@ -229,12 +239,24 @@ def key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
     last = jnp.minimum(last, kv_lengths - 1)
   if q_lengths is not None:  # rows past the length see nothing
     last = jnp.where(last_row >= i0, last, first - 1)
-  return _blocks(first, last, bk, num_k)
+  # What every row sees: from the last row's left bound to the first's right.
+  full_first = 0 if b.left is None else i0 + bq - 1 + offset - b.left
+  full_last = num_k * bk - 1 if b.right is None else i0 + offset + b.right
+  if s is not None:
+    full_last = jnp.minimum(full_last, s - 1)
+  if kv_lengths is not None:
+    full_last = jnp.minimum(full_last, kv_lengths - 1)
+  if q_lengths is not None:  # a row past the length sees nothing
+    full_last = jnp.where(i0 + bq <= q_lengths, full_last, full_first - 1)
+  return _block_interval(first, last, full_first, full_last, bk, num_k)
 
 
-def query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int, offset,
-                      kv_lengths=None, q_lengths=None):
-  """Query blocks ``[lo, hi)`` whose rows may see key columns ``[j0, j0 + bk)``."""
+def query_blocks(b: Bounds, j0, bq: int, bk: int, num_q: int, offset,
+                 kv_lengths=None, q_lengths=None, s: int | None = None):
+  """Query blocks of key columns ``[j0, j0 + bk)``: ``(lo, hi, full_lo,
+  full_hi)``, ``[lo, hi)`` the blocks whose rows may see them, ``[full_lo,
+  full_hi)`` those every row of which sees all of them (``key_blocks``
+  from the keys' side)."""
   last_col = j0 + bk - 1
   if kv_lengths is not None:
     last_col = jnp.minimum(last_col, kv_lengths - 1)
@@ -246,49 +268,14 @@ def query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int, offset,
     last = jnp.minimum(last, q_lengths - 1)
   if kv_lengths is not None:  # columns past the length are seen by nobody
     last = jnp.where(last_col >= j0, last, first - 1)
-  return _blocks(first, last, bq, num_q)
-
-
-def _full_blocks(first, last, size: int, count: int):
-  """Blocks ``[lo, hi)`` of ``size`` lying wholly inside ``[first, last]``."""
-  lo = jnp.clip(-((-first) // size), 0, count)
-  hi = jnp.clip((last + 1) // size, 0, count)
-  return lo, jnp.maximum(hi, lo)
-
-
-def full_key_block_range(b: Bounds, i0, bq: int, bk: int, num_k: int, offset,
-                         kv_lengths=None, q_lengths=None, s: int | None = None):
-  """Key blocks every entry of which rows ``[i0, i0 + bq)`` may see.
-
-  ``s`` is the true key length (columns past it are padding). Exact for
-  the bounds and lengths: the columns every row sees form one interval.
-  """
-  big = num_k * bk
-  first = 0 if b.left is None else i0 + bq - 1 + offset - b.left
-  last = big - 1 if b.right is None else i0 + offset + b.right
-  if s is not None:
-    last = jnp.minimum(last, s - 1)
-  if kv_lengths is not None:
-    last = jnp.minimum(last, kv_lengths - 1)
-  if q_lengths is not None:  # a row past the length sees nothing
-    last = jnp.where(i0 + bq <= q_lengths, last, first - 1)
-  return _full_blocks(first, last, bk, num_k)
-
-
-def full_query_block_range(b: Bounds, j0, bq: int, bk: int, num_q: int,
-                           offset, kv_lengths=None, q_lengths=None,
-                           s: int | None = None):
-  """Query blocks every row of which sees all of columns ``[j0, j0 + bk)``."""
-  big = num_q * bq
-  first = 0 if b.right is None else j0 + bk - 1 - offset - b.right
-  last = big - 1 if b.left is None else j0 - offset + b.left
+  full_first = 0 if b.right is None else j0 + bk - 1 - offset - b.right
+  full_last = num_q * bq - 1 if b.left is None else j0 - offset + b.left
   if q_lengths is not None:
-    last = jnp.minimum(last, q_lengths - 1)
-  end = j0 + bk
+    full_last = jnp.minimum(full_last, q_lengths - 1)
   for limit in (s, kv_lengths):  # a column past a length is seen by nobody
     if limit is not None:
-      last = jnp.where(end <= limit, last, first - 1)
-  return _full_blocks(first, last, bq, num_q)
+      full_last = jnp.where(j0 + bk <= limit, full_last, full_first - 1)
+  return _block_interval(first, last, full_first, full_last, bq, num_q)
 
 
 def block_min_max(ids, size: int):
