@@ -49,6 +49,9 @@ class _Functions:
   res_tree: Any
   lin_tree: Any
   out_tree: Any
+  # The outputs' (shape, dtype) outside any vmap: traced once, by
+  # ``linear_map``; each vmap level adds its size in front (``_abstract``).
+  outputs: tuple
   # Forward mode refused with this message (a kernel without a tangent
   # pass): evaluating the map raises it; transposing it still works.
   refusal: str | None = None
@@ -83,10 +86,47 @@ def _impl(*leaves, functions, num_res, axes):
   return _mapped(functions.forward, axes)(*leaves)
 
 
+def _level_sizes(avals, axes) -> tuple[int, ...]:
+  """The size of each recorded vmap level, outermost first: ``_batch``
+  moved each level's axis to the front of the operands it maps, in front
+  of those of the levels inside it."""
+  depth = [0] * len(avals)  # leading axes of each operand already read
+  sizes = []
+  for level in axes:
+    size = None
+    for i, d in enumerate(level):
+      if d is not None:
+        size = avals[i].shape[depth[i]] if size is None else size
+        depth[i] += 1
+    sizes.append(size)
+  return tuple(sizes)
+
+
+def _unplaced(avals) -> bool:
+  """Whether no operand lies on a mesh (no sharding in its type, no
+  manual axes it varies over) and none is ambient."""
+  if not jax.sharding.get_abstract_mesh().empty:
+    return False
+  for a in avals:
+    sharding = getattr(a, "sharding", None)
+    if sharding is not None and not sharding.mesh.empty:
+      return False
+    manual = getattr(a, "manual_axis_type", None)
+    if manual is not None and (manual.varying or manual.unreduced
+                               or manual.reduced):
+      return False
+  return True
+
+
 def _abstract(*avals, functions, num_res, axes):
   del num_res
-  # The outputs' shapes and the mesh axes they vary over, as the map's own
-  # code gives them (inside shard_map they vary where the inputs do).
+  if _unplaced(avals):  # the traced shapes, behind each level's size
+    sizes = _level_sizes(avals, axes)
+    return [jax.core.ShapedArray(sizes + shape, dtype)
+            for shape, dtype in functions.outputs]
+  # On a mesh: the outputs' shapes, shardings and the mesh axes they vary
+  # over, as the map's own code gives them (inside shard_map they vary
+  # where the inputs do).
   return [jax.core.ShapedArray(o.shape, o.dtype,
                                sharding=getattr(o, "sharding", None),
                                manual_axis_type=o.manual_axis_type)
@@ -118,8 +158,8 @@ batching.primitive_batchers[_p] = _batch
 
 def _transpose(cts, *args, functions, num_res, axes):
   res, lin = args[:num_res], args[num_res:]
-  outs = jax.eval_shape(_mapped(functions.forward, axes),
-                        *res, *(x.aval for x in lin))
+  outs = _abstract(*map(jax.typeof, res), *(x.aval for x in lin),
+                   functions=functions, num_res=num_res, axes=axes)
   cts = [jnp.zeros(o.shape, o.dtype) if type(ct) is ad.Zero else ct
          for ct, o in zip(cts, outs)]
   # Cotangents are mapped at every level (so are the outputs); a linear
@@ -170,7 +210,7 @@ ad.primitive_jvps[_p] = _jvp
 
 
 def linear_map(tangent: Callable, transpose: Callable, residuals, linear, *,
-               refusal: str | None = None):
+               outputs=None, refusal: str | None = None):
   """``tangent(residuals, linear)``, transposed by ``transpose``.
 
   ``tangent`` must be linear in ``linear`` (a pytree of float arrays) and
@@ -178,12 +218,20 @@ def linear_map(tangent: Callable, transpose: Callable, residuals, linear, *,
   ``linear`` (same tree, shapes and dtypes) from those of the outputs.
   With ``refusal``, ``tangent`` only gives the outputs' shapes (zeros) and
   evaluating the map, forward mode, raises ``ValueError(refusal)``;
-  reverse mode, which only transposes it, is unaffected.
+  reverse mode, which only transposes it, is unaffected. ``outputs``: the
+  map's outputs' shapes and dtypes (a pytree of arrays or
+  ``ShapeDtypeStruct``s) where the caller knows them, e.g. a kernel's
+  tangent has its primal outputs' shapes; None traces ``tangent`` once for
+  them (reverse mode never evaluates it, and every later shape is derived
+  from these).
   """
   res_leaves, res_tree = jax.tree.flatten(residuals)
   lin_leaves, lin_tree = jax.tree.flatten(linear)
-  out_tree = jax.tree.structure(jax.eval_shape(tangent, residuals, linear))
+  if outputs is None:
+    outputs = jax.eval_shape(tangent, residuals, linear)
+  out_leaves, out_tree = jax.tree.flatten(outputs)
   functions = _Functions(tangent, transpose, res_tree, lin_tree, out_tree,
+                         tuple((tuple(o.shape), o.dtype) for o in out_leaves),
                          refusal)
   out = _p.bind(*res_leaves, *lin_leaves, functions=functions,
                 num_res=len(res_leaves), axes=())

@@ -654,7 +654,9 @@ def _attend_jvp(st, primals, tangents):
                            is_leaf=lambda x: x is None)
     d_out, d_lse = linear_map.linear_map(
         functools.partial(tangent, st),
-        functools.partial(_transpose, st, present), residuals, linear)
+        functools.partial(_transpose, st, present), residuals, linear,
+        outputs=(jax.ShapeDtypeStruct(out.shape, out.dtype),  # [Tp, Hv]
+                 jax.ShapeDtypeStruct(lse.shape, jnp.float32)))  # [Tp]
   return (out, lse, max_logits, code), (d_out, d_lse, zeros(max_logits),
                                         zeros(code))
 

@@ -68,7 +68,7 @@ def run(kernel: base.Kernel, call: Callable, problem: base.Problem):
 
     d_result = linear_map.linear_map(
         zeros, lambda pullback, cts: pullback(cts), pullback,
-        tuple(tangents), refusal=refusal(kernel))
+        tuple(tangents), outputs=result, refusal=refusal(kernel))
     return result, d_result
 
   return differentiable(*(leaves[i] for i in where))

@@ -266,7 +266,9 @@ def _ring_jvp(rg, primals, tangents):
             flash_core.const_tangents(ex.mod_consts, d_ex.mod_consts))
   d_out, d_lse = linear_map.linear_map(
       functools.partial(_ring_tangent, rg),
-      functools.partial(_ring_transpose, rg), residuals, linear)
+      functools.partial(_ring_transpose, rg), residuals, linear,
+      outputs=(jax.ShapeDtypeStruct(out.shape, jnp.float32),  # [n*Tp, Hv]
+               jax.ShapeDtypeStruct(lse.shape, jnp.float32)))  # [n*Tp]
   zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
   return ((out.astype(v.dtype), lse, max_logits, code),
           (d_out.astype(v.dtype), d_lse, zeros(max_logits), zeros(code)))
