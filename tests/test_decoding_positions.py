@@ -27,6 +27,10 @@ class Recording(aj.kernels.Flash):
   name = "recording_flash"
   seen: list = []  # noqa: RUF012 - shared by the test's calls
 
+  # It records each call's mask (a Python side effect, read as concrete
+  # arrays by the tests): not under jit, where it would run once a trace.
+  jit = False
+
   def __call__(self, problem):
     Recording.seen.append(problem.mask)
     return super().__call__(problem)

@@ -23,7 +23,9 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.typing import ArrayLike
+import numpy as np
 
 from attention_jax import kernels
 from attention_jax.core import checks
@@ -56,11 +58,51 @@ def run(query, key, value, mask=None, *, bias=None, scale=None,
   call = kernel
   if problem.partition is not None and not kernel.partitionable:
     call = functools.partial(per_shard.run, kernel)
+  elif (kernel.jit and not isinstance(problem.ops.query, jax.core.Tracer)
+        and not isinstance(jnp.zeros(()), jax.core.Tracer)):
+    # An eager call (its query concrete, and no trace under way: a
+    # constant made now is concrete; under jit or eval_shape it is not,
+    # and the enclosing trace compiles the kernel anyway): one program.
+    call = functools.partial(compiled, kernel)
   if kernel.forward_mode:
     result = call(problem)
   else:  # jax.jvp through it raises a ValueError naming it
     result = forward_mode.run(kernel, call, problem)
   return base.asked_result(kernel, problem, result)
+
+
+def compiled(kernel: base.Kernel, problem: base.Problem):
+  """``kernel(problem)`` (a kernel that says ``jit = True``) under
+  ``jax.jit`` when no array of the problem is traced already (an eager
+  call): one program for the kernel instead of one compiled and
+  dispatched per operation (15% fewer CPU-seconds over four layer test
+  files). The arrays are its arguments; everything else of the record
+  (its structure, Python numbers, callables, the kernel) keys its cache,
+  so an eager call with another mask structure or score modifier
+  compiles once more. A record with something unhashable runs as it is.
+  """
+  leaves, tree = jax.tree.flatten(problem)
+  arrays, static = [], []
+  for x in leaves:
+    if isinstance(x, jax.core.Tracer):  # (under a transformation)
+      return kernel(problem)
+    array = isinstance(x, (jax.Array, np.ndarray))
+    arrays += [x] if array else []
+    static.append(None if array else x)  # (a pytree has no None leaf)
+  try:
+    hash((kernel, tree, tuple(static)))
+  except TypeError:
+    return kernel(problem)
+  return _jitted(kernel, tree, tuple(static), *arrays)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _jitted(kernel, tree, static, *arrays):
+  leaves, arrays = list(static), iter(arrays)
+  for i, x in enumerate(leaves):
+    if x is None:  # an array's place
+      leaves[i] = next(arrays)
+  return kernel(jax.tree.unflatten(tree, leaves))
 
 
 def prepare(query, key, value, mask=None, *, bias=None, scale=None,

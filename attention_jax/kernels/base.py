@@ -951,6 +951,13 @@ class Kernel:
   # blockwise kernels set ``MIN_SCORES``, below which the dense kernel is
   # as fast and also yields the weights (docs/performance.md). 0: never.
   min_scores: ClassVar[int] = 0
+  # Whether an eager call runs it under ``jax.jit`` (one program instead of
+  # one per operation; ``dot_product.compiled``): for a kernel that is a
+  # pure function of the problem's arrays, with no Python side effects
+  # (under jit they happen when it is traced, not at every call) and no
+  # concrete reads of them (they are traced). The library's dense and
+  # flash kernels say True; a subclass that records calls says False.
+  jit: ClassVar[bool] = False
 
   def supports(self, problem: Problem) -> str | None:
     """Why this kernel cannot run a call it declares (shapes, dtypes,

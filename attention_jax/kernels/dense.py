@@ -37,6 +37,7 @@ from attention_jax.masking import intervals
 class Dense(base.Kernel):
   """Materialises one head's ``[T, S]`` scores: every feature, O(T * S)."""
   name = "dense"
+  jit = True  # pure: eager calls compile it whole
   # Every mask field and option: the reference the others are checked by.
   implements = base.MASK_FIELDS | (base.OPTIONS - {"pages"})
 

@@ -45,6 +45,7 @@ class Flash(base.Kernel):
   block_q: int | None = None
   block_k: int | None = None
   name = "flash"
+  jit = True  # pure: eager calls compile it whole
   float64 = False  # float32 compute
   min_scores = base.MIN_SCORES
   implements = base.MASK_FIELDS | {"bias", "sinks", "score_mod",
