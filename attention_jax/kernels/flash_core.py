@@ -305,21 +305,14 @@ def _cleaned(st: Static, rows, j0, length, *, search: bool = True):
 
 
 def _zero_like_all(*operands):
-  """A float32 scalar 0 that varies as the operands do: over every manual
-  mesh axis they vary over, and every ``vmap`` axis they are mapped over.
+  """A float32 scalar 0 that varies over every manual mesh axis the operands do.
 
-  Loop inits add it. Inside ``jax.shard_map`` a loop carry must keep its
-  varying-axes type, and fresh constants (``jnp.zeros``) vary over none.
-  Under ``vmap`` (the heads) a carry that starts unmapped but comes out of
-  the body mapped makes JAX batch the body again; a loop inside it
-  doubles that again, and so on: with carries mapped from the start, one
-  causal flash gradient with lengths batched its loop bodies 80 times
-  instead of 120. The sum of an empty slice is 0 whatever the entries
-  (NaN and inf too) and is removed by XLA.
+  Inside ``jax.shard_map`` a loop carry must keep its varying-axes type; fresh
+  constants (``jnp.zeros``) vary over none, so loop inits add this zero.
   """
   zero = jnp.zeros((), jnp.float32)
   for x in jax.tree.leaves(operands):
-    zero = zero + jnp.sum(jnp.reshape(x, (-1,))[:0], dtype=jnp.float32)
+    zero = zero + jnp.zeros_like(x, jnp.float32, shape=())
   return zero
 
 
