@@ -5,6 +5,9 @@ with ``$XDG_CACHE_HOME`` and ``$HOME`` moved there too), so nothing reads or
 writes the real user cache. Most tests store entries with
 ``block_cache.store`` rather than timing: one test times (forward only, two
 candidates), and one runs the kernel at tuned and default blocks.
+``AutotuneChoiceTest`` fakes compiling and timing (known costs per pair):
+the fastest wins, each candidate is warmed up before it is timed, and a
+call the automatic choice gives another kernel is named.
 
 Shape glossary: B batch, N heads, T query length, S key/value length, H
 head dim.
@@ -51,7 +54,9 @@ def _store(blocks, query, key, value, mask=None, *, is_causal=False):
                            {"blocks": list(blocks)})
 
 
-class AutotuneTest(absltest.TestCase):
+class _CacheInTemp(absltest.TestCase):
+  """The cache in a temporary directory, and the process's memory of it
+  dropped before and after."""
 
   def setUp(self):
     super().setUp()
@@ -69,11 +74,16 @@ class AutotuneTest(absltest.TestCase):
     self.addCleanup(block_cache.forget)
     self.path = self.dir / "tuned" / block_cache.FILE_NAME
 
+
+class AutotuneTest(_CacheInTemp):
+
   def test_autotune_writes_the_winner_and_lookup_finds_it(self):
     q, k, v = _qkv()
     pairs = [(32, 64), (64, 32)]
-    tuned = aj.kernels.autotune(q, k, v, is_causal=True, candidates=pairs,
-                                repeats=1, fwd_bwd=False)
+    # (T * S below MIN_SCORES: the automatic choice runs dense, and says so)
+    with self.assertWarnsRegex(UserWarning, "runs the 'dense' kernel"):
+      tuned = aj.kernels.autotune(q, k, v, is_causal=True, candidates=pairs,
+                                  repeats=1, fwd_bwd=False)
     self.assertIn(tuned.blocks, pairs)
     self.assertEqual(set(tuned.timings), set(pairs))
     self.assertTrue(all(t > 0 for t in tuned.timings.values()))
@@ -256,6 +266,119 @@ class AutotuneTest(absltest.TestCase):
     with jax.enable_x64(True), self.assertRaisesRegex(ValueError, "float64"):
       aj.kernels.autotune(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
     self.assertFalse(self.path.exists())
+
+
+class _Run:
+  """A compiled program's stand-in: counts its runs."""
+
+  def __init__(self):
+    self.count = 0
+
+  def __call__(self):
+    self.count += 1
+
+
+class _FakeRuns:
+  """Stands in for compiling and timing: each candidate's run counts its
+  calls, and a timing costs what ``costs`` says (seconds by pair)."""
+
+  def __init__(self, costs):
+    self.costs, self.timed = costs, []
+
+  def compile(self, fn, args):
+    del fn, args
+    return _Run()
+
+  def seconds(self, candidate):
+    # How many runs the candidate had before this timing: the warm-up.
+    self.timed.append((candidate.blocks, candidate.run.count))
+    candidate.run()
+    return self.costs[candidate.blocks]
+
+  def __enter__(self):
+    self.patches = [mock.patch.object(tune, "_compile", self.compile),
+                    mock.patch.object(tune, "_seconds", self.seconds)]
+    for patch in self.patches:
+      patch.start()
+    return self
+
+  def __exit__(self, *exc):
+    for patch in self.patches:
+      patch.stop()
+
+
+class AutotuneChoiceTest(_CacheInTemp):
+  """Which candidate wins, how it is timed, and whether the automatic
+  choice ever runs it. Timings are faked (``_FakeRuns``): nothing runs."""
+
+  # More than FINALISTS, so the screening decides who reaches the finals.
+  COSTS = {(16, 16): 5.0, (16, 32): 3.0, (32, 16): 1.0, (32, 32): 4.0,
+           (64, 16): 2.0, (16, 64): 6.0}
+
+  def tune(self, *args, costs=None, **kwargs):
+    costs = self.COSTS if costs is None else costs
+    with _FakeRuns(costs) as fake, warnings.catch_warnings(record=True) as w:
+      warnings.simplefilter("always")
+      tuned = aj.kernels.autotune(*args, candidates=list(costs), repeats=3,
+                                  **kwargs)
+    return tuned, fake, [str(x.message) for x in w]
+
+  def test_the_fastest_candidate_wins(self):
+    self.assertGreater(len(self.COSTS), tune.FINALISTS)
+    tuned, _, _ = self.tune(*_qkv(), is_causal=True)
+    self.assertEqual(tuned.blocks, (32, 16))
+    self.assertEqual(tuned.timings, self.COSTS)
+    self.assertEqual(json.loads(self.path.read_text())["entries"][
+        tuned.key]["blocks"], [32, 16])
+    # Wherever the fastest stands in the list; ties go to the first given.
+    reordered = dict(reversed(list(self.COSTS.items())))
+    self.assertEqual(self.tune(*_qkv(), costs=reordered)[0].blocks,
+                     (32, 16))
+    tied = {(16, 16): 2.0, (32, 32): 1.0, (64, 64): 1.0}
+    self.assertEqual(self.tune(*_qkv(), costs=tied)[0].blocks, (32, 32))
+
+  def test_each_candidate_is_warmed_up_before_it_is_timed(self):
+    # A first run pays allocations and cold caches (up to 10x a later
+    # run's time): the screening times each candidate's second run.
+    _, fake, _ = self.tune(*_qkv(), is_causal=True)
+    first = {}
+    for pair, runs_before in fake.timed:
+      first.setdefault(pair, runs_before)
+    self.assertEqual(first, dict.fromkeys(self.COSTS, 1))
+    # Then 1 screening + `repeats` for each of the FINALISTS.
+    self.assertEqual(sorted(p for p, _ in fake.timed if _ > 1),
+                     sorted([(32, 16), (64, 16), (16, 32), (32, 32)] * 3))
+
+  def test_says_when_the_automatic_choice_runs_another_kernel(self):
+    # B2 N4 T=512: T * S is below MIN_SCORES, so the automatic choice runs
+    # the dense kernel and never reads the cache.
+    q = jnp.zeros((2, 4, 512, 16))
+    tuned, _, said = self.tune(q, q, q, is_causal=True)
+    self.assertEqual(tuned.automatic, "dense")
+    self.assertLen(said, 1)
+    self.assertRegex(said[0], r"automatic choice \(implementation=None\) "
+                     r"runs the 'dense' kernel for this call, not flash "
+                     r"\(flash declines: T \* S = 262144 is below 1048576.*"
+                     r"implementation='flash'.*aj.blockwise_attention")
+    self.assertEqual(aj.explain(q, q, q, is_causal=True).kernel, "dense")
+    # Cached all the same, for the calls that run flash.
+    self.assertEqual(aj.kernels.flash_blocks(q, q, q, is_causal=True),
+                     (32, 16, "cache"))
+    # At T * S >= MIN_SCORES the automatic choice is flash: no warning.
+    q = jnp.zeros((1, 1, 1024, 16))
+    tuned, _, said = self.tune(q, q, q, is_causal=True)
+    self.assertEqual((tuned.automatic, said), ("flash", []))
+
+  def test_a_kernel_registered_before_flash_is_named(self):
+    class First(aj.kernels.Dense):
+      name = "first"
+
+    q = jnp.zeros((1, 1, 1024, 16))
+    with aj.kernels.register(First(), before="flash"):
+      tuned, _, said = self.tune(q, q, q)
+    self.assertEqual(tuned.automatic, "first")
+    self.assertRegex(said[0], r"runs the 'first' kernel .*\('first' comes "
+                     r"first in aj.kernels.REGISTRY\)")
 
 
 if __name__ == "__main__":

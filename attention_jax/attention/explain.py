@@ -207,14 +207,13 @@ def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
     elif verdict == "takes":
       chosen, verdict = kernel, "runs"
     verdicts.append(Verdict(kernel.name, verdict, reason))
-  ops = problem.ops
   explained = Explanation(
       None if chosen is None else chosen.name, automatic, tuple(verdicts),
       checks.shape_of(query), checks.shape_of(key))
   if chosen is None:
     return explained
   if isinstance(chosen, flash.Flash):
-    return _flash_blocks(explained, chosen, ops)
+    return _flash_blocks(explained, chosen, problem)
   if isinstance(chosen, kernels.Splash):
     return dataclasses.replace(
         explained, block_sizes=(chosen.block_q, chosen.block_kv),
@@ -227,11 +226,12 @@ def _explain(query, key, value, mask, *, bias, scale, is_causal, score_mod,
 
 
 def _flash_blocks(explained: Explanation, kernel: flash.Flash,
-                  ops: base.Operands) -> Explanation:
+                  problem: base.Problem) -> Explanation:
   """``explained`` with the flash kernel's blocks and its walk's counts."""
-  # What Flash.__call__ runs: given, a block mask's, tuned, else defaults.
-  bq, bk, _ = block_cache.blocks(ops, kernel.block_q, kernel.block_k)
-  ops = flash.with_rule_tables(ops, bq, bk)  # what the kernel runs with
+  # What Flash.__call__ runs: given, a block mask's, tuned (not with
+  # dropout: the key says so), else defaults.
+  bq, bk, _ = block_cache.blocks(problem, kernel.block_q, kernel.block_k)
+  ops = flash.with_rule_tables(problem.ops, bq, bk)  # what the kernel runs with
   t, s = ops.query.shape[-2], ops.key.shape[-2]
   bq, bk = min(bq, t), min(bk, s)  # as flash_core.static clips them
   explained = dataclasses.replace(explained, block_sizes=(bq, bk))

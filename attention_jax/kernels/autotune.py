@@ -7,24 +7,29 @@ head dim; ``...`` leading dims that broadcast (e.g. ``B, N``).
 CPU; another machine may prefer others. ``autotune(query, key, value,
 mask, ...)`` times ``Flash(block_q, block_k)`` at candidate pairs for that
 call's lengths, head dims, dtype, head count and pattern on this backend
-(compiled; every pair run once, the fastest few then the median of
-``repeats`` runs; forward and backward by default, training being the
-common case) and writes the winner to this machine's cache
-(``block_cache``). From then on ``Flash()`` without block sizes (the
-automatic choice, ``aj.blockwise_attention``) runs the cached pair for
-calls with the same key; ``flash_blocks`` says which pair a call would run
-and whether it came from the cache. The library never tunes by itself:
-only a call of ``autotune`` times anything.
+(compiled; every pair warmed up untimed, then run once, the fastest few
+then the median of ``repeats`` runs; forward and backward by default,
+training being the common case) and writes the winner to this machine's
+cache (``block_cache``). From then on ``Flash()`` without block sizes (the
+automatic choice where it runs flash, ``aj.blockwise_attention``) runs the
+cached pair for calls with the same key; ``flash_blocks`` says which pair
+a call would run and whether it came from the cache, ``automatic_kernel``
+whether the automatic choice runs flash at all (``autotune`` warns when it
+does not). The library never tunes by itself: only a call of
+``autotune`` times anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 import pathlib
 import statistics
+import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +46,20 @@ from attention_jax.masking import mask as mask_lib
 # rounded up to a power of two (larger ones are clipped to the length: the
 # same walk). 4 x 4 pairs at most.
 GRID = (128, 256, 512, 1024)
-# Every candidate runs once (its first run, timed: a screening); only the
-# FINALISTS fastest then run ``repeats`` more times for a median. At B4 N8
-# T=2048 fwd+bwd a run takes seconds on 2 cores: 16 candidates timed
-# 1 + repeats times each would take minutes, the screening alone about one.
+# Every candidate runs once untimed (the warm-up), then once timed (the
+# screening); only the FINALISTS fastest then run ``repeats`` more times
+# for a median. At B4 N8 T=2048 fwd+bwd a run takes seconds on 2 cores: 16
+# candidates timed 1 + repeats times each would take minutes; the
+# screening took about one, and the warm-up as long again.
 FINALISTS = 4
+# The warning of a tuning the automatic choice would not use.
+_UNUSED = (
+    "autotune: the automatic choice (implementation=None) runs the {kernel!r}"
+    " kernel for this call, not flash ({why}), so it never reads the blocks"
+    " tuned here. They apply where the flash kernel runs: "
+    "implementation='flash' (or aj.kernels.Flash()), or "
+    "aj.blockwise_attention without block_q/block_k. Check a call with "
+    "aj.explain(...).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,23 +69,37 @@ class Tuned:
   Attributes:
     blocks: the fastest ``(block_q, block_k)``.
     timings: ``{(block_q, block_k): seconds}``: the ``FINALISTS``' medians
-      of ``repeats`` runs; the others' one screening run (their first run,
-      which also warms up: a little high).
+      of ``repeats`` runs; the others' one screening run (each after an
+      untimed warm-up run).
     key: the cache key of the call (``block_cache.cache_key``: this
       machine's fingerprint and the call's signature).
     path: the cache file written, or None (``cache=False``, the cache
       ``off``, or a ``BlockMask`` with tables, whose sizes nothing
       overrides).
+    automatic: the kernel the automatic choice (``implementation=None``)
+      runs for this call on this backend (``automatic_kernel``):
+      ``"flash"`` when it runs the tuned blocks; another name
+      (``"dense"`` below ``MIN_SCORES`` scores per head, a fused kernel
+      on a GPU or TPU) means they apply only where flash is asked for
+      (``implementation="flash"``, ``aj.blockwise_attention``), and
+      ``autotune`` warned so.
   """
   blocks: tuple[int, int]
   timings: dict[tuple[int, int], float]
   key: str
   path: pathlib.Path | None = None
+  automatic: str = "flash"
 
 
 def _problem(query, key, value, mask, *, bias, scale, score_mod, sinks):
   return base.canonicalize(query, key, value, mask, bias=bias, scale=scale,
                            score_mod=score_mod, sinks=sinks)
+
+
+def _problem_of(q, k, v, m, b, s, *, scale, score_mod):
+  """The timed program's ``Problem`` (its operands, positionally)."""
+  return _problem(q, k, v, m, bias=b, scale=scale, score_mod=score_mod,
+                  sinks=s)
 
 
 def flash_blocks(query, key, value, mask=None, *, bias=None, scale=None,
@@ -178,10 +206,79 @@ def _check_candidates(candidates, problem: base.Problem):
   return pairs
 
 
-def _seconds(compiled, args) -> float:
+class _Candidate(NamedTuple):
+  blocks: tuple[int, int]  # (block_q, block_k)
+  run: Callable[[], Any]  # one call of the compiled program on the operands
+
+
+def _compile(fn, args) -> Callable[[], Any]:
+  """``fn`` compiled for ``args`` (compile time is never timed), as a
+  call on them."""
+  return functools.partial(jax.jit(fn).lower(*args).compile(), *args)
+
+
+def _seconds(candidate: _Candidate) -> float:
+  """Wall seconds of one run of ``candidate``, to its outputs' readiness."""
   start = time.perf_counter()
-  jax.block_until_ready(compiled(*args))
+  jax.block_until_ready(candidate.run())
   return time.perf_counter() - start
+
+
+def _compiled(pairs, problem_of, args, fwd_bwd: bool) -> list[_Candidate]:
+  """Each pair's program (``Flash(block_q, block_k)`` on the operands;
+  with ``fwd_bwd``, ``jax.grad`` of the output's sum in q, k and v), run
+  once untimed: a first run pays allocations and cold caches (up to ten
+  times a later one's time measured), which the screening must not."""
+
+  def attend(kernel, q, k, v, m, b, s):
+    return kernel(problem_of(q, k, v, m, b, s)).out
+
+  def loss(kernel, *a):
+    return jnp.sum(attend(kernel, *a).astype(jnp.float32))
+
+  found = []
+  for bq, bk in pairs:
+    kernel = flash.Flash(bq, bk)
+    fn = (jax.grad(functools.partial(loss, kernel), argnums=(0, 1, 2))
+          if fwd_bwd else functools.partial(attend, kernel))
+    candidate = _Candidate((bq, bk), _compile(fn, args))
+    jax.block_until_ready(candidate.run())  # the warm-up, untimed
+    found.append(candidate)
+  return found
+
+
+def _fastest(candidates: list[_Candidate], repeats: int
+             ) -> tuple[tuple[int, int], dict[tuple[int, int], float]]:
+  """``(the fastest pair, {pair: seconds})``: every candidate timed once
+  (the screening), the ``FINALISTS`` fastest then by the median of
+  ``repeats`` runs; ties go to the earlier candidate."""
+  timings = {c.blocks: _seconds(c) for c in candidates}
+  finalists = sorted(candidates, key=lambda c: timings[c.blocks])[:FINALISTS]
+  for c in finalists:
+    timings[c.blocks] = statistics.median(
+        _seconds(c) for _ in range(repeats))
+  order = [c.blocks for c in candidates]  # the given order, for ties
+  winner = min((c.blocks for c in finalists),
+               key=lambda pair: (timings[pair], order.index(pair)))
+  return winner, timings
+
+
+def automatic_kernel(problem: base.Problem) -> tuple[str, str | None]:
+  """``(name, why)``: the kernel the automatic choice
+  (``implementation=None``) runs for ``problem`` on this backend, and why
+  it passes over the flash kernel (None when it runs flash)."""
+  # The package's REGISTRY (register() rebinds it), read when called: the
+  # package imports this module, so importing it would be a cycle.
+  registry = sys.modules[__package__].REGISTRY
+  chosen = base.choose(registry, problem, automatic=True)
+  if chosen.name == flash.Flash.name:
+    return chosen.name, None
+  for kernel, verdict, reason in base.verdicts(registry, problem, True):
+    if kernel.name == flash.Flash.name:
+      return chosen.name, (f"flash {verdict}: {reason}" if reason
+                           else f"{chosen.name!r} comes first in "
+                           "aj.kernels.REGISTRY")
+  return chosen.name, "flash is not in aj.kernels.REGISTRY"
 
 
 def autotune(query, key, value, mask=None, *, bias=None, scale=None,
@@ -192,17 +289,26 @@ def autotune(query, key, value, mask=None, *, bias=None, scale=None,
   """Times the flash kernel at candidate block sizes for one call.
 
   Each candidate runs ``Flash(block_q, block_k)`` on these operands,
-  compiled (``jax.jit``, compile time not counted), once (a screening
-  that also warms up); the ``FINALISTS`` (4) fastest then run ``repeats``
-  times more, and the one with the least median wins. With ``fwd_bwd`` it times
+  compiled (``jax.jit``, compile time not counted), once untimed (a
+  warm-up: a first run can take ten times a later one), then once timed (a
+  screening); the ``FINALISTS`` (4) fastest then run ``repeats`` times
+  more, and the one with the least median wins. With ``fwd_bwd`` it times
   ``jax.grad`` of the output's sum with respect to query, key and value
   (a training step's attention); else the forward alone. The winner is
   written to this machine's cache under the call's key, where ``Flash()``
   without sizes finds it (``flash_blocks`` shows it): calls of the same
-  lengths, head dims, dtype, head count and pattern kind then run it.
-  About a minute at B4 N8 T=2048 fwd+bwd on 2 CPU cores; call it once
-  per shape, outside ``jax.jit``, on the machine that will run, with
-  nothing else loading it (other work skews the timings).
+  lengths, head dims, dtype, head counts, pattern kind, score modifier
+  and no dropout then run it. At B4 N8 T=2048 fwd+bwd on 2 CPU cores the
+  screening took about a minute, and the warm-up runs as long again; call
+  it once per shape, outside ``jax.jit``, on the machine that will run,
+  with nothing else loading it (other work skews the timings).
+
+  Only the flash kernel reads tuned blocks. Where the automatic choice
+  runs another kernel for this call (``dense`` below ``MIN_SCORES``
+  scores per head, e.g. B2 N4 T=512; a fused kernel on a GPU or TPU) the
+  tuning still runs and is cached, for calls that ask for flash
+  (``implementation="flash"``, ``aj.blockwise_attention``), and a
+  ``UserWarning`` says so; ``Tuned.automatic`` names the kernel.
 
   Args:
     query: float ``[..., T, H]`` (concrete: it runs).
@@ -226,7 +332,8 @@ def autotune(query, key, value, mask=None, *, bias=None, scale=None,
 
   Returns:
     A ``Tuned``: ``blocks`` the winner, ``timings`` every pair's seconds,
-    ``key`` the cache key, ``path`` the file written (or None).
+    ``key`` the cache key, ``path`` the file written (or None),
+    ``automatic`` the kernel the automatic choice runs for this call.
 
   Raises:
     TypeError: traced operands (call it outside ``jax.jit``), or badly
@@ -241,6 +348,8 @@ def autotune(query, key, value, mask=None, *, bias=None, scale=None,
     ...                             repeats=1, cache=False)
     >>> tuned.blocks in tuned.timings
     True
+    >>> tuned.automatic  # T * S below MIN_SCORES: flash only when asked for
+    'dense'
   """
   for name, flag in (("is_causal", is_causal), ("fwd_bwd", fwd_bwd),
                      ("cache", cache)):
@@ -261,30 +370,14 @@ def autotune(query, key, value, mask=None, *, bias=None, scale=None,
                      f"call: {reason}.")
   pairs = (default_candidates(problem) if candidates is None
            else _check_candidates(candidates, problem))
-
-  def attend(kernel, q, k, v, m, b, s):
-    return kernel(_problem(q, k, v, m, bias=b, scale=scale,
-                           score_mod=score_mod, sinks=s)).out
-
-  def loss(kernel, q, k, v, m, b, s):
-    return jnp.sum(attend(kernel, q, k, v, m, b, s).astype(jnp.float32))
-
-  args = (query, key, value, mask, bias, sinks)
-  compiled, timings = {}, {}
-  for bq, bk in pairs:
-    kernel = flash.Flash(bq, bk)
-    fn = (jax.grad(lambda *a, kernel=kernel: loss(kernel, *a),
-                   argnums=(0, 1, 2)) if fwd_bwd
-          else lambda *a, kernel=kernel: attend(kernel, *a))
-    compiled[(bq, bk)] = jax.jit(fn).lower(*args).compile()
-    # The screening run doubles as the warm-up (first-run allocations).
-    timings[(bq, bk)] = _seconds(compiled[(bq, bk)], args)
-  finalists = sorted(pairs, key=lambda pair: timings[pair])[:FINALISTS]
-  for pair in finalists:
-    timings[pair] = statistics.median(
-        _seconds(compiled[pair], args) for _ in range(repeats))
-  finalists = [pair for pair in pairs if pair in finalists]  # given order
-  winner = min(finalists, key=lambda pair: timings[pair])  # ties: the first
+  automatic, why = automatic_kernel(problem)
+  if why is not None:
+    warnings.warn(_UNUSED.format(kernel=automatic, why=why), stacklevel=2)
+  problem_of = functools.partial(_problem_of, scale=scale,
+                                 score_mod=score_mod)
+  winner, timings = _fastest(
+      _compiled(pairs, problem_of, (query, key, value, mask, bias, sinks),
+                fwd_bwd), repeats)
   key_text = block_cache.cache_key(problem)
   path = None
   bm = problem.ops.rule
@@ -296,4 +389,4 @@ def autotune(query, key, value, mask=None, *, bias=None, scale=None,
         "mode": "fwd+bwd" if fwd_bwd else "fwd",
         "repeats": repeats,
     })
-  return Tuned(winner, timings, key_text, path)
+  return Tuned(winner, timings, key_text, path, automatic)

@@ -18,8 +18,9 @@ The cache is one JSON file, ``{"version": 1, "entries": {key: entry}}``:
   else ``~/.cache/attention_jax/flash_blocks.json``;
 * the key (``cache_key``): this machine's ``fingerprint`` (so another
   machine, or another jax, never reuses a timing) and the call's
-  ``signature`` (lengths, head dims, dtype, head counts, the pattern's
-  kind);
+  ``signature`` (lengths, head dims, dtype, head and key/value head
+  counts, the pattern's kind and window size, the score modifier's name,
+  dropout);
 * read once per process and path, then held in memory (a write by this
   process updates it; another process's write is seen after a restart);
   written atomically (a temporary file, then ``os.replace``), so a reader
@@ -133,8 +134,27 @@ def fingerprint(backend: str | None = None) -> dict[str, str]:
   return dict(_machine(backend or jax.default_backend()))
 
 
-def signature(ops: base.Operands) -> dict[str, Any]:
-  """What of one call decides its best blocks (``ops``: ``Problem.ops``).
+def modifier_name(score_mod) -> str | None:
+  """A score modifier's name for the key: the module and qualified name of
+  its function (of a ``ScoreMod``'s ``fn``; a chain's parts joined by
+  ``+``), the same in every process. None without one."""
+  if score_mod is None:
+    return None
+  parts = getattr(score_mod, "params", None)
+  if (hasattr(score_mod, "fn") and isinstance(parts, tuple) and parts
+      and all(hasattr(p, "fn") for p in parts)):  # score_mods.chain
+    return "+".join(modifier_name(p) for p in parts)
+  fn = getattr(score_mod, "fn", score_mod)
+  while isinstance(fn, functools.partial):  # chain's plain_fn(mod, ...)
+    fn = fn.args[0] if fn.args and callable(fn.args[0]) else fn.func
+  named = fn if hasattr(fn, "__qualname__") else type(fn)
+  return f"{named.__module__}.{named.__qualname__}"
+
+
+def signature(ops: base.Operands, *, dropout: bool = False
+              ) -> dict[str, Any]:
+  """What of one call decides its best blocks (``ops``: ``Problem.ops``;
+  ``dropout``: whether it drops entries, ``Problem.dropout_on``).
 
   Lengths, head dims and dtype set each block's work. The leading dims
   count as products (``heads``: of the broadcast leading dims, ``kv_heads``:
@@ -143,9 +163,13 @@ def signature(ops: base.Operands) -> dict[str, Any]:
   program, while ``kv_heads`` tells grouped-query calls (keys shared by
   ``heads / kv_heads`` query heads) from the others. The pattern's kind
   decides which blocks the walk skips or runs unmasked: causality, the
-  window's size, and whether segment ids, query/key lengths, a dense mask,
-  a rule, a bias, a score modifier or positions (offsets) are present;
-  their values are arrays, often traced, and not part of the key.
+  window's size (a window of 16 skips most blocks of 128, one of 200 few),
+  and whether segment ids, query/key lengths, a dense mask, a rule, a bias
+  or positions (offsets) are present; their values are arrays, often
+  traced, and not part of the key. Work per score: which score modifier
+  (by name: ``modifier_name``; a soft cap's tanh costs more than ALiBi's
+  multiply-add) and whether dropout draws a hash per entry (and again in
+  the backward).
   """
   # The output dtype (Problem.out_dtype), by promote_types: a quarter of
   # result_type's cost, paid at every flash trace.
@@ -166,8 +190,9 @@ def signature(ops: base.Operands) -> dict[str, Any]:
       "dense_mask": ops.dense is not None,
       "rule": ops.rule is not None,
       "bias": ops.bias is not None,
-      "score_mod": ops.score_mod is not None,
+      "score_mod": modifier_name(ops.score_mod),
       "offsets": ops.q_offset is not None or ops.kv_offset is not None,
+      "dropout": bool(dropout),
   }
 
 
@@ -177,10 +202,12 @@ def _flat(fields: dict[str, Any]) -> str:
 
 
 def cache_key(problem) -> str:
-  """The cache's key of a call (a ``Problem`` or its ``Operands``):
-  ``fingerprint()`` and ``signature(ops)``, readable, ``|`` between them."""
+  """The cache's key of a call (a ``Problem`` or its ``Operands``, which
+  count as a call without dropout): ``fingerprint()`` and
+  ``signature(ops)``, readable, ``|`` between them."""
   ops = getattr(problem, "ops", problem)
-  return _flat(fingerprint()) + "|" + _flat(signature(ops))
+  dropout = getattr(problem, "dropout_rng", None) is not None  # dropout_on
+  return _flat(fingerprint()) + "|" + _flat(signature(ops, dropout=dropout))
 
 
 def _valid(entry) -> bool:

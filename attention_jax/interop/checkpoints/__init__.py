@@ -20,8 +20,10 @@ Nothing is mapped by a guess: a config of another model type is refused (a
 look-alike family can differ where the weights do not show it, e.g.
 Cohere's interleaved rotary pairs), and so is a config without
 ``model_type`` that carries another family's keys, a fused q/k/v weight the
-family does not read, a size whose default differs between config classes,
-and rope parameters the layer's type has no entry for. ``overrides=``
+family does not read, weights laid out as another family's (named, as the
+``family=`` to pass), a size whose default differs between config classes,
+rope parameters the layer's type has no entry for, and a scaled rope
+without a pretraining length (nor transformers' fallback for it). ``overrides=``
 replaces what the loader inferred (``OVERRIDABLE``) for a port that knows
 better.
 """
@@ -365,13 +367,13 @@ def load_attention_weights(
                      f"{count} layers (0 <= layer < {count}).")
   if prefix is None:
     prefix = reading.find_prefix(state_dict, spec, layer, attention,
-                                 FAMILIES)
+                                 FAMILIES, cfg)
   elif not isinstance(prefix, str):
     raise TypeError(f"prefix must be a string such as "
                     f"'model.layers.{layer}.self_attn.', got {prefix!r}.")
   elif prefix and not prefix.endswith("."):
     prefix += "."
-  read = reading.Reader(state_dict, prefix, spec, layer, FAMILIES)
+  read = reading.Reader(state_dict, prefix, spec, layer, FAMILIES, cfg)
   arrays, options, notes = spec.build(cfg, layer, read, overrides, attention)
   read.check_all_taken(notes)
   options.update(overrides)

@@ -31,6 +31,9 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
 DEFAULT_ORIGINAL = {"phi3": 4096}
 # Config classes whose partial_rotary_factor defaults below 1.
 DEFAULT_PARTIAL = {"qwen3_next": 0.25}
+# Rope types that scale from a pretraining length (HF standardises
+# original_max_position_embeddings for these).
+_PRETRAINED = ("llama3", "yarn", "longrope")
 # rope_type -> our Rope scaling.
 ROPE_SCALINGS = {"default": "none", "linear": "linear",
                   "dynamic": "dynamic", "llama3": "llama3", "yarn": "yarn",
@@ -177,11 +180,8 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
   if partial and fraction is not None:
     fields["fraction"] = float(fraction)
   max_positions = cfg.get("max_position_embeddings")
-  # HF's standardisation: a top-level original_max_position_embeddings wins,
-  # then rope_parameters', then max_position_embeddings.
-  original = cfg.get("original_max_position_embeddings",
-                     DEFAULT_ORIGINAL.get(family, p.get(
-                         "original_max_position_embeddings", max_positions)))
+  original = (original_positions(cfg, p, family, rope_type, layer)
+              if rope_type in _PRETRAINED else None)
   if rope_type in ("linear", "dynamic", "llama3"):
     fields["factor"] = float(need("factor"))
   if rope_type == "dynamic":  # HF's dynamic NTK reads max_position_embeddings
@@ -200,6 +200,46 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
   except (TypeError, ValueError) as e:
     raise ValueError(f"config's rope parameters {p} (layer {layer}) do not "
                      f"make an aj.Rope: {e}") from e
+
+
+def original_positions(cfg: Mapping[str, Any], p: Mapping[str, Any],
+                       family: str, rope_type: str, layer: int) -> int:
+  """The pretraining context length a llama3/YaRN/LongRoPE rope scales from,
+  as transformers' ``standardize_rope_params`` fills it in: a top-level
+  ``original_max_position_embeddings`` (Phi-3's config class has one,
+  4096) wins over the rope parameters', and without either it is
+  ``max_position_embeddings`` (no scaling at all: factor 1)."""
+  if "original_max_position_embeddings" in cfg:
+    where, value = ("config['original_max_position_embeddings']",
+                    cfg["original_max_position_embeddings"])
+  elif family in DEFAULT_ORIGINAL:
+    return DEFAULT_ORIGINAL[family]
+  elif "original_max_position_embeddings" in p:
+    where, value = ("the rope parameters' 'original_max_position_embeddings'",
+                    p["original_max_position_embeddings"])
+  elif cfg.get("max_position_embeddings") is not None:
+    where, value = ("config['max_position_embeddings'] (transformers' "
+                    "fallback for a missing original_max_position_embeddings)",
+                    cfg["max_position_embeddings"])
+  else:  # HF would take its config class's default, which differs by class
+    raise ValueError(
+        f"config's rope_type {rope_type!r} (layer {layer}) needs "
+        "'original_max_position_embeddings', the context length the model "
+        "was pretrained at: the config has it neither at its top level nor "
+        "in rope_parameters / rope_scaling, and has no "
+        "'max_position_embeddings' either (transformers' fallback for it, "
+        f"whose default differs between config classes). Add "
+        "'original_max_position_embeddings' to the rope parameters (the "
+        "model's config.json or model card gives it, e.g. 4096 for Phi-3 "
+        "mini, 8192 for Llama 3.1).")
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
+      value < 1):
+    raise ValueError(
+        f"{where} must be a positive int (the context length the model was "
+        f"pretrained at) for rope_type {rope_type!r} (layer {layer}), got "
+        f"{value!r}; transformers cannot compute this rope from it either. "
+        "Set it to the model's pretraining length (e.g. 4096).")
+  return int(value)
 
 
 def _yarn_fields(p: Mapping[str, Any], need: Callable[[str], Any],

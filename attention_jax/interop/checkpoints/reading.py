@@ -52,8 +52,8 @@ def positive_int(cfg: Mapping[str, Any], name: str, family: str) -> int:
 
 
 def find_prefix(state: Mapping[str, Any], family: registry.Family, layer: int,
-                attention: str,
-                known: Mapping[str, registry.Family]) -> str:
+                attention: str, known: Mapping[str, registry.Family],
+                config: Mapping[str, Any] | None = None) -> str:
   """The layer's attention prefix, found by its anchor weight's name."""
   tail = family.layer_prefix(layer, attention) + family.anchor
   found = sorted(k[:-len(family.anchor)] for k in state
@@ -69,6 +69,7 @@ def find_prefix(state: Mapping[str, Any], family: registry.Family, layer: int,
             f"attention layer (Gated DeltaNet, {linear!r}), not softmax "
             "attention: load_attention_weights reads its full_attention "
             "layers (config['layer_types']).")
+    refuse_other_family(state, family, tail, layer, known, config)
   if len(found) != 1:
     raise ValueError(
         f"state_dict has {'no key' if not found else 'several keys'} ending "
@@ -76,6 +77,68 @@ def find_prefix(state: Mapping[str, Any], family: registry.Family, layer: int,
         f"prefix= (the layer's attention prefix, e.g. "
         f"{'model.' + family.layer_prefix(layer, attention)!r}).")
   return found[0]
+
+
+def look_alikes(state: Mapping[str, Any], family: registry.Family,
+                layer: int, known: Mapping[str, registry.Family],
+                config: Mapping[str, Any] | None = None,
+                prefix: str | None = None) -> tuple[list[str], str]:
+  """The other families whose anchor weight for layer ``layer`` the state
+  dict has (under ``prefix`` if given), and that key.
+
+  Families whose attention reads every sign key (``registry.SIGNS``) the
+  config carries come first: a config with a sliding window points to the
+  windowed families among those with the same weight names."""
+  names, hit = [], ""
+  for other in known.values():
+    if other.name == family.name:
+      continue
+    for attention in other.attentions:
+      if prefix is not None:  # the anchor under the prefix given
+        keys = [prefix + other.anchor] if prefix + other.anchor in state else []
+      else:
+        tail = other.layer_prefix(layer, attention) + other.anchor
+        keys = sorted(k for k in state if (k == tail or k.endswith(
+            "." + tail)) and "vision" not in k)
+      if keys:
+        names.append(other.name)
+        hit = hit or keys[0]
+        break
+  signs = {k for k in registry.SIGNS if (config or {}).get(k) is not None}
+
+  def fit(name):  # a given prefix in the family's own pattern, then signs
+    layout = known[name]
+    placed = prefix is None or any(
+        prefix.endswith(layout.layer_prefix(layer, a))
+        for a in layout.attentions)
+    return (not placed, bool(signs - set(layout.reads)))
+  names.sort(key=fit)  # stable: FAMILIES' order among equals
+  return names, hit
+
+
+def refuse_other_family(state: Mapping[str, Any], family: registry.Family,
+                        missing: str, layer: int,
+                        known: Mapping[str, registry.Family],
+                        config: Mapping[str, Any] | None = None,
+                        prefix: str | None = None) -> None:
+  """Raises if the family's anchor weight (``missing``) is not in the state
+  dict but another family's is: the weights are that family's, and no
+  prefix= would help."""
+  names, key = look_alikes(state, family, layer, known, config, prefix)
+  if not names:
+    return
+  others = ", ".join(names[1:])
+  said = (config or {}).get("model_type")
+  raise ValueError(
+      f"state_dict has no key {'ending in ' if prefix is None else ''}"
+      f"{missing!r} (the weight {family.name} layers are found by) but has "
+      f"{key!r}: these look like another family's weights ({names[0]}"
+      f"{'; the same names are also read by ' + others if others else ''}),"
+      f" not {family.name}'s, and no prefix= changes that. Pass "
+      f"family={names[0]!r} (or the family its config.json's model_type "
+      "names)"
+      + (f"; note the config says model_type={said!r}, so the config and the "
+         "weights seem to be different models'" if said else "") + ".")
 
 
 def refuse_fused(state: Mapping[str, Any], family: registry.Family,
@@ -118,8 +181,10 @@ class Reader:
 
   def __init__(self, state: Mapping[str, Any], prefix: str,
                family: registry.Family, layer: int,
-               known: Mapping[str, registry.Family]):
+               known: Mapping[str, registry.Family],
+               config: Mapping[str, Any] | None = None):
     self.state, self.prefix, self.known = state, prefix, known
+    self.config = config
     self.spec, self.family, self.layer = family, family.name, layer
     self.taken: set[str] = set()
 
@@ -131,6 +196,9 @@ class Reader:
     if key not in self.state:
       refuse_fused(self.state, self.spec, self.layer, prefix=self.prefix,
                    known=self.known)
+      if name == self.spec.anchor:
+        refuse_other_family(self.state, self.spec, key, self.layer,
+                            self.known, self.config, prefix=self.prefix)
       raise ValueError(
           f"state_dict has no {key!r} ({self.family} layer {self.layer}, "
           f"prefix {self.prefix!r}; {why}). Keys under that prefix: "
