@@ -28,6 +28,7 @@ from attention_jax.attention.sequence_parallel import SequenceParallel
 from attention_jax.attention.ulysses import ulysses_attention
 from attention_jax.core.merge import merge_attentions
 from attention_jax.core.softmax import masked_softmax
+from attention_jax.core.traced_checks import checked
 from attention_jax.decoding import paged_cache as paged_cache  # its updates
 from attention_jax.decoding.kv_cache import cache_overflow
 from attention_jax.decoding.kv_cache import ring_slot_positions
@@ -108,6 +109,7 @@ __all__ = [
     "alibi",
     "alibi_slopes",
     "chain",
+    "checked",
     "soft_cap",
     "query_temperature",
     "t5_buckets",

@@ -100,6 +100,32 @@ class DropoutStatisticsTest(chex.TestCase):
                                 atol=1e-5, rtol=1e-5)
 
 
+  def test_flash_equals_dense_at_query_and_key_positions(self):
+    # A decoding-like call (queries at positions 16.., keys at 3..): each
+    # entry's draw is keyed by its global (q_idx, kv_idx), so both kernels
+    # drop the same entries (float32 rounding: 1e-5).
+    q, k, v = _qkv(t=40, s=56)
+    mask = aj.Mask(causal=True, q_offset=16, kv_offset=3)
+    kw = dict(dropout_rate=0.3, dropout_rng=jax.random.key(4))
+    for flash in (FLASH, aj.kernels.Flash(block_q=8, block_k=8)):
+      chex.assert_trees_all_close(_attend(flash, mask, **kw)(q, k, v),
+                                  _attend("dense", mask, **kw)(q, k, v),
+                                  atol=1e-5, rtol=1e-5)
+
+  def test_each_head_and_example_draws_its_own_mask(self):
+    # The same inputs in every (b, h): without dropout every output is the
+    # same, so a difference is the draw's. Rate 1/2 over 8 x 8 entries:
+    # equal masks by chance with p = 2**-64.
+    q = jnp.broadcast_to(_data.normal(0, (1, 1, 8, 4)), (2, 3, 8, 4))
+    for impl in ("dense", FLASH):
+      out = _attend(impl, dropout_rate=0.5, dropout_rng=jax.random.key(1))(
+          q, q, q).reshape(6, -1)
+      for i in range(6):
+        for j in range(i):
+          self.assertGreater(float(jnp.abs(out[i] - out[j]).max()), 1e-3,
+                             (impl, i, j))
+
+
 class HeadGroupsTest(chex.TestCase):
   """Heads walked a few at a time (lax.map over groups, vmap inside:
   flash_core.head_group) give what all heads under one vmap give."""
@@ -248,6 +274,23 @@ class LinearMapTest(chex.TestCase):
     x = jnp.array(2.0)  # one linear input shared by the map
     grad = jax.grad(lambda x: jax.vmap(self._scale, (0, None))(c, x).sum())(x)
     self.assertAlmostEqual(float(grad), 6.0)
+
+  def test_nested_vmaps_map_their_own_axes(self):
+    # y = c @ x under two vmaps with different axes and sizes (2 outer, 3
+    # inner): forward and transpose against the plain einsum (exact in
+    # float32 up to summation order: 1e-5).
+    c = _data.normal(0, (2, 3, 4, 5))  # [A, B, I, J]
+    x = _data.normal(1, (5, 2))  # [J, A]: the outer level maps axis 1
+    def f(x):
+      one = lambda c, x: linear_map.linear_map(  # noqa: E731
+          lambda c, x: c @ x, lambda c, ct: c.T @ ct, c, x)
+      return jax.vmap(jax.vmap(one, (0, None)), (0, 1))(c, x)  # [A, B, I]
+    want = lambda x: jnp.einsum("abij,ja->abi", c, x)  # noqa: E731
+    chex.assert_trees_all_close(jax.jvp(f, (x,), (x,))[1],
+                                want(x), atol=1e-5, rtol=1e-5)
+    ct = _data.normal(2, (2, 3, 4))
+    chex.assert_trees_all_close(jax.vjp(f, x)[1](ct),
+                                jax.vjp(want, x)[1](ct), atol=1e-5, rtol=1e-5)
 
   def test_forward_rule_in_the_residuals(self):
     # d/dc (c * x) = x: jax.jvp through the residual

@@ -24,8 +24,61 @@ sdpa = aj.scaled_dot_product_attention
 mha = aj.multi_head_attention
 Mask = aj.Mask
 
+# Concrete arrays made once: under the jit variant below they are closed
+# over, still concrete, so the same checks must fire while tracing.
+RATE_HIGH = jnp.float32(1.5)
+NAN_SINKS = jnp.array([0.0, jnp.nan])
+INF_BIAS = jnp.zeros((4, 6)).at[1, 2].set(jnp.inf)[None]
+NAN_BIAS = jnp.zeros((4, 6)).at[3, 0].set(jnp.nan)[None]
+LONG_KV = Mask(kv_lengths=jnp.array([7, 3]))
+LONG_KV_NN = jnp.array([7, 3])
+
 CASES = [
     # (name, call, exception, message regex)
+    ("sdpa_dropout_rng_without_rate", lambda: sdpa(
+        Q, K, V, dropout_rng=jax.random.key(0)), ValueError,
+     r"dropout_rng is given but dropout_rate is 0.*dropout_rng=None"),
+    ("sdpa_dropout_rng_int_seed", lambda: sdpa(
+        Q, K, V, dropout_rate=0.1, dropout_rng=3), TypeError,
+     r"dropout_rng must be one PRNG key.*got 3 \(int\).*jax.random.key"),
+    ("sdpa_dropout_rng_float_array", lambda: sdpa(
+        Q, K, V, dropout_rate=0.1, dropout_rng=jnp.ones(2)), TypeError,
+     r"dropout_rng must be one PRNG key.*dtype float32 with shape \(2,\)"),
+    ("sdpa_dropout_rng_batch", lambda: sdpa(
+        Q, K, V, dropout_rate=0.1,
+        dropout_rng=jax.random.split(jax.random.key(0), 3)), ValueError,
+     r"dropout_rng must be one PRNG key, got a batch of keys with shape "
+     r"\(3,\)"),
+    ("sdpa_dropout_rate_array_high", lambda: sdpa(
+        Q, K, V, dropout_rate=RATE_HIGH, dropout_rng=jax.random.key(0)),
+     ValueError, r"dropout_rate must be in \[0, 1\), got 1.5"),
+    ("sdpa_sinks_nan", lambda: sdpa(jnp.ones((2, 2, 4, 8)), K[:, None],
+                                    V[:, None], sinks=NAN_SINKS),
+     ValueError, r"sinks must be finite \(-inf is no sink\).*index \(1,\)"),
+    ("sdpa_bias_inf", lambda: sdpa(Q, K, V, bias=INF_BIAS), ValueError,
+     r"bias must be finite \(-inf masks the entry\).*\(0, 1, 2\)"),
+    ("sdpa_bias_nan", lambda: sdpa(Q, K, V, bias=NAN_BIAS), ValueError,
+     r"bias must be finite.*1 of them, the first at index \(0, 3, 0\)"),
+    ("sdpa_kv_lengths_beyond_s", lambda: sdpa(Q, K, V, LONG_KV), ValueError,
+     r"kv_lengths must lie in \[0, 6\], got values from 3 to 7"),
+    ("jax_nn_kv_lengths_beyond_s", lambda: aj.dot_product_attention(
+        Q[:, :, None], K[:, :, None], V[:, :, None],
+        key_value_seq_lengths=LONG_KV_NN), ValueError,
+     r"key_value_seq_lengths must lie in \[0, 6\], got values from 3 to 7"),
+    ("sdpa_rule_shape", lambda: sdpa(Q, K, V, Mask(
+        rule=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx)[..., :3])),
+     ValueError, r"rule returned shape \(1, 4, 3\).*must broadcast to the "
+     r"call's \[..., T, S\] = \(2, 4, 6\)"),
+    ("sdpa_rule_arity", lambda: sdpa(Q, K, V, Mask(
+        rule=lambda q_idx, kv_idx: kv_idx <= q_idx)), TypeError,
+     r"rule is called with 4 positional arguments \(b, h, q_idx, kv_idx\)"
+     r", but <lambda>\(q_idx, kv_idx\) cannot take them"),
+    ("sdpa_score_mod_arity", lambda: sdpa(
+        Q, K, V, score_mod=lambda score, q_idx, kv_idx: score), TypeError,
+     r"score_mod is called with 5 positional arguments \(score, b, h, q_idx, "
+     r"kv_idx\)"),
+    ("explain_strings", lambda: aj.explain("q", "k", "v"), TypeError,
+     r"query must be a real floating-point array, got 'q' \(str\)"),
     ("sdpa_query_rank", lambda: sdpa(jnp.ones(8), K, V), ValueError,
      r"query must have rank >= 2.*\(8,\)"),
     ("sdpa_head_dim", lambda: sdpa(jnp.ones((2, 4, 7)), K, V), ValueError,

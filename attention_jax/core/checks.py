@@ -40,6 +40,7 @@ that would be a silent wrong answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import inspect
 from typing import Any
 
 import jax
@@ -47,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.core import elementwise
+from attention_jax.core import traced_checks
 
 
 def shape_of(x) -> tuple[int, ...]:
@@ -55,6 +57,9 @@ def shape_of(x) -> tuple[int, ...]:
 
 def check_float_array(name: str, x) -> None:
   """Requires a real floating-point array (float16/bfloat16/float32/float64)."""
+  if isinstance(x, (str, bytes)) or x is None:  # result_type reads 'q' as int
+    raise TypeError(f"{name} must be a real floating-point array, got "
+                    f"{x!r} ({type(x).__name__}).")
   dtype = jnp.result_type(x)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
@@ -156,21 +161,63 @@ def check_positive_int(name: str, value) -> None:
 
 
 def check_dropout_rate(dropout_rate) -> None:
-  """A Python-number rate must lie in [0, 1) (traced rates are not checked)."""
-  if isinstance(dropout_rate, (int, float, np.number)) and not (
-      0.0 <= float(dropout_rate) < 1.0):
+  """A rate lies in [0, 1): a number or a concrete array now, a traced
+  array under ``aj.checked`` (off, a traced rate >= 1 drops everything).
+  """
+  if not isinstance(dropout_rate, (int, float, np.number)):
+    if not hasattr(dropout_rate, "dtype") or np.shape(dropout_rate) or not (
+        jnp.issubdtype(dropout_rate.dtype, jnp.floating)):
+      raise TypeError(
+          f"dropout_rate must be a Python float or a float scalar array, got "
+          f"{_described(dropout_rate)}.")
+    try:
+      dropout_rate = float(np.asarray(dropout_rate))
+    except jax.errors.TracerArrayConversionError:
+      traced_checks.traced_check(
+          (dropout_rate >= 0) & (dropout_rate < 1),
+          "dropout_rate must be in [0, 1), got {rate}.", rate=dropout_rate)
+      return
+  if not 0.0 <= float(dropout_rate) < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
 
 
+def _described(x) -> str:
+  if hasattr(x, "dtype") and hasattr(x, "shape"):
+    return f"an array of dtype {x.dtype} with shape {tuple(x.shape)}"
+  return f"{x!r} ({type(x).__name__})"
+
+
+def check_dropout_rng(dropout_rng) -> None:
+  """One PRNG key: ``jax.random.key(seed)`` (or a legacy uint32
+  ``jax.random.PRNGKey``); every head and entry draws from it."""
+  dtype = getattr(dropout_rng, "dtype", None)
+  shape = tuple(np.shape(dropout_rng)) if dtype is not None else None
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    legacy = False
+  elif dtype == np.uint32 and shape and shape[-1] == 2:
+    legacy, shape = True, shape[:-1]
+  else:
+    raise TypeError(
+        f"dropout_rng must be one PRNG key, jax.random.key(seed), got "
+        f"{_described(dropout_rng)}; write dropout_rng=jax.random.key(0) "
+        "(an int seed is not a key).")
+  if shape:
+    raise ValueError(
+        f"dropout_rng must be one PRNG key, got a batch of keys with shape "
+        f"{shape}{' (+ 2 words)' if legacy else ''}: every example and head "
+        "already draws its own mask from one key; pass one (keys[0], or "
+        "jax.random.split's parent).")
+
+
 def check_dropout(dropout_rate, dropout_rng) -> None:
-  """Rate in [0, 1); a positive rate needs a key (no silent no-op).
+  """Rate in [0, 1); a positive rate needs a key and a key needs a rate
+  that may be positive (no silent no-op either way); the key is one key.
 
   A rate given as an array (traced, so it may be positive) needs a key too:
   without one it would be ignored.
   """
+  check_dropout_rate(dropout_rate)
   python_number = isinstance(dropout_rate, (int, float, np.number))
-  if python_number and not 0.0 <= float(dropout_rate) < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
   if dropout_rng is None and (not python_number or dropout_rate > 0.0):
     what = (f"dropout_rate={dropout_rate}" if python_number else
             f"a dropout_rate given as an array (shape "
@@ -178,6 +225,14 @@ def check_dropout(dropout_rate, dropout_rng) -> None:
     raise ValueError(
         f"{what} needs a dropout_rng (a jax.random.key); pass the Python "
         "float dropout_rate=0.0 for deterministic use.")
+  if dropout_rng is None:
+    return
+  check_dropout_rng(dropout_rng)
+  if python_number and dropout_rate == 0.0:
+    raise ValueError(
+        "dropout_rng is given but dropout_rate is 0, so nothing would drop: "
+        "pass dropout_rate > 0 for attention dropout, or dropout_rng=None "
+        "(e.g. dropout_rng=key if training else None).")
 
 
 def check_lengths(name: str, lengths) -> jax.Array | None:
@@ -236,16 +291,28 @@ def check_logits_rank(name: str, shape: tuple[int, ...],
       f"cannot be read two ways. Add the missing axes{fix}{other}.")
 
 
-def check_concrete_range(name, lengths, upper: int, fix: str = "") -> None:
-  """Concrete lengths must lie in ``[0, upper]`` (traced ones clip)."""
+def check_range(name, lengths, upper: int, fix: str = "") -> None:
+  """Lengths must lie in ``[0, upper]``: checked now when concrete (a
+  concrete array under ``jax.jit`` included), under ``aj.checked`` when
+  traced (off, a traced length clips)."""
   try:
     values = np.asarray(lengths)
   except jax.errors.TracerArrayConversionError:
+    x = jnp.asarray(lengths)
+    if not x.size:
+      return
+    traced_checks.traced_check(
+        jnp.all((x >= 0) & (x <= upper)),
+        f"{name} must lie in [0, {upper}], got values from {{lo}} to {{hi}} "
+        f"(shape {x.shape}){fix}.", lo=jnp.min(x), hi=jnp.max(x))
     return
   if values.size and (values.min() < 0 or values.max() > upper):
     raise ValueError(
         f"{name} must lie in [0, {upper}], got values from {values.min()} "
         f"to {values.max()} (shape {values.shape}){fix}.")
+
+
+check_concrete_range = check_range  # (renamed: callers move to check_range)
 
 
 _ELEMENTWISE_MEANS = (
@@ -254,6 +321,26 @@ _ELEMENTWISE_MEANS = (
     "never other scores (each kernel calls it on the scores it holds: the "
     "dense kernel on a head's whole [T, S], the blockwise ones on each "
     "block, so anything else would change with the kernel)")
+
+
+def check_arity(name: str, fn, arguments: str) -> None:
+  """``fn`` can be called with the positional ``arguments`` (names, comma
+  separated), read off its signature where Python has one, so a wrong
+  count is named here rather than as a bare TypeError from deep inside a
+  kernel."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # a builtin or C callable: no signature
+    return
+  names = [a.strip() for a in arguments.split(",")]
+  try:
+    signature.bind(*names)
+  except TypeError as e:
+    raise TypeError(
+        f"{name} is called with {len(names)} positional arguments "
+        f"({arguments}), but {getattr(fn, '__name__', type(fn).__name__)}"
+        f"{signature} cannot take them ({e}): give it exactly these "
+        "parameters (others need defaults).") from None
 
 
 def check_score_mod(score_mod, t: int | None = None, s: int | None = None,
@@ -269,6 +356,7 @@ def check_score_mod(score_mod, t: int | None = None, s: int | None = None,
         f"score_mod must be callable as score_mod(score, b, h, q_idx, "
         f"kv_idx) (e.g. aj.alibi(slopes), or aj.ScoreMod(fn, params)), got "
         f"{type(score_mod).__name__}.")
+  check_arity("score_mod", score_mod, "score, b, h, q_idx, kv_idx")
   if t is None:
     return
   i32 = jnp.int32
@@ -341,8 +429,8 @@ def check_scale(scale) -> None:
 
 def check_call_scale(scale) -> None:
   """An attention call's ``scale``: None, a positive finite number, or a
-  float scalar array (positive and finite when concrete; a traced one, a
-  learned scale, cannot be checked)."""
+  float scalar array (positive and finite: now when concrete, under
+  ``aj.checked`` when traced, a learned scale; off, a NaN gives NaN)."""
   if scale is None:
     return
   if isinstance(scale, (int, float, np.integer, np.floating, bool,
@@ -361,10 +449,35 @@ def check_call_scale(scale) -> None:
   try:
     value = float(np.asarray(scale))
   except jax.errors.TracerArrayConversionError:
+    traced_checks.traced_check(
+        (scale > 0) & jnp.isfinite(scale),
+        "scale must be positive and finite, got {scale}.", scale=scale)
     return
   if not value > 0 or not np.isfinite(value):
     raise ValueError(f"scale must be positive and finite, got an array "
                      f"holding {value}; None means 1 / sqrt(head_dim).")
+
+
+def check_no_nan_or_inf(name: str, x, neg_inf: str = "") -> None:
+  """No NaN or +inf in ``x`` (``-inf`` too unless ``neg_inf`` says what it
+  means there): checked now when concrete (an array closed over by
+  ``jax.jit`` included), under ``aj.checked`` when traced (off, such an
+  entry gives NaN rows)."""
+  allowed = f" (-inf {neg_inf})" if neg_inf else ""
+  message = (f"{name} must be finite{allowed}, got NaN or "
+             f"{'+inf' if neg_inf else 'inf'} entries (shape "
+             f"{shape_of(x)})")
+  if isinstance(x, jax.core.Tracer):
+    bad = jnp.isnan(x) | (x == jnp.inf if neg_inf else jnp.isinf(x))
+    traced_checks.traced_check(~jnp.any(bad), message + ".")
+    return
+  with jax.ensure_compile_time_eval():  # a constant: no staged op
+    x = jnp.asarray(x)
+    bad = jnp.isnan(x) | (x == jnp.inf if neg_inf else jnp.isinf(x))
+    where = np.argwhere(np.asarray(bad)) if bool(jnp.any(bad)) else None
+  if where is not None:
+    raise ValueError(f"{message}: {len(where)} of them, the first at index "
+                     f"{tuple(int(i) for i in where[0])}.")
 
 
 def check_head_counts(d_model: int, num_heads: int,

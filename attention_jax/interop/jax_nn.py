@@ -100,11 +100,14 @@ def _pair_operand(name: str, x, target: tuple[int, ...]) -> jax.Array | None:
   return x
 
 
-def _lengths(name: str, lengths, batch: int) -> jax.Array | None:
-  """jax.nn's ``[B]`` lengths as ``[B, 1]`` (one per example, all heads)."""
-  lengths = checks.check_lengths(name, lengths)
+def _lengths(name: str, lengths, batch: int,
+             upper: int) -> jax.Array | None:
+  """jax.nn's ``[B]`` lengths as ``[B, 1]`` (one per example, all heads),
+  within ``[0, upper]`` (checked here: ``[:, None]`` stages a constant)."""
   if lengths is None:
     return None
+  checks.check_range(name, checks.integer_array(name, lengths), upper)
+  lengths = checks.check_lengths(name, lengths)
   if lengths.shape != (batch,):
     raise ValueError(
         f"{name} must have shape [B] = ({batch},) (one length per example, "
@@ -222,8 +225,9 @@ def dot_product_attention(
                 for name, x in (("bias", bias), ("mask", mask)))
   if mask is not None:
     checks.check_mask_dtype("mask", mask)
-  q_lengths = _lengths("query_seq_lengths", query_seq_lengths, b)
-  kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+  q_lengths = _lengths("query_seq_lengths", query_seq_lengths, b, t)
+  kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, b,
+                        s)
   window = intervals.check_window(local_window_size, "local_window_size")
   swap = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, N, H] <-> [B, N, T, H]
   result = dot_product.scaled_dot_product_attention(

@@ -532,6 +532,7 @@ def _pair_operand(name, x, logits, t, s, q_shape, k_shape, leading):
   S]``; its leading shape joins ``leading``."""
   if name == "bias":
     checks.check_float_array(name, x)
+    checks.check_no_nan_or_inf(name, x, neg_inf="masks the entry")
   checks.check_logits_rank(name, tuple(np.shape(x)), logits)
   x = checks.as_bool_mask(x) if name == "mask" else jnp.asarray(x)
   _check_pair_axes(name, x.shape, t, s, q_shape, k_shape)
@@ -625,6 +626,7 @@ def attention_operands(query, key, value, mask=None, bias=None, *,
     q_ids, kv_ids = _segment_pair(m, t, s, leading_rank, leading)
   if sinks is not None:
     checks.check_float_array("sinks", sinks)
+    checks.check_no_nan_or_inf("sinks", sinks, neg_inf="is no sink")
     sinks = jnp.asarray(sinks)
     checks.check_broadcastable_to("sinks", sinks.shape, batch_shape,
                                   "the leading dims (e.g. [B, N] or [N])")
@@ -742,14 +744,27 @@ def paged_operands(query, key_pages, value_pages, table, mask,
 def check_rule(mask_fn, leading, t: int, s: int) -> None:
   """A mask rule returns booleans (True = may attend), whatever kernel
   runs it; checked abstractly at the call's indices."""
+  checks.check_arity("the mask's rule", mask_fn, "b, h, q_idx, kv_idx")
   b, h = intervals.rule_indices(tuple(leading), jnp)
   lead = (1,) * len(leading)
   q_idx = jax.ShapeDtypeStruct(lead + (t, 1), jnp.int32)
   kv_idx = jax.ShapeDtypeStruct(lead + (1, s), jnp.int32)
   out = jax.eval_shape(mask_fn, b, h, q_idx, kv_idx)
   dtype = getattr(out, "dtype", None)
+  shape = tuple(getattr(out, "shape", ()))
+  whole = tuple(leading) + (t, s)
+  try:
+    fits = np.broadcast_shapes(shape, whole) == whole
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(
+        f"the mask's rule returned shape {shape} for q_idx {lead + (t, 1)} "
+        f"and kv_idx {lead + (1, s)} (b and h {tuple(b.shape)}, "
+        f"{tuple(h.shape)}): it must broadcast to the call's [..., T, S] = "
+        f"{whole}. Combine the indices elementwise (e.g. kv_idx <= q_idx) "
+        "and index per-example arrays with b (arr[b] is [..., 1, 1, 1]).")
   if dtype != jnp.bool_:
-    shape = tuple(getattr(out, "shape", ()))
     raise TypeError(
         f"the mask's rule must return a bool array (True = may attend), got "
         f"dtype {dtype} with shape {shape} for q_idx [{t}, 1], kv_idx [1, "
