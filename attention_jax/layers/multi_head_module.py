@@ -125,18 +125,38 @@ class NormScale(nnx.Module):
     return {"scale": scale if dtype is None else scale.astype(dtype)}
 
 
-def assign_params(layers: Mapping[str, Projection | NormScale],
-                  params: Mapping[str, Mapping[str, Any]],
-                  layout: Mapping[str, str], *, entries: str,
-                  sizes: str) -> None:
-  """Assigns ``params`` to a module's parameter holders, after every check.
+def _entries_message(name: str, given: set[str], have: dict[str, Any],
+                     layout: str) -> str:
+  """Why ``params[name]``'s entries do not fit the module's: a bias one
+  has and the other lacks is said with its fix."""
+  if given ^ set(have) == {"bias"}:
+    if "bias" in have:
+      # A missing bias is a zero one (Whisper's k_proj and Qwen2's o_proj
+      # have none): the function runs such params as they are.
+      shape = tuple(have["bias"].shape)
+      return (f"params['{name}'] has no 'bias', but this module's {name} has "
+              f"one (use_bias=True): a projection without a bias is one with "
+              f"a zero bias, so add params['{name}']['bias'] = zeros {shape} "
+              f"(as the checkpoint loaders do), or build the module with "
+              f"use_bias=False if no projection has a bias.")
+    return (f"params['{name}'] has a 'bias', but this module's {name} has "
+            f"none (use_bias=False): build it with use_bias=True, with zero "
+            f"biases for the projections the params give none.")
+  return (f"params['{name}'] has {sorted(given)}, but this module's {name} "
+          f"has {sorted(have)} ({layout}).")
 
-  The same entries (``layers``' names, each's kernel/bias/scale/logits/
-  table) and shapes as the module's, or a ValueError naming the entry, both
-  shapes, its ``layout`` and the module's options (``entries``, ``sizes``);
-  values are cast to each variable's dtype. Shared by the modules'
-  ``load_params``.
-  """
+
+def check_fit(layers: Mapping[str, Projection | NormScale],
+              params: Mapping[str, Mapping[str, Any]],
+              layout: Mapping[str, str], *, entries: str,
+              sizes: str) -> None:
+  """The same entries and shapes as the module's, or a ValueError naming
+  the first one that differs, its shape, the module's and the options it
+  comes from (``entries``, ``sizes``): compared with the module first, so
+  that the wrong one is named rather than one the others disagree with."""
+  if not isinstance(params, Mapping):
+    raise TypeError(f"params must be a dict of {sorted(layers)}, got "
+                    f"{type(params).__name__}.")
   if set(params) != set(layers):
     raise ValueError(f"params has entries {sorted(params)}, but this module "
                      f"has {sorted(layers)} ({entries}).")
@@ -144,16 +164,31 @@ def assign_params(layers: Mapping[str, Projection | NormScale],
     have = {entry: getattr(layer, entry)
             for entry in ("kernel", "bias", "scale", "logits", "table")
             if getattr(layer, entry, None) is not None}
+    if not isinstance(params[name], Mapping):
+      raise ValueError(f"params['{name}'] must be a dict with "
+                       f"{layout[name]}, got {type(params[name]).__name__}.")
     if set(params[name]) != set(have):
-      raise ValueError(
-          f"params['{name}'] has {sorted(params[name])}, but this module's "
-          f"{name} has {sorted(have)} (use_bias must match).")
+      raise ValueError(_entries_message(name, set(params[name]), have,
+                                        layout[name]))
     for entry, variable in have.items():
       got, want = checks.shape_of(params[name][entry]), variable.shape
       if got != tuple(want):
         raise ValueError(
             f"params['{name}']['{entry}'] has shape {got}, but this "
             f"module's is {tuple(want)} ({layout[name]}; {sizes}).")
+
+
+def assign_params(layers: Mapping[str, Projection | NormScale],
+                  params: Mapping[str, Mapping[str, Any]],
+                  layout: Mapping[str, str], *, entries: str,
+                  sizes: str) -> None:
+  """Assigns ``params`` to a module's parameter holders, after every check.
+
+  The same entries (``layers``' names, each's kernel/bias/scale/logits/
+  table) and shapes as the module's (``check_fit``); values are cast to
+  each variable's dtype. Shared by the modules' ``load_params``.
+  """
+  check_fit(layers, params, layout, entries=entries, sizes=sizes)
   for name, layer in layers.items():
     for entry, value in params[name].items():
       variable = getattr(layer, entry)
@@ -211,8 +246,10 @@ class MultiHeadAttention(DecodingCaches):
       buffer of ``W`` slots).
     logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``, after
       the other score modifiers (``aj.soft_cap``).
-    scale: multiplier of ``q . k``, a positive Python number; None means
-      ``1 / sqrt(head_dim)``.
+    scale: multiplier of ``q . k``, a positive Python number or a concrete
+      float scalar array (kept as its Python float; a traced one is
+      refused: a learned scale belongs in params); None means ``1 /
+      sqrt(head_dim)``.
     attention_sinks: learn one sink logit per head (``sinks``, an
       ``nnx.Param [N]`` initialised to 0) joining every row's softmax
       denominator; ``params_dict()["sinks"]["logits"]``.
@@ -300,7 +337,7 @@ class MultiHeadAttention(DecodingCaches):
                       f"{type(mask).__name__}; per-call masks go to the "
                       "call.")
     checks.check_soft_cap(logits_soft_cap)
-    checks.check_scale(scale)
+    scale = multi_head_config.static_scale(scale)  # a concrete array: float
     checks.check_score_mod(score_mod)
     multi_head_params.check_output_gate(output_gate)
     multi_head_params.check_t5_bias(t5_bias)
@@ -448,7 +485,9 @@ class MultiHeadAttention(DecodingCaches):
         ``param_dtype``.
 
     Raises:
-      ValueError: naming the entry and both shapes when they differ.
+      ValueError: naming the first entry that differs from the module's,
+        its shape and the module's (with the sizes it was built with); a
+        bias missing where the module has one says to add a zero one.
 
     Example:
       >>> a = MultiHeadAttention(8, 2, rngs=nnx.Rngs(0))
@@ -458,9 +497,7 @@ class MultiHeadAttention(DecodingCaches):
       >>> bool(jnp.array_equal(a(x), b(x)))
       True
     """
-    multi_head_params.param_dims(params)  # a valid layout, with its own messages
-    assign_params(
-        self._layers(), params, multi_head_params.LAYOUT,
+    described = dict(
         entries=(f"normalize_qk={self.qk_norm}, "
                  f"output_gate={self.output_gate!r}, attention_sinks="
                  f"{self.sinks is not None}, t5_bias={self.t5_bias!r}"),
@@ -468,6 +505,12 @@ class MultiHeadAttention(DecodingCaches):
                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                f"kv_features={self.kv_features}, "
                f"out_features={self.out_features}"))
+    # The module's own shapes first: they say which entry is wrong, where
+    # the params alone (param_dims) can only say which ones disagree.
+    check_fit(self._layers(), params, multi_head_params.LAYOUT, **described)
+    multi_head_params.param_dims(params)  # dtypes, with its own messages
+    assign_params(self._layers(), params, multi_head_params.LAYOUT,
+                  **described)
 
   def __call__(
       self,

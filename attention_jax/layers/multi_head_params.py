@@ -11,6 +11,11 @@ lays them out:
 - ``W_q``: ``{"kernel": [D, N, H], "bias": [N, H]}``
 - ``W_k``, ``W_v``: ``{"kernel": [Dkv, K, H], "bias": [K, H]}``
 - ``W_o``: ``{"kernel": [N, H, Dout], "bias": [Dout]}``
+- each ``bias`` optional, per projection: one without is one with a zero
+  bias (Whisper's ``k_proj`` has none, Qwen2's ``o_proj`` none: a ``W_k``
+  bias adds the same ``q . b_k`` to every logit of a row, which the
+  softmax cancels unless rope, qk-norm or a nonlinear score modifier
+  makes it vary by key; lse and max logits keep it)
 - optional ``q_norm``, ``k_norm``: ``{"scale": [H]}`` shared by the heads,
   or one per head: ``[N, H]`` (``q_norm``) and ``[K, H]`` (``k_norm``); how
   they normalise is an ``aj.QKNorm`` (RMS or layer norm, per head or over
@@ -323,38 +328,110 @@ def _wrong(params, name: str, entry: str, expected: str, why: str = ""):
                     f"{expected}{why} ({name}: {LAYOUT[name]}).{flat}")
 
 
-def _projection_dims(params) -> tuple[int, ...]:
-  """``(N, K, H, D, Dkv, Dout)`` from ``W_q``, ``W_k``, ``W_v``, ``W_o`` and
-  their biases, each checked against the others."""
+# The axes of each projection array, by the size each holds; a size held
+# by several arrays (H by all four kernels) is what the majority of them
+# says, so that a mis-sized one is named rather than one it disagrees with.
+_AXES = {("W_q", "kernel"): ("D", "N", "H"),
+         ("W_k", "kernel"): ("Dkv", "K", "H"),
+         ("W_v", "kernel"): ("Dkv", "K", "H"),
+         ("W_o", "kernel"): ("N", "H", "Dout"),
+         ("W_q", "bias"): ("N", "H"), ("W_k", "bias"): ("K", "H"),
+         ("W_v", "bias"): ("K", "H"), ("W_o", "bias"): ("Dout",)}
+_MEANING = {"N": "query heads", "K": "key/value heads", "H": "head dim",
+            "Dkv": "key/value input features", "Dout": "output features"}
+
+
+def _projection_shapes(params) -> dict[tuple[str, str], tuple[int, ...]]:
+  """The shapes of ``W_q``, ``W_k``, ``W_v``, ``W_o`` and their biases;
+  each kernel of its layout's rank."""
   for name in ("W_q", "W_k", "W_v", "W_o"):
     if name not in params:
       raise ValueError(f"params must have {name} ({LAYOUT[name]}), got keys "
                        f"{sorted(params)}.")
     _layer(params, name)
-  q = param_shape(params, "W_q", "kernel")
-  if len(q) != 3:
-    raise _wrong(params, "W_q", "kernel", "[D, N, H]")
-  d, n, h = q
-  k_kernel = param_shape(params, "W_k", "kernel")
-  if len(k_kernel) != 3 or k_kernel[2] != h:
-    raise _wrong(params, "W_k", "kernel", f"[Dkv, K, H] with H={h} (W_q's "
-                 f"head dim)")
-  dkv, k = k_kernel[:2]
+  shapes = {}
+  for (name, entry), axes in _AXES.items():
+    if entry not in params[name]:
+      continue  # a projection without a bias (Whisper's W_k, Qwen2's W_o)
+    if params[name][entry] is None:
+      raise ValueError(
+          f"params['{name}']['{entry}'] is None: leave the entry out for a "
+          f"projection without a bias, or give [{', '.join(axes)}] "
+          f"({name}: {LAYOUT[name]}).")
+    shapes[(name, entry)] = param_shape(params, name, entry)
+    if entry == "kernel" and len(shapes[(name, entry)]) != 3:
+      raise _wrong(params, name, entry, f"[{', '.join(axes)}]")
+  return shapes
+
+
+def _holders(keys: list[tuple[str, str]]) -> str:
+  """``[("W_k", "kernel"), ("W_v", "kernel"), ("W_k", "bias")]`` as "the
+  W_k/W_v kernels and the W_k bias"."""
+  parts = []
+  for entry in ("kernel", "bias"):
+    names = [name for name, e in keys if e == entry]
+    if names:
+      plural = {"kernel": "kernels", "bias": "biases"}[entry]
+      parts.append(f"the {'/'.join(names)} "
+                   f"{plural if len(names) > 1 else entry}")
+  return " and ".join(parts)
+
+
+def _agreed_sizes(params, shapes) -> dict[str, int]:
+  """Each size the projections hold, as the strict majority of the arrays
+  holding it says; an array against it is named (with the size the
+  others agree on), a tie names every array holding that size."""
+  votes: dict[str, list[tuple[tuple[str, str], int]]] = {}
+  for key, shape in shapes.items():
+    if len(shape) == len(_AXES[key]):  # a bias of another rank: checked after
+      for size, value in zip(_AXES[key], shape):
+        votes.setdefault(size, []).append((key, value))
+  agreed = {}
+  for size, held in votes.items():
+    values = [value for _, value in held]
+    top = max(values, key=values.count)
+    agreed[size] = top if 2 * values.count(top) > len(values) else None
+  for key, shape in shapes.items():
+    axes = _AXES[key]
+    if len(shape) != len(axes):
+      continue
+    off = [a for a, v in zip(axes, shape) if agreed[a] not in (None, v)]
+    if off:
+      known = ", ".join(f"{a}={agreed[a]}" for a in axes
+                        if agreed[a] is not None)
+      others = _holders([k for k, v in votes[off[0]] if v == agreed[off[0]]])
+      raise _wrong(params, *key, f"[{', '.join(axes)}] with {known}",
+                   f" ({off[0]}={agreed[off[0]]}: the {_MEANING[off[0]]} "
+                   f"{others} agree on)")
+  for size, held in votes.items():
+    if agreed[size] is None:
+      listed = " and ".join(
+          f"params['{n}']['{e}'] {shapes[(n, e)]} ({size}={v})"
+          for (n, e), v in held)
+      layouts = "; ".join(f"{n}: {LAYOUT[n]}"
+                          for n in dict.fromkeys(n for (n, _), _ in held))
+      raise ValueError(
+          f"{listed} disagree on {size}, the {_MEANING[size]} ({layouts}), "
+          f"and nothing else in params says which is right: fix the "
+          f"mis-sized one.")
+  return agreed
+
+
+def _projection_dims(params) -> tuple[int, ...]:
+  """``(N, K, H, D, Dkv, Dout)`` from ``W_q``, ``W_k``, ``W_v``, ``W_o`` and
+  their biases, each checked against the others (a bias may be missing
+  from any of them: such a projection has none)."""
+  shapes = _projection_shapes(params)
+  sizes = _agreed_sizes(params, shapes)
+  n, k, h = sizes["N"], sizes["K"], sizes["H"]
   if n % k:
     raise _wrong(params, "W_k", "kernel", "[Dkv, K, H]",
                  f": its K={k} heads must divide W_q's N={n} heads")
-  if param_shape(params, "W_v", "kernel") != k_kernel:
-    raise _wrong(params, "W_v", "kernel", f"{k_kernel}, as W_k's")
-  o = param_shape(params, "W_o", "kernel")
-  if len(o) != 3 or o[:2] != (n, h):
-    raise _wrong(params, "W_o", "kernel", f"[N, H, Dout] with N={n}, H={h} "
-                 f"(W_q's heads and head dim)")
-  dout = o[2]
-  biases = {"W_q": (n, h), "W_k": (k, h), "W_v": (k, h), "W_o": (dout,)}
-  for name, shape in biases.items():
-    if "bias" in params[name] and param_shape(params, name, "bias") != shape:
-      raise _wrong(params, name, "bias", str(shape))
-  return n, k, h, d, dkv, dout
+  for (name, entry), shape in shapes.items():
+    want = tuple(sizes[a] for a in _AXES[(name, entry)])
+    if shape != want:  # a bias of another rank
+      raise _wrong(params, name, entry, str(want))
+  return n, k, h, sizes["D"], sizes["Dkv"], sizes["Dout"]
 
 
 def _check_norms(params, n: int, k: int, h: int) -> bool:
@@ -437,7 +514,10 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
     ``HeadDims(N, K, H, D, Dkv, Dout, normalize_qk, output_gate)``.
 
   Raises:
-    ValueError: naming the parameter, its shape and the expected layout.
+    ValueError: naming the parameter, its shape and the expected layout; a
+      size the projections disagree on (``H`` in four kernels) names the
+      one against the majority, with the size the others agree on, or
+      every one holding it on a tie (``N`` in ``W_q`` and ``W_o`` alone).
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 8, 4, num_kv_heads=2)

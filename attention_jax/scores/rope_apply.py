@@ -71,9 +71,9 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *,
   """Rotates the features of ``x`` by angles proportional to ``positions``.
 
   Convention ("half-split", as in Gemma, flax, HF llama and most
-  llama-in-JAX code): with ``R = int(H * rope.fraction)`` rounded down to
-  even and ``h = R / 2``, feature ``i < h`` is paired with feature ``i + h``
-  and the pair is rotated by the angle ``p * theta_i`` for position ``p``
+  llama-in-JAX code): with ``R = int(H * rope.fraction)`` (even, or
+  refused) and ``h = R / 2``, feature ``i < h`` is paired with feature
+  ``i + h`` and the pair is rotated by the angle ``p * theta_i`` for position ``p``
   (``theta_i = rope.base**(-2 i / R)`` without scaling)::
 
     out[i]     = x[i] * cos - x[i + h] * sin
@@ -127,7 +127,7 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *,
     ValueError: odd ``H``, ``x`` of rank < 2, ``positions`` not
       broadcastable (or, with ``sections``, without the leading axis of
       ``len(sections)`` and ``x.ndim`` axes in all), a fraction rotating no
-      features, ``seq_len``
+      features or an odd number of them, ``seq_len``
       given without dynamic or longrope scaling, ``short_factor`` /
       ``long_factor`` without ``R / 2`` entries, ``sections`` not summing
       to ``R / 2``.

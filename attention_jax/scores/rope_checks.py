@@ -6,13 +6,17 @@ the rotated pairs (one frequency each).
 A ``Rope`` is a static argument under ``jax.jit`` (hashed, compared), so
 its fields must be concrete Python values: these checks refuse traced
 values and arrays by name, and return the value normalised (floats, bools,
-tuples) so that equal descriptions hash equal. The ``check_*_dim`` ones
-need the rotary dim ``R``, known only where the head dim is (``apply_rope``,
-``Rope.inverse_frequencies``). Each raises ``TypeError`` (a value's type)
-or ``ValueError`` (its value) with a message that names the field.
+tuples) so that equal descriptions hash equal. ``check_rotary_width`` and
+the ``check_*_dim`` ones need the head dim or the rotary dim ``R``, known
+only where the head dim is (``apply_rope``, ``Rope.rotary_dim``, a layer
+when it is configured, ``Rope.inverse_frequencies``). Each raises
+``TypeError`` (a value's type) or ``ValueError`` (its value) with a message
+that names the field.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +123,54 @@ def check_seq_len_array(seq_len) -> None:
     raise TypeError(
         f"seq_len must be a number or a scalar integer/float array, got "
         f"dtype {dtype} with shape {checks.shape_of(seq_len)}.")
+
+
+def _fraction_for(width: int, head_dim: int) -> float:
+  """The fraction whose ``int(H * fraction)`` is ``width``: ``width / H``,
+  nudged up one ulp where the product rounds just below ``width``."""
+  fraction = width / head_dim
+  if int(head_dim * fraction) != width:
+    fraction = math.nextafter(fraction, math.inf)
+  return fraction
+
+
+def _even_head_dims(fraction: float, head_dim: int) -> list[int]:
+  """The nearest even head dims below and above ``H`` (at most one each)
+  where ``int(H' * fraction)`` is even and positive."""
+  def fits(h):
+    return int(h * fraction) >= 2 and int(h * fraction) % 2 == 0
+  lo = head_dim - 1 - (head_dim - 1) % 2  # the even ones round H
+  hi = head_dim + 1 + (head_dim + 1) % 2
+  below = [h for h in range(lo, 1, -2) if fits(h)][:1]
+  above = [h for h in range(hi, 4 * hi, 2) if fits(h)][:1]
+  return below + above
+
+
+def check_rotary_width(fraction: float, head_dim: int, rot: int) -> None:
+  """``R = int(H * fraction)`` must be even: features rotate in pairs.
+
+  Rounding an odd ``R`` either way would rotate another model's features
+  (down: one feature left unrotated; up: one more). transformers computes
+  the same ``int(H * partial_rotary_factor)`` and has no one answer for an
+  odd one either: recent versions rotate ``R + 1`` features at frequencies
+  ``base**(-2 i / R)``, older ones fail on shapes (GPT-NeoX, Phi). Its
+  published configs give even widths (GPT-NeoX/Pythia 0.25, Phi-2 0.4 of
+  80, Phi-4-mini 0.75 of 128, MiMo 0.334 of 192 -> 64), so an odd one is
+  refused rather than guessed.
+  """
+  if rot % 2 == 0:
+    return
+  fractions = [f"{_fraction_for(w, head_dim)!r} ({w} of {head_dim})"
+               for w in (rot - 1, rot + 1) if 2 <= w <= head_dim]
+  dims = " or ".join(f"H={h}" for h in _even_head_dims(fraction, head_dim))
+  raise ValueError(
+      f"fraction={fraction} of head dim H={head_dim} gives int(H * fraction)"
+      f" = {rot} rotated features, an odd count: features rotate in pairs, "
+      f"so the rotary width must be even (rounding it would rotate another "
+      f"model's features; transformers has no one answer for it either). "
+      f"Use fraction={' or '.join(fractions)}"
+      + (f", or a head dim where int(H * {fraction}) is even ({dims})"
+         if dims else "") + ".")
 
 
 def _where(fraction: float, head_dim: int | None) -> str:

@@ -24,15 +24,17 @@ from attention_jax.scores import rope_checks
 
 
 def rotary_dim(head_dim: int, fraction) -> int:
-  """Features rotated: ``int(H * fraction)`` rounded down to even."""
+  """Features rotated: ``int(H * fraction)`` (HF's partial rotary width),
+  which must be positive and even (``rope_checks.check_rotary_width``)."""
   fraction = rope_checks.check_number("fraction", fraction)
   if not 0.0 < fraction <= 1.0:
     raise ValueError(f"fraction must be in (0, 1], got {fraction}.")
-  rot = int(head_dim * fraction) // 2 * 2
+  rot = int(head_dim * fraction)
   if rot == 0:
     raise ValueError(
         f"fraction={fraction} rotates no features of head dim H={head_dim} "
-        f"(int(H * fraction) rounded down to even is 0); raise fraction.")
+        f"(int(H * fraction) is 0); raise fraction.")
+  rope_checks.check_rotary_width(fraction, head_dim, rot)
   return rot
 
 

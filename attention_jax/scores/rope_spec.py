@@ -179,8 +179,10 @@ class Rope:
       ``get_mscale(factor, mscale_all_dim)**2``: that is the attention's
       ``scale=``, not part of the rotary embedding.
     fraction: partial rotary, the share of the head dim rotated, in
-      ``(0, 1]``: the first ``rotary_dim(H)`` features rotate (the
-      magnitude too), the rest pass unchanged.
+      ``(0, 1]``: the first ``rotary_dim(H) = int(H * fraction)`` features
+      rotate (the magnitude too), the rest pass unchanged. That width must
+      be even (pairs rotate): an odd one is refused where ``H`` is known
+      (``apply_rope``, a layer when built), never rounded.
     interleaved: pairs ``(x[2i], x[2i + 1])`` (GPT-J, Meta's original
       llama) instead of the half-split ``(x[i], x[i + R/2])`` (HF llama,
       GPT-NeoX, flax, Gemma); pair ``i`` rotates by ``theta_i`` either way.
@@ -406,12 +408,14 @@ class Rope:
           f"positive.")
 
   def rotary_dim(self, head_dim: int) -> int:
-    """Features rotated for head dim ``H``: ``int(H * fraction)``, even.
+    """Features rotated for head dim ``H``: ``int(H * fraction)`` (HF's
+    ``int(head_dim * partial_rotary_factor)``).
 
     Raises:
       TypeError: ``head_dim`` not an int.
-      ValueError: ``head_dim <= 0``, or no feature rotates (raise
-        ``fraction``).
+      ValueError: ``head_dim <= 0``, no feature rotates (raise
+        ``fraction``), or an odd count (pairs rotate: the message gives the
+        fractions and head dims that fit).
     """
     checks.check_positive_int("head_dim", head_dim)
     return rope_frequencies.rotary_dim(int(head_dim), self.fraction)
