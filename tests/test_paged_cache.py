@@ -5,9 +5,12 @@ prefix shares runs through the jitted pure functions; after every step each
 sequence's tokens, read through its page table, are the model's list, each
 page's reference count is the number of table entries naming it, and pages
 past a sequence's length are not held. Copy on write is what keeps a
-shared prompt intact when one of its holders writes on.
+shared prompt intact when one of its holders writes on. A prefix of whole
+pages (0, 1, 2 of them) is run explicitly: the random draws of the default
+profile do not reach that boundary.
 """
 
+from absl.testing import parameterized
 import chex
 import hypothesis
 from hypothesis import strategies as st
@@ -52,8 +55,20 @@ def _check_against(test, cache, model):
   np.testing.assert_array_equal(np.asarray(cache.refcount), counts)
 
 
+def _whole_page_prefix(k):
+  """A schedule sharing ``k`` whole pages of a 5-token source (3 pages), the
+  target writing on, then both released: ``share_prefix``'s boundary case,
+  which the ci profile's random draws do not reach."""
+  return [("append", [3, 0, 0], 0, 0, 0), ("append", [2, 0, 0], 0, 0, 0),
+          ("share", [0, 0, 0], 0, 1, k * Z), ("append", [0, 1, 0], 0, 0, 0),
+          ("release", [0, 0, 0], 0, 0, 0), ("release", [0, 0, 0], 1, 0, 0)]
+
+
 class PagedCacheTest(chex.TestCase):
 
+  @hypothesis.example(num_pages=8, schedule=_whole_page_prefix(0))
+  @hypothesis.example(num_pages=8, schedule=_whole_page_prefix(1))
+  @hypothesis.example(num_pages=8, schedule=_whole_page_prefix(2))
   @hypothesis.given(
       num_pages=st.integers(4, 12),
       schedule=st.lists(st.tuples(
@@ -101,6 +116,24 @@ class PagedCacheTest(chex.TestCase):
                        jnp.int32(length))
         model[dst] = model[src][:length]
       _check_against(self, cache, model)
+
+  @parameterized.parameters(0, 1, 2)
+  def test_a_prefix_of_whole_pages_hands_over_those_pages_alone(self, k):
+    # The source's page after a whole-page prefix holds only its own later
+    # tokens. Handed over too, the target's first write would start a page
+    # in its place and that page would stay held once both rows are gone.
+    cache = pc.init_paged_cache(8, Z, K, H, B, M)
+    ones = jnp.ones((B, K, T, H))
+    cache = _append(cache, ones, ones, jnp.array([3, 0, 0]))
+    cache = _append(cache, ones, ones, jnp.array([2, 0, 0]))  # pages 0-2
+    cache = _share(cache, jnp.int32(0), jnp.int32(1), jnp.int32(k * Z))
+    self.assertEqual(cache.page_table.tolist()[1], list(range(k)) + [8] * (
+        M - k))
+    self.assertEqual(cache.refcount.tolist(), [2] * k + [1] * (3 - k) + [0] * 5)
+    cache = _append(cache, 2 * ones, 2 * ones, jnp.array([0, 1, 0]))
+    self.assertEqual(cache.refcount.tolist(), [2] * k + [1] * (4 - k) + [0] * 4)
+    cache = _release(cache, jnp.array([True, True, False]))
+    self.assertEqual(cache.refcount.tolist(), [0] * 8)  # every page free
 
   def test_a_large_enough_pool_never_overflows(self):
     cache = pc.init_paged_cache(B * M, Z, K, H, B, M)

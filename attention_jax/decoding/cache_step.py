@@ -4,7 +4,8 @@ Shape glossary: B batch, N query heads, K key/value heads, T this call's
 tokens, L linear cache slots, W ring-buffer slots, S' the keys a query
 attends over (``L``, or ``W + T`` for a ring buffer), H head dim.
 
-``KVCache`` is what ``multi_head_attention`` threads through a decoding step;
+``KVCache`` is what ``multi_head_attention`` threads through a decoding step
+(``check_cache``: its fields' shapes and dtypes, a hand-built one's too);
 ``write`` appends this call's keys and values (``kv_cache``'s pure
 updates) and returns what the queries attend over, with the call's
 ``Mask`` over the cache slots, so cached decoding equals the full forward.
@@ -67,6 +68,43 @@ class KVCache(NamedTuple):
   window: int | None = None
   left_padding: jax.Array | None = None
   pad_written: jax.Array | None = None
+
+
+def check_cache(cache) -> None:
+  """Raises unless ``cache`` is a ``KVCache`` whose fields agree.
+
+  A layer's decoding step checks its cache here first (``layers/caches``
+  ``place``), so a hand-built one is refused by field before its index
+  is read: ``key``/``value`` float ``[B, K, L, H|Hv]`` sharing ``[B, K,
+  L]``, ``index`` an integer scalar or ``[B]``; ``overflow`` and
+  ``pad_written`` bool ``[B]``, ``left_padding`` integer ``[B]``, each
+  or None.
+  """
+  if not isinstance(cache, KVCache):
+    raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}.")
+  for name, layout in (("key", "[B, K, L, H]"), ("value", "[B, K, L, Hv]")):
+    x = getattr(cache, name)
+    checks.check_float_array(f"cache.{name}", x)
+    checks.check_rank(f"cache.{name}", x, (4,), layout)
+  ck, cv = checks.shape_of(cache.key), checks.shape_of(cache.value)
+  if ck[:3] != cv[:3]:
+    raise ValueError(f"cache.key {ck} and cache.value {cv} must share [B, "
+                     "K, L]: create both buffers with the same batch, heads "
+                     "and length.")
+  b = ck[0]
+  kv_cache.check_index(cache.index, b, "cache.index")
+  for name, kind in (("overflow", "bool"), ("pad_written", "bool"),
+                     ("left_padding", "integer")):
+    x = getattr(cache, name)
+    if x is None:
+      continue
+    dtype = jnp.dtype(jnp.result_type(x))
+    good = (dtype == jnp.bool_ if kind == "bool"
+            else jnp.issubdtype(dtype, jnp.integer))
+    if not good or checks.shape_of(x) != (b,):
+      raise ValueError(
+          f"cache.{name} must be {kind} [B] = [{b}] (B from cache.key "
+          f"{ck}), or None, got {dtype} {checks.shape_of(x)}.")
 
 
 def new_lengths(mask: mask_lib.Mask | None, b: int, t: int):

@@ -96,18 +96,18 @@ def cache_overflow(index: ArrayLike, num_new: ArrayLike,
   return (index < 0) | (index + jnp.asarray(num_new) > max_length)
 
 
-def _check_index(index, batch: int) -> None:
+def check_index(index, batch: int, name: str = "index") -> None:
   """``index`` is an integer scalar (shared) or ``[B]`` (one per example)."""
   shape = checks.shape_of(index)
   dtype = jnp.result_type(index)
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
-        f"index must be an integer scalar or [B] array (the number of filled "
-        f"cache positions), got dtype {dtype} with shape {shape}. Pass e.g. "
-        "jnp.int32(n).")
+        f"{name} must be an integer scalar or [B] array (the number of "
+        f"filled cache positions), got dtype {dtype} with shape {shape}. "
+        "Pass e.g. jnp.int32(n).")
   if shape not in ((), (batch,)):
     raise ValueError(
-        f"index must be an integer scalar shared by the batch or one per "
+        f"{name} must be an integer scalar shared by the batch or one per "
         f"example [B] = [{batch}], got shape {shape}.")
 
 
@@ -193,7 +193,7 @@ def _check_operands(cached_key, cached_value, index, key, value,
         f"KV cache overflow: key {k} brings {k[2]} tokens but max_length is "
         f"{length} (cached_key {ck}). Create the cache with max_length >= "
         f"{k[2]} or feed the tokens in chunks.")
-  _check_index(index, b)
+  check_index(index, b)
 
 
 def _scatter(buffer, new, slots):

@@ -40,7 +40,7 @@ def placed_mask(mask: mask_lib.Mask | None, lengths, t: int):
   ``lengths [B]`` are the sequences' lengths after this call's write; the
   mask's ``q_lengths [B]`` (if any) their real new tokens, else all ``T``.
   """
-  mask = mask_lib.Mask() if mask is None else mask
+  mask = mask_lib.Mask() if mask is None else _check_mask(mask)
   cache_step.check_unplaced(mask)  # the linear cache's refusals
   if mask.kv_lengths is not None:
     raise ValueError(
@@ -54,6 +54,32 @@ def placed_mask(mask: mask_lib.Mask | None, lengths, t: int):
       kv_lengths=lengths, dense=mask.dense,
       rule=mask_lib.rule_function(mask.rule), q_offset=lengths - new,
       kv_offset=jnp.zeros_like(lengths))
+
+
+def _check_mask(mask: Any) -> mask_lib.Mask:
+  """A ``Mask``, else a TypeError saying which one to write instead."""
+  if isinstance(mask, mask_lib.Mask):
+    return mask
+  if isinstance(mask, (mask_lib.BlockMask, mask_lib.MaskRule)):
+    fix = ("a rule goes in a Mask, at the sequences' positions: "
+           "mask=aj.Mask(rule=mask)")
+  elif callable(mask) and not hasattr(mask, "shape"):
+    fix = ("a rule function goes in a Mask, at the sequences' positions: "
+           "mask=aj.Mask(rule=mask_fn)")
+  elif hasattr(mask, "shape") or isinstance(mask, (list, tuple)):
+    fix = ("a dense array cannot be placed over a paged cache's slots (its "
+           "kernels read pages and form no [T, M * Z] array): say it with "
+           "the Mask's fields (causal, window, q_lengths), a rule "
+           "(aj.Mask(rule=...)) or a score modifier")
+  else:
+    fix = "e.g. mask=aj.Mask(causal=True, q_lengths=new_tokens)"
+  raise TypeError(
+      f"mask must be an aj.Mask (placed at each sequence's positions) or "
+      f"None, got {type(mask).__name__}{_shape(mask)}: {fix}.")
+
+
+def _shape(x) -> str:
+  return f" with shape {np.shape(x)}" if hasattr(x, "shape") else ""
 
 
 def paged_attention(
@@ -76,9 +102,11 @@ def paged_attention(
       ``q_lengths`` says how many are real).
     cache: the ``PagedKVCache`` after that write (``K`` dividing ``N``:
       grouped-query attention).
-    mask: the layer's mask (``causal``, ``window``, a rule, ``q_lengths``),
-      placed at the sequences' positions; no positions, ``kv_lengths`` or
-      segment ids (the cache gives them).
+    mask: an ``aj.Mask`` or None: the layer's mask (``causal``,
+      ``window``, a rule, ``q_lengths``), placed at the sequences'
+      positions; no positions, ``kv_lengths`` or segment ids (the cache
+      gives them). Another value (an array, a bare rule) is a TypeError
+      naming the Mask to write.
     implementation: as in sdpa; a kernel that does not read pages
       (``"flash"``, ``"paged_gpu"`` and ``"paged_tpu"`` do) is refused by
       name.
@@ -105,9 +133,7 @@ def paged_attention(
     >>> out.shape
     (2, 4, 6, 16)
   """
-  if not isinstance(cache, paged_cache.PagedKVCache):
-    raise TypeError(f"cache must be an aj PagedKVCache (init_paged_cache), "
-                    f"got {type(cache).__name__}.")
+  paged_cache.check_cache(cache)
   t = np.shape(query)[-2] if np.ndim(query) >= 2 else 0
   checks.check_min_rank("query", query, 2, "[B, N, T, H]")
   placed = placed_mask(mask, cache.lengths, t)

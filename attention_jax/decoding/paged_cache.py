@@ -30,6 +30,13 @@ traced lengths and counts:
 - ``take_rows`` / ``put_rows``: the cache as a few of its sequences see it
   (the same pool), for a call that computes only those, and back.
 
+Each of them (and ``paged_attention``) first checks the cache's fields
+against each other (``check_cache``: shapes and dtypes, a hand-built cache
+included); a row, length or prefix argument known while tracing is checked
+then, a traced one under ``aj.checked``. ``storage_dtype`` is the one check
+of a cache's ``dtype=`` (float, or quantised ``int8`` / ``float8_e4m3fn``)
+that every ``init_*cache`` makes.
+
 Pages are handed out in batch order. A sequence whose new pages do not all
 fit in the free ones, or that would pass ``M`` pages, writes nothing, keeps
 its length, and raises its ``overflow`` flag (a value: no host callback in
@@ -47,6 +54,7 @@ from jax.typing import ArrayLike
 import numpy as np
 
 from attention_jax.core import checks
+from attention_jax.core import traced_checks
 from attention_jax.decoding import kv_cache
 from attention_jax.decoding import quantize
 
@@ -145,14 +153,9 @@ def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
                      "values_in_keys the values are the keys: leave it out.")
   hv = head_dim if value_head_dim is None else value_head_dim
   checks.check_positive_int("value_head_dim", hv)
-  scales = None
-  name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
-  if name in quantize.FORMATS:
-    dtype = quantize.FORMATS[name][0]
-    scales = jnp.zeros((num_pages, num_kv_heads, page_size), jnp.float32)
-  elif not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-    raise TypeError(f"dtype must be a float dtype or one of "
-                    f"{sorted(quantize.FORMATS)}, got {dtype!r}.")
+  dtype, quantized = storage_dtype(dtype)
+  scales = None if quantized is None else jnp.zeros(
+      (num_pages, num_kv_heads, page_size), jnp.float32)
   return PagedKVCache(
       key_pages=jnp.zeros((num_pages, num_kv_heads, page_size, head_dim),
                           dtype),
@@ -164,6 +167,33 @@ def init_paged_cache(num_pages: int, page_size: int, num_kv_heads: int,
       overflow=jnp.zeros((batch_size,), bool),
       key_scales=scales, value_scales=None if values_in_keys else scales,
       nonfinite=jnp.zeros((num_pages,), bool))
+
+
+def storage_dtype(dtype) -> tuple[jnp.dtype, str | None]:
+  """A cache's ``dtype=`` as ``(the dtype it is stored in, the quantised
+  format or None)``: the one check of every ``init_*cache``'s dtype.
+
+  A float dtype is stored as it is; ``"int8"`` / ``"float8_e4m3fn"`` (or
+  those dtypes themselves) mean quantised storage with a scale per token
+  (``quantize``). Anything else (``"int4"``, ``jnp.int32``, a misspelt
+  name) raises a ``TypeError`` now, not at the first decoding step.
+
+  Example:
+    >>> storage_dtype("int8"), storage_dtype(jnp.bfloat16)
+    ((dtype('int8'), 'int8'), (dtype(bfloat16), None))
+  """
+  try:
+    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    floating = name not in quantize.FORMATS and jnp.issubdtype(
+        jnp.dtype(dtype), jnp.floating)
+  except TypeError:  # not a dtype at all
+    name, floating = None, False
+  if name in quantize.FORMATS:
+    return jnp.dtype(quantize.FORMATS[name][0]), name
+  if not floating:
+    raise TypeError(f"dtype must be a float dtype or one of "
+                    f"{sorted(quantize.FORMATS)}, got {dtype!r}.")
+  return jnp.dtype(dtype), None
 
 
 def linear_pages(dtype, batch_size: int, length: int, *,
@@ -220,10 +250,79 @@ def all_finite(cache: PagedKVCache) -> jax.Array | None:
   return ~jnp.any(cache.nonfinite & (cache.refcount > 0))
 
 
-def _check_cache(cache) -> None:
+def check_cache(cache) -> None:
+  """Raises unless ``cache`` is a ``PagedKVCache`` whose arrays agree.
+
+  Every entry (``append``, ``release``, ``share_prefix``, ``take_rows``,
+  ``put_rows``, ``paged_attention``, a layer's decoding step) checks the
+  cache's shapes and dtypes here, so a hand-built or edited one is refused
+  by field, before any arithmetic reads it: the pool ``key_pages [P, K, Z,
+  H]`` and ``page_table [B, M]`` give the sizes the others must have.
+  Values are not read (that would cost a step a host sync).
+  """
   if not isinstance(cache, PagedKVCache):
     raise TypeError(f"cache must be an aj PagedKVCache (from "
                     f"init_paged_cache), got {type(cache).__name__}.")
+  kp, pt = checks.shape_of(cache.key_pages), checks.shape_of(cache.page_table)
+  if len(kp) != 4 or len(pt) != 2:
+    raise ValueError(
+        f"cache.key_pages must be [P, K, Z, H] and cache.page_table [B, M], "
+        f"got shapes {kp} and {pt}. {_BUILD}")
+  (p, k, z, _), (b, _) = kp, pt
+  scaled = cache.key_scales is not None
+  fields = (  # name, what it must be, layout, shape (None: any size)
+      ("page_table", "integer", "[B, M]", pt),
+      ("lengths", "integer", "[B]", (b,)),
+      ("refcount", "integer", "[P]", (p,)),
+      ("overflow", "bool", "[B]", (b,)),
+      ("nonfinite", "bool", "[P]", (p,)),
+      ("key_pages", "quantised" if scaled else "float", "[P, K, Z, H]", kp),
+      ("value_pages", "quantised" if scaled else "float", "[P, K, Z, Hv]",
+       (p, k, z, None)),
+      ("key_scales", "float", "[P, K, Z]", (p, k, z)),
+      ("value_scales", "float", "[P, K, Z]", (p, k, z)))
+  for name, kind, layout, want in fields:
+    _check_field(name, getattr(cache, name), kind, layout, want, kp, pt)
+  if (cache.value_scales is not None) != (
+      scaled and cache.value_pages is not None):
+    raise ValueError(
+        "cache.value_scales must be given exactly when there are value "
+        "pages and they are quantised (key_scales given); got key_scales "
+        f"{'given' if scaled else None}, value_pages "
+        f"{'given' if cache.value_pages is not None else None}, "
+        f"value_scales {'given' if cache.value_scales is not None else None}"
+        f". {_BUILD}")
+
+
+_BUILD = ("Make the cache with aj.init_paged_cache and change it with "
+          "aj.paged_cache's updates.")
+_KINDS = {"integer": lambda d: jnp.issubdtype(d, jnp.integer),
+          "bool": lambda d: d == jnp.bool_,
+          "float": lambda d: jnp.issubdtype(d, jnp.floating),
+          "quantised": lambda d: d.name in quantize.FORMATS}
+
+
+def _check_field(name, x, kind, layout, want, kp, pt) -> None:
+  """One field of ``check_cache``: None where allowed, else its dtype and
+  shape (``want``; None: any size)."""
+  if x is None:
+    if name in ("key_pages", "page_table", "lengths", "refcount",
+                "overflow"):
+      raise TypeError(f"cache.{name} must be an array, got None. {_BUILD}")
+    return
+  shape, dtype = checks.shape_of(x), jnp.dtype(jnp.result_type(x))
+  if not _KINDS[kind](dtype) or len(shape) != len(want) or any(
+      w is not None and s != w for s, w in zip(shape, want)):
+    sizes = ", ".join("_" if w is None else str(w) for w in want)
+    why = ""
+    if kind == "quantised":
+      kind, why = "int8 or float8_e4m3fn", " (key_scales are given)"
+    elif name.endswith("pages") and dtype.name in quantize.FORMATS:
+      why = " (quantised pages come with key_scales)"
+    raise ValueError(
+        f"cache.{name} must be {kind} {layout} = [{sizes}] (P, K, Z from "
+        f"key_pages {kp}, B from page_table {pt}), got {dtype} "
+        f"{shape}{why}. {_BUILD}")
 
 
 def _serve_in_order(demand: jax.Array, free: jax.Array) -> jax.Array:
@@ -268,7 +367,7 @@ def append(cache: PagedKVCache, key: jax.Array, value: jax.Array | None, *,
     >>> c.lengths.tolist(), c.page_table.tolist(), c.refcount.tolist()
     ([3, 1], [[0, 1, 4], [2, 4, 4]], [1, 1, 1, 0])
   """
-  _check_cache(cache)
+  check_cache(cache)
   _check_append(cache, key, value)
   b, t = cache.page_table.shape[0], key.shape[2]
   n = kv_cache.check_new_lengths(new_lengths, b, t)  # [B] or None
@@ -428,7 +527,7 @@ def release(cache: PagedKVCache, done: ArrayLike) -> PagedKVCache:
     >>> c.lengths.tolist(), c.refcount.tolist()
     ([0, 3], [0, 0, 1, 1])
   """
-  _check_cache(cache)
+  check_cache(cache)
   b, m = cache.page_table.shape
   done = jnp.asarray(done)
   if done.dtype != bool or done.shape != (b,):
@@ -454,11 +553,16 @@ def share_prefix(cache: PagedKVCache, source: ArrayLike, target: ArrayLike,
   Args:
     cache: the cache.
     source: int scalar, the sequence whose tokens are shared.
-    target: int scalar, an empty sequence (length 0, no pages); a target
-      that is not empty, or a ``length`` above ``source``'s, raises at
-      trace time when concrete and sets ``target``'s overflow flag (the
-      cache otherwise unchanged) when traced.
+    target: int scalar, an empty sequence (length 0, no pages).
     length: int scalar, tokens shared.
+
+  Raises:
+    ValueError: at trace time, when the values are known (concrete, under
+      ``jit`` too): ``source`` or ``target`` outside ``[0, B)`` or equal, a
+      ``target`` that is not empty, or a ``length`` outside ``[0,
+      source's length]``. Traced, such a call changes nothing but raise
+      ``target``'s overflow flag (when ``target`` is a row), and
+      ``aj.checked`` raises the same message.
 
   Example:
     >>> c = init_paged_cache(4, 2, 1, 1, batch_size=2, max_pages=2)
@@ -468,42 +572,81 @@ def share_prefix(cache: PagedKVCache, source: ArrayLike, target: ArrayLike,
     >>> c.page_table.tolist(), c.refcount.tolist()
     ([[0, 1], [0, 1]], [2, 2, 0, 0])
   """
-  _check_cache(cache)
+  check_cache(cache)
   b, m = cache.page_table.shape
   z, p = cache.page_size, cache.num_pages
+  _check_share(cache, source, target, length)
+  source, target, length = (jnp.asarray(x, jnp.int32)
+                            for x in (source, target, length))
+  src_ok, tgt_ok = ((x >= 0) & (x < b) for x in (source, target))
+  # A traced row out of range changes nothing: clipped reads, dropped writes
+  # (a negative row would otherwise wrap round to the last ones).
+  src, tgt = (jnp.clip(x, 0, b - 1) for x in (source, target))
+  ok = (src_ok & tgt_ok & (source != target) & (cache.lengths[tgt] == 0)
+        & (length >= 0) & (length <= cache.lengths[src]))
+  j = jnp.arange(m)
+  pages = jnp.where((j * z < length) & ok, cache.page_table[src], p)
+  refcount = cache.refcount.at[pages].add(1, mode="drop")
+  row = jnp.where(ok, pages, cache.page_table[tgt])
+  at = jnp.where(tgt_ok, target, b)  # b: dropped
+  return cache._replace(
+      page_table=cache.page_table.at[at].set(row, mode="drop"),
+      lengths=cache.lengths.at[at].set(
+          jnp.where(ok, length, cache.lengths[tgt]), mode="drop"),
+      refcount=refcount,
+      overflow=cache.overflow.at[at].set(cache.overflow[tgt] | ~ok,
+                                         mode="drop"))
+
+
+def _known(x) -> np.ndarray | None:
+  """``x``'s value if known while tracing (a concrete array under ``jit``
+  included), else None."""
+  try:
+    return np.asarray(x)
+  except jax.errors.TracerArrayConversionError:
+    return None
+
+
+def _check_share(cache: PagedKVCache, source, target, length) -> None:
+  """``share_prefix``'s arguments: raised now where their values are known,
+  else conditions ``aj.checked`` enforces (``traced_check``)."""
+  b = cache.page_table.shape[0]
   for name, x in (("source", source), ("target", target),
                   ("length", length)):
     checks.integer_array(name, x)
     if np.ndim(x) != 0:
       raise ValueError(f"{name} must be an integer scalar, got shape "
                        f"{np.shape(x)}.")
-  if all(kv_cache.is_concrete(x) for x in (source, target, length)):
-    s, tg, n = int(source), int(target), int(length)
+  s, tg, n, have = map(_known, (source, target, length, cache.lengths))
+  pair = (f"source and target must be two different sequences in [0, B) = "
+          f"[0, {b})")
+  if s is not None and tg is not None:
     if not (0 <= s < b and 0 <= tg < b and s != tg):
-      raise ValueError(f"source and target must be two different sequences "
-                       f"in [0, B) = [0, {b}), got {s} and {tg}.")
-    if kv_cache.is_concrete(cache.lengths):
-      have = int(cache.lengths[s])
-      if not 0 <= n <= have:
-        raise ValueError(f"length must be in [0, {have}] (source {s} holds "
-                         f"{have} tokens), got {n}.")
-      if int(cache.lengths[tg]) != 0:
-        raise ValueError(f"target {tg} must be empty (release it first); it "
-                         f"holds {int(cache.lengths[tg])} tokens.")
-  source, target, length = (jnp.asarray(x, jnp.int32)
-                            for x in (source, target, length))
-  ok = ((cache.lengths[target] == 0) & (length >= 0)
-        & (length <= cache.lengths[source]))
-  j = jnp.arange(m)
-  pages = jnp.where((j * z < length) & ok, cache.page_table[source], p)
-  refcount = cache.refcount.at[pages].add(1, mode="drop")
-  row = jnp.where(ok, pages, cache.page_table[target])
-  return cache._replace(
-      page_table=cache.page_table.at[target].set(row),
-      lengths=cache.lengths.at[target].set(
-          jnp.where(ok, length, cache.lengths[target])),
-      refcount=refcount,
-      overflow=cache.overflow.at[target].set(cache.overflow[target] | ~ok))
+      raise ValueError(f"{pair}, got {s} and {tg}.")
+  else:
+    source, target = jnp.asarray(source), jnp.asarray(target)
+    traced_checks.traced_check(
+        (source >= 0) & (source < b) & (target >= 0) & (target < b)
+        & (source != target), pair + ", got {source} and {target}.",
+        source=source, target=target)
+  if all(x is not None for x in (s, tg, n, have)):
+    if not 0 <= n <= have[s]:
+      raise ValueError(f"length must be in [0, {have[s]}] (source {s} holds "
+                       f"{have[s]} tokens), got {n}.")
+    if have[tg] != 0:
+      raise ValueError(f"target {tg} must be empty (release it first); it "
+                       f"holds {have[tg]} tokens.")
+    return
+  held = cache.lengths[jnp.clip(jnp.asarray(source), 0, b - 1)]
+  traced_checks.traced_check(
+      (jnp.asarray(length) >= 0) & (jnp.asarray(length) <= held),
+      "length must be in [0, {held}] (source {source} holds {held} tokens), "
+      "got {length}.", held=held, source=jnp.asarray(source),
+      length=jnp.asarray(length))
+  held = cache.lengths[jnp.clip(jnp.asarray(target), 0, b - 1)]
+  traced_checks.traced_check(
+      held == 0, "target {target} must be empty (release it first); it "
+      "holds {held} tokens.", target=jnp.asarray(target), held=held)
 
 
 def _first_of(rows: jax.Array, b: int) -> jax.Array:
@@ -520,10 +663,11 @@ def take_rows(cache: PagedKVCache, rows: ArrayLike) -> PagedKVCache:
   A call may then append to and attend over a few sequences (those that
   prefill a prompt) without computing every row; ``put_rows`` writes them
   back. ``rows`` must be distinct sequences in ``[0, B)``: concrete ones
-  that are not raise. Traced, a row named again after its first mention
-  sees a full table, so nothing is written for it (its output is garbage),
-  and ``put_rows`` raises its overflow flag; an entry out of range is
-  treated alike but has no flag to raise.
+  (under ``jit`` too) that are not raise, traced ones under ``aj.checked``.
+  Traced and unchecked, a row named again after its first mention sees a
+  full table, so nothing is written for it (its output is garbage), and
+  ``put_rows`` raises its overflow flag; an entry out of range is treated
+  alike but has no flag to raise.
 
   Example:
     >>> c = init_paged_cache(6, 2, 1, 1, batch_size=3, max_pages=2)
@@ -533,7 +677,7 @@ def take_rows(cache: PagedKVCache, rows: ArrayLike) -> PagedKVCache:
     >>> c.lengths.tolist(), c.page_table.tolist()
     ([0, 0, 3], [[6, 6], [6, 6], [0, 1]])
   """
-  _check_cache(cache)
+  check_cache(cache)
   rows = _check_rows(rows, cache.page_table.shape[0])
   b, m = cache.page_table.shape
   first = _first_of(rows, b)
@@ -555,7 +699,7 @@ def put_rows(cache: PagedKVCache, part: PagedKVCache,
   A row of ``rows`` named twice keeps its first mention's and has its
   overflow flag raised (``take_rows``).
   """
-  _check_cache(cache)
+  check_cache(cache)
   b = cache.page_table.shape[0]
   rows = _check_rows(rows, b)
   if part.page_table.shape != (rows.shape[0],) + cache.page_table.shape[1:]:
@@ -577,17 +721,22 @@ def _check_rows(rows, b: int) -> jax.Array:
   checks.integer_array("rows", rows)
   if np.ndim(rows) != 1:
     raise ValueError(f"rows must be int [R], got shape {np.shape(rows)}.")
-  if kv_cache.is_concrete(rows):
-    named = np.asarray(rows).tolist()
+  message = f"rows must be distinct sequences in [0, B) = [0, {b}), got "
+  known = _known(rows)
+  if known is not None:
+    named = known.tolist()
     if any(not 0 <= r < b for r in named) or len(set(named)) != len(named):
-      raise ValueError(f"rows must be distinct sequences in [0, B) = "
-                       f"[0, {b}), got {named}.")
-  return jnp.asarray(rows, jnp.int32)
+      raise ValueError(f"{message}{named}.")
+    return jnp.asarray(rows, jnp.int32)
+  rows = jnp.asarray(rows, jnp.int32)
+  traced_checks.traced_check(jnp.all(_first_of(rows, b)), message + "{rows}.",
+                             rows=rows)
+  return rows
 
 
 def check_overflow(cache: PagedKVCache) -> None:
   """ValueError naming the sequences whose writes found no room (concrete)."""
-  _check_cache(cache)
+  check_cache(cache)
   flags = np.asarray(cache.overflow)
   if flags.any():
     raise ValueError(

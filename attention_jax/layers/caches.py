@@ -12,7 +12,9 @@ Two generic functions, one implementation per kind of cache
   (each example's tokens so far, its real new tokens: the mask's
   ``q_lengths``, their positions), what a dense mask is over, and the
   cache's batch; read before the projections, since rotary positions
-  default to the cache's.
+  default to the cache's. It checks the cache's fields first (a
+  hand-built cache's too: ``cache_step.check_cache``,
+  ``paged_cache.check_cache``).
 - ``write(cache, keys, step, num_heads) -> (cache, attended)``: writes this
   call's keys and values (``attention_fn.Keys``) and returns the new cache
   and what the queries attend over: ``Keys`` over the slots (the mask, the
@@ -79,7 +81,10 @@ def _positions(index: jax.Array, t: int) -> jax.Array:
 
 @place.register
 def _place_linear(cache: KVCache, mask: Mask, b: int, t: int) -> Step:
-  index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32), (b,))
+  cache_step.check_cache(cache)
+  # The cache's batch: check_call names a query of another one.
+  index = jnp.broadcast_to(jnp.asarray(cache.index, jnp.int32),
+                           (cache.key.shape[0],))
   positions = _positions(index, t)
   rotary = positions  # counted from each example's first real token
   if cache.left_padding is not None:
@@ -99,6 +104,7 @@ def _write_linear(cache: KVCache, keys: Keys, step: Step, num_heads: int):
 
 @place.register
 def _place_paged(cache: PagedKVCache, mask: Mask, b: int, t: int) -> Step:
+  paged_cache.check_cache(cache)
   positions = _positions(cache.lengths, t)
   return Step(cache.lengths, cache_step.new_lengths(mask, b, t), positions,
               positions, cache.max_pages * cache.page_size,

@@ -39,7 +39,6 @@ import numpy as np
 from attention_jax.core import checks
 from attention_jax.decoding import cache_step
 from attention_jax.decoding import paged_cache
-from attention_jax.decoding import quantize
 from attention_jax.layers import attention_fn as attention_fn_lib
 from attention_jax.layers import latent
 from attention_jax.layers import multi_head
@@ -254,16 +253,20 @@ class MultiHeadLatentAttention(nnx.Module):
         in pages as ``MultiHeadAttention``'s (``init_paged_cache`` with
         ``B * ceil(L / Z)`` pages of ``Z = min(L, 128)`` tokens: every row
         room for ``L`` tokens), a scale per token; not with a ring buffer.
+        Any other dtype is a ``TypeError`` here, as for
+        ``init_paged_cache``.
     """
     checks.check_positive_int("batch_size", batch_size)
     length, window = cache_step.cache_slots(self.mask, max_length, window)
-    if isinstance(dtype, str) and dtype in quantize.FORMATS:
-      self.init_paged_cache(batch_size, dtype=dtype, **paged_cache.linear_pages(
-          dtype, batch_size, length, window=window))
+    dtype, quantized = paged_cache.storage_dtype(
+        dtype or self.dtype or self.param_dtype)
+    if quantized is not None:
+      self.init_paged_cache(batch_size, dtype=quantized,
+                            **paged_cache.linear_pages(
+                                quantized, batch_size, length, window=window))
       return
     cache = latent.LatentCache(
-        *(jnp.zeros((batch_size, length, width),
-                    dtype or self.dtype or self.param_dtype)
+        *(jnp.zeros((batch_size, length, width), dtype)
           for width in (self.kv_lora_rank, self.qk_rope_head_dim)),
         jnp.zeros((batch_size,), jnp.int32), jnp.zeros((batch_size,), bool))
     self.cached_latent = nnx.Cache(cache.latent)  # [B, L, R]

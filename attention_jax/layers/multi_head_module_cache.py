@@ -27,7 +27,6 @@ from attention_jax.core import checks
 from attention_jax.decoding import cache_step
 from attention_jax.decoding import kv_cache
 from attention_jax.decoding import paged_cache
-from attention_jax.decoding import quantize
 from attention_jax.layers import multi_head
 from attention_jax.layers import sharding
 
@@ -127,7 +126,9 @@ class DecodingCaches(nnx.Module):
         linear cache, every row room for ``L`` tokens), quantised on
         write with a scale per token and key/value head and dequantised
         page by page as attention reads it; not with a ring buffer or
-        ``left_padding``.
+        ``left_padding``. Any other dtype (``"int4"``, an integer one) is a
+        ``TypeError`` here (``paged_cache.storage_dtype``, the check of
+        every cache's dtype).
       left_padding: optional integer ``[B]``: each example's leading pad
         tokens, for prompts left-padded to one length ``T`` and prefilled
         with ``decode=True`` (pads included: every example advances by
@@ -140,13 +141,16 @@ class DecodingCaches(nnx.Module):
     """
     checks.check_positive_int("batch_size", batch_size)
     length, window = cache_step.cache_slots(self.mask, max_length, window)
-    if isinstance(dtype, str) and dtype in quantize.FORMATS:
-      self.init_paged_cache(batch_size, dtype=dtype, **paged_cache.linear_pages(
-          dtype, batch_size, length, window=window, left_padding=left_padding))
+    dtype, quantized = paged_cache.storage_dtype(
+        dtype or self.dtype or self.param_dtype)
+    if quantized is not None:
+      self.init_paged_cache(batch_size, dtype=quantized,
+                            **paged_cache.linear_pages(
+                                quantized, batch_size, length, window=window,
+                                left_padding=left_padding))
       return
     if left_padding is not None:
       left_padding = kv_cache.check_left_padding(left_padding, batch_size)
-    dtype = dtype or self.dtype or self.param_dtype
     self._no_cache()  # one cache at a time
     shape = (batch_size, self.num_kv_heads, length, self.head_dim)
     meta = {}
@@ -258,9 +262,10 @@ class DecodingCaches(nnx.Module):
 
     Args:
       memory: float ``[B, S, Dkv]``.
-      dtype: dtype of the stored keys and values; defaults to the module's
-        ``dtype`` or ``param_dtype`` (another dtype rounds them: the numbers
-        then differ from projecting the memory per call by that rounding).
+      dtype: dtype of the stored keys and values, a float dtype; defaults
+        to the module's ``dtype`` or ``param_dtype`` (another dtype rounds
+        them: the numbers then differ from projecting the memory per call
+        by that rounding).
 
     Example:
       >>> cross = aj.MultiHeadAttention(8, 2, rngs=nnx.Rngs(0))
@@ -277,13 +282,22 @@ class DecodingCaches(nnx.Module):
     checks.check_float_array("memory", memory)
     checks.check_module_input("memory", memory, self.kv_features,
                               "kv_features", "[B, S, Dkv]")
+    dtype = dtype or self.dtype or self.param_dtype
+    try:
+      quantized = paged_cache.storage_dtype(dtype)[1]
+    except TypeError:  # not a float dtype either
+      quantized = dtype
+    if quantized is not None:
+      raise TypeError(
+          f"init_cross_cache keeps the projected memory as it is: dtype must "
+          f"be a float dtype, got {dtype!r} (quantised storage, int8 or "
+          "float8_e4m3fn, is for init_cache and init_paged_cache).")
     self._no_cache()  # one cache at a time
     if self.dtype is not None:
       memory = jnp.asarray(memory, self.dtype)
     projected = multi_head.project_memory(self.params_dict(), memory,
                                           precision=self.precision,
                                           qk_norm=self.qk_norm)
-    dtype = dtype or self.dtype or self.param_dtype
     self.memory_key = nnx.Cache(projected.key.astype(dtype))  # [B, K, S, H]
     self.memory_value = nnx.Cache(projected.value.astype(dtype))
 
