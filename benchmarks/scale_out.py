@@ -71,14 +71,15 @@ def _methods(devices: int):
   rows = [("ring, contiguous", (devices,), ("seq",),
            dict(method="ring", layout="contiguous")),
           ("ring, zigzag", (devices,), ("seq",),
-           dict(method="ring", layout="zigzag")),
+           dict(method="ring", layout="zigzag", permuted=True)),
           ("all-to-all (Ulysses)", (devices,), ("seq",),
            dict(method="ulysses"))]
   for ring in (2, 4):
     if devices % ring == 0 and devices // ring > 1:
       rows.append((f"hybrid: ring {ring} x all-to-all {devices // ring}, "
                    "zigzag", (ring, devices // ring), ("ring", "seq"),
-                   dict(method="hybrid", ring_axis="ring", layout="zigzag")))
+                   dict(method="hybrid", ring_axis="ring", layout="zigzag",
+                        permuted=True)))
   return rows
 
 

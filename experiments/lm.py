@@ -169,11 +169,14 @@ def sequence_attention(config: LMConfig, mesh: jax.sharding.Mesh | None
   if ring > 1 and method != "hybrid":
     raise ValueError("--mesh: put a sequence split of one kind on the seq "
                      "axis (ring is the hybrid's outer axis).")
+  # (zigzag: the batches come permuted, train_batch; once per batch rather
+  # than every layer's q, k, v and output)
   return aj.SequenceParallel(
       "seq", method=method, layout=config.seq_layout,
       ring_axis="ring" if method == "hybrid" else None,
       batch_axis="data" if mesh.shape["data"] > 1 else None,
-      head_axis=parallel.model_axis(mesh))
+      head_axis=parallel.model_axis(mesh),
+      permuted=config.seq_layout == "zigzag")
 
 
 def layout_devices(config: LMConfig, mesh: jax.sharding.Mesh | None) -> int:

@@ -60,20 +60,28 @@ def ring_attention(
   under a causal mask device ``P - 1`` does ``P`` times device 0's work);
   ``"zigzag"`` balances causal work: the global sequence is cut into
   ``2P`` chunks and device ``i`` holds chunks ``i`` and ``2P - 1 - i``.
-  The caller permutes tokens, positions, segment ids and labels once,
-  before the model (``ring_layout.zigzag(x, P)``, ``axis=-1`` for
-  ``[B, T]``; ``unzigzag`` after); the mask still speaks of global
-  positions (causality, windows, lengths, rules and ``score_mod`` see
-  where a token stands in the whole sequence), while dense mask and bias
-  rows and columns are in the layout's order, like the tokens. Local
-  ``T`` and ``S`` must then be even.
+  Under ``"zigzag"`` the inputs must already be in that order: this
+  function runs inside your ``shard_map`` on one device's shard, so it
+  cannot permute them, and natural-order shards give wrong numbers with no
+  error. Permute tokens, positions, segment ids and labels once, before
+  the model (``aj.zigzag(x, P)``, ``axis=-1`` for ``[B, T]``; a dense
+  mask or bias on axis -2, then -1), and read outputs back with
+  ``aj.unzigzag``; ``aj.SequenceParallel(layout="zigzag")``, which holds
+  the whole arrays, permutes natural-order ones itself. The mask still
+  speaks of global positions (causality, windows, lengths, rules and
+  ``score_mod`` see where a token stands in the whole sequence), while
+  dense mask and bias rows and columns are in the layout's order, like
+  the tokens. Local ``T`` and ``S`` must then be even.
 
   Args:
     mask: None or an ``aj.Mask`` on the *global* sequence (``P*T``
       queries, ``P*S`` keys): ``causal`` and ``window`` are bottom-right
       aligned on the global lengths, and ring steps whose key block they
       rule out are not made at all (neither compute nor ``ppermute``);
-      ``kv_lengths``/``q_lengths`` are global (replicated); positions
+      ``kv_lengths``/``q_lengths`` are global (replicated), within
+      ``[0, P*S]`` / ``[0, P*T]`` (refused when concrete, e.g. closed over;
+      traced ones, such as arrays passed into ``shard_map``, under
+      ``aj.checked``); positions
       (``q_offset``/``kv_offset``) are those of the whole sequence's row 0
       and column 0 (traced ones make every ring step); a rule (or a
       ``BlockMask`` built for ``[P*T, P*S]``) sees global indices. Segment
@@ -102,7 +110,8 @@ def ring_attention(
 
   Raises:
     ValueError: besides sdpa's: float64 operands, ``axis_name`` not bound
-      (outside ``shard_map``), a dense mask or bias not ``[..., T|1,
+      (outside ``shard_map``), concrete lengths beyond the global ``P*S`` /
+      ``P*T``, a dense mask or bias not ``[..., T|1,
       P*S|1]``, an unknown ``layout`` or odd local lengths under
       ``"zigzag"``, a ``BlockMask`` built for other than the global
       lengths, a ``score_mod`` closing over traced values.

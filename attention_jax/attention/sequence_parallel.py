@@ -26,14 +26,23 @@ a model with its sequence split; the projections, norms and feed-forward
 blocks around it are per token, and XLA splits them over the same axis.
 
 The mask speaks of the whole sequence (causality, windows, lengths,
-positions, rules: global positions); its per-token arrays (segment ids,
-``[B, T]``), the dense mask and the bias (``[B|1, N|1, T|1, S|1]``) are in
-the order the tokens are: with ``layout="zigzag"`` the caller permuted the
-tokens, positions, segment ids and targets once (``aj.zigzag``), and a
-dense mask's or bias's rows *and* key columns (``aj.zigzag`` on axis -2,
-then -1: a ``[B, 1, 1, S]`` key mask too), before the model, and reads its
-outputs back with ``aj.unzigzag`` (a per-token loss needs neither). The
-mesh's axes are Auto ones (``jax.sharding.AxisType.Auto``).
+positions, rules: global positions; lengths are checked against the whole
+``T`` and ``S``); its per-token arrays (segment ids, ``[B, T]``), the
+dense mask and the bias (``[B|1, N|1, T|1, S|1]``) are in the order the
+tokens are.
+
+``layout="zigzag"`` (the ring's load-balanced layout, ``ring_layout``)
+takes the arrays in their natural order and permutes them itself: the
+query, keys and values, the segment ids, the dense mask's and the bias's
+rows and key columns go into the zigzag order over the ring's devices
+(``aj.zigzag``: chunk moves between devices), the output and lse come
+back in order. ``permuted=True`` says the caller did that once, before
+the model (tokens, positions, segment ids and targets with ``aj.zigzag``;
+a dense mask or bias on axis -2, then -1), and reads the outputs back
+with ``aj.unzigzag`` (a per-token loss needs neither): no permutation per
+call. The all-to-all (``"ulysses"``) attends over whole sequences, so on
+natural-order arrays it runs as ``"contiguous"``. The mesh's axes are
+Auto ones (``jax.sharding.AxisType.Auto``).
 
 Each shard's ``score_mod`` and rule see the global ``(b, h)``: this
 function shifts them by the shard's first example and head
@@ -55,6 +64,8 @@ import numpy as np
 from attention_jax.attention import ring as ring_lib
 from attention_jax.attention import ulysses as ulysses_lib
 from attention_jax.core import checks
+from attention_jax.kernels import ring_layout
+from attention_jax.kernels import ring_local
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import BlockMask
 from attention_jax.masking.mask import Mask
@@ -156,9 +167,10 @@ class SequenceParallel:
       ``"hybrid"``).
     method: ``"ring"``, ``"ulysses"`` or ``"hybrid"`` (module docstring).
     layout: ``"contiguous"`` (device ``i`` holds rows ``[i*T/P,
-      (i+1)*T/P)``) or ``"zigzag"`` (the ring's load-balanced layout: the
-      caller applied ``aj.zigzag(x, ring devices)`` to every per-token
-      array first).
+      (i+1)*T/P)``) or ``"zigzag"`` (the ring's load-balanced layout:
+      device ``i`` of the ring's ``R`` holds chunks ``i`` and ``2R - 1 - i``
+      of ``2R``; ``T`` and ``S`` multiples of ``2R``). The arrays come in
+      their natural order; this call permutes them (module docstring).
     ring_axis: ``"hybrid"``'s outer axis (the ring across the groups).
     batch_axis: mesh axis (or axes) the batch is split over; None: the
       batch is not split here.
@@ -167,6 +179,15 @@ class SequenceParallel:
     implementation: the kernel each device runs in ``"ulysses"`` (any of
       ``scaled_dot_product_attention``'s; None: automatic).
     block_q, block_k: the ring's per-device block sizes.
+    permuted: with ``layout="zigzag"`` only: the caller already put every
+      per-token array in the zigzag order (``aj.zigzag(x, R)``, ``R`` the
+      ring's devices: ``axis``'s, or ``ring_axis``'s in the hybrid; a dense
+      mask or bias on its rows and key columns) and reads the outputs
+      with ``aj.unzigzag``: nothing is permuted per call (a model permutes
+      its tokens, positions and targets once instead of every layer's
+      q, k, v and output). Code written before ``permuted`` existed, when
+      ``layout="zigzag"`` meant pre-permuted arrays, adds
+      ``permuted=True`` (or drops its ``aj.zigzag``/``aj.unzigzag``).
 
   Called as ``aj.scaled_dot_product_attention`` is, with its ``mask``,
   ``bias``, ``scale``, ``is_causal``, ``score_mod``, ``sinks`` and
@@ -175,6 +196,8 @@ class SequenceParallel:
   arrays, inside ``jit`` under ``jax.set_mesh``. It takes no dropout,
   weights or max logits (no split attention forms them), and no
   ``implementation`` or ``partition`` at the call (its fields say both).
+  Lengths beyond the whole ``T`` / ``S`` are refused (a ValueError when
+  concrete; traced ones under ``aj.checked``).
 
   Example:
     >>> mesh = jax.make_mesh((1,), ("seq",),
@@ -196,6 +219,7 @@ class SequenceParallel:
   implementation: Any = None
   block_q: int | None = None
   block_k: int | None = None
+  permuted: bool = False
 
   def __post_init__(self):
     for name, value, choices in (("method", self.method, METHODS),
@@ -203,6 +227,15 @@ class SequenceParallel:
       if value not in choices:
         raise ValueError(f"SequenceParallel's {name} must be one of "
                          f"{choices}, got {value!r}.")
+    if not isinstance(self.permuted, bool):
+      raise TypeError(f"SequenceParallel's permuted must be a Python bool, "
+                      f"got {self.permuted!r}.")
+    if self.permuted and self.layout != "zigzag":
+      raise ValueError(
+          f"SequenceParallel(permuted=True) says the arrays come already in "
+          f"the zigzag order (aj.zigzag); it goes with layout='zigzag', got "
+          f"layout={self.layout!r}. Drop permuted=True (contiguous arrays "
+          "are in their natural order).")
     if (self.method == "hybrid") != (self.ring_axis is not None):
       raise ValueError(
           f"SequenceParallel(method={self.method!r}, ring_axis="
@@ -247,32 +280,69 @@ class SequenceParallel:
     checks.check_static_bool("is_causal", is_causal)
     mask = mask_lib.as_mask(mask, is_causal=is_causal)
     sizes = self._mesh_sizes()
+    dims = self._dims(query, key, sizes)
+    _check_lengths(mask, dims)
+    split = functools.partial(self._split, sizes=sizes, dims=dims,
+                              scale=scale, score_mod=score_mod, sinks=sinks,
+                              return_lse=return_lse)
+    return self._in_layout(split, sizes, dims, query, key, value, mask, bias,
+                           return_lse)
+
+  def _in_layout(self, split, sizes, dims, query, key, value, mask, bias,
+                 return_lse):
+    """``split`` on the arrays in the layout's order: natural-order arrays
+    permuted into zigzag and the results back, unless ``permuted``."""
+    if self.layout == "contiguous" or self.permuted:
+      return split(query, key, value, mask, bias, layout=self.layout)
+    if self.method == "ulysses":
+      # Whole sequences per device: no causal imbalance to even out, and
+      # contiguous gives the zigzag layout's result without permuting.
+      return split(query, key, value, mask, bias, layout="contiguous")
+    devices = sizes[self.ring_axis or self.axis]
+    _check_zigzag_lengths(dims, devices)
+    out = split(*_zigzagged(devices, query, key, value, mask, bias),
+                layout="zigzag")
+    if return_lse:  # [B, N, T, Hv], [B, N, T]
+      return (ring_layout.unzigzag(out[0], devices, axis=-2),
+              ring_layout.unzigzag(out[1], devices, axis=-1))
+    return ring_layout.unzigzag(out, devices, axis=-2)
+
+  def _dims(self, query, key, sizes) -> tuple[int, ...]:
+    """``(B, N, T, K, S)``, checked against the mesh's splits."""
     q_shape, k_shape = checks.shape_of(query), checks.shape_of(key)
     if len(q_shape) != 4 or len(k_shape) != 4:
       raise ValueError(
           f"SequenceParallel takes [B, N, T, H] queries and [B, K, S, H] "
           f"keys, got {q_shape} and {k_shape}.")
     (b, n, t, _), (_, k, s, _) = q_shape, k_shape
-    seq = _size(sizes, self._sequence)
-    batch = _size(sizes, self.batch_axis)
     heads = _size(sizes, self.head_axis)
-    for what, length, parts, axes in (
-        ("the query length T", t, seq, self._sequence),
-        ("the key length S", s, seq, self._sequence),
-        ("the batch B", b, batch, self.batch_axis),
-        ("the query heads N", n, heads, self.head_axis)):
+    for what, length, axes in (
+        ("the query length T", t, self._sequence),
+        ("the key length S", s, self._sequence),
+        ("the batch B", b, self.batch_axis),
+        ("the query heads N", n, self.head_axis)):
+      parts = _size(sizes, axes)
       if length % parts:
         raise ValueError(
             f"SequenceParallel: {what} = {length} does not split over mesh "
             f"axes {axes!r} ({parts} devices); pad it to a multiple of "
             f"{parts} or use fewer devices.")
-    # Key/value heads split with the queries', or one head every shard reads.
-    kv_heads = self.head_axis if k % heads == 0 else None
     if k % heads and k != 1:
       raise ValueError(
           f"SequenceParallel: the key/value heads K = {k} do not split over "
           f"head axis {self.head_axis!r} ({heads} devices) and are not one "
           "shared head; use a head axis that divides K.")
+    return b, n, t, k, s
+
+  def _split(self, query, key, value, mask, bias, *, layout, sizes, dims,
+             scale, score_mod, sinks, return_lse):
+    """The shard_map over the sequence, batch and head axes, with the
+    arrays in ``layout``'s order."""
+    b, n, _, k, _ = dims
+    batch = _size(sizes, self.batch_axis)
+    heads = _size(sizes, self.head_axis)
+    # Key/value heads split with the queries', or one head every shard reads.
+    kv_heads = self.head_axis if k % heads == 0 else None
     spec = functools.partial(_spec, self.batch_axis, b, self.head_axis, n)
     q_spec = PartitionSpec(self.batch_axis, self.head_axis, self._sequence,
                            None)
@@ -304,7 +374,7 @@ class SequenceParallel:
         (None if mask is None else mask.rule, score_mod, scale))
     local = functools.partial(
         self._local, mask=mask, rebuild=rebuild, return_lse=return_lse,
-        b_local=b // batch, n_local=n // heads)
+        b_local=b // batch, n_local=n // heads, layout=layout)
     row_spec = PartitionSpec(self.batch_axis, self.head_axis,
                              self._sequence)
     out_specs = (q_spec, row_spec) if return_lse else q_spec
@@ -314,7 +384,7 @@ class SequenceParallel:
         out_specs=out_specs)(query, key, value, arrays, shared)
 
   def _local(self, q, k, v, arrays, shared, *, mask, rebuild, return_lse,
-             b_local, n_local):
+             b_local, n_local, layout):
     """One device's call: its shard of every array, the whole mask."""
     # Replicated arrays meet batch and head shards in the kernels' custom
     # VJPs, whose cotangents then vary over those axes: typed as varying
@@ -337,7 +407,7 @@ class SequenceParallel:
     bias, sinks = (None if x is None else _varying(x, split)
                    for x in (arrays.get("bias"), arrays.get("sinks")))
     common = dict(scale=scale, score_mod=score_mod, sinks=sinks, bias=bias,
-                  return_lse=return_lse, layout=self.layout)
+                  return_lse=return_lse, layout=layout)
     if self.method == "ring":
       return ring_lib.ring_attention(
           q, k, v, mask, axis_name=self.axis, block_q=self.block_q,
@@ -346,6 +416,68 @@ class SequenceParallel:
         q, k, v, mask, axis_name=self.axis, ring_axis=self.ring_axis,
         implementation=self.implementation, block_q=self.block_q,
         block_k=self.block_k, **common)
+
+
+def _check_lengths(mask, dims) -> None:
+  """The mask's lengths within the whole arrays' ``T`` and ``S``, before
+  the ``shard_map`` (where concrete arrays are still concrete): a
+  ValueError when concrete, a ``traced_check`` when traced."""
+  if mask is None:
+    return
+  _, _, t, _, s = dims
+  for name, given, total, letter in (("q_lengths", mask.q_lengths, t, "T"),
+                                     ("kv_lengths", mask.kv_lengths, s, "S")):
+    if given is not None:
+      ring_local.check_global_length(
+          f"the mask's {name}", given, total,
+          f"{letter} = {total}, the whole sequence SequenceParallel splits")
+
+
+def _check_zigzag_lengths(dims, devices: int) -> None:
+  _, _, t, _, s = dims
+  if t % (2 * devices) or s % (2 * devices):
+    raise ValueError(
+        f"SequenceParallel(layout='zigzag') cuts the sequence into 2 * "
+        f"{devices} chunks (two per ring device): T = {t} and S = {s} must "
+        f"be multiples of {2 * devices}; pad the sequence to a multiple or "
+        "use layout='contiguous'.")
+
+
+def _zigzagged(devices: int, query, key, value, mask, bias):
+  """The call's arrays in the zigzag order over ``devices``: tokens, the
+  mask's segment ids, and the dense mask's and the bias's rows and key
+  columns (size-1 axes broadcast as they are). Lengths, positions, rules
+  and ``score_mod`` speak of global positions: they stay."""
+  t, s = checks.shape_of(query)[-2], checks.shape_of(key)[-2]
+  order = functools.partial(ring_layout.zigzag, devices=devices)
+  query, key, value = (order(x, axis=-2) for x in (query, key, value))
+  bias = _zigzag_pair(bias, t, s, devices)
+  if mask is not None:
+    fields = {f: getattr(mask, f) for f in mask_lib.ARRAY_FIELDS}
+    for name, length in (("q_segment_ids", t), ("kv_segment_ids", s)):
+      ids = fields[name]
+      # (ids of another length: refused by the call's own checks)
+      if ids is not None and checks.shape_of(ids)[-1:] == (length,):
+        fields[name] = order(ids, axis=-1)
+    if mask.kv_segment_ids is mask.q_segment_ids:
+      fields["kv_segment_ids"] = None  # the queries' again
+    fields["dense"] = _zigzag_pair(mask.dense, t, s, devices)
+    mask = Mask(causal=mask.causal, window=mask.window, rule=mask.rule,
+                **fields)
+  return query, key, value, mask, bias
+
+
+def _zigzag_pair(x, t: int, s: int, devices: int):
+  """A dense mask or bias ``[..., T|1, S|1]`` with its rows and columns in
+  the zigzag order."""
+  shape = () if x is None else checks.shape_of(x)
+  if len(shape) < 2:
+    return x  # (None; a misshapen one is refused by the call's checks)
+  if shape[-2] == t:
+    x = ring_layout.zigzag(x, devices, axis=-2)
+  if shape[-1] == s:
+    x = ring_layout.zigzag(x, devices, axis=-1)
+  return x
 
 
 def _varying(x, axes: tuple[str, ...]):

@@ -116,6 +116,9 @@ def ulysses_attention(
       or ``"zigzag"`` (the caller permuted every per-token array with
       ``aj.zigzag(x, devices)``: ``devices = P`` here, the ring's ``R`` in
       the hybrid, where it is the ring's layout; ``T`` and ``S`` even).
+      Running on shards, this function cannot permute: natural-order
+      shards under ``"zigzag"`` give wrong numbers with no error
+      (``aj.SequenceParallel`` permutes whole arrays itself).
       Without a ring it only reorders: the whole sequence is put back in
       order after the all-to-all (one static gather) and the output back
       in the layout's before it returns.

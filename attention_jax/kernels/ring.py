@@ -142,25 +142,25 @@ class Ring(base.Kernel):
 
     The global call has ``P * T`` queries and ``P * S`` keys; this device
     holds query rows ``[i*T, (i+1)*T)`` and key rows ``[i*S, (i+1)*S)``
-    (contiguous), or the global chunks ``i`` and ``2P - 1 - i`` of ``T /
-    2`` and ``S / 2`` rows (zigzag, ``ring_layout``). Its mask gets the
-    position of its first row and column (the global mask's, or the
-    bottom-right alignment's; the kernel places its second chunk from the
-    layout), its lengths (the global ones, clipped to its chunks: a prefix
-    of its rows, ``ring_layout.local_length``); segment ids are already
-    this device's; a union is bound and a ``BlockMask``'s rule kept (its
-    tables are laid out for the global sequence), each evaluated at
+    (contiguous), or the global chunks ``i`` and ``2P - 1 - i`` of ``T / 2``
+    and ``S / 2`` rows (zigzag, ``ring_layout``). Its mask gets the position
+    of its first row and column (the global mask's, or the bottom-right
+    alignment's; the kernel places its second chunk from the layout), its
+    lengths (the global ones, refused beyond the whole sequence when
+    concrete and under ``aj.checked`` when traced, clipped to its chunks: a
+    prefix of its rows, ``ring_layout.local_length``); segment ids are
+    already this device's; a union is bound and a ``BlockMask``'s rule kept
+    (its tables are laid out for the global sequence), each evaluated at
     global positions; without positions in a ``T != S`` call, where rows
-    stand ``P * (S - T)`` ahead of their indices, the rule and
-    ``score_mod`` still see the indices. The mask's dense field and
-    ``bias`` (``[..., T|1, P*S|1]``: this device's rows, every key column
-    in the layout's order) are checked and moved into the kernel
-    (``Columns``); the returned mask has no dense field and the call
-    passes no bias. The kernel comes back with the steps the global band
-    needs (every step when the positions are traced). ``leading`` are the
-    operands' leading dims (a union's members are checked at the global
-    lengths against them; a dense mask's and a bias's leading dims are
-    theirs or 1).
+    stand ``P * (S - T)`` ahead of their indices, the rule and ``score_mod``
+    still see the indices. The mask's dense field and ``bias`` (``[..., T|1,
+    P*S|1]``: this device's rows, every key column in the layout's order)
+    are checked and moved into the kernel (``Columns``); the returned mask
+    has no dense field and the call passes no bias. The kernel comes back
+    with the steps the global band needs (every step when the positions are
+    traced). ``leading`` are the operands' leading dims (a union's members
+    are checked at the global lengths against them; a dense mask's and a
+    bias's leading dims are theirs or 1).
     """
     local = ring_local.localize(
         mask, score_mod, t, s, size=self.size(),

@@ -14,10 +14,14 @@ With a causal mask device 0 then sees one block of keys and device
 one late chunk, and every device does the same causal work at every ring
 step.
 
-The caller permutes what is laid out over tokens once, before the model:
-tokens ``[..., T, H]`` with ``zigzag(x, P)``, positions, segment ids and
-labels ``[B, T]`` with ``zigzag(x, P, axis=-1)``; ``unzigzag`` restores the
-order of outputs. The *mask* still speaks of global positions: causality,
+``aj.ring_attention`` runs on one device's shard, so its caller permutes
+what is laid out over tokens once, before the model: tokens ``[..., T,
+H]`` with ``zigzag(x, P)``, positions, segment ids and labels ``[B, T]``
+with ``zigzag(x, P, axis=-1)``; ``unzigzag`` restores the order of
+outputs (``aj.SequenceParallel`` permutes the whole arrays itself unless
+told they are permuted). Both are chunk slices, a reversal and a stack,
+so XLA moves chunks between the devices of a sharded axis rather than
+gathering it. The *mask* still speaks of global positions: causality,
 windows, lengths, rules and score modifiers see where a token stands in
 the whole sequence, whatever device holds it. Dense masks and biases are
 arrays over tokens like the tokens: their rows and columns are in the
@@ -79,6 +83,15 @@ def zigzag_indices(length: int, devices: int) -> np.ndarray:
   Raises:
     ValueError: ``length`` is not a multiple of ``2 * devices``.
   """
+  chunk = _chunk(length, devices)
+  order = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
+  return (np.asarray(order)[:, None] * chunk
+          + np.arange(chunk)[None, :]).reshape(-1)
+
+
+def _chunk(length: int, devices: int) -> int:
+  """The zigzag chunk, ``length / (2 * devices)`` (a ValueError unless it
+  divides)."""
   for name, value in (("length", length), ("devices", devices)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
         or value < 1:
@@ -88,28 +101,44 @@ def zigzag_indices(length: int, devices: int) -> np.ndarray:
         f"length={length} is not a multiple of 2 * devices = {2 * devices} "
         f"(devices={devices}): the zigzag layout cuts the sequence into 2 * "
         "devices chunks of equal length; pad the sequence to a multiple.")
-  chunk = length // (2 * devices)
-  order = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
-  return (np.asarray(order)[:, None] * chunk
-          + np.arange(chunk)[None, :]).reshape(-1)
+  return length // (2 * devices)
 
 
-def _axis_length(x, axis: int) -> int:
-  shape = np.shape(x)
-  if not -len(shape) <= axis < len(shape):
+def _axis(x, axis: int) -> int:
+  ndim = np.ndim(x)
+  if not -ndim <= axis < ndim:
     raise ValueError(f"axis={axis} is out of range for an array of shape "
-                     f"{shape}.")
-  return shape[axis]
+                     f"{np.shape(x)}.")
+  return axis % ndim
 
 
 def zigzag(x, devices: int, axis: int = -2) -> jax.Array:
   """``x`` with ``axis`` in the zigzag order (tokens ``[..., T, H]``:
-  ``axis=-2``; positions, segment ids, labels ``[B, T]``: ``axis=-1``)."""
-  perm = zigzag_indices(_axis_length(x, axis), devices)
-  return jnp.take(jnp.asarray(x), perm, axis=axis)
+  ``axis=-2``; positions, segment ids, labels ``[B, T]``: ``axis=-1``).
+
+  Written as chunk slices, a reversal and a stack rather than a gather:
+  on an array sharded along ``axis`` XLA then moves chunks between
+  devices (collective permutes) instead of gathering the whole axis.
+  """
+  x = jnp.asarray(x)
+  axis = _axis(x, axis)
+  chunk = _chunk(x.shape[axis], devices)
+  chunks = x.reshape(x.shape[:axis] + (2 * devices, chunk)
+                     + x.shape[axis + 1:])
+  early = jax.lax.slice_in_dim(chunks, 0, devices, axis=axis)
+  late = jnp.flip(jax.lax.slice_in_dim(chunks, devices, 2 * devices,
+                                       axis=axis), axis)
+  return jnp.stack([early, late], axis + 1).reshape(x.shape)
 
 
 def unzigzag(x, devices: int, axis: int = -2) -> jax.Array:
   """The inverse of ``zigzag``: ``axis`` back in the sequence's order."""
-  perm = zigzag_indices(_axis_length(x, axis), devices)
-  return jnp.take(jnp.asarray(x), np.argsort(perm), axis=axis)
+  x = jnp.asarray(x)
+  axis = _axis(x, axis)
+  chunk = _chunk(x.shape[axis], devices)
+  pairs = x.reshape(x.shape[:axis] + (devices, 2, chunk)
+                    + x.shape[axis + 1:])
+  early = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
+  late = jnp.flip(jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False),
+                  axis)
+  return jnp.concatenate([early, late], axis).reshape(x.shape)

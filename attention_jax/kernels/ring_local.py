@@ -10,14 +10,15 @@ T`` queries, ``P * S`` keys); the ``Ring`` kernel reads it in one
 device's terms, like any kernel. ``localize`` (what ``Ring.localize``
 runs) restates it once per call: the positions of the device's first
 query row and key column (the kernel places a second chunk from the
-layout), its lengths (the global ones clipped to its chunks,
-``ring_layout.local_length``), a union bound and a ``BlockMask``'s rule
-kept, both evaluated at global positions; without positions in a ``T !=
-S`` call a rule and ``score_mod`` are shifted so that they still see row
-indices. The dense mask and the bias are checked as ``[..., T|1,
-P*S|1]`` (this device's query rows, every key column in the layout's
-order) and handed to the kernel as ``Columns``: each ring step slices
-the held chunks' columns from them, so nothing travels.
+layout), its lengths (the global ones, checked against the whole
+sequence, clipped to its chunks: ``ring_layout.local_length``), a union
+bound and a ``BlockMask``'s rule kept, both evaluated at global
+positions; without positions in a ``T != S`` call a rule and
+``score_mod`` are shifted so that they still see row indices. The dense
+mask and the bias are checked as ``[..., T|1, P*S|1]`` (this device's
+query rows, every key column in the layout's order) and handed to the
+kernel as ``Columns``: each ring step slices the held chunks' columns
+from them, so nothing travels.
 
 The ring steps whose held block no device may see (a window that reaches
 only a few neighbours) are never made, neither their compute nor their
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.core import checks
+from attention_jax.core import traced_checks
 from attention_jax.kernels import base
 from attention_jax.kernels import flash_core
 from attention_jax.kernels import ring_layout
@@ -118,13 +120,7 @@ def localize(mask: mask_lib.Mask | None, score_mod: Any, t: int, s: int, *,
   columns = Columns(
       _global_columns("mask", m.dense, t, s, size, tuple(leading)),
       _global_columns("bias", bias, t, s, size, tuple(leading)))
-  lengths = {}
-  for name, given, rows, total in (("q_lengths", m.q_lengths, t, big_t),
-                                   ("kv_lengths", m.kv_lengths, s, big_s)):
-    if given is not None:
-      checks.check_concrete_range(f"the mask's {name}", given, total)
-      lengths[name] = ring_layout.local_length(
-          layout, jnp.asarray(given), index, size, rows // n)
+  lengths = _local_lengths(m, t, s, size, index, layout)
   # the positions of this device's first row and column (the kernel
   # places a second chunk from the layout)
   q_first = ring_layout.chunk_starts(layout, index, size, t // n)[0]
@@ -136,6 +132,42 @@ def localize(mask: mask_lib.Mask | None, score_mod: Any, t: int, s: int, *,
   return Local(local, score_mod,
                None if all(x is None for x in columns) else columns,
                _band_steps(m, q_at, kv_at, t, s, size, layout))
+
+
+def _local_lengths(m: mask_lib.Mask, t: int, s: int, size: int, index,
+                   layout: str) -> dict:
+  """The mask's global lengths, checked against the whole sequence, as
+  this device's (``ring_layout.local_length``)."""
+  n = ring_layout.num_chunks(layout)
+  lengths = {}
+  for name, given, rows, letter in (("q_lengths", m.q_lengths, t, "T"),
+                                    ("kv_lengths", m.kv_lengths, s, "S")):
+    if given is not None:
+      check_global_length(
+          f"the mask's {name}", given, size * rows,
+          f"the global {letter} = P * {letter}_local = {size} * {rows}: "
+          "ring attention's lengths count rows of the whole sequence")
+      lengths[name] = ring_layout.local_length(
+          layout, jnp.asarray(given), index, size, rows // n)
+  return lengths
+
+
+def check_global_length(name: str, given, total: int, what: str) -> None:
+  """Lengths of the whole sequence lie in ``[0, total]``: a ValueError
+  when concrete, a ``traced_check`` when traced (outside ``aj.checked`` a
+  traced length past the sequence clips to it). ``what`` says where
+  ``total`` comes from."""
+  short = name.split()[-1]
+  fix = (f" ({what}); clip them ({short}=jnp.minimum({short}, {total})) or "
+         "give the sequence's true length")
+  try:
+    np.asarray(given)
+  except jax.errors.TracerArrayConversionError:
+    traced_checks.traced_check(
+        jnp.all((given >= 0) & (given <= total)),
+        f"{name} must lie in [0, {total}] ({what}), got {{v}}", v=given)
+    return
+  checks.check_concrete_range(name, given, total, fix)
 
 
 def check_even(layout: str, t: int, s: int, size: int) -> None:

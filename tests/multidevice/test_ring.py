@@ -298,6 +298,57 @@ class RingAttentionTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "segment ids inside a union"):
       union(x)
 
+  @parameterized.parameters("kv_lengths", "q_lengths")
+  def test_lengths_beyond_the_global_sequence_are_refused(self, name):
+    # 2 devices x 4 rows: lengths count the global 8. A concrete 9 (closed
+    # over: still concrete inside shard_map and under jit) is refused
+    # naming the global length and the fix; 8 is the whole sequence.
+    x = _data.normal(91, (2, 8, 8))  # [B, T, H], T split over "seq"
+    spec = P(None, "seq")
+
+    def ring(lengths):
+      return jax.shard_map(
+          lambda q: aj.ring_attention(q, q, q, aj.Mask(**{name: lengths}),
+                                      axis_name="seq"),
+          mesh=_mesh(2), in_specs=spec, out_specs=spec)
+
+    letter = "S" if name == "kv_lengths" else "T"
+    message = (rf"the mask's {name} must lie in \[0, 8\], got values from 3 "
+               rf"to 9 .*the global {letter} = P \* {letter}_local = 2 \* 4.*"
+               rf"jnp\.minimum\({name}, 8\)")
+    for run in (lambda f: f(x), lambda f: jax.jit(f)(x)):
+      with self.assertRaisesRegex(ValueError, message):
+        run(ring(jnp.array([3, 9])))
+      with self.assertRaisesRegex(ValueError, r"got values from -1 to 8"):
+        run(ring(np.array([8, -1])))
+    got = jax.jit(ring(jnp.array([8, 3])))(x)
+    want = aj.blockwise_attention(x, x, x, aj.Mask(**{name: jnp.array([8, 3])}))
+    np.testing.assert_allclose(got, want, atol=1e-5)  # float32, 8 keys
+
+  @parameterized.parameters("kv_lengths", "q_lengths")
+  def test_traced_lengths_are_checked_under_checked(self, name):
+    # Lengths passed into shard_map are traced on every device: checked
+    # under aj.checked (a scalar: [B] lengths would batch the flash walk's
+    # while loops, which checkify cannot carry), clipping otherwise.
+    x = _data.normal(92, (1, 8, 8))
+    spec = P(None, "seq")
+    ring = jax.jit(jax.shard_map(
+        lambda q, lengths: aj.ring_attention(
+            q, q, q, aj.Mask(**{name: lengths}), axis_name="seq"),
+        mesh=_mesh(2), in_specs=(spec, P()), out_specs=spec))
+    with self.assertRaisesRegex(
+        ValueError, rf"the mask's {name} must lie in \[0, 8\] \(the global "
+        rf".* = 2 \* 4.*\), got 9"):
+      aj.checked(ring)(x, jnp.array(9))
+    with self.assertRaisesRegex(ValueError, r"must lie in \[0, 8\].*got -1"):
+      aj.checked(ring)(x, jnp.array(-1))
+    got = aj.checked(ring)(x, jnp.array(5))
+    want = aj.blockwise_attention(x, x, x, aj.Mask(**{name: 5}))
+    np.testing.assert_allclose(got, want, atol=1e-5)  # float32, 8 keys
+    # Off (no aj.checked), the documented clip: 9 reads as the whole 8.
+    np.testing.assert_allclose(ring(x, jnp.array(9)), ring(x, jnp.array(8)),
+                               atol=0)
+
 
 if __name__ == "__main__":
   absltest.main()

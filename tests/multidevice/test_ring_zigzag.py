@@ -235,6 +235,26 @@ class ZigzagTest(parameterized.TestCase):
     np.testing.assert_array_equal(z[0, :6], [0, 1, 2, 21, 22, 23])
     np.testing.assert_array_equal(ring_layout.unzigzag(z, 4, axis=-1), ids)
 
+  def test_zigzag_moves_chunks_not_the_whole_sequence(self):
+    # The permutation is x[zigzag_indices]; on an array sharded along the
+    # sequence XLA moves chunks between devices (collective permutes),
+    # never gathering the whole axis on one (a gather by index would).
+    x = _data.normal(14, (2, 3, 64, 4))  # [B, N, T, H]
+    perm = ring_layout.zigzag_indices(64, 4)
+    np.testing.assert_array_equal(ring_layout.zigzag(x, 4), x[:, :, perm])
+    np.testing.assert_array_equal(
+        ring_layout.unzigzag(x[:, :, perm], 4), x)
+    sharded = jax.sharding.NamedSharding(_mesh(4), SEQ)
+    for fn in (ring_layout.zigzag, ring_layout.unzigzag):
+      hlo = jax.jit(lambda x, fn=fn: jax.lax.with_sharding_constraint(
+          fn(x, 4), sharded)).lower(jax.device_put(x, sharded)).compile(
+              ).as_text()
+      ops = [line.split("=")[1].split("(")[0].split()[-1]
+             for line in hlo.splitlines()
+             if "all-gather(" in line or "collective-permute(" in line]
+      self.assertNotIn("all-gather", ops)
+      self.assertIn("collective-permute", ops)
+
   def test_refusals(self):
     x = jnp.ones((1, 24, 8))  # [B, T, H], T split over "seq"
     spec = P(None, "seq")

@@ -1,6 +1,8 @@
 """aj.SequenceParallel in a model: a layer whose sequence, batch and heads
-are split equals the unsplit layer; the LM trains on data x seq meshes with
-the one-device loss curve."""
+are split equals the unsplit layer; layout="zigzag" on natural-order arrays
+(permuted by the call) and permuted=True on aj.zigzag'ed ones equal dense
+attention (in its order); lengths beyond the whole sequence are refused;
+the LM trains on data x seq meshes with the one-device loss curve."""
 
 import dataclasses
 import functools
@@ -43,14 +45,19 @@ def _layer(attention_fn, head_axis=None):
 class SequenceParallelLayerTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ("ring_zigzag", "ring", "zigzag", dict(data=2, seq=4), None),
+      ("ring_zigzag", "ring", "zigzag", dict(data=2, seq=4), None, False),
+      ("ring_zigzag_permuted", "ring", "zigzag", dict(data=2, seq=4), None,
+       True),
       ("ring_contiguous_heads", "ring", "contiguous",
-       dict(data=2, seq=2, model=2), "model"),
-      ("ulysses_zigzag", "ulysses", "zigzag", dict(seq=4, data=2), None),
-      ("hybrid_zigzag_heads", "hybrid", "zigzag",
-       dict(ring=2, seq=2, model=2), "model"))
+       dict(data=2, seq=2, model=2), "model", False),
+      ("ulysses_zigzag", "ulysses", "zigzag", dict(seq=4, data=2), None,
+       False),
+      ("hybrid_zigzag_heads_permuted", "hybrid", "zigzag",
+       dict(ring=2, seq=2, model=2), "model", True))
   def test_split_layer_equals_the_layer(self, method, layout, sizes,
-                                        head_axis):
+                                        head_axis, permuted):
+    # Natural-order rows (the layer permutes them itself), or rows the
+    # caller laid out once in the zigzag order (permuted=True).
     mesh = _mesh(**sizes)
     x = _data.normal(0, (B, T, D))
     ids = jnp.asarray(np.repeat([[0, 1, 2, 3]], B, 0).repeat(T // 4, 1)
@@ -59,9 +66,9 @@ class SequenceParallelLayerTest(parameterized.TestCase):
     # zigzag lays rows over the ring's devices (the hybrid's outer axis)
     devices = sizes["ring"] if method == "hybrid" else sizes["seq"]
     perm = (lambda a, axis=1: aj.zigzag(a, devices, axis=axis)) \
-        if layout == "zigzag" else (lambda a, axis=1: a)
+        if permuted else (lambda a, axis=1: a)
     unperm = (lambda a, axis=1: aj.unzigzag(a, devices, axis=axis)) \
-        if layout == "zigzag" else (lambda a, axis=1: a)
+        if permuted else (lambda a, axis=1: a)
     cot = _data.normal(1, (B, T, D))
     mask = lambda ids: aj.Mask(causal=True, q_segment_ids=ids)  # noqa: E731
 
@@ -77,7 +84,7 @@ class SequenceParallelLayerTest(parameterized.TestCase):
           "seq", method=method, layout=layout,
           ring_axis="ring" if method == "hybrid" else None,
           batch_axis="data" if "data" in sizes else None,
-          head_axis=head_axis, block_q=4, block_k=4)
+          head_axis=head_axis, block_q=4, block_k=4, permuted=permuted)
       layer = _layer(split, head_axis)
       (_, got), got_grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(
           layer, perm(x), perm(ids), perm(positions), perm(cot))
@@ -175,6 +182,129 @@ class SequenceParallelLayerTest(parameterized.TestCase):
       aj.SequenceParallel("seq", method="hybrid")
     with self.assertRaisesRegex(ValueError, r"would be ignored"):
       aj.SequenceParallel("seq", implementation="flash")
+
+
+def _sets_mesh_checks_fail() -> bool:
+  """Whether checkify cannot carry a check into a shard_map under
+  jax.set_mesh (jax-ml/jax#40907, jax 0.10.2): then no check of a traced
+  value inside SequenceParallel's shard_map can be run by aj.checked."""
+  from jax.experimental import checkify  # noqa: PLC0415
+
+  def f(x):
+    checkify.debug_check(jnp.all(x > 0), "x")
+    return jax.shard_map(lambda x: x, in_specs=jax.P("seq"),
+                         out_specs=jax.P("seq"))(x)
+
+  with jax.set_mesh(_mesh(seq=2)):
+    try:
+      checkify.checkify(jax.jit(f), errors=checkify.user_checks)(
+          jnp.ones(2))
+    except ValueError as e:
+      return "should match the aval mesh" in str(e)
+  return False
+
+
+class SequenceParallelZigzagTest(parameterized.TestCase):
+  """layout="zigzag" on natural-order arrays (permuted here), and
+  permuted=True on arrays the caller put in the zigzag order."""
+
+  @parameterized.product(
+      (dict(method="ring", sizes=dict(data=2, seq=4)),
+       dict(method="hybrid", sizes=dict(ring=2, seq=2, model=2)),
+       dict(method="ulysses", sizes=dict(seq=4))),
+      permuted=(False, True))
+  def test_zigzag_equals_dense_attention(self, method, sizes, permuted):
+    # Every per-token array: segment ids, a key mask [B, 1, 1, S] and a
+    # bias [B, 1, T, S] (rows and key columns), global lengths that leave
+    # rows with nothing to see; the output, the lse and the gradients.
+    t, devices = 32, sizes.get("ring", sizes["seq"])
+    q = _data.normal(20, (2, 4, t, 8))
+    k, v = (_data.normal(21 + i, (2, 2, t, 8)) for i in range(2))
+    bias = _data.normal(23, (2, 1, t, t))
+    cot, cot_lse = _data.normal(24, (2, 4, t, 8)), _data.normal(25, (2, 4, t))
+    ids = jnp.asarray(np.arange(t)[None].repeat(2, 0) // 9)  # [B, T]
+    keys = np.ones((2, 1, 1, t), bool)
+    keys[1, ..., 3:5] = False  # [B, 1, 1, S]: two keys hidden
+    zz = functools.partial(aj.zigzag, devices=devices)
+    order = zz if permuted else (lambda x, axis=-2: x)
+
+    def loss(fn, order, q, k, v, bias):
+      mask = aj.Mask(causal=True, q_segment_ids=order(ids, axis=-1),
+                     dense=order(keys, axis=-1), kv_lengths=jnp.array([t, 27]))
+      out, lse = fn(q, k, v, mask, bias=bias, return_lse=True)
+      finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+      return jnp.sum(out * order(cot)) + jnp.sum(
+          finite * order(cot_lse, axis=-1)), (out, lse)
+
+    grad = lambda fn, order, *a: jax.jit(jax.value_and_grad(  # noqa: E731
+        functools.partial(loss, fn, order), (0, 1, 2, 3), has_aux=True))(*a)
+    (_, want), want_grads = grad(functools.partial(
+        aj.scaled_dot_product_attention, implementation="dense"),
+        lambda x, axis=-2: x, q, k, v, bias)
+    with jax.set_mesh(_mesh(**sizes)):
+      split = aj.SequenceParallel(
+          "seq", method=method, layout="zigzag", permuted=permuted,
+          ring_axis="ring" if method == "hybrid" else None,
+          batch_axis="data" if "data" in sizes else None,
+          head_axis="model" if "model" in sizes else None,
+          block_q=4, block_k=4)
+      (_, got), got_grads = grad(split, order, order(q), order(k),
+                                 order(v), order(order(bias), axis=-1))
+    if permuted:  # the zigzag of the dense results
+      want = (zz(want[0]), zz(want[1], axis=-1))
+      want_grads = (*(zz(g) for g in want_grads[:3]),
+                    zz(zz(want_grads[3]), axis=-1))
+    np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))
+    chex.assert_trees_all_close(got, want, **FWD_TOL)
+    chex.assert_trees_all_close(got_grads, want_grads, **GRAD_TOL)
+
+  def test_zigzag_refusals(self):
+    q = jnp.ones((1, 2, 12, 8))  # T = 12 splits over 4, not into 2 * 4
+    with jax.set_mesh(_mesh(seq=4)), self.assertRaisesRegex(
+        ValueError, r"layout='zigzag'\) cuts the sequence into 2 \* 4 "
+        r"chunks .*T = 12 and S = 12 must be multiples of 8"):
+      aj.SequenceParallel("seq", layout="zigzag")(q, q, q)
+    with self.assertRaisesRegex(ValueError, r"permuted=True\) says .* goes "
+                                r"with layout='zigzag', got "
+                                r"layout='contiguous'"):
+      aj.SequenceParallel("seq", permuted=True)
+    with self.assertRaisesRegex(TypeError, r"permuted must be a Python bool"):
+      aj.SequenceParallel("seq", layout="zigzag", permuted=1)
+
+  @parameterized.product(method=("ring", "ulysses"),
+                         name=("kv_lengths", "q_lengths"))
+  def test_lengths_beyond_the_sequence_are_refused(self, method, name):
+    # The whole arrays' T = S = 16: a concrete 17, eager or closed over
+    # under jit, is refused before the shard_map makes it a shard's
+    # traced operand.
+    q = _data.normal(30, (2, 4, 16, 8))
+    mask = aj.Mask(**{name: jnp.array([16, 17])})
+    letter = "S" if name == "kv_lengths" else "T"
+    message = (rf"the mask's {name} must lie in \[0, 16\], got values from 16 "
+               rf"to 17 .*\({letter} = 16, the whole sequence.*"
+               rf"jnp\.minimum\({name}, 16\)")
+    with jax.set_mesh(_mesh(seq=4)):
+      split = aj.SequenceParallel("seq", method=method, layout="zigzag")
+      for run in (lambda q: split(q, q, q, mask),
+                  jax.jit(lambda q: split(q, q, q, mask))):
+        with self.assertRaisesRegex(ValueError, message):
+          run(q)
+
+  def test_traced_lengths_are_checked_under_checked(self):
+    if _sets_mesh_checks_fail():
+      self.skipTest("checkify cannot carry a check into a shard_map under "
+                    "jax.set_mesh in this jax (jax-ml/jax#40907)")
+    q = _data.normal(31, (1, 4, 16, 8))
+    with jax.set_mesh(_mesh(seq=4)):
+      split = aj.SequenceParallel("seq", layout="zigzag")
+      fn = jax.jit(lambda q, lengths: split(
+          q, q, q, aj.Mask(kv_lengths=lengths)))
+      with self.assertRaisesRegex(ValueError, r"kv_lengths must lie in "
+                                  r"\[0, 16\].*got 17"):
+        aj.checked(fn)(q, jnp.array(17))
+      got = aj.checked(fn)(q, jnp.array(11))
+    want = aj.scaled_dot_product_attention(q, q, q, aj.Mask(kv_lengths=11))
+    chex.assert_trees_all_close(got, want, **FWD_TOL)
 
 
 _LM = lm.LMConfig(

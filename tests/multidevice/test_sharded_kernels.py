@@ -227,6 +227,49 @@ class ShardedCallTest(parameterized.TestCase):
         grads, jax.tree.map(lambda x: x.astype(np.float32), want_grads),
         **REF_GRAD_TOL)
 
+  def test_rule_reads_the_head_under_a_heads_split(self):
+    # Each device holds 1 of B = 2 examples and 2 of N = 8 heads: the rule's
+    # h must be the shard's first global head (its index times the local
+    # head count, 2) plus the local one; a batch-sized offset (1) would
+    # give device m heads m, m + 1 instead of 2m, 2m + 1. The rule hides a
+    # different quarter of the keys per (b, h), never a whole row.
+    q = _data.normal(0, (2, 8, 32, 16))
+    k = _data.normal(1, (2, 4, 32, 16))
+    v = _data.normal(2, (2, 4, 32, 16))
+    cot = _data.normal(3, (2, 8, 32, 16))
+    mask = aj.Mask(rule=lambda b, h, q_idx, kv_idx:
+                   (kv_idx + 3 * h + 5 * b) % 4 != 0)
+
+    def loss(q, k, v, partition):
+      out = aj.scaled_dot_product_attention(
+          q, k, v, mask, implementation=PALLAS, partition=partition)
+      return jnp.sum(out * cot), out
+
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+      split = NamedSharding(mesh, P("data", "model"))
+      args = [jax.device_put(x, split) for x in (q, k, v)]
+      (_, out), grads = jax.jit(jax.value_and_grad(
+          lambda *a: loss(*a, Partition("data", "model")), (0, 1, 2),
+          has_aux=True))(*args)
+    b, h, j = np.ogrid[:2, :8, :32]
+    allowed = np.broadcast_to(((j + 3 * h + 5 * b) % 4 != 0)[:, :, None],
+                              (2, 8, 32, 32))
+
+    def ref_loss(q, k, v):
+      out, _ = reference.masked_attention(q, k, v, None, allowed)
+      return jnp.sum(out * cot.astype(out.dtype)), out
+
+    with jax.enable_x64(True):
+      f64 = [np.asarray(x, np.float64) for x in (q, k, v)]
+      (_, want), want_grads = jax.value_and_grad(
+          ref_loss, (0, 1, 2), has_aux=True)(*f64)
+      want, want_grads = jax.tree.map(np.asarray, (want, want_grads))
+    chex.assert_trees_all_close(out, want.astype(np.float32), **REF_TOL)
+    chex.assert_trees_all_close(
+        grads, jax.tree.map(lambda x: x.astype(np.float32), want_grads),
+        **REF_GRAD_TOL)
+
   def test_splash_keeps_a_shared_mask_on_the_host(self):
     # A concrete [1, 1, T, S] mask is the same on every shard: it stays a
     # constant, which splash needs (it builds its mask tables on the host;
