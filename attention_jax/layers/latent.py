@@ -56,6 +56,7 @@ import numpy as np
 
 from attention_jax.core import checks
 from attention_jax.decoding import cache_step
+from attention_jax.decoding import kv_cache
 from attention_jax.decoding import paged_cache
 from attention_jax.layers import multi_head
 from attention_jax.layers.latent_params import BIASED  # noqa: F401 (re-exported)
@@ -233,7 +234,9 @@ def latent_attention(
       restarting per document with segment ids.
     rope: an ``aj.Rope`` (by default ``aj.Rope()``, base 10000) or None
       (no rotation; ``k_pe`` stays a shared position-free head).
-    scale: multiplier of ``q . k``; None is ``default_scale(Hn + Hr,
+    scale: multiplier of ``q . k``: a positive number or a float scalar
+      array (a traced one too, e.g. learned), as
+      ``aj.multi_head_attention``'s; None is ``default_scale(Hn + Hr,
       rope)``.
     is_causal: shorthand for ``mask & aj.Mask(causal=True)``.
     attention_fn: as ``aj.attend_heads``: a function with
@@ -257,7 +260,7 @@ def latent_attention(
   x = _check_x(x, dims)
   checks.check_static_bool("is_causal", is_causal)
   checks.check_static_bool("return_weights", return_weights)
-  checks.check_scale(scale)
+  checks.check_call_scale(scale)
   rope = rope_lib.as_rope(rope)
   b, t, _ = x.shape
   n = dims.num_heads
@@ -308,7 +311,13 @@ def init_latent_cache(params: Params, batch_size: int, max_length: int, *,
       ``window < max_length``: each query then sees its ``window`` previous
       positions and itself, as ``aj.Mask(causal=True, window=(window, 0))``
       in the full forward. None: a linear cache.
-    dtype: the buffers' dtype; None: the dtype of ``W_dkv``'s kernel.
+    dtype: the buffers' float dtype; None: the dtype of ``W_dkv``'s
+      kernel. A quantised one (``"int8"``, ``"float8_e4m3fn"``) is kept in
+      pages, ``init_paged_latent_cache`` (with
+      ``aj.paged_cache.linear_pages``' sizes for a linear cache's room), as
+      ``MultiHeadLatentAttention.init_cache`` keeps it: a ``TypeError``
+      here naming that call. Any other dtype (``"int4"``, an integer one)
+      is a ``TypeError`` too (``paged_cache.storage_dtype``'s check).
 
   Example:
     >>> p = jax.eval_shape(lambda: init_latent_params(  # shapes suffice
@@ -327,7 +336,7 @@ def init_latent_cache(params: Params, batch_size: int, max_length: int, *,
         f"window must be an int in [0, max_length) = [0, {max_length}) (a "
         f"ring buffer keeps a key until the last query that may see it), "
         f"got {window!r}.")
-  dtype = dtype or params["W_dkv"]["kernel"].dtype
+  dtype = _float_storage(dtype or params["W_dkv"]["kernel"].dtype)
   return LatentCache(
       jnp.zeros((batch_size, max_length, dims.kv_lora_rank), dtype),
       jnp.zeros((batch_size, max_length, dims.qk_rope_head_dim), dtype),
@@ -335,10 +344,31 @@ def init_latent_cache(params: Params, batch_size: int, max_length: int, *,
       window)
 
 
+def _float_storage(dtype) -> jnp.dtype:
+  """A linear latent cache's dtype: float (``storage_dtype``'s words for
+  the rest); a quantised one names the paged cache that stores it."""
+  stored, quantized = paged_cache.storage_dtype(dtype)
+  if quantized is not None:
+    raise TypeError(
+        f"init_latent_cache keeps c_kv and k_pe as they are: dtype must be "
+        f"a float dtype, got {dtype!r}. Quantised storage (int8 or "
+        f"float8_e4m3fn, a scale per token) is kept in pages: "
+        f"init_paged_latent_cache(params, B, dtype={quantized!r}, "
+        f"**aj.paged_cache.linear_pages({quantized!r}, B, L)) gives every "
+        f"row room for L tokens, as MultiHeadLatentAttention.init_cache("
+        f"dtype={quantized!r}) does.")
+  return stored
+
+
 def _check_cache(cache, dims: LatentDims, b: int) -> None:
+  """A ``LatentCache`` whose fields fit x's batch and the params, checked
+  before its index is read (a hand-built one is refused by field)."""
   if not isinstance(cache, LatentCache):
     raise TypeError(f"cache must be an aj LatentCache (init_latent_cache), "
                     f"got {type(cache).__name__}.")
+  # Integer buffers would round every written latent (silently).
+  checks.check_float_array("cache.latent", cache.latent)
+  checks.check_float_array("cache.rope_key", cache.rope_key)
   lat, rk = checks.shape_of(cache.latent), checks.shape_of(cache.rope_key)
   want = (b, lat[1] if len(lat) == 3 else None)
   if (len(lat) != 3 or len(rk) != 3 or lat[:2] != want or rk[:2] != want
@@ -347,6 +377,15 @@ def _check_cache(cache, dims: LatentDims, b: int) -> None:
         f"cache.latent {lat} and cache.rope_key {rk} must be [B, L, R] = "
         f"[{b}, L, {dims.kv_lora_rank}] and [B, L, Hr] = [{b}, L, "
         f"{dims.qk_rope_head_dim}] for x's batch B = {b} and these params.")
+  kv_cache.check_index(cache.index, b, "cache.index")
+  if cache.overflow is not None and (
+      jnp.result_type(cache.overflow) != jnp.bool_
+      or checks.shape_of(cache.overflow) != (b,)):
+    raise ValueError(
+        f"cache.overflow must be bool [B] = [{b}] (B from x and "
+        f"cache.latent {lat}), or None, got "
+        f"{jnp.result_type(cache.overflow)} "
+        f"{checks.shape_of(cache.overflow)}.")
 
 
 def latent_decode(
@@ -418,7 +457,7 @@ def latent_decode(
   dims = latent_dims(params)
   x = _check_x(x, dims)
   checks.check_static_bool("return_weights", return_weights)
-  checks.check_scale(scale)
+  checks.check_call_scale(scale)
   rope = rope_lib.as_rope(rope)
   b, t, _ = x.shape
   if isinstance(cache, paged_cache.PagedKVCache):
@@ -496,6 +535,7 @@ def _paged_decode(params, x, cache: paged_cache.PagedKVCache, m, dims, *,
                   positions, rope, scale, attention_fn, precision,
                   return_weights):
   """``latent_decode`` over a paged latent cache (see there)."""
+  paged_cache.check_cache(cache)  # before its lengths are read below
   b, t, _ = x.shape
   r, hr = dims.kv_lora_rank, dims.qk_rope_head_dim
   kp = checks.shape_of(cache.key_pages)

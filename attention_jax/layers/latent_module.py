@@ -42,9 +42,11 @@ from attention_jax.decoding import paged_cache
 from attention_jax.layers import attention_fn as attention_fn_lib
 from attention_jax.layers import latent
 from attention_jax.layers import multi_head
+from attention_jax.layers import multi_head_config
 from attention_jax.layers.multi_head_module import NormScale
 from attention_jax.layers.multi_head_module import Projection
 from attention_jax.layers.multi_head_module import assign_params
+from attention_jax.layers.multi_head_module import check_fit
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import Mask
 from attention_jax.scores import rope as rope_lib
@@ -81,7 +83,10 @@ class MultiHeadLatentAttention(nnx.Module):
       mscale=1.0, mscale_all_dim=1.0, interleaved=True)``; by default
       ``aj.Rope()``, base 10000), or None; applied to ``q_pe`` and ``k_pe``
       only.
-    scale: multiplier of ``q . k``; None means ``1 / sqrt(Hn + Hr)``,
+    scale: multiplier of ``q . k``, a positive number or a concrete float
+      scalar array (kept as its Python float, as ``MultiHeadAttention``
+      keeps it: ``multi_head_config.static_scale``; a traced one is
+      refused); None means ``1 / sqrt(Hn + Hr)``,
       multiplied by YaRN's ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2``
       when ``rope`` is a YaRN ``Rope`` with ``mscale_all_dim`` (as DeepSeek
       and Hugging Face do; ``latent.default_scale``). A number is used as
@@ -151,7 +156,7 @@ class MultiHeadLatentAttention(nnx.Module):
         qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
         out_features=out_features)
     checks.check_static_bool("use_bias", use_bias)
-    checks.check_scale(scale)
+    scale = multi_head_config.static_scale(scale)  # a concrete array: float
     if mask is not None and not isinstance(mask, Mask):
       raise TypeError(f"mask must be an aj.Mask (the layer's pattern, e.g. "
                       f"aj.Mask(causal=True, window=(W - 1, 0))), got "
@@ -217,7 +222,8 @@ class MultiHeadLatentAttention(nnx.Module):
         biases and shapes; cast to ``param_dtype``.
 
     Raises:
-      ValueError: naming the entry and both shapes when they differ.
+      ValueError: naming the first entry that differs from the module's,
+        its shape and the module's (with the sizes it was built with).
 
     Example:
       >>> kw = dict(q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=8,
@@ -228,10 +234,15 @@ class MultiHeadLatentAttention(nnx.Module):
       >>> bool(np.array_equal(a.W_ukv.kernel[...], b.W_ukv.kernel[...]))
       True
     """
-    latent.latent_dims(params)  # a valid layout, with its own messages
-    assign_params(self._layers(), params, latent.LAYOUT,
-                  entries=f"q_lora_rank={self.q_lora_rank}",
-                  sizes=str(self.dims))
+    described = dict(
+        entries=(f"q_lora_rank={self.q_lora_rank}, "
+                 f"use_bias={self.use_bias}"),
+        sizes=", ".join(f"{k}={v}" for k, v in self.dims._asdict().items()))
+    # The module's own shapes first: they say which entry is wrong, where
+    # the params alone (latent_dims) can only say which ones disagree; a
+    # fit is then a valid layout, so latent_dims has nothing left to say.
+    check_fit(self._layers(), params, latent.LAYOUT, **described)
+    assign_params(self._layers(), params, latent.LAYOUT, **described)
 
   def init_cache(self, batch_size: int, max_length: int | None = None, *,
                  window: int | None = None,
