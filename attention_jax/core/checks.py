@@ -312,8 +312,6 @@ def check_range(name, lengths, upper: int, fix: str = "") -> None:
         f"to {values.max()} (shape {values.shape}){fix}.")
 
 
-check_concrete_range = check_range  # (renamed: callers move to check_range)
-
 
 _ELEMENTWISE_MEANS = (
     "a score modifier must be elementwise: its output at (i, j) may read "

@@ -117,7 +117,7 @@ def new_lengths(mask: mask_lib.Mask | None, b: int, t: int):
         f"while decoding, the mask's q_lengths is the number of real new "
         f"tokens per example (right-padded), integer [B] = [{b}]; got shape "
         f"{np.shape(lengths)}.")
-  checks.check_concrete_range("the mask's q_lengths", lengths, t)
+  checks.check_range("the mask's q_lengths", lengths, t)
   return jnp.asarray(lengths, jnp.int32)
 
 

@@ -442,7 +442,7 @@ def _per_example(m: mask_lib.Mask, t: int, s: int, leading_rank: int,
           f"{batch_shape}: it is a scalar, [B] per example (aligned to the "
           f"left of the leading dims) or [B, N] per head.")
     if upper is not None:  # positions may be any integer
-      checks.check_concrete_range(what, x, upper)
+      checks.check_range(what, x, upper)
     leading[what] = lengths.shape
     out[name] = lengths
   return out

@@ -167,7 +167,7 @@ def check_global_length(name: str, given, total: int, what: str) -> None:
         jnp.all((given >= 0) & (given <= total)),
         f"{name} must lie in [0, {total}] ({what}), got {{v}}", v=given)
     return
-  checks.check_concrete_range(name, given, total, fix)
+  checks.check_range(name, given, total, fix)
 
 
 def check_even(layout: str, t: int, s: int, size: int) -> None:

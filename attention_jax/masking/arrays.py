@@ -69,7 +69,7 @@ def padding_mask(lengths: ArrayLike, max_len: int) -> jax.Array:
   checks.check_positive_int("max_len", max_len)
   lengths = checks.integer_array("lengths", lengths)
   checks.check_rank("lengths", lengths, (1,), "[B]")
-  checks.check_concrete_range(
+  checks.check_range(
       "lengths", lengths, max_len,
       f": a length past max_len={max_len} would be clipped silently; pass "
       "max_len >= the longest sequence")
