@@ -2,8 +2,9 @@
 
 With no flags: the copy task, a GRU encoder-decoder without attention
 (``none``) against one with Bahdanau attention, the same step budget each;
-4-9 minutes on 2 CPU cores (270-335 s of CPU time on the machines measured,
-docs/experiments.md). ``--experiment=logit_scale`` measures the 1/sqrt(d_k)
+69 s (108 s of CPU) on a lightly loaded 2-core VM, 2.5-10 minutes (230-263 s
+of CPU) on 2 AMD EPYC cores shared with other jobs (docs/experiments.md).
+``--experiment=logit_scale`` measures the 1/sqrt(d_k)
 logit scale instead; ``--experiment=lm`` trains a character-level causal
 language model on Python's help topics and generates with the KV cache;
 ``--experiment=dates`` translates dates written out by Babel in 8 locales

@@ -451,8 +451,14 @@ def _summary(config: DatesConfig, results: dict) -> str:
     parts.append(report.markdown_table(header, rows) + "\n")
   parts.append("## Training\n")
   parts.append(report.markdown_table(
-      ["model", "steps", "final loss", "seconds", "steps/s"],
+      ["model", "steps", "final loss", "seconds", "steps/s", "timed"],
       [[m, r["train"]["steps"], r["train"]["final_loss"],
-        r["train"]["seconds"], r["train"]["steps_per_s"]]
+        r["train"]["seconds"], _or_dash(r["train"]["steps_per_s"]),
+        r["train"]["timing"]]
        for m, r in results.items()]) + "\n")
   return "\n".join(parts)
+
+
+def _or_dash(value):
+  """None (not measured) as "-" in a table, not as a number."""
+  return "-" if value is None else value

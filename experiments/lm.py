@@ -509,7 +509,8 @@ def run(config: LMConfig) -> dict:
     model.set_attention(None)
     trained = stats["steps"] - stats["resumed_from"]
     steady = stats["seconds"] - timed.first_seconds
-    stats["first_step_seconds"] = timed.first_seconds
+    # None: no step ran here (a rerun restored every step); not a zero.
+    stats["first_step_seconds"] = timed.first_seconds if trained else None
     # None: too few steps ran here to time (e.g. everything was restored).
     stats["steady_steps_per_s"] = ((trained - 1) / steady
                                    if trained > 1 and steady > 0 else None)
@@ -608,7 +609,9 @@ def _summary(config: LMConfig, corpus: lm_data.Corpus, results: dict,
         v, r["valid"]["bits_per_char"], r["valid"]["bits_per_char_doc_start"],
         r["valid"]["bits_per_char_rest"],
         r["train"]["final_loss"] / math.log(2),
-        r["train"]["steady_steps_per_s"] or "- (restored)",
+        r["train"]["steady_steps_per_s"]
+        or (f"{r['train']['steps_per_s']:.3g} (restored, first step included)"
+            if r["train"].get("steps_per_s") else "- (restored)"),
         tp["prefill_tokens_per_s"],
         tp["decode_tokens_per_s"],
         ("yes" if check["tokens_equal"] else

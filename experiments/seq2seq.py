@@ -167,8 +167,8 @@ def _summary(config: Seq2SeqConfig, results: dict) -> str:
             for n, r in res["eval"].items()]
     train = res["train"]
     parts.append(f"### {model} ({train['steps']} steps, final loss "
-                 f"{train['final_loss']:.4g}, {train['steps_per_s']:.1f} "
-                 "steps/s)\n")
+                 f"{train['final_loss']:.4g}; "
+                 f"{training.throughput_text(train)})\n")
     parts.append(report.markdown_table(["length"] + columns, rows) + "\n")
   return "\n".join(parts)
 

@@ -738,9 +738,15 @@ def build_model(config: ServeConfig, corpus: lm_data.Corpus
     ckpt.close()
   valid = lm.evaluate(model, "segments", corpus.valid,
                       config.train.batch_size, 64)
-  return model, {"source": f"trained here ({why})", "trained_here": True,
+  # A rerun restores the whole model from the workdir: say so, rather than
+  # "trained here" by a run that trained no step.
+  where = ("trained here" if stats["trained_steps"] else
+           "restored from this workdir's checkpoint of an earlier run")
+  return model, {"source": f"{where} ({why})", "trained_here": True,
                  "train_steps": stats["steps"],
                  "resumed_from": stats["resumed_from"],
+                 "train_steps_per_s": stats["steps_per_s"],
+                 "train_timing": stats["timing"],
                  "final_loss_bits": stats["final_loss"] / math.log(2),
                  "valid_bits_per_char": valid["bits_per_char"]}
 

@@ -1,5 +1,9 @@
 """Training one model (the copy/reverse task unless told otherwise): jitted
-step, checkpoints.
+step, checkpoints, the throughput.
+
+The wall time of the steps trained is kept in every checkpoint, so a rerun
+that restores a finished training reports the steps/s measured when it
+trained (labelled as restored), not a throughput of zero steps.
 
 The data of step ``s`` is a pure function of ``(seed, s)`` and the model has
 no dropout, so a run that is killed and resumed from its last checkpoint ends
@@ -126,8 +130,13 @@ def train(name: str, model: nnx.Module, config: TrainConfig,
   (``data.train_batch``) and ``train_step``.
 
   Returns:
-    ``{"steps", "final_loss", "seconds", "steps_per_s", "resumed_from",
-    "loss_curve": [[step, loss], ...]}``.
+    ``{"steps", "final_loss", "seconds", "steps_per_s", "timed_steps",
+    "timing", "trained_steps", "resumed_from", "loss_curve": [[step, loss],
+    ...]}``. ``steps_per_s`` is ``timed_steps / seconds``: over the steps
+    this call trained, or, when it trained none (everything restored), the
+    wall time the checkpoint recorded when it was trained; ``timing`` says
+    which, in words. None (``seconds`` 0.0, ``timed_steps`` 0) only when a
+    checkpoint written before timings were kept was restored whole.
   """
   if mesh is None:
     mesh = training_mesh(config)
@@ -180,16 +189,40 @@ class _StopRequests:
     return False
 
 
+class _Clock:
+  """Wall time of the steps trained, for the report and the checkpoints.
+
+  ``restored`` is the resumed checkpoint's record (``{"seconds", "steps"}``,
+  or None); a checkpoint written here records it plus this run's steps, so
+  a training interrupted and resumed keeps the time of all its runs.
+  """
+
+  def __init__(self, start: int, restored: dict | None):
+    self.start, self.restored = start, restored
+    self.t0 = time.perf_counter()
+
+  def seconds(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def record(self, step: int, seconds: float | None = None) -> dict | None:
+    """What a checkpoint of ``step`` keeps (None: no step was timed)."""
+    total = dict(self.restored or {"seconds": 0.0, "steps": 0})
+    if step > self.start:
+      total["seconds"] += self.seconds() if seconds is None else seconds
+      total["steps"] += step - self.start
+    return total if total["steps"] else None
+
+
 def _train(name, model, config, checkpointer, mesh, stop, batches, step_fn):
   parallel.shard_state(model, mesh)
   optimizer = make_optimizer(model, config)
   parallel.shard_state(optimizer, mesh)
-  start, history = (checkpointer.restore(model, optimizer)
-                    if checkpointer else (0, []))
+  start, history, restored = (checkpointer.restore_run(model, optimizer)
+                              if checkpointer else (0, [], None))
   if start:
     print(f"[{name}] resuming from the checkpoint at step {start}")
   bar = progress.Progress(name, config.steps, start, every=config.log_every)
-  step, loss, t0 = start, None, time.perf_counter()
+  step, loss, clock = start, None, _Clock(start, restored)
   try:
     while step < config.steps:
       arrays = parallel.shard_batch(batches(step), mesh)
@@ -199,26 +232,60 @@ def _train(name, model, config, checkpointer, mesh, stop, batches, step_fn):
         value = float(loss)
         history.append([step, value])
         bar.update(step, value)
-      if checkpointer and config.checkpoint_every and (
+      # The last step is saved after the loop, with the time the report
+      # states, so a rerun restoring it reports the same throughput.
+      if checkpointer and config.checkpoint_every and step < config.steps and (
           step % config.checkpoint_every == 0):
-        checkpointer.save(step, model, optimizer, history)
+        checkpointer.save(step, model, optimizer, history, clock.record(step))
       if stop.signum is not None:
         raise KeyboardInterrupt(f"signal {stop.signum}")
   except KeyboardInterrupt:
     if checkpointer:
       print(f"\n[{name}] interrupted: saving step {step}")
-      checkpointer.save(step, model, optimizer, history)
+      checkpointer.save(step, model, optimizer, history, clock.record(step))
       checkpointer.wait()
     raise
-  seconds = time.perf_counter() - t0
+  seconds = clock.seconds()
   if checkpointer:
     if checkpointer.manager.latest_step() != step:
-      checkpointer.save(step, model, optimizer, history)
+      checkpointer.save(step, model, optimizer, history,
+                        clock.record(step, seconds))
     checkpointer.wait()
-  final = history[-1][1] if history else float("nan")
+  return _stats(step, start, seconds, history, restored)
+
+
+def _stats(step: int, start: int, seconds: float, history: list,
+           restored: dict | None) -> dict:
+  """``train``'s numbers. A run that trained nothing (all restored) must not
+  time zero steps: it reports what the checkpoint measured when trained."""
   trained = step - start
-  return {"steps": step, "final_loss": final, "seconds": seconds,
-          "steps_per_s": trained / seconds if seconds > 0 and trained else 0.0,
-          "resumed_from": start, "loss_curve": history}
+  if trained:
+    timed = {"seconds": seconds, "steps": trained}
+    timing = f"measured in this run over steps {start}-{step}" + (
+        f" (resumed at step {start}: earlier runs' steps not included)"
+        if start else "")
+  elif restored:
+    timed = restored
+    timing = (f"restored from the checkpoint of step {step}: measured when "
+              f"its {restored['steps']} timed steps were trained; this run "
+              "trained none")
+  else:
+    timed = {"seconds": 0.0, "steps": 0}
+    timing = (f"not measured: this run trained no steps and the checkpoint "
+              f"of step {step} was written before timings were kept")
+  return {"steps": step,
+          "final_loss": history[-1][1] if history else float("nan"),
+          "seconds": timed["seconds"],
+          "steps_per_s": (timed["steps"] / timed["seconds"]
+                          if timed["steps"] and timed["seconds"] > 0
+                          else None),
+          "timed_steps": timed["steps"], "timing": timing,
+          "trained_steps": trained, "resumed_from": start,
+          "loss_curve": history}
 
 
+def throughput_text(stats: dict) -> str:
+  """``train``'s throughput with where it was measured, for a report."""
+  if stats["steps_per_s"] is None:
+    return f"steps/s {stats['timing']}"
+  return f"{stats['steps_per_s']:.1f} steps/s, {stats['timing']}"
