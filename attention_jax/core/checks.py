@@ -469,13 +469,39 @@ def check_no_nan_or_inf(name: str, x, neg_inf: str = "") -> None:
     bad = jnp.isnan(x) | (x == jnp.inf if neg_inf else jnp.isinf(x))
     traced_checks.traced_check(~jnp.any(bad), message + ".")
     return
-  with jax.ensure_compile_time_eval():  # a constant: no staged op
-    x = jnp.asarray(x)
-    bad = jnp.isnan(x) | (x == jnp.inf if neg_inf else jnp.isinf(x))
-    where = np.argwhere(np.asarray(bad)) if bool(jnp.any(bad)) else None
-  if where is not None:
+  bad = _bad_entries(x, bool(neg_inf))
+  if bad is not None:
+    where = np.argwhere(bad)
     raise ValueError(f"{message}: {len(where)} of them, the first at index "
                      f"{tuple(int(i) for i in where[0])}.")
+
+
+def _on_host(x) -> bool:
+  devices = getattr(x, "devices", None)
+  return devices is None or all(d.platform == "cpu" for d in devices())
+
+
+@jax.jit
+def _any_bad(x, neg_inf_ok):
+  return jnp.any(jnp.isnan(x) | jnp.where(neg_inf_ok, x == jnp.inf,
+                                          jnp.isinf(x)))
+
+
+def _bad_entries(x, neg_inf_ok: bool) -> np.ndarray | None:
+  """The bool mask of NaN / +inf (/ -inf) entries of a concrete ``x``, or
+  None when there are none. Read in NumPy where ``x`` is in host memory
+  (no copy, nothing to compile per shape); elsewhere one device reduction
+  first, so only a bad array comes to the host."""
+  if not _on_host(x):
+    with jax.ensure_compile_time_eval():  # a constant under jit
+      if not bool(_any_bad(x, neg_inf_ok)):
+        return None
+  values = np.asarray(x)
+  if not np.issubdtype(values.dtype, np.floating):  # bfloat16 and the like
+    values = values.astype(np.float32)
+  bad = np.isnan(values) | (values == np.inf if neg_inf_ok
+                            else np.isinf(values))
+  return bad if bad.any() else None
 
 
 def check_head_counts(d_model: int, num_heads: int,

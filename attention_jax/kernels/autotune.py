@@ -342,14 +342,18 @@ def autotune(query, key, value, mask=None, *, bias=None, scale=None,
       not taken here), or candidates a block mask's tables do not allow.
 
   Example:
+    >>> import warnings
     >>> q = jnp.ones((1, 2, 256, 32))
-    >>> tuned = aj.kernels.autotune(q, q, q, is_causal=True,
-    ...                             candidates=[(128, 128), (256, 256)],
-    ...                             repeats=1, cache=False)
+    >>> with warnings.catch_warnings(record=True) as said:
+    ...   tuned = aj.kernels.autotune(q, q, q, is_causal=True,
+    ...                               candidates=[(128, 128), (256, 256)],
+    ...                               repeats=1, cache=False)
     >>> tuned.blocks in tuned.timings
     True
     >>> tuned.automatic  # T * S below MIN_SCORES: flash only when asked for
     'dense'
+    >>> "the automatic choice" in str(said[0].message)
+    True
   """
   for name, flag in (("is_causal", is_causal), ("fwd_bwd", fwd_bwd),
                      ("cache", cache)):
