@@ -32,9 +32,12 @@ TRAINING_NUMBERS = ("steps", "final_loss", "seconds", "steps_per_s",
 
 
 def is_exhaustive(test_name: str) -> bool:
-  """conftest's hook: the LM's whole experiment, run twice, is left to the
-  exhaustive run, as its other end-to-end runs are."""
-  return test_name == "test_lm_rerun"
+  """conftest's hook: the LM's and the dates' whole experiments and the
+  serve model's, each run twice, are left to the exhaustive run, as their
+  other end-to-end runs are; every rerun goes through training.train,
+  which the seq2seq cases run by default."""
+  return test_name in ("test_lm_rerun", "test_dates_rerun",
+                       "test_serve_rerun_says_the_model_was_restored")
 
 
 def _seq2seq(workdir, checkpoint_every):
