@@ -30,6 +30,9 @@ context-extension scaling of the frequencies (HF transformers'
   sequence fits the trained context and ``long_factor`` past it, and a
   magnitude factor on cos and sin.
 
+or, instead of a scaling, Hunyuan's fixed NTK-aware base: ``ntk_alpha``
+(HF's ``"ntk_alpha"``, a ``"dynamic"`` ``rope_scaling`` with an ``alpha``)
+grows the base to ``base * ntk_alpha**(R / (R - 2))`` for every length;
 and the layout: the share of the head dim rotated (``fraction``, partial
 rotary as GPT-NeoX / Phi / GLM) and which features pair up (half-split
 ``(x[i], x[i + R/2])`` by default, ``interleaved`` ``(x[2i], x[2i + 1])``
@@ -41,7 +44,9 @@ frequencies into consecutive sections, and each token carries one position
 per section (time, height, width): positions ``[3, ..., T]`` with a
 leading axis of ``len(sections)``, frequency ``i`` turning by the position
 of the section that contains it. Text tokens carry the same position on
-every axis, which is plain RoPE.
+every axis, which is plain RoPE. ``sections_interleaved=True`` (Qwen3-VL,
+HF's ``mrope_interleaved``) spreads the three axes over the frequencies in
+the pattern ``THWTHW...TT`` instead of consecutive blocks.
 
 Axial RoPE of vision encoders (2-D over a patch grid: Qwen2-VL /
 Qwen2.5-VL / Qwen3-VL / GLM-4V's vision towers, HF's ``rope_type="axial"``):

@@ -88,8 +88,11 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *,
   the ``magnitude`` of YaRN and LongRoPE multiplies cos and sin, so it
   scales the rotated features only. ``Rope(sections=...)`` (M-RoPE) takes
   one position per section: pair ``i`` turns by the position of the
-  section that contains ``i``; with ``section_frequencies="per_section"``
-  (axial vision RoPE) at its section's own frequencies (see ``Rope``).
+  section that contains ``i`` (with ``sections_interleaved=True``, Qwen3-VL,
+  of the axis its place in the ``THWTHW...`` pattern names); with
+  ``section_frequencies="per_section"`` (axial vision RoPE) at its
+  section's own frequencies (see ``Rope``). ``Rope(ntk_alpha=...)``
+  (Hunyuan) grows the base once, for every length.
 
   Frequencies are float64 NumPy constants (dynamic NTK's, which depend on
   the positions, are computed on device, and LongRoPE's choice between its
@@ -287,7 +290,8 @@ def _cos_sin(rope: Rope, pos: jax.Array, inv_freq: jax.Array,
     # Pair i reads the position axis of its section: [P, ..., T] -> [..., T,
     # h], then the same product as plain RoPE (HF multiplies every axis by
     # every frequency and keeps, per frequency, its section's axis).
-    axis_of = np.repeat(np.arange(len(rope.sections)), rope.sections)
+    axis_of = rope_frequencies.section_axes(rope.sections,
+                                            rope.sections_interleaved)
     pos = jnp.moveaxis(jnp.take(pos, axis_of, axis=0), 0, -1)
   angle = pos * inv_freq  # [..., T, h] (leading dims of 1 where shared)
   cos, sin = jnp.cos(angle), jnp.sin(angle)

@@ -11,7 +11,8 @@ the ``check_*_dim`` ones need the head dim or the rotary dim ``R``, known
 only where the head dim is (``apply_rope``, ``Rope.rotary_dim``, a layer
 when it is configured, ``Rope.inverse_frequencies``). Each raises
 ``TypeError`` (a value's type) or ``ValueError`` (its value) with a message
-that names the field.
+that names the field. ``check_sections_interleaved`` needs the sections
+only (they sum to ``R / 2``).
 """
 
 from __future__ import annotations
@@ -206,10 +207,38 @@ def check_sections_dim(sections, fraction: float, rot: int,
       f"(16, 24, 24) for H=128).")
 
 
-def check_dynamic_dim(rot: int) -> None:
-  """Dynamic NTK's base exponent ``R / (R - 2)`` needs ``R >= 4``."""
+def check_dynamic_dim(rot: int, what: str = "scaling='dynamic'") -> None:
+  """Dynamic NTK's base exponent ``R / (R - 2)`` (``what``: that scaling's,
+  or ``ntk_alpha``'s) needs ``R >= 4``."""
   if rot < 4:
     raise ValueError(
-        f"scaling='dynamic' needs a rotary dim R >= 4 (its base exponent "
+        f"{what} needs a rotary dim R >= 4 (its base exponent "
         f"R / (R - 2) is undefined at R = 2), got R={rot}: raise the head "
         f"dim or fraction.")
+
+
+def check_sections_interleaved(sections: tuple[int, ...]) -> None:
+  """Qwen3-VL's interleaved sections: exactly three (time, height, width),
+  each of height's and width's pairs inside the ``sum(sections)`` pairs.
+
+  HF's ``slice(a, 3 * sections[a], 3)`` would silently give an axis fewer
+  pairs than its section names where the slice runs past the end, so
+  such sections are refused rather than read differently.
+  """
+  if len(sections) != 3:
+    raise ValueError(
+        f"sections_interleaved=True needs three sections (time, height, "
+        f"width: Qwen3-VL's THWTHW... pattern is defined for those), got "
+        f"sections={sections}: give three (e.g. (24, 20, 20) for H=128) or "
+        f"set sections_interleaved=False for the blocked layout.")
+  pairs = sum(sections)
+  for a, name in ((1, "height"), (2, "width")):
+    last = a + 3 * (sections[a] - 1)  # its last pair, HF's slice's
+    if last >= pairs:
+      raise ValueError(
+          f"sections={sections} with sections_interleaved=True: the "
+          f"{name} axis's {sections[a]} pairs sit at {a}, {a + 3}, ..., "
+          f"{last}, past the last of the {pairs} pairs (R / 2 = "
+          f"sum(sections)): with {pairs} pairs sections[{a}] may be at most "
+          f"{(pairs + 2 - a) // 3}. Raise sections[0] or lower "
+          f"sections[{a}].")

@@ -11,6 +11,9 @@ docstring, which chooses among them). The static ones compute in float64
 NumPy, so a frequency is rounded once, where it becomes a program constant;
 the ``*_on_device`` ones take a length ``seq_len`` that may be traced and
 compute what depends on it in ``dtype``, keeping the static part exact.
+``ntk_alpha_base`` is Hunyuan's fixed NTK base; ``section_axes`` says which
+position axis turns each pair under multimodal sections (blocked or
+interleaved).
 """
 
 from __future__ import annotations
@@ -41,6 +44,30 @@ def rotary_dim(head_dim: int, fraction) -> int:
 def plain_theta(base: float, rot: int) -> np.ndarray:
   """``base**(-2 i / R)`` in float64, ``[R / 2]``."""
   return base ** (-2.0 * np.arange(rot // 2, dtype=np.float64) / rot)
+
+
+def ntk_alpha_base(base: float, alpha: float, rot: int) -> float:
+  """Hunyuan's NTK-alpha base ``base * alpha**(R / (R - 2))`` (HF's
+  ``compute_ntk_alpha_rope_parameters``; fixed, no length dependence)."""
+  return base * alpha ** (rot / (rot - 2))
+
+
+def section_axes(sections: tuple[int, ...], interleaved: bool) -> np.ndarray:
+  """The position axis of each rotated pair under multimodal sections, int
+  ``[R / 2]`` (``R / 2 = sum(sections)``).
+
+  Blocked (Qwen2-VL): section ``a`` takes the pairs ``sum(sections[:a]) <=
+  i < sum(sections[:a + 1])``. Interleaved (Qwen3-VL's
+  ``recomposition_frequencies``, three sections only): axis 1 (height)
+  takes pairs ``1, 4, 7, ...`` and axis 2 (width) ``2, 5, 8, ...``, below
+  ``3 * sections[a]`` each; axis 0 (time) the rest, so ``THWTHW...TT``.
+  """
+  if not interleaved:
+    return np.repeat(np.arange(len(sections)), sections)
+  axes = np.zeros(sum(sections), np.int64)
+  for a in (1, 2):  # HF's slice(a, 3 * sections[a], 3): sections[a] pairs
+    axes[a:3 * sections[a]:3] = a
+  return axes
 
 
 def get_mscale(scale: float, mscale: float = 1.0) -> float:

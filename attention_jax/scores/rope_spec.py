@@ -5,11 +5,12 @@ Shape glossary: H head dim, R rotated features (the rotary dim,
 pair.
 
 A frozen, hashable dataclass (a static argument under ``jax.jit``): the
-base, the context-extension scaling of the frequencies (HF's
-``rope_type``), the layout (partial, interleaved) and the multimodal
-sections. Building one checks every field and the rules between them (a
-field its scaling does not read is refused, not ignored);
-``inverse_frequencies`` picks the scaling's maths in ``rope_frequencies``.
+base (Hunyuan's fixed NTK-alpha growth of it), the context-extension
+scaling of the frequencies (HF's ``rope_type``), the layout (partial,
+interleaved) and the multimodal sections (blocked or interleaved).
+Building one checks every field and the rules between them (a field its
+scaling does not read is refused, not ignored); ``inverse_frequencies``
+picks the scaling's maths in ``rope_frequencies``.
 Applying it to arrays (and checking a ``rope=`` option) is
 ``rope_apply``'s; ``rope`` re-exports both.
 """
@@ -140,6 +141,12 @@ class Rope:
   ``fraction=6 n / H``. Unequal sections follow the same rule, a 1-D
   RoPE per section (no HF model uses them).
 
+  ``sections_interleaved=True`` (Qwen3-VL) keeps the frequencies and
+  changes only the assignment: pairs ``1, 4, 7, ...`` (``sections[1]`` of
+  them) turn by height, ``2, 5, 8, ...`` (``sections[2]``) by width, the
+  rest (``sections[0]``) by time, spreading each axis over the whole
+  range of wavelengths.
+
   Attributes:
     base: the wavelength base, a positive number (10000 in the paper; Llama
       3 uses 500000).
@@ -201,6 +208,24 @@ class Rope:
       ``sections``; ``"per_section"`` needs ``scaling="none"`` (HF's axial
       rope has no scaling, and the scalings' per-frequency rules are
       defined over the one ladder).
+    sections_interleaved: Qwen3-VL's interleaved M-RoPE (HF's
+      ``mrope_interleaved``, its ``recomposition_frequencies``) instead of
+      Qwen2-VL's blocks: pair ``i`` turns by height for ``i = 1, 4, 7,
+      ...`` below ``3 * sections[1]``, by width for ``i = 2, 5, 8, ...``
+      below ``3 * sections[2]``, by time otherwise (``THWTHW...TT``).
+      Needs exactly three ``sections`` whose height and width pairs fit
+      in ``R / 2`` (``3 * sections[1] - 1 <= R / 2`` and ``3 *
+      sections[2] <= R / 2``; HF's slice would drop the rest unsaid) and
+      ``section_frequencies="split"``. The pair layout (half-split, as
+      Qwen3-VL's ``rotate_half``, or ``interleaved``) is separate.
+    ntk_alpha: Hunyuan's fixed NTK-aware base (HF's ``"ntk_alpha"``: a
+      ``rope_scaling`` of type ``"dynamic"`` with an ``alpha``): the base
+      becomes ``base * ntk_alpha**(R / (R - 2))``, ``R`` the rotary dim
+      (HF's ``head_dim``: Hunyuan rotates it whole), for every length (no
+      dependence on the positions). Positive; None: the base as given.
+      Only with ``scaling="none"`` (it replaces the scaling: HF reads no
+      ``factor`` then) and ``section_frequencies="split"``; needs ``R >=
+      4``.
 
   Raises:
     TypeError: a field of the wrong type (a number not a real Python
@@ -240,6 +265,8 @@ class Rope:
   long_factor: tuple[float, ...] | None = None
   sections: tuple[int, ...] | None = None
   section_frequencies: str = "split"
+  sections_interleaved: bool = False
+  ntk_alpha: float | None = None
 
   def __post_init__(self):
     set_field = lambda name, value: object.__setattr__(self, name, value)
@@ -251,10 +278,11 @@ class Rope:
     for name in ("base", "factor", "low_freq_factor", "high_freq_factor",
                  "beta_fast", "beta_slow", "fraction"):
       set_field(name, rope_checks.check_number(name, getattr(self, name)))
-    for name in ("attention_factor", "mscale", "mscale_all_dim"):
+    for name in ("attention_factor", "mscale", "mscale_all_dim",
+                 "ntk_alpha"):
       if getattr(self, name) is not None:
         set_field(name, rope_checks.check_number(name, getattr(self, name)))
-    for name in ("truncate", "interleaved"):
+    for name in ("truncate", "interleaved", "sections_interleaved"):
       set_field(name, rope_checks.check_bool(name, getattr(self, name)))
     # Lists (as in HF configs) become tuples: hashable, and equal to the
     # same factors given as a tuple.
@@ -291,6 +319,8 @@ class Rope:
           f"length. Use sections with scaling 'none', 'linear', 'llama3' or "
           f"'yarn', or drop sections.")
     self._check_section_frequencies()
+    self._check_sections_interleaved()
+    self._check_ntk_alpha()
     if scaling == "none":
       return
     if self.factor < 1.0:
@@ -341,6 +371,43 @@ class Rope:
           f"the scalings' per-frequency rules are defined over the one "
           f"ladder of R / 2 frequencies, not per section. Use "
           f"scaling='none'{fix}, or section_frequencies='split'.")
+
+  def _check_sections_interleaved(self):
+    if not self.sections_interleaved:
+      return
+    if self.sections is None:
+      raise ValueError(
+          "sections_interleaved=True needs sections: Qwen3-VL's "
+          "mrope_section (time, height, width), e.g. sections=(24, 20, 20) "
+          "for H=128, with positions [3, ..., T]; or leave "
+          "sections_interleaved False.")
+    if self.section_frequencies != "split":
+      raise ValueError(
+          f"sections_interleaved=True with section_frequencies="
+          f"{self.section_frequencies!r} is not supported: the interleaved "
+          f"pattern (Qwen3-VL) cuts the one ladder over R / 2; per-section "
+          f"ladders (axial vision RoPE) sit in blocks. Use one of the two.")
+    rope_checks.check_sections_interleaved(self.sections)
+
+  def _check_ntk_alpha(self):
+    alpha = self.ntk_alpha
+    if alpha is None:
+      return
+    if alpha <= 0.0:
+      raise ValueError(
+          f"ntk_alpha must be positive (the base grows by ntk_alpha**(R / "
+          f"(R - 2))), got {alpha}: Hunyuan's rope_scaling alpha, e.g. "
+          f"1000.0, or None for the base as given.")
+    if self.scaling != "none" or self.section_frequencies != "split":
+      what = (f"scaling={self.scaling!r}" if self.scaling != "none" else
+              f"section_frequencies={self.section_frequencies!r}")
+      raise ValueError(
+          f"ntk_alpha={alpha} with {what} is not supported: ntk_alpha "
+          f"replaces the scaling (HF turns a 'dynamic' rope_scaling with an "
+          f"alpha into the fixed 'ntk_alpha' base and reads nothing else) "
+          f"and is defined over the one ladder. Use scaling='none' (for a "
+          f"Hunyuan config of type 'dynamic' with an alpha) and "
+          f"section_frequencies='split', or drop ntk_alpha.")
 
   def _check_longrope(self):
     missing = [name for name in ("short_factor", "long_factor")
@@ -467,12 +534,17 @@ class Rope:
       TypeError: ``rotary_dim`` not an int, ``seq_len`` not a number or a
         scalar array.
       ValueError: ``rotary_dim`` odd or not positive; ``"dynamic"`` without
-        ``seq_len`` or with ``R = 2`` (its exponent ``R / (R - 2)``);
+        ``seq_len``, or it or ``ntk_alpha`` with ``R = 2`` (the exponent
+        ``R / (R - 2)``);
         ``short_factor``/``long_factor`` without ``R / 2`` entries;
         ``sections`` not summing to ``R / 2``.
     """
     rot = rope_checks.check_rotary_dim(rotary_dim)
     rope_checks.check_sections_dim(self.sections, self.fraction, rot)
+    if self.ntk_alpha is not None:  # scaling "none", one ladder
+      rope_checks.check_dynamic_dim(rot, "ntk_alpha")
+      return rope_frequencies.plain_theta(rope_frequencies.ntk_alpha_base(
+          self.base, self.ntk_alpha, rot), rot)
     if self.section_frequencies == "per_section":  # scaling is "none"
       # A 1-D RoPE of rotary dim 2 n per section, concatenated: pair i
       # keeps its place, so apply_rope's section split reads it unchanged.

@@ -19,7 +19,8 @@ pytree (``fn`` static, ``params`` leaves), so it passes through ``jax.jit``
 and into modules, and ``chain`` composes several. A plain function closing
 over arrays works too in the dense and blockwise kernels (the flash kernel
 hoists what it closes over out of its custom VJP); ring attention needs a
-``ScoreMod``. Built-ins: ``alibi(slopes)`` (ALiBi),
+``ScoreMod``. Built-ins: ``alibi(slopes)`` (ALiBi; ``alibi_slopes(N,
+max_bias)`` the paper's, BLOOM's and MPT's slopes),
 ``t5_relative_bias(table)`` (T5's bucketed relative positions) and
 ``soft_cap(cap)`` (Gemma 2's logit soft-capping).
 """
@@ -34,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_jax.core import checks
 
@@ -106,20 +108,47 @@ def plain_fn(mod, score, b, h, q_idx, kv_idx, params):
   return mod(score, b, h, q_idx, kv_idx)
 
 
-def alibi_slopes(num_heads: int) -> jax.Array:
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> jax.Array:
   """ALiBi's per-head slopes (Press et al. 2022), float32 ``[N]``.
 
-  A geometric sequence starting at ``2**(-8 / N)`` for ``N`` a power of
-  two; otherwise the paper's interleaving of the two nearest powers.
+  With ``c`` the largest power of two ``<= N`` and ``m = max_bias``: the
+  geometric sequence ``2**(-m k / c)``, ``k = 1 .. c``, then (``N`` not a
+  power of two) the odd powers ``2**(-m j / (2 c))``, ``j = 1, 3, 5,
+  ...``, for the other ``N - c`` heads: the paper's interleaving of the two
+  nearest powers, BLOOM's and Falcon's order. Each slope is computed in
+  float64 and rounded once to float32 (BLOOM's own float32 arithmetic
+  differs by a few ulps from 11 heads on; the checkpoint loader reproduces
+  that where it matters).
+
+  MPT's ``build_mpt_alibi_tensor`` (``alibi_bias_max``) gives the same
+  slopes in the same order: of the ``2 c`` slopes ``2**(-m i / (2 c))`` of
+  the next power of two, ``slopes[1::2]`` (even ``i = 2 k``) are the ``c``
+  slopes above and ``slopes[::2]`` (odd ``i``) the extra ones, so MPT is
+  ``alibi_slopes(N, max_bias=alibi_bias_max)`` (HF's ``MptModel`` passes
+  no ``alibi_bias_max``: it always uses 8).
+
+  Args:
+    num_heads: ``N``, the number of query heads, a positive int.
+    max_bias: ``m``, the bias the steepest geometric sequence reaches
+      (the last power-of-two slope is ``2**-m``): 8 in the paper, BLOOM and
+      Falcon; MPT's ``alibi_bias_max``. A positive, finite Python number.
+
+  Raises:
+    TypeError: ``num_heads`` not an int, ``max_bias`` not a real Python
+      number (a traced value included).
+    ValueError: ``num_heads <= 0``, ``max_bias`` not positive and finite.
 
   Example:
     >>> alibi_slopes(4)
     Array([0.25      , 0.0625    , 0.015625  , 0.00390625], dtype=float32)
+    >>> alibi_slopes(4, max_bias=16.0).tolist()  # MPT's alibi_bias_max=16
+    [0.0625, 0.00390625, 0.000244140625, 1.52587890625e-05]
   """
   checks.check_positive_int("num_heads", num_heads)
+  max_bias = _checked_max_bias(max_bias)
 
   def powers(n):
-    start = 2.0 ** (-8.0 / n)
+    start = 2.0 ** (-max_bias / n)
     return [start ** (i + 1) for i in range(n)]
 
   closest = 2 ** math.floor(math.log2(num_heads))
@@ -127,6 +156,21 @@ def alibi_slopes(num_heads: int) -> jax.Array:
   if closest < num_heads:
     slopes += powers(2 * closest)[0::2][:num_heads - closest]
   return jnp.asarray(slopes, jnp.float32)
+
+
+def _checked_max_bias(max_bias) -> float:
+  """ALiBi's ``max_bias``: a static, positive, finite real number."""
+  if isinstance(max_bias, (bool, np.bool_)) or not isinstance(
+      max_bias, (int, float, np.integer, np.floating)):
+    raise TypeError(
+        f"alibi_slopes' max_bias must be a positive Python number (8.0 in the "
+        f"paper; MPT's alibi_bias_max), got {max_bias!r} "
+        f"({type(max_bias).__name__}): slopes are static, pass a number.")
+  if not (max_bias > 0 and math.isfinite(max_bias)):
+    raise ValueError(
+        f"alibi_slopes' max_bias must be positive and finite (the last "
+        f"power-of-two slope is 2**-max_bias), got {max_bias}: e.g. 8.0.")
+  return float(max_bias)
 
 
 def _alibi(score, b, h, q_idx, kv_idx, slopes):
