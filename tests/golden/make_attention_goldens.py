@@ -262,6 +262,77 @@ def configs() -> dict:
           num_experts_per_tok=2, max_position_embeddings=512,
           rope_parameters=dict(rope_type="default", rope_theta=1e6),
           **_TOKENS)),
+      **more_configs(),
+  }
+
+
+def more_configs() -> dict:
+  """The Llama-style families added after the first 23 (transformers
+  5.25.0, torch 2.14.1): each with the option that sets it apart on."""
+  rope = dict(rope_type="default", rope_theta=10000.0)
+  half = dict(rope, partial_rotary_factor=0.5)
+  two = ["sliding_attention", "full_attention"]
+  moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+  deep_moe = dict(n_routed_experts=4, num_experts_per_tok=2,
+                  first_k_dense_replace=1, moe_intermediate_size=16,
+                  n_group=1, topk_group=1)
+  base = dict(COMMON, max_position_embeddings=512, rope_parameters=rope,
+              **_TOKENS)
+  granite = dict(base, attention_multiplier=0.2, attention_bias=True)
+  return {
+      # The scale is attention_multiplier (0.2, not 1 / sqrt(16)).
+      "granite": ("GraniteConfig", granite),
+      "granitemoe": ("GraniteMoeConfig", dict(
+          granite, num_local_experts=4, num_experts_per_tok=2)),
+      "granitemoeshared": ("GraniteMoeSharedConfig", dict(
+          granite, num_local_experts=4, num_experts_per_tok=2,
+          shared_intermediate_size=16)),
+      "arcee": ("ArceeConfig", dict(base, attention_bias=True)),
+      # q/k/v biases without an o_proj one; interleaved pairs.
+      "helium": ("HeliumConfig", dict(base, attention_bias=True)),
+      # Interleaved pairs on half of each head.
+      "glm": ("GlmConfig", dict(base, attention_bias=True,
+                                rope_parameters=half)),
+      "glm4": ("Glm4Config", dict(base, attention_bias=True,
+                                  rope_parameters=half)),
+      # Half-split pairs on half of each head, qk-norm.
+      "glm4_moe": ("Glm4MoeConfig", dict(
+          base, attention_bias=True, use_qk_norm=True, rope_parameters=half,
+          n_shared_experts=1, **deep_moe)),
+      "seed_oss": ("SeedOssConfig", dict(base, attention_bias=True,
+                                         attention_out_bias=False)),
+      "ernie4_5": ("Ernie4_5Config", dict(base, use_bias=True)),
+      "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(
+          base, use_bias=True, moe_num_experts=4, moe_k=2,
+          moe_intermediate_size=16, moe_layer_start_index=1)),
+      "nemotron": ("NemotronConfig", dict(base, attention_bias=True,
+                                          rope_parameters=half)),
+      "ministral": ("MinistralConfig", dict(base, sliding_window=4,
+                                            layer_types=two)),
+      # Layer 0 slides ((i + 1) % 2 and i < max_window_layers).
+      "qwen2_moe": ("Qwen2MoeConfig", dict(
+          base, use_sliding_window=True, sliding_window=4,
+          max_window_layers=2, shared_expert_intermediate_size=16, **moe)),
+      # Every layer slides with use_sliding_window.
+      "qwen3_moe": ("Qwen3MoeConfig", dict(
+          base, use_sliding_window=True, sliding_window=4, **moe)),
+      # Layer 1 slides (i >= max_window_layers).
+      "dots1": ("Dots1Config", dict(base, sliding_window=4,
+                                    max_window_layers=1, n_shared_experts=1,
+                                    **deep_moe)),
+      "olmo3": ("Olmo3Config", dict(base, sliding_window=4,
+                                    layer_types=two)),
+      # Layer 0 slides with rotary; layer 1 is global without (NoPE).
+      "exaone4": ("Exaone4Config", dict(base, sliding_window=4,
+                                        sliding_window_pattern=2)),
+      # Layer 1 is NoPE, and slides (use_sliding_window).
+      "smollm3": ("SmolLM3Config", dict(
+          base, no_rope_layers=[1, 0], use_sliding_window=True,
+          sliding_window=4)),
+      "gemma": ("GemmaConfig", base),
+      "vaultgemma": ("VaultGemmaConfig", dict(
+          base, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+          sliding_window=4, layer_types=two)),
   }
 
 
@@ -337,7 +408,7 @@ def make(family: str, torch, transformers) -> dict[str, np.ndarray]:
       cfg, attn_implementation="eager", dtype=torch.float32)
   model.eval()
   _redraw(model, torch, family)
-  if family == "olmo2":
+  if family in ("olmo2", "olmo3", "exaone4"):
     # No norm before attention: layer 0 sees the raw embeddings, which HF
     # draws with std 0.02; std 1 keeps its output O(1..10) too.
     with torch.no_grad():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import dataclasses
+import difflib
 from typing import Any
 
 from flax import nnx
@@ -134,16 +135,54 @@ class LoadedAttention:
     return mha
 
 
-def _config_dict(config, family: str) -> dict[str, Any]:
+def _as_dict(config) -> dict[str, Any]:
   """The config as a dict (a transformers config object or a mapping)."""
   if isinstance(config, Mapping):
-    cfg = dict(config)
-  elif hasattr(config, "to_dict") and callable(config.to_dict):
-    cfg = dict(config.to_dict())
-  else:
-    raise TypeError(
-        f"config must be a dict (e.g. json.load of config.json) or a "
-        f"transformers config object, got {type(config).__name__}.")
+    return dict(config)
+  if hasattr(config, "to_dict") and callable(config.to_dict):
+    return dict(config.to_dict())
+  raise TypeError(
+      f"config must be a dict (e.g. json.load of config.json) or a "
+      f"transformers config object, got {type(config).__name__}.")
+
+
+def _owner(model_type) -> str | None:
+  """The family that reads configs of ``model_type``, or None."""
+  owners = [f for f in FAMILIES if model_type in FAMILIES[f].model_types]
+  return owners[0] if owners else None
+
+
+def _nearest(name: str) -> str:
+  """`` (nearest: 'x')`` for a name like a known family or model type."""
+  known = sorted({*FAMILIES, *(t for f in FAMILIES.values()
+                                for t in f.model_types)})
+  close = difflib.get_close_matches(str(name).lower(), known, n=1,
+                                    cutoff=0.6)
+  if not close:
+    return ""
+  owner = _owner(close[0]) or close[0]
+  return (f" The nearest supported family is {owner!r}"
+          + (f" (model_type {close[0]!r})" if close[0] != owner else "")
+          + ": pass it only if this model's attention is that family's.")
+
+
+def _unknown_model_type(model_type, text) -> ValueError:
+  hint = ""
+  if isinstance(text, Mapping) and _owner(text.get("model_type")):
+    hint = (f" Its text_config has model_type {text['model_type']!r}: for "
+            "the language model's layers pass config['text_config'].")
+  return ValueError(
+      f"config has model_type={model_type!r}, which load_attention_weights "
+      f"does not read: it maps the families {list(FAMILIES)} and no other "
+      "model by a guess, since a look-alike can differ where the weights "
+      f"do not show it (e.g. interleaved rotary pairs).{hint}"
+      f"{_nearest(model_type)} To use this model, {registry.BY_HAND}.")
+
+
+def _config_dict(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+  """The config the declared ``family`` reads: its own (a multimodal
+  config's ``text_config`` where that is the family's), checked to be one
+  (``model_type``) and to set nothing the family does not read."""
   text = cfg.get("text_config")
   spec = FAMILIES[family]
   if (isinstance(text, Mapping)  # the family's own multimodal model
@@ -151,42 +190,71 @@ def _config_dict(config, family: str) -> dict[str, Any]:
       and text.get("model_type") in spec.model_types):
     cfg = dict(text)
   model_type = cfg.get("model_type")
-  if model_type is None:
-    signs = sorted(k for k in registry.SIGNS if cfg.get(k) is not None
-                   and k not in spec.reads
-                   and not (k == "partial_rotary_factor"
-                            and reading.is_number(cfg[k]) and cfg[k] >= 1))
-    if signs:
+  if model_type is not None and model_type not in spec.model_types:
+    owner = _owner(model_type)
+    if owner:
       raise ValueError(
-          f"config has no model_type, and it has "
-          f"{', '.join(f'{k!r} ({registry.SIGNS[k]})' for k in signs)}, which "
-          f"{family} attention does not read: it is another model's config, "
-          f"and loading it as {family} would be a guess. Put the model's "
-          "model_type (its config.json's) in the config and pass the family "
-          f"it names (one of {list(FAMILIES)}); for any other model, "
-          f"{registry.BY_HAND}.")
-    return cfg
-  if model_type in spec.model_types:
-    return cfg
-  owner = [f for f in FAMILIES if model_type in FAMILIES[f].model_types]
-  if owner:
+          f"config has model_type={model_type!r}, but family={family!r} "
+          f"reads configs of model_type {list(spec.model_types)}: this is a "
+          f"{owner} config, pass family={owner!r} (or leave family out: "
+          "the config's model_type names it).")
+    raise _unknown_model_type(model_type, text)
+  missing = [k for k in spec.requires if k not in cfg]
+  if model_type is None and missing:
+    have = ("nothing in its config tells it apart from a look-alike whose "
+            "code differs" if missing == ["model_type"] else
+            f"every {family} config has {missing}, and this one does not")
     raise ValueError(
-        f"config has model_type={model_type!r}, but family={family!r} reads "
-        f"configs of model_type {list(spec.model_types)}: this is a "
-        f"{owner[0]} config, pass family={owner[0]!r}.")
-  hint = ""
-  if (isinstance(text, Mapping)
-      and text.get("model_type") in spec.model_types):
-    hint = (f" Its text_config has model_type {text['model_type']!r}: for "
-            "the language model's layers pass config['text_config'].")
-  raise ValueError(
-      f"config has model_type={model_type!r}, which load_attention_weights "
-      f"does not read: it maps the families {list(FAMILIES)} (model types "
-      f"{sorted(t for f in FAMILIES.values() for t in f.model_types)}) and "
-      "no other "
-      "model by a guess, since a look-alike can differ where the weights "
-      f"do not show it (e.g. interleaved rotary pairs).{hint} To use this "
-      f"model, {registry.BY_HAND}.")
+        f"config has no model_type, and {have}: reading it as {family} "
+        f"would be a guess. Give the config its model_type (its "
+        f"config.json's) if it is a {family} model; otherwise pass the "
+        "family its model_type names.")
+  # A config of the family's own model type may carry keys its code
+  # ignores (spec.ignores); one without model_type must not.
+  unread = [k for k in spec.unread(cfg)
+            if model_type is None or k not in spec.ignores]
+  if model_type is None:
+    unread = sorted({*unread, *(k for k in spec.ignores
+                                if k in registry.present_signs(cfg))})
+  if unread:
+    said = ("config has no model_type, and it" if model_type is None
+            else f"config (model_type={model_type!r})")
+    raise ValueError(
+        f"{said} sets "
+        f"{', '.join(f'{k}={cfg[k]!r} ({registry.SIGNS[k]})' for k in unread)}"
+        f", which {family} attention does not read: {family}'s modeling code "
+        "would ignore it, so these numbers would not be the model's. It is "
+        "another model's config: pass the family its model_type names "
+        "(aj.interop.checkpoints.FAMILIES lists them, docs/families.md says "
+        "what each reads), or, if the key is a leftover this model does not "
+        f"use, remove it from the config; for any other model, "
+        f"{registry.BY_HAND}.")
+  return cfg
+
+
+def _declared(cfg: dict[str, Any], family, state_dict) -> str:
+  """The family: ``family=`` or the config's ``model_type``; neither is
+  refused with the families whose weights the state dict has."""
+  if family is not None:
+    return _family(family)
+  model_type = cfg.get("model_type")
+  text = cfg.get("text_config")
+  if model_type is None:
+    candidates = reading.families_with_weights(state_dict, FAMILIES)
+    raise ValueError(
+        "config has no model_type and no family= was given: the loader "
+        "does not guess a family from keys that look alike. Pass family= "
+        "(the model_type of its config.json names it)"
+        + (f"; the state dict's weights are named as {candidates}'s"
+           if candidates else "") + f". Families: {list(FAMILIES)}.")
+  owner = _owner(model_type)
+  if owner is None and isinstance(text, Mapping):
+    inner = _owner(text.get("model_type"))
+    if inner and model_type in FAMILIES[inner].model_types:
+      owner = inner
+  if owner is None:
+    raise _unknown_model_type(model_type, text)
+  return owner
 
 
 def _family(family) -> str:
@@ -196,7 +264,7 @@ def _family(family) -> str:
   name = family.lower().replace("-", "_")
   if name not in FAMILIES:
     raise ValueError(f"unknown family {family!r}: known families are "
-                     f"{list(FAMILIES)}; for another model, "
+                     f"{list(FAMILIES)}.{_nearest(name)} For another model, "
                      f"{registry.BY_HAND}.")
   return name
 
@@ -245,9 +313,9 @@ def _overrides(overrides) -> dict[str, Any]:
 def load_attention_weights(
     state_dict: Mapping[str, Any],
     *,
-    family: str,
     config: Any,
     layer: int,
+    family: str | None = None,
     prefix: str | None = None,
     dtype: jnp.dtype | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -339,7 +407,11 @@ def load_attention_weights(
     >>> loaded.module()(jnp.ones((1, 5, D))).shape
     (1, 5, 8)
   """
-  family = _family(family)
+  if not isinstance(state_dict, Mapping):
+    raise TypeError(f"state_dict must be a mapping of HF names to arrays "
+                    f"(model.state_dict()), got {type(state_dict).__name__}.")
+  raw = _as_dict(config)
+  family = _declared(raw, family, state_dict)
   spec = FAMILIES[family]
   if attention not in spec.attentions:
     raise ValueError(
@@ -356,11 +428,8 @@ def load_attention_weights(
   if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
     raise TypeError(f"layer must be an int (the layer index), got {layer!r}.")
   layer = int(layer)
-  if not isinstance(state_dict, Mapping):
-    raise TypeError(f"state_dict must be a mapping of HF names to arrays "
-                    f"(model.state_dict()), got {type(state_dict).__name__}.")
   overrides = _overrides(overrides)
-  cfg = _config_dict(config, family)
+  cfg = _config_dict(raw, family)
   count = cfg.get(spec.count_key(attention))
   if layer < 0 or (count is not None and layer >= count):
     raise ValueError(f"layer={layer} is out of range: the config has "

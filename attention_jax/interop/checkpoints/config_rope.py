@@ -18,11 +18,14 @@ from attention_jax.scores import rope as rope_lib
 # (``default_theta`` of the config class; Gemma 3: global, local).
 DEFAULT_THETA = {"gpt_oss": 150000.0, "gemma3": (1e6, 10000.0),
                  "mixtral": 1e6, "cohere": 500000.0, "cohere2": 500000.0,
-                 "llama4": 500000.0}
+                 "llama4": 500000.0, "olmo3": 500000.0, "smollm3": 2e6,
+                 "ernie4_5_moe": 500000.0}
 # transformers' config-class defaults for keys a saved config.json may omit.
 DEFAULT_WINDOW = {"gemma2": 4096, "gemma3": 4096, "mistral": 4096,
                    "qwen2": 4096, "qwen3": 4096, "gpt_oss": 128,
-                   "cohere2": 4096}
+                   "cohere2": 4096, "ministral": 4096, "qwen2_moe": 4096,
+                   "qwen3_moe": 4096, "dots1": 4096, "olmo3": 4096,
+                   "exaone4": 4096, "vaultgemma": 4096}
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                  "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -39,16 +42,65 @@ ROPE_SCALINGS = {"default": "none", "linear": "linear",
                   "dynamic": "dynamic", "llama3": "llama3", "yarn": "yarn",
                   "longrope": "longrope"}
 
+# The rope parameters each rope type reads (HF's rope init functions), and
+# those every type has; any other field is refused, never dropped.
+ROPE_FIELDS = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "truncate", "attention_factor", "mscale",
+             "mscale_all_dim"),
+    "longrope": ("short_factor", "long_factor", "factor",
+                 "original_max_position_embeddings", "attention_factor"),
+}
+_ANY_TYPE = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
 # Families whose attention may slide (the rest never read a window), and
 # those that window every layer when they do.
 _WINDOWED = ("mistral", "mixtral", "starcoder2", "phi3", "qwen2", "qwen3",
-             "gemma2", "gemma3", "gpt_oss", "cohere2")
-_EVERY_LAYER = ("mistral", "mixtral", "starcoder2", "phi3")
+             "gemma2", "gemma3", "gpt_oss", "cohere2", "ministral",
+             "qwen2_moe", "qwen3_moe", "dots1", "olmo3", "exaone4",
+             "smollm3", "vaultgemma")
+EVERY_LAYER = ("mistral", "mixtral", "starcoder2", "phi3", "qwen3_moe")
+# Windows only with use_sliding_window (HF drops sliding_window without it).
+_SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
+# Layer types the config class derives when a config gives none: {family:
+# rule(cfg, layer) -> sliding?}, as each __post_init__ writes them.
+_DERIVED_TYPES = {
+    "olmo3": lambda cfg, i: bool((i + 1) % 4),
+    "vaultgemma": lambda cfg, i: bool((i + 1) % 2),
+    "ministral": lambda cfg, i: cfg.get("sliding_window", 4096) is not None,
+    "qwen2_moe": lambda cfg, i: bool(
+        (i + 1) % 2 and i < cfg.get("max_window_layers", 28)
+        and cfg.get("use_sliding_window", False)),
+    "dots1": lambda cfg, i: (cfg.get("sliding_window", 4096) is not None
+                             and i >= cfg.get("max_window_layers", 62)),
+    "exaone4": lambda cfg, i: (
+        cfg.get("sliding_window", 4096) is not None
+        and bool((i + 1) % cfg.get("sliding_window_pattern", 4))),
+    "smollm3": lambda cfg, i: bool(
+        cfg.get("use_sliding_window", False)
+        and cfg.get("sliding_window") is not None
+        and not rope_flag(cfg, i)),
+}
+
+
+def rope_flag(cfg: Mapping[str, Any], layer: int) -> bool:
+  """``no_rope_layers[layer]`` (1: the layer rotates), or its default: every
+  ``no_rope_layer_interval``-th layer (4) has none (Llama 4, SmolLM3)."""
+  flags = cfg.get("no_rope_layers")
+  if not flags:
+    return bool((layer + 1) % cfg.get("no_rope_layer_interval", 4))
+  if layer >= len(flags):
+    raise ValueError(f"layer={layer} but config['no_rope_layers'] has "
+                     f"{len(flags)} entries.")
+  return bool(flags[layer])
 
 
 def layer_type(cfg: Mapping[str, Any], family: str, layer: int) -> str:
   """``"sliding_attention"`` or ``"full_attention"``, as HF's config derives it."""
-  if family in _EVERY_LAYER:  # these models window every layer, layer_types
+  if family in EVERY_LAYER:  # these models window every layer, layer_types
     return "sliding_attention"  # or not
   types = cfg.get("layer_types")
   if types is not None:
@@ -66,6 +118,9 @@ def layer_type(cfg: Mapping[str, Any], family: str, layer: int) -> str:
           + (" (its linear_attention layers are Gated DeltaNet, not softmax "
              "attention)" if family == "qwen3_next" else "") + ".")
     return kind
+  if family in _DERIVED_TYPES:
+    return ("sliding_attention" if _DERIVED_TYPES[family](cfg, layer)
+            else "full_attention")
   if family in ("gemma2", "gpt_oss"):  # HF: every other layer, from 0
     return "sliding_attention" if (layer + 1) % 2 else "full_attention"
   if family in ("gemma3", "cohere2"):  # every `pattern`-th is global
@@ -84,8 +139,15 @@ def window(cfg: Mapping[str, Any], family: str, layer: int) -> int | None:
   if family not in _WINDOWED:
     return None
   window = cfg.get("sliding_window", DEFAULT_WINDOW.get(family))
-  if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window",
-                                                  False):
+  if (family in _SWITCHED and "use_sliding_window" not in cfg
+      and cfg.get("sliding_window") is not None):
+    raise ValueError(
+        f"config has sliding_window={cfg['sliding_window']!r} but no "
+        f"use_sliding_window: {family}'s code slides only with "
+        "use_sliding_window=True (its config.json has the flag). Add it "
+        "(False: the window is not used), or, for a model that slides "
+        "without such a flag, pass the family its model_type names.")
+  if family in _SWITCHED and not cfg.get("use_sliding_window", False):
     return None  # HF sets sliding_window = None without use_sliding_window
   if window is None or layer_type(cfg, family, layer) != "sliding_attention":
     return None
@@ -142,12 +204,14 @@ def rope_parameters(cfg: Mapping[str, Any], family: str,
 
 
 def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
-         interleaved: bool = False, partial: bool = False) -> rope_lib.Rope:
+         interleaved: bool = False, partial: bool = False,
+         extra_fields: tuple[str, ...] = ()) -> rope_lib.Rope:
   """The layer's rotary embedding as an ``aj.Rope`` (HF's rope_type mapped).
 
   ``interleaved``: the family rotates pairs ``(x[2i], x[2i + 1])``;
   ``partial``: its code rotates the first ``partial_rotary_factor`` of the
-  head (elsewhere a factor below 1 is refused).
+  head (elsewhere a factor below 1 is refused); ``extra_fields``: rope
+  parameters the caller reads itself (any other unknown one is refused).
   """
   p = rope_parameters(cfg, family, layer)
   rope_type = p.get("rope_type", p.get("type", "default"))
@@ -156,6 +220,19 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
         f"config's rope_type {rope_type!r} (layer {layer}) is not supported: "
         f"load_attention_weights maps rope types {list(ROPE_SCALINGS)} to "
         "aj.Rope.")
+
+  unknown = sorted(set(p) - set(_ANY_TYPE) - set(ROPE_FIELDS[rope_type])
+                   - set(extra_fields))
+  if unknown:
+    raise ValueError(
+        f"config's rope parameters (layer {layer}, rope_type {rope_type!r}) "
+        f"have {unknown}, which {family}'s rotary embedding with this type "
+        f"does not read (it reads {sorted(ROPE_FIELDS[rope_type])}"
+        f"{' and ' + str(sorted(extra_fields)) if extra_fields else ''}): "
+        "loading them as if absent would be a guess. They belong to another "
+        "model's rotary embedding (e.g. mrope_section: Qwen-VL's) or another "
+        "rope_type; pass that model's family, or remove them if this model "
+        "does not use them.")
 
   def need(name):
     if p.get(name) is None:

@@ -59,8 +59,12 @@ from attention_jax.scores import score_mods
 @dataclasses.dataclass(frozen=True)
 class _Traits:
   """What one family's attention does beyond Llama's."""
-  biases: str = "flag"  # "flag" (attention_bias), "qkv", "none", "use_bias"
-  default_bias: bool = False  # the config class's attention_bias default
+  # "flag" (attention_bias, all four), "qkv" (q/k/v always, o never),
+  # "qkv_flag" (attention_bias on q/k/v, o never), "qkv_flag_out"
+  # (attention_bias on q/k/v, attention_out_bias on o), "none", "use_bias"
+  # (use_bias, all four)
+  biases: str = "flag"
+  default_bias: bool = False  # the config class's default for the flag
   # Which config keys default head_dim / num_key_value_heads when missing
   # (the config class derives them); elsewhere a missing one is refused.
   derives_kv_heads: bool = False
@@ -72,13 +76,18 @@ class _Traits:
   gated: bool = False  # Qwen3-Next's q_proj with the output gate
   gemma_scale: bool = False
   sinks: bool = False
+  scale_key: str | None = None  # Granite: the scale is attention_multiplier
+  # Which layers rotate: None (all), "no_rope_layers" (SmolLM3: 1 = rope),
+  # "sliding_only" (EXAONE 4: with a window, full layers have none)
+  rope_layers: str | None = None
 
 
 _TRAITS = {
     "llama": _Traits(derives_kv_heads=True, derives_head_dim=True),
     "mistral": _Traits(biases="none", derives_head_dim=True),
     "mixtral": _Traits(biases="none", derives_head_dim=True),
-    "starcoder2": _Traits(biases="use_bias", derives_head_dim=True),
+    "starcoder2": _Traits(biases="use_bias", default_bias=True,
+                          derives_head_dim=True),
     "qwen2": _Traits(biases="qkv", derives_head_dim=True),
     "qwen3": _Traits(qk_norm="rms"),
     "qwen3_next": _Traits(qk_norm="rms_1p", partial_rotary=True, gated=True),
@@ -94,6 +103,35 @@ _TRAITS = {
     "phi3": _Traits(biases="none", fused_qkv=True, partial_rotary=True,
                     derives_kv_heads=True, derives_head_dim=True),
     "llama4": _Traits(interleaved=True),  # head_dim defaults to 128
+    "granite": _Traits(scale_key="attention_multiplier",
+                       derives_kv_heads=True, derives_head_dim=True),
+    "granitemoe": _Traits(scale_key="attention_multiplier",
+                          derives_kv_heads=True, derives_head_dim=True),
+    "granitemoeshared": _Traits(scale_key="attention_multiplier",
+                                derives_kv_heads=True,
+                                derives_head_dim=True),
+    "arcee": _Traits(derives_kv_heads=True, derives_head_dim=True),
+    "helium": _Traits(biases="qkv_flag", interleaved=True),
+    "glm": _Traits(biases="qkv_flag", interleaved=True, partial_rotary=True),
+    "glm4": _Traits(biases="qkv_flag", interleaved=True,
+                    partial_rotary=True),
+    "glm4_moe": _Traits(biases="qkv_flag", partial_rotary=True,
+                        qk_norm="rms_flag"),
+    "seed_oss": _Traits(biases="qkv_flag_out", default_bias=True),
+    "ernie4_5": _Traits(biases="use_bias", interleaved=True),
+    "ernie4_5_moe": _Traits(biases="use_bias", interleaved=True),
+    "nemotron": _Traits(partial_rotary=True),
+    "ministral": _Traits(biases="none"),
+    "qwen2_moe": _Traits(biases="qkv", derives_head_dim=True),
+    "qwen3_moe": _Traits(qk_norm="rms"),
+    "dots1": _Traits(qk_norm="rms"),
+    "olmo3": _Traits(qk_norm="olmo", derives_kv_heads=True,
+                     derives_head_dim=True),
+    "exaone4": _Traits(qk_norm="rms", rope_layers="sliding_only",
+                       derives_head_dim=True),
+    "smollm3": _Traits(rope_layers="no_rope_layers"),
+    "gemma": _Traits(),
+    "vaultgemma": _Traits(gemma_scale=True),
 }
 
 
@@ -106,6 +144,10 @@ def _qk_norm(cfg: Mapping[str, Any], family: str, layer: int,
   if traits.qk_norm == "rms_1p":  # Gemma 3, Qwen3-Next: (1 + w)
     return QKNorm(epsilon=float(1e-6 if eps is None else eps),
                   weight_offset=1.0)
+  if traits.qk_norm == "rms_flag":  # GLM-4.5: RMSNorm [H] with use_qk_norm
+    if not cfg.get("use_qk_norm", False):
+      return None
+    return QKNorm(epsilon=float(1e-5 if eps is None else eps))
   if traits.qk_norm == "olmo":  # one RMSNorm over all heads' features
     return QKNorm(over="all", weight="per_head",
                   epsilon=float(1e-5 if eps is None else eps))
@@ -116,23 +158,10 @@ def _qk_norm(cfg: Mapping[str, Any], family: str, layer: int,
     return QKNorm(kind="layer", weight="per_head",
                   epsilon=float(1e-5 if eps is None else eps))
   if (family == "llama4" and cfg.get("use_qk_norm", True)
-      and _llama4_rope(cfg, layer)):  # weightless, after rotary
+      and config_rope.rope_flag(cfg, layer)):  # weightless, after rotary
     return QKNorm(weight=None, after_rope=True,
                   epsilon=float(1e-5 if eps is None else eps))
   return None
-
-
-def _llama4_rope(cfg: Mapping[str, Any], layer: int) -> bool:
-  """Whether Llama 4's layer uses rope (``no_rope_layers[i]`` is 1: HF's
-  name counts the layers that keep it; default: every 4th has none)."""
-  flags = cfg.get("no_rope_layers")
-  if not flags:
-    step = cfg.get("no_rope_layer_interval", 4)
-    return bool((layer + 1) % step)
-  if layer >= len(flags):
-    raise ValueError(f"layer={layer} but config['no_rope_layers'] has "
-                     f"{len(flags)} entries.")
-  return bool(flags[layer])
 
 
 def _biases(cfg: Mapping[str, Any], traits: _Traits) -> tuple[tuple[str, ...],
@@ -142,7 +171,14 @@ def _biases(cfg: Mapping[str, Any], traits: _Traits) -> tuple[tuple[str, ...],
   if traits.biases == "none":
     return (), "no biases"
   key = "use_bias" if traits.biases == "use_bias" else "attention_bias"
-  flag = bool(cfg.get(key, True if key == "use_bias" else traits.default_bias))
+  flag = bool(cfg.get(key, traits.default_bias))
+  if traits.biases == "qkv_flag":
+    return ((("q", "k", "v") if flag else ()),
+            f"config {key}={flag} (q/k/v; o_proj has none)")
+  if traits.biases == "qkv_flag_out":
+    out = bool(cfg.get("attention_out_bias", False))
+    return (("q", "k", "v") if flag else ()) + (("o",) if out else ()), (
+        f"config {key}={flag} (q/k/v), attention_out_bias={out} (o_proj)")
   return (("q", "k", "v", "o") if flag else ()), f"config {key}={flag}"
 
 
@@ -205,8 +241,12 @@ def build(cfg: Mapping[str, Any], family: str, layer: int,
   if "o" in biases:
     params["W_o"]["bias"] = read.get("o_proj.bias", (d,), bias_note)
   use_bias = bool(biases)
-  if use_bias and "o" not in biases:  # our module: all four or none
-    params["W_o"]["bias"] = np.zeros((d,), params["W_o"]["kernel"].dtype)
+  if use_bias:  # our module: all four or none; a missing one is zero
+    for name, shape in (("q", (n, h)), ("k", (k, h)), ("v", (k, h)),
+                        ("o", (d,))):
+      if name not in biases:
+        params[f"W_{name}"]["bias"] = np.zeros(
+            shape, params[f"W_{name}"]["kernel"].dtype)
   if "W_g" in params and use_bias and "bias" not in params["W_g"]:
     params["W_g"]["bias"] = np.zeros((n, h), params["W_g"]["kernel"].dtype)
   options: dict[str, Any] = dict(d_model=d, num_heads=n, num_kv_heads=k,
@@ -222,7 +262,10 @@ def build(cfg: Mapping[str, Any], family: str, layer: int,
           "causal mask) is not supported: load_attention_weights builds "
           "causal decoder layers (overrides={'mask': ...} sets the mask).")
     options["scale"] = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
-  if family == "gemma2":
+  if traits.scale_key is not None:  # Granite: attention_multiplier (1.0)
+    options["scale"] = float(cfg.get(traits.scale_key, 1.0))
+    notes.append(f"scale {traits.scale_key}={options['scale']}")
+  if family in ("gemma2", "vaultgemma"):
     cap = cfg.get("attn_logit_softcapping", 50.0)  # HF's default
     if cap is not None:
       options["logits_soft_cap"] = float(cap)
@@ -256,7 +299,7 @@ def _mask(cfg: Mapping[str, Any], family: str, layer: int) -> Mask:
       chunked = config_rope.layer_type(cfg, family,
                                        layer) == "chunked_attention"
     else:
-      chunked = _llama4_rope(cfg, layer) and chunk is not None
+      chunked = config_rope.rope_flag(cfg, layer) and chunk is not None
     if not chunked:
       return Mask(causal=True)
     if chunk is None:
@@ -276,15 +319,21 @@ def _rope(cfg: Mapping[str, Any], family: str, layer: int, traits: _Traits,
   if family == "cohere2" and config_rope.layer_type(
       cfg, family, layer) != "sliding_attention":
     return None  # Cohere2's global layers have no positions
-  if family == "llama4" and not _llama4_rope(cfg, layer):
+  if family == "llama4" and not config_rope.rope_flag(cfg, layer):
     return None  # NoPE
+  if traits.rope_layers == "no_rope_layers" and not config_rope.rope_flag(cfg, layer):
+    return None  # SmolLM3's NoPE layers (the same flags as Llama 4's)
+  if (traits.rope_layers == "sliding_only"
+      and cfg.get("sliding_window") is not None
+      and config_rope.layer_type(cfg, family, layer) != "sliding_attention"):
+    return None  # EXAONE 4's global layers: no positions
   return config_rope.rope(cfg, family, layer, interleaved=traits.interleaved,
                           partial=traits.partial_rotary)
 
 
 def _llama4_temperature(cfg: Mapping[str, Any], layer: int,
                         options: dict[str, Any], notes: list[str]) -> None:
-  if _llama4_rope(cfg, layer) or not cfg.get("attn_temperature_tuning", True):
+  if config_rope.rope_flag(cfg, layer) or not cfg.get("attn_temperature_tuning", True):
     return
   floor_scale = cfg.get("floor_scale", 8192)
   attn_scale = cfg.get("attn_scale", 0.1)
@@ -334,15 +383,48 @@ _GEMMA = ("sliding_window", "layer_types", "query_pre_attn_scalar",
           "attn_logit_softcapping", "use_bidirectional_attention")
 
 
+# Keys every config of these classes has, which set them apart (a config
+# without model_type must have them); "model_type": nothing does.
+_REQUIRES = {
+    "gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping"),
+    "vaultgemma": ("query_pre_attn_scalar", "attn_logit_softcapping"),
+    "gemma3": ("query_pre_attn_scalar",),
+    "cohere": ("logit_scale",), "cohere2": ("logit_scale",),
+    "llama4": ("no_rope_layers", "attention_chunk_size"),
+    "granite": ("attention_multiplier",),
+    "granitemoe": ("attention_multiplier",),
+    "granitemoeshared": ("attention_multiplier",),
+    "starcoder2": ("use_bias", "norm_epsilon"),
+    "ernie4_5": ("use_bias",), "ernie4_5_moe": ("use_bias",),
+    "seed_oss": ("attention_out_bias",), "glm4_moe": ("use_qk_norm",),
+    "qwen2": ("use_sliding_window", "max_window_layers"),
+    "qwen3": ("use_sliding_window", "max_window_layers"),
+    "qwen2_moe": ("use_sliding_window", "max_window_layers"),
+    "qwen3_moe": ("use_sliding_window",), "dots1": ("max_window_layers",),
+    "smollm3": ("no_rope_layers",),
+    "helium": ("model_type",), "glm": ("model_type",),
+    "glm4": ("model_type",),
+}
+
+
 def _family(name: str, model_types: tuple[str, ...], reads: tuple[str, ...],
             maps: str, **kwargs) -> registry.Family:
   def build_family(cfg, layer, read, overrides, attention):
     return build(cfg, name, layer, read, overrides, attention)
-  anchor = "qkv_proj.weight" if _TRAITS[name].fused_qkv else "q_proj.weight"
+  traits = _TRAITS[name]
+  anchor = "qkv_proj.weight" if traits.fused_qkv else "q_proj.weight"
+  # What their config classes carry and HF's code does not read: a
+  # partial_rotary_factor where the whole head rotates (refused with a
+  # scaled rope type, config_rope.rope), layer_types where every layer
+  # slides (Mistral's model windows all of them whatever it says).
+  ignores = tuple(key for key, ignored in (
+      ("partial_rotary_factor", not traits.partial_rotary),
+      ("layer_types", name in config_rope.EVERY_LAYER)) if ignored)
   return registry.Family(
       name=name, model_types=model_types, reads=reads, build=build_family,
       prefix="layers.{layer}.self_attn.", anchor=anchor, maps=maps,
-      fused=("qkv_proj",) if _TRAITS[name].fused_qkv else (), **kwargs)
+      fused=("qkv_proj",) if traits.fused_qkv else (), ignores=ignores,
+      requires=_REQUIRES.get(name, ()), **kwargs)
 
 
 FAMILIES = (
@@ -352,7 +434,7 @@ FAMILIES = (
             "no biases; sliding_window on every layer; rope"),
     _family("mixtral", ("mixtral",), ("sliding_window",),
             "no biases; sliding_window on every layer; rope"),
-    _family("starcoder2", ("starcoder2",), ("sliding_window",),
+    _family("starcoder2", ("starcoder2",), ("sliding_window", "use_bias"),
             "use_bias (all four); sliding_window on every layer; rope"),
     _family("qwen2", ("qwen2",), _QWEN,
             "q/k/v biases; window from max_window_layers with "
@@ -394,4 +476,61 @@ FAMILIES = (
              "attn_scale", "no_rope_layer_interval"),
             "RoPE layers: interleaved rotary, chunked attention, weightless "
             "qk-norm after rotary; NoPE layers: temperature tuning"),
+    _family("granite", ("granite",), ("attention_multiplier",),
+            "attention_multiplier as the scale; attention_bias; rope"),
+    _family("granitemoe", ("granitemoe",), ("attention_multiplier",),
+            "attention_multiplier as the scale; attention_bias; rope"),
+    _family("granitemoeshared", ("granitemoeshared",),
+            ("attention_multiplier",),
+            "attention_multiplier as the scale; attention_bias; rope"),
+    _family("arcee", ("arcee",), (), "attention_bias; rope"),
+    _family("helium", ("helium",), (),
+            "attention_bias on q/k/v; interleaved rotary"),
+    _family("glm", ("glm",), ("partial_rotary_factor",),
+            "attention_bias on q/k/v; interleaved rotary on "
+            "partial_rotary_factor of the head"),
+    _family("glm4", ("glm4",), ("partial_rotary_factor",),
+            "attention_bias on q/k/v; interleaved rotary on "
+            "partial_rotary_factor of the head"),
+    _family("glm4_moe", ("glm4_moe",),
+            ("partial_rotary_factor", "use_qk_norm"),
+            "attention_bias on q/k/v; use_qk_norm: RMSNorm [H]; half-split "
+            "rotary on partial_rotary_factor of the head"),
+    _family("seed_oss", ("seed_oss",), ("attention_out_bias",),
+            "attention_bias (q/k/v), attention_out_bias (o); rope"),
+    _family("ernie4_5", ("ernie4_5",), ("use_bias",),
+            "use_bias (all four); interleaved rotary"),
+    _family("ernie4_5_moe", ("ernie4_5_moe",), ("use_bias",),
+            "use_bias (all four); interleaved rotary"),
+    _family("nemotron", ("nemotron",), ("partial_rotary_factor",),
+            "attention_bias; half-split rotary on partial_rotary_factor of "
+            "the head"),
+    _family("ministral", ("ministral",),
+            ("sliding_window", "layer_types"),
+            "no biases; layer_types (sliding_window); rope"),
+    _family("qwen2_moe", ("qwen2_moe",), _QWEN,
+            "q/k/v biases; layer_types or Qwen2-MoE's alternating window "
+            "(use_sliding_window, max_window_layers); rope"),
+    _family("qwen3_moe", ("qwen3_moe",), _QWEN,
+            "qk-norm RMSNorm [H]; attention_bias; sliding_window on every "
+            "layer with use_sliding_window; rope"),
+    _family("dots1", ("dots1",), _QWEN,
+            "qk-norm RMSNorm [H]; attention_bias; layer_types (window from "
+            "max_window_layers); rope"),
+    _family("olmo3", ("olmo3",), ("sliding_window", "layer_types"),
+            "qk-norm RMSNorm over the whole width; layer_types (3 sliding, "
+            "1 full); rope per layer type"),
+    _family("exaone4", ("exaone4",),
+            ("sliding_window", "layer_types", "sliding_window_pattern"),
+            "qk-norm RMSNorm [H]; layer_types; with a window, rotary on "
+            "sliding layers only (global NoPE)"),
+    _family("smollm3", ("smollm3",),
+            ("no_rope_layers", "no_rope_layer_interval", "sliding_window",
+             "use_sliding_window", "layer_types"),
+            "no_rope_layers (NoPE layers); attention_bias; window on NoPE "
+            "layers with use_sliding_window; rope"),
+    _family("gemma", ("gemma",), (), "attention_bias; rope (Gemma 1)"),
+    _family("vaultgemma", ("vaultgemma",), _GEMMA,
+            "query_pre_attn_scalar scale; attn_logit_softcapping; "
+            "layer_types (alternating sliding/global)"),
 )

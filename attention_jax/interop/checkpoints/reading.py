@@ -8,6 +8,7 @@ torch is never imported: tensors are converted through their
 from __future__ import annotations
 
 from collections.abc import Mapping
+import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -77,6 +78,25 @@ def find_prefix(state: Mapping[str, Any], family: registry.Family, layer: int,
         f"prefix= (the layer's attention prefix, e.g. "
         f"{'model.' + family.layer_prefix(layer, attention)!r}).")
   return found[0]
+
+
+def families_with_weights(state: Mapping[str, Any],
+                          known: Mapping[str, registry.Family]) -> list[str]:
+  """The families whose anchor weight (of any layer) the state dict has,
+  e.g. ``["llama", "mistral", ...]`` for ``q_proj.weight`` names: what a
+  refusal lists, never what the loader picks."""
+  names = []
+  for family in known.values():
+    templates = ([family.prefix] if isinstance(family.prefix, str)
+                 else list(family.prefix.values()))
+    for template in templates:
+      pattern = re.compile(
+          r"(^|\.)" + re.escape(template).replace(r"\{layer\}", r"\d+")
+          + re.escape(family.anchor) + "$")
+      if any(pattern.search(k) and "vision" not in k for k in state):
+        names.append(family.name)
+        break
+  return names
 
 
 def look_alikes(state: Mapping[str, Any], family: registry.Family,

@@ -68,7 +68,68 @@ SIGNS = {
     "attention_chunk_size": "Llama 4's chunked attention",
     "no_rope_layers": "Llama 4's NoPE layers",
     "attn_temperature_tuning": "Llama 4's attention temperature",
+    "no_rope_layer_interval": "NoPE layers at an interval (Llama 4, SmolLM3)",
+    "attention_out_bias": "an o_proj bias of its own (Seed-OSS)",
+    "use_bias": "biases on all four projections (StarCoder2, ERNIE 4.5)",
+    "use_qkv_bias": "q/k/v biases (StableLM)",
+    "mrope_section": "multimodal rotary sections (Qwen-VL)",
+    "vision_start_token_id": "a vision-language model's image positions",
+    "image_token_id": "a vision-language model's image positions",
+    "num_kv_shared_layers": "layers sharing another's keys and values "
+                            "(Gemma 3n)",
+    "laurel_rank": "Gemma 3n's layers", "altup_num_inputs": "Gemma 3n's layers",
+    "hidden_size_per_layer_input": "Gemma 3n's layers",
+    "global_attn_every_n_layers": "ModernBERT's local/global layers",
+    "local_attention": "ModernBERT's local window",
+    "alibi_bias_max": "ALiBi's maximum bias (MPT)",
 }
+# Sign values that change nothing: a config that has them says nothing about
+# its family (Qwen3's use_sliding_window=False, a whole-head rotary factor).
+NEUTRAL = {
+    "use_sliding_window": (False,), "use_qk_norm": (False,),
+    "qk_layernorm": (False,), "alibi": (False,), "multi_query": (False,),
+    "new_decoder_architecture": (False,),
+    "use_bidirectional_attention": (False,), "partial_rotary_factor": (1.0,),
+    "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+    "slow_but_exact": (False,), "attention_out_bias": (False,),
+    "use_qkv_bias": (False,), "rope_interleave": (False,),
+    "attn_temperature_tuning": (False,), "num_kv_shared_layers": (0,),
+}
+
+
+def _neutral(key: str, value: Any) -> bool:
+  for v in NEUTRAL.get(key, ()):
+    if (value is v if isinstance(v, bool) or isinstance(value, bool)
+        else value == v):
+      return True
+  return False
+
+
+# Sign keys that transformers 5 keeps inside the rope parameters.
+_ROPE_SIGNS = ("partial_rotary_factor", "mrope_section")
+
+
+def _rope_entries(cfg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+  """The rope parameter dicts of a config (nested per layer type too)."""
+  out = []
+  for key in ("rope_parameters", "rope_scaling"):
+    entry = cfg.get(key)
+    if isinstance(entry, Mapping):
+      out.append(entry)
+      out.extend(v for v in entry.values() if isinstance(v, Mapping))
+  return out
+
+
+def present_signs(cfg: Mapping[str, Any]) -> list[str]:
+  """The sign keys (``SIGNS``) ``cfg`` sets to a value that changes
+  attention (not None, not one of ``NEUTRAL``'s), at its top level or (a
+  partial rotary factor, M-RoPE sections) in its rope parameters, sorted."""
+  found = {k for k in SIGNS
+           if cfg.get(k) is not None and not _neutral(k, cfg[k])}
+  for entry in _rope_entries(cfg):
+    found.update(k for k in _ROPE_SIGNS
+                 if entry.get(k) is not None and not _neutral(k, entry[k]))
+  return sorted(found)
 # Fused q/k/v weights, and whose layout they are (a family that reads one
 # names it in Family.fused).
 FUSED = {
@@ -114,6 +175,14 @@ class Family:
       (``aj.MultiHeadLatentAttention``).
     attentions: the ``attention=`` values it takes: ``("self",)``, or T5's
       ``("encoder", "decoder", "cross")``.
+    ignores: sign keys (``SIGNS``) its config class carries that its
+      attention knowingly does not depend on (accepted, not read).
+    requires: keys every config of its class has (``to_dict`` and
+      config.json write them), which a config without ``model_type`` must
+      have to be read as this family: without them it is another model's.
+      ``"model_type"``: nothing in its config tells it apart from a
+      look-alike whose code differs (Helium's interleaved rotary pairs),
+      so only a config with its model_type is read.
   """
 
   name: str
@@ -128,6 +197,14 @@ class Family:
   fused: tuple[str, ...] = ()
   module: str = "multi_head"
   attentions: tuple[str, ...] = ("self",)
+  ignores: tuple[str, ...] = ()
+  requires: tuple[str, ...] = ()
+
+  def unread(self, cfg: Mapping[str, Any]) -> list[str]:
+    """The sign keys ``cfg`` sets that this family neither reads nor
+    knowingly ignores: another model's, refused by the loader."""
+    return [k for k in present_signs(cfg)
+            if k not in self.reads and k not in self.ignores]
 
   def layer_prefix(self, layer: int, attention: str) -> str:
     prefix = (self.prefix if isinstance(self.prefix, str)
