@@ -330,6 +330,15 @@ def more_configs() -> dict:
           base, no_rope_layers=[1, 0], use_sliding_window=True,
           sliding_window=4)),
       "gemma": ("GemmaConfig", base),
+      # A fixed NTK base (dynamic with alpha 4); qk-norm after rotary.
+      "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(
+          base, attention_bias=True, rope_parameters=dict(
+              rope_type="dynamic", rope_theta=10000.0, alpha=4.0,
+              factor=1.0))),
+      "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(
+          base, num_experts=4, moe_topk=2, rope_parameters=dict(
+              rope_type="dynamic", rope_theta=10000.0, alpha=4.0,
+              factor=1.0))),
       "vaultgemma": ("VaultGemmaConfig", dict(
           base, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
           sliding_window=4, layer_types=two)),

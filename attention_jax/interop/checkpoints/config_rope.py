@@ -234,6 +234,12 @@ def rope(cfg: Mapping[str, Any], family: str, layer: int, *,
         "rope_type; pass that model's family, or remove them if this model "
         "does not use them.")
 
+  if "alpha" in extra_fields and rope_type == "dynamic" and p.get("alpha"):
+    # Hunyuan: "dynamic" with an alpha is a fixed NTK base (HF renames it
+    # ntk_alpha), base * alpha ** (R / (R - 2)); factor is not read.
+    return rope_lib.Rope(base=float(p["rope_theta"]),
+                         ntk_alpha=float(p["alpha"]), interleaved=interleaved)
+
   def need(name):
     if p.get(name) is None:
       raise ValueError(f"config's rope_type {rope_type!r} needs {name!r} in "

@@ -80,6 +80,8 @@ class _Traits:
   # Which layers rotate: None (all), "no_rope_layers" (SmolLM3: 1 = rope),
   # "sliding_only" (EXAONE 4: with a window, full layers have none)
   rope_layers: str | None = None
+  norm_names: tuple[str, str] = ("q_norm", "k_norm")  # Hunyuan: *_layernorm
+  rope_fields: tuple[str, ...] = ()  # rope parameters of its own (alpha)
 
 
 _TRAITS = {
@@ -132,6 +134,14 @@ _TRAITS = {
     "smollm3": _Traits(rope_layers="no_rope_layers"),
     "gemma": _Traits(),
     "vaultgemma": _Traits(gemma_scale=True),
+    "hunyuan_v1_dense": _Traits(qk_norm="rms_after", derives_head_dim=True,
+                                norm_names=("query_layernorm",
+                                            "key_layernorm"),
+                                rope_fields=("alpha",)),
+    "hunyuan_v1_moe": _Traits(qk_norm="rms_after", derives_head_dim=True,
+                              norm_names=("query_layernorm",
+                                          "key_layernorm"),
+                              rope_fields=("alpha",)),
 }
 
 
@@ -144,6 +154,9 @@ def _qk_norm(cfg: Mapping[str, Any], family: str, layer: int,
   if traits.qk_norm == "rms_1p":  # Gemma 3, Qwen3-Next: (1 + w)
     return QKNorm(epsilon=float(1e-6 if eps is None else eps),
                   weight_offset=1.0)
+  if traits.qk_norm == "rms_after":  # Hunyuan: RMSNorm [H] after rotary
+    return QKNorm(epsilon=float(1e-5 if eps is None else eps),
+                  after_rope=True)
   if traits.qk_norm == "rms_flag":  # GLM-4.5: RMSNorm [H] with use_qk_norm
     if not cfg.get("use_qk_norm", False):
       return None
@@ -283,7 +296,8 @@ def build(cfg: Mapping[str, Any], family: str, layer: int,
     _llama4_temperature(cfg, layer, options, notes)
   norm = overrides.get("normalize_qk", _qk_norm(cfg, family, layer, traits))
   read_norms(read, params, options, notes, norm, n=n, k=k, h=h,
-             whole_width=traits.qk_norm == "olmo")  # OLMo 2 stores [N * H]
+             whole_width=traits.qk_norm in ("olmo",),  # OLMo 2: [N * H]
+             names=traits.norm_names)
   if overrides.get("attention_sinks", traits.sinks):
     read_sinks(read, params, options, notes, n)
   return params, options, "; ".join(notes)
@@ -328,7 +342,8 @@ def _rope(cfg: Mapping[str, Any], family: str, layer: int, traits: _Traits,
       and config_rope.layer_type(cfg, family, layer) != "sliding_attention"):
     return None  # EXAONE 4's global layers: no positions
   return config_rope.rope(cfg, family, layer, interleaved=traits.interleaved,
-                          partial=traits.partial_rotary)
+                          partial=traits.partial_rotary,
+                          extra_fields=traits.rope_fields)
 
 
 def _llama4_temperature(cfg: Mapping[str, Any], layer: int,
@@ -345,10 +360,11 @@ def _llama4_temperature(cfg: Mapping[str, Any], layer: int,
 
 def read_norms(read: reading.Reader, params: dict[str, Any],
                options: dict[str, Any], notes: list[str], norm, *, n: int,
-               k: int, h: int, whole_width: bool = False) -> None:
+               k: int, h: int, whole_width: bool = False,
+               names: tuple[str, str] = ("q_norm", "k_norm")) -> None:
   """Reads the qk-norm weights ``norm`` (a ``QKNorm``, True or None/False)
   says the layer has into ``params``; ``whole_width``: stored as ``[N *
-  H]`` (OLMo 2), read per head."""
+  H]`` (OLMo 2), read per head; ``names``: the checkpoint's modules."""
   if norm is None or norm is False:
     return
   norm = QKNorm() if norm is True else norm
@@ -356,15 +372,15 @@ def read_norms(read: reading.Reader, params: dict[str, Any],
   notes.append(f"qk-norm {norm}")
   if norm.weight is None:
     return
-  for name, heads in (("q", n), ("k", k)):
+  for name, heads, module in (("q", n, names[0]), ("k", k, names[1])):
     if norm.weight == "shared":
-      w = read.get(f"{name}_norm.weight", (h,), "qk-norm weight [head_dim]")
+      w = read.get(f"{module}.weight", (h,), "qk-norm weight [head_dim]")
     elif whole_width:
-      w = read.get(f"{name}_norm.weight", (heads * h,),
+      w = read.get(f"{module}.weight", (heads * h,),
                    "qk-norm weight [heads * head_dim], over the whole "
                    "projection").reshape(heads, h)
     else:
-      w = read.get(f"{name}_norm.weight", (heads, h),
+      w = read.get(f"{module}.weight", (heads, h),
                    "qk-norm weight [heads, head_dim]")
     params[f"{name}_norm"] = {"scale": w}
 
@@ -530,6 +546,14 @@ FAMILIES = (
             "no_rope_layers (NoPE layers); attention_bias; window on NoPE "
             "layers with use_sliding_window; rope"),
     _family("gemma", ("gemma",), (), "attention_bias; rope (Gemma 1)"),
+    _family("hunyuan_v1_dense", ("hunyuan_v1_dense",), (),
+            "attention_bias; qk-norm RMSNorm [H] after rotary "
+            "(query_layernorm, key_layernorm); rope, or NTK-alpha (a "
+            "dynamic rope with an alpha)"),
+    _family("hunyuan_v1_moe", ("hunyuan_v1_moe",), (),
+            "attention_bias; qk-norm RMSNorm [H] after rotary "
+            "(query_layernorm, key_layernorm); rope, or NTK-alpha (a "
+            "dynamic rope with an alpha)"),
     _family("vaultgemma", ("vaultgemma",), _GEMMA,
             "query_pre_attn_scalar scale; attn_logit_softcapping; "
             "layer_types (alternating sliding/global)"),
