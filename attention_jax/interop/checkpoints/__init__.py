@@ -221,8 +221,9 @@ def _config_dict(cfg: dict[str, Any], family: str) -> dict[str, Any]:
             else f"config (model_type={model_type!r})")
     raise ValueError(
         f"{said} sets "
-        f"{', '.join(f'{k}={cfg[k]!r} ({registry.SIGNS[k]})' for k in unread)}"
-        f", which {family} attention does not read: {family}'s modeling code "
+        + ", ".join(f"{k}={registry.sign_value(cfg, k)!r} "
+                    f"({registry.SIGNS[k]})" for k in unread)
+        + f", which {family} attention does not read: {family}'s modeling code "
         "would ignore it, so these numbers would not be the model's. It is "
         "another model's config: pass the family its model_type names "
         "(aj.interop.checkpoints.FAMILIES lists them, docs/families.md says "

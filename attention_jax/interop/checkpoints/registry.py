@@ -120,6 +120,14 @@ def _rope_entries(cfg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
   return out
 
 
+def sign_value(cfg: Mapping[str, Any], key: str) -> Any:
+  """A sign key's value: the config's, else its rope parameters'."""
+  if cfg.get(key) is not None:
+    return cfg[key]
+  return next((e[key] for e in _rope_entries(cfg) if e.get(key) is not None),
+              None)
+
+
 def present_signs(cfg: Mapping[str, Any]) -> list[str]:
   """The sign keys (``SIGNS``) ``cfg`` sets to a value that changes
   attention (not None, not one of ``NEUTRAL``'s), at its top level or (a
