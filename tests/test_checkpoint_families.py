@@ -147,6 +147,18 @@ class NeverGuessTest(parameterized.TestCase):
                                          layer=0)
 
 
+class CoveragePageTest(absltest.TestCase):
+
+  def test_every_family_is_on_the_page_with_what_it_maps(self):
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "families.md"
+            ).read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in page.splitlines()
+            if line.startswith("| `")}
+    self.assertEqual(sorted(rows), sorted(FAMILIES))
+    for name, family in FAMILIES.items():
+      self.assertIn(family.maps, rows[name])  # regenerated with the code
+
+
 class NewerFamiliesTest(parameterized.TestCase):
   """Each newer family's distinguishing option, as its golden shows it."""
 
