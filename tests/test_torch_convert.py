@@ -110,6 +110,8 @@ class FromStateDictTest(parameterized.TestCase):
         r"attention sinks": {**params, "sinks": {"logits": jnp.zeros(N)}},
         r"a T5 relative-position table": {
             **params, "t5_bias": {"table": jnp.zeros((8, N))}},
+        r"a value norm": {**params, "v_norm": {"scale": jnp.ones(H)}},
+        r"an output sub-norm": {**params, "o_norm": {"scale": jnp.ones(H)}},
     }
     for message, bad in cases.items():
       with self.assertRaisesRegex(ValueError, "cannot express .*" + message):

@@ -254,7 +254,9 @@ def to_torch_multihead_attention(
   if gate:
     cannot.append(f"an output gate (W_g, {gate})")
   for name, what in (("sinks", "attention sinks"),
-                     ("t5_bias", "a T5 relative-position table")):
+                     ("t5_bias", "a T5 relative-position table"),
+                     ("v_norm", "a value norm"),
+                     ("o_norm", "an output sub-norm")):
     if name in params:  # a layer's own parameters: never dropped silently
       cannot.append(f"{what} (params[{name!r}])")
   if cannot:

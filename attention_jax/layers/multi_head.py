@@ -8,13 +8,14 @@ model (query) dim, Dkv key/value input features, Dout output features.
 
 The parameters (``{"W_q", "W_k", "W_v", "W_o"}`` per head, as flax lays
 them out) and their checks live in ``multi_head_params``; the static
-options (attention function, scale, rope, qk-norm, mesh axes) in
-``multi_head_config.Config``, validated once. One call is a few pure
+options (attention function, scale, rope, the norms, clipping, mesh axes)
+in ``multi_head_config.Config``, validated once. One call is a few pure
 steps (``forward``):
 
 1. ``check_call``: the call's own inputs, each checked once;
 2. ``project_inputs``: ``W_q``, ``W_k``, ``W_v`` (``project`` vmapped over
-   a kernel's heads axis, ``project_heads``), or a memory projected once;
+   a kernel's heads axis, ``project_heads``), each clipped to ``clip_qkv``,
+   the values through ``value_norm``; or a memory projected once so;
 3. ``positions.normalize_and_rotate``: qk-norm and rotary positions, when
    the layer has them;
 4. ``caches.write``: while decoding, the cache write (one interface for a
@@ -22,9 +23,10 @@ steps (``forward``):
    attend over;
 5. ``Keys.attend``: the layer's ``attention_fn`` (``layers/attention_fn.py``:
    ``attention_fn(q, k, v, mask, **options)``);
-6. ``finish``: the output gate and ``W_o`` (each head's output weighted by
-   its slice of ``W_o`` and the heads summed: the lesson's concat, then one
-   linear layer). A key/value head serves its G query heads unrepeated.
+6. ``finish``: ``output_norm``, the output gate and ``W_o`` (each head's
+   output weighted by its slice of ``W_o`` and the heads summed: the
+   lesson's concat, then one linear layer). A key/value head serves its G
+   query heads unrepeated.
 
 ``multi_head_attention`` configures and runs them; ``MultiHeadAttention``
 configures once, when built, and runs ``forward`` per call.
@@ -59,6 +61,7 @@ from attention_jax.layers.caches import paged_step  # noqa: F401 (the latent lay
 from attention_jax.layers.multi_head_config import Config
 from attention_jax.layers.multi_head_params import init_multi_head_params  # noqa: F401 (doctests)
 from attention_jax.layers.multi_head_params import param_dims
+from attention_jax.layers.qk_norm import rms_norm  # noqa: F401 (the latent layer's)
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import Mask
 from attention_jax.scores import rope as rope_lib
@@ -67,7 +70,6 @@ from attention_jax.scores import score_mods
 # jnp.einsum's precision: None, a jax.lax.Precision, or a pair of them.
 Precision = Any
 Params = multi_head_params.Params
-QK_NORM_EPSILON = 1e-6  # flax nnx.RMSNorm's default
 
 
 def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, *,
@@ -142,52 +144,48 @@ def output_projection(heads: jax.Array, layer: Mapping[str, jax.Array], *,
   return y if bias is None else y + bias[None, None, :]
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, *,
-             epsilon: float = QK_NORM_EPSILON) -> jax.Array:
-  """RMSNorm over the last (head) axis, computed in float32 (or float64).
-
-  ``x / sqrt(mean(x**2) + epsilon) * scale``, as flax's ``nnx.RMSNorm``
-  (the latent layer's norms; qk-norm is ``qk_norm.apply_qk_norm``).
-
-  Args:
-    x: ``[..., H]``.
-    scale: ``[H]``, learned.
-    epsilon: added to the mean square.
-
-  Returns:
-    ``[..., H]`` in ``x``'s dtype.
-
-  Example:
-    >>> y = rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2))
-    >>> bool(jnp.allclose(jnp.mean(y ** 2), 1.0, atol=1e-5))
-    True
-  """
-  dtype = jnp.promote_types(x.dtype, jnp.float32)
-  x32 = x.astype(dtype)
-  mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-  scale = jnp.asarray(scale, dtype).reshape((1,) * (x.ndim - 1) + (-1,))
-  return (x32 * jax.lax.rsqrt(mean_square + epsilon) * scale).astype(x.dtype)
-
-
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["key", "value"], meta_fields=["qk_norm"])
+                   data_fields=["key", "value"],
+                   meta_fields=["qk_norm", "clip_qkv", "value_norm"])
 @dataclasses.dataclass(frozen=True)
 class Memory:
   """Keys and values of a memory, projected once (``project_memory``).
 
-  ``key``, ``value``: ``[B, K, S, H]``, after ``W_k``/``W_v`` (and the
-  key's qk-norm): what cross-attention reuses at every decoding step.
-  ``qk_norm``: the ``aj.QKNorm`` the keys were normalised with (None: none),
-  static; a call whose queries are normalised otherwise is refused.
+  ``key``, ``value``: ``[B, K, S, H]``, after ``W_k``/``W_v`` (clipped,
+  the key's qk-norm, the value norm): what cross-attention reuses at every
+  decoding step. ``qk_norm``, ``clip_qkv``, ``value_norm``: what they were
+  projected with (None: none), static; a call of other options is refused.
   """
   key: jax.Array
   value: jax.Array
   qk_norm: qk_norm_lib.QKNorm | None = None
+  clip_qkv: float | None = None
+  value_norm: qk_norm_lib.QKNorm | None = None
+
+
+def clip(x: jax.Array, clip_qkv: float | None) -> jax.Array:
+  """A projection clipped to ``[-clip_qkv, clip_qkv]`` (None: as it is)."""
+  return x if clip_qkv is None else jnp.clip(x, -clip_qkv, clip_qkv)
+
+
+def project_keys_values(params: Params, key: jax.Array, value: jax.Array, *,
+                        precision: Precision, clip_qkv: float | None,
+                        value_norm: qk_norm_lib.QKNorm | None):
+  """``k``, ``v [B, K, S, H]``: ``W_k``, ``W_v``, clipped; the values
+  normalised (the keys' qk-norm is the caller's: before or after rotary)."""
+  k = clip(project_heads(key, params["W_k"], precision=precision), clip_qkv)
+  v = clip(project_heads(value, params["W_v"], precision=precision),
+           clip_qkv)
+  if value_norm is not None:
+    v = qk_norm_lib.normalize(v, params, "v_norm", value_norm)
+  return k, v
 
 
 def project_memory(params: Params, memory: ArrayLike, *,
                    precision: Precision = None,
-                   qk_norm: qk_norm_lib.QKNorm | bool | None = None) -> Memory:
+                   qk_norm: qk_norm_lib.QKNorm | bool | None = None,
+                   clip_qkv: float | None = None,
+                   value_norm: qk_norm_lib.QKNorm | None = None) -> Memory:
   """Projects a memory (e.g. an encoder's output) to keys and values once.
 
   Cross-attention in a decoder attends to the same memory at every step;
@@ -202,9 +200,13 @@ def project_memory(params: Params, memory: ArrayLike, *,
     precision: the projection einsums' precision.
     qk_norm: the layer's ``aj.QKNorm`` (as ``multi_head_attention``'s),
       applied to the keys.
+    clip_qkv: the layer's clipping of the projections, applied to the keys
+      and values before their norms.
+    value_norm: the layer's value norm (weights ``v_norm``).
 
   Returns:
-    ``Memory(key [B, K, S, H], value [B, K, S, H])``.
+    ``Memory(key [B, K, S, H], value [B, K, S, H])``, recording the
+    options.
 
   Example:
     >>> p = init_multi_head_params(jax.random.key(0), 8, 2)
@@ -220,13 +222,15 @@ def project_memory(params: Params, memory: ArrayLike, *,
         f"params['W_k']['kernel'] has shape "
         f"{multi_head_params.param_shape(params, 'W_k', 'kernel')}: [Dkv, K, "
         f"H] with Dkv={dims.kv_features}.")
-  memory = jnp.asarray(memory)
-  k = project_heads(memory, params["W_k"], precision=precision)  # [B, K, S, H]
-  v = project_heads(memory, params["W_v"], precision=precision)  # [B, K, S, H]
   norm = qk_norm_lib.resolve(params, qk_norm)
+  value_norm = qk_norm_lib.resolve(params, value_norm, "value_norm")
+  clip_qkv = multi_head_config.check_clip_qkv(clip_qkv)
+  memory = jnp.asarray(memory)
+  k, v = project_keys_values(params, memory, memory, precision=precision,
+                             clip_qkv=clip_qkv, value_norm=value_norm)
   if norm is not None:
     k = qk_norm_lib.normalize(k, params, "k_norm", norm)
-  return Memory(k, v, norm)
+  return Memory(k, v, norm, clip_qkv, value_norm)  # [B, K, S, H] each
 
 
 class Call(NamedTuple):
@@ -309,11 +313,14 @@ def _check_memory(config: Config, call: Call, b: int) -> int:
   if memory.key.shape != memory.value.shape:
     raise ValueError(f"memory.key {memory.key.shape} and memory.value "
                      f"{memory.value.shape} differ.")
-  if memory.qk_norm != config.qk_norm:
-    raise ValueError(
-        f"memory's keys were normalised with qk_norm={memory.qk_norm}, but "
-        f"this call normalises the queries with {config.qk_norm}: pass "
-        "project_memory the same qk_norm= as this call.")
+  for name, what in (("qk_norm", "keys were normalised"),
+                     ("clip_qkv", "keys and values were clipped"),
+                     ("value_norm", "values were normalised")):
+    if getattr(memory, name) != getattr(config, name):
+      raise ValueError(
+          f"memory's {what} with {name}={getattr(memory, name)}, but this "
+          f"call has {name}={getattr(config, name)}: pass project_memory the "
+          f"same {name}= as this call.")
   if config.rope is not None:
     raise ValueError(
         "rope with a projected memory is not supported: the memory's keys "
@@ -389,13 +396,15 @@ def check_call(config: Config, call: Call) -> tuple[Call, caches.Step | None]:
 
 def project_inputs(config: Config, params: Params, call: Call):
   """``q [B, N, T, H]``, ``k`` and ``v [B, K, S, H]``: the call's inputs
-  through ``W_q``, ``W_k``, ``W_v``, or the memory's keys and values.
+  through ``W_q``, ``W_k``, ``W_v`` (clipped; the values normalised), or
+  the memory's keys and values.
   Padding may hold NaN: keys no query may see (a dense mask) are zeroed
   first (while decoding the cache hides them)."""
   precision, dense = config.precision, call.mask.dense
-  q = project_heads(call.query, params["W_q"], precision=precision)
+  q = clip(project_heads(call.query, params["W_q"], precision=precision),
+           config.clip_qkv)
   if call.memory is not None:
-    k, v = call.memory.key, call.memory.value  # normed already
+    k, v = call.memory.key, call.memory.value  # clipped and normed already
     if dense is not None:
       seen = jnp.any(dense, axis=(1, 2))[:, None, :, None]  # [B|1, 1, S|1, 1]
       k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
@@ -404,8 +413,9 @@ def project_inputs(config: Config, params: Params, call: Call):
   if dense is not None and call.cache is None:
     seen = jnp.any(dense, axis=(1, 2))  # [B|1, S|1]
     key, value = checks.zero_unseen(seen, key, value)
-  k = project_heads(key, params["W_k"], precision=precision)
-  v = project_heads(value, params["W_v"], precision=precision)
+  k, v = project_keys_values(params, key, value, precision=precision,
+                             clip_qkv=config.clip_qkv,
+                             value_norm=config.value_norm)
   return q, k, v
 
 
@@ -418,8 +428,11 @@ def layer_score_mod(config: Config, params: Params, score_mod: Any) -> Any:
 
 def finish(config: Config, params: Params, query: jax.Array,
            out: jax.Array) -> jax.Array:
-  """The heads' outputs ``[B, N, T, H]`` through the output gate
-  (``sigmoid(query W_g)``, ``[B, N, T, H|1]``) and ``W_o``: ``[B, T, Dout]``."""
+  """The heads' outputs ``[B, N, T, H]`` through the output norm
+  (``o_norm``), the output gate (``sigmoid(query W_g)``, ``[B, N, T,
+  H|1]``) and ``W_o``: ``[B, T, Dout]``."""
+  if config.output_norm is not None:  # BitNet's sub-norm, before the gate
+    out = qk_norm_lib.normalize(out, params, "o_norm", config.output_norm)
   if config.dims.output_gate is not None:
     gate = project_heads(query, params["W_g"], precision=config.precision)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
@@ -487,15 +500,19 @@ def multi_head_attention(
     cache: KVCache | PagedKVCache | None = None,
     qk_norm: qk_norm_lib.QKNorm | bool | None = None,
     batch_axis: str | tuple[str, ...] | None = None,
+    clip_qkv: float | None = None,
+    value_norm: qk_norm_lib.QKNorm | None = None,
+    output_norm: qk_norm_lib.QKNorm | None = None,
 ) -> Any:
   """The lesson's ``MultiHeadAttention.forward`` as a pure function.
 
   The head structure is read from ``params`` (``init_multi_head_params``'
   layout): ``N`` and ``H`` from ``W_q``, ``K`` from ``W_k``, the output
-  width from ``W_o``, qk-norm weights from ``q_norm``/``k_norm``, the
-  output gate from ``W_g``; learned sinks (``params["sinks"]["logits"]
-  [N]``) and a T5 table (with its settings ``t5_bias``) are used when
-  present, so a module's ``params_dict()`` gives the module's numbers.
+  width from ``W_o``, norm weights from ``q_norm``/``k_norm``, ``v_norm``,
+  ``o_norm``, the output gate from ``W_g``; learned sinks
+  (``params["sinks"]["logits"] [N]``) and a T5 table (with its settings
+  ``t5_bias``) are used when present, so a module's ``params_dict()``
+  gives the module's numbers.
 
   Args:
     params: from ``init_multi_head_params`` (or a converter such as
@@ -544,10 +561,13 @@ def multi_head_attention(
       ``attention_fn`` a kernel choice). Right-padded new tokens: the
       mask's ``q_lengths [B]``.
     **options: the layer's static options (``scale``, ``t5_bias``,
-      ``attention_fn``, ``rope``, ``qk_norm``, ``precision``,
-      ``head_axis``, ``batch_axis``), described once in
-      ``multi_head_config.Config``. ``qk_norm`` None is ``aj.QKNorm()``
-      when ``params`` has ``q_norm``/``k_norm`` ``[H]``, else none.
+      ``attention_fn``, ``rope``, ``qk_norm``, ``clip_qkv``,
+      ``value_norm``, ``output_norm``, ``precision``, ``head_axis``,
+      ``batch_axis``), described once in ``multi_head_config.Config``.
+      ``qk_norm`` None is ``aj.QKNorm()`` when ``params`` has
+      ``q_norm``/``k_norm`` ``[H]`` (without biases), else none;
+      ``value_norm``/``output_norm`` None with a ``v_norm``/``o_norm`` in
+      ``params`` is refused (say how it normalises).
 
   Returns:
     ``output [B, T, Dout]``; with any ``return_*`` flag a tuple: output,
@@ -571,9 +591,10 @@ def multi_head_attention(
     (2, 5, 4)
   """
   config = multi_head_config.configure_params(
-      params, qk_norm=qk_norm, t5_bias=t5_bias, score_mod=score_mod,
-      attention_fn=attention_fn, scale=scale, rope=rope, precision=precision,
-      head_axis=head_axis, batch_axis=batch_axis)
+      params, qk_norm=qk_norm, value_norm=value_norm, output_norm=output_norm,
+      t5_bias=t5_bias, score_mod=score_mod, attention_fn=attention_fn,
+      scale=scale, rope=rope, precision=precision, head_axis=head_axis,
+      batch_axis=batch_axis, clip_qkv=clip_qkv)
   checks.check_static_bool("is_causal", is_causal)
   # While decoding the cache places the causal band (at the positions).
   mask = mask_lib.as_mask(mask, is_causal=is_causal and cache is None)

@@ -5,7 +5,8 @@ Shape glossary: N query heads, K key/value heads, H head dim, D model
 
 ``Config`` holds what a layer is, besides its parameters and the arrays of
 a call: the sizes, the attention function, the scale, the positions and
-norms of the heads, where the heads live on a mesh. It is the one place
+norms of the heads (queries and keys, values, the output), the clipping of
+the projections, where the heads live on a mesh. It is the one place
 these options are described. ``configure`` validates them once:
 ``aj.MultiHeadAttention`` when it is built, ``aj.multi_head_attention`` at
 each call (a pure function keeps nothing), with ``configure_params`` also
@@ -16,6 +17,8 @@ read them without checking again.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 import jax
@@ -57,7 +60,22 @@ class Config:
     qk_norm: an ``aj.QKNorm`` normalising the projected queries and keys
       (RMS or layer norm, per head or over all heads, weights ``[H]`` /
       per head / none, epsilon, ``1 + w``, before or after ``rope``), with
-      the params' ``q_norm``/``k_norm`` as weights; or None.
+      the params' ``q_norm``/``k_norm`` as weights (and biases, with
+      ``bias=True``: Phi-2's LayerNorm); or None.
+    clip_qkv: ``c``: the projected queries, keys and values (biases
+      included) clipped to ``[-c, c]`` before any norm or rotary (OLMo,
+      OLMoE, DBRX); a memory's keys and values are clipped in
+      ``project_memory``, which records it. A positive finite number, or
+      None.
+    value_norm: an ``aj.QKNorm`` normalising the values of each key/value
+      head before attention (and before a cache stores them), weights
+      ``v_norm`` (``[H]`` or ``[K, H]``; Gemma 3n's is weightless, RMS over
+      ``H``); not ``after_rope``. A memory's values are normalised in
+      ``project_memory``. Or None.
+    output_norm: an ``aj.QKNorm`` normalising the attention output ``[B,
+      N, T, H]`` before the output gate and ``W_o``, weights ``o_norm``
+      (BitNet's ``attn_sub_norm``: ``QKNorm(over="all",
+      weight="per_head")``, ``[N, H]``); not ``after_rope``. Or None.
     precision: ``jax.lax.Precision`` (or None) of the projection einsums
       (``W_q``, ``W_k``, ``W_v``, ``W_g``, ``W_o``); attention runs at its
       function's precision.
@@ -80,6 +98,9 @@ class Config:
   t5_bias: score_mods.T5Bias | None = None
   rope: rope_lib.Rope | None = None
   qk_norm: qk_norm_lib.QKNorm | None = None
+  clip_qkv: float | None = None
+  value_norm: qk_norm_lib.QKNorm | None = None
+  output_norm: qk_norm_lib.QKNorm | None = None
   precision: Any = None
   head_axis: str | None = None
   batch_axis: str | tuple[str, ...] | None = None
@@ -130,11 +151,38 @@ def static_scale(scale: Any) -> float | None:
   return scale
 
 
+def check_clip_qkv(clip_qkv: Any) -> float | None:
+  """``clip_qkv`` as a Python float (None stays None), checked.
+
+  Example:
+    >>> check_clip_qkv(8), check_clip_qkv(None)
+    (8.0, None)
+  """
+  if clip_qkv is None:
+    return None
+  if isinstance(clip_qkv, (bool, np.bool_)) or not isinstance(
+      clip_qkv, numbers.Real):
+    raise TypeError(
+        f"clip_qkv must be None or a positive finite Python number (q, k "
+        f"and v are clipped to [-clip_qkv, clip_qkv], e.g. OLMo's 8.0), got "
+        f"{clip_qkv!r} ({type(clip_qkv).__name__}).")
+  value = float(clip_qkv)
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(
+        f"clip_qkv must be a positive finite number (q, k and v are clipped "
+        f"to [-clip_qkv, clip_qkv]), got {clip_qkv!r}: pass the model's "
+        "clip_qkv, or None for no clipping.")
+  return value
+
+
 def configure(dims: multi_head_params.HeadDims, *, attention_fn: Any = None,
               scale: float | None = None,
               t5_bias: score_mods.T5Bias | None = None,
               rope: rope_lib.Rope | None = None,
               qk_norm: qk_norm_lib.QKNorm | bool | None = None,
+              clip_qkv: float | None = None,
+              value_norm: qk_norm_lib.QKNorm | None = None,
+              output_norm: qk_norm_lib.QKNorm | None = None,
               precision: Any = None, head_axis: str | None = None,
               batch_axis: Any = None,
               widths: tuple[str, str] | None = None,
@@ -168,21 +216,41 @@ def configure(dims: multi_head_params.HeadDims, *, attention_fn: Any = None,
   if widths is None:
     widths = (f"the layer's D is {dims.d_model}",
               f"the layer's Dkv is {dims.kv_features}")
-  return Config(dims, fn, scale, t5_bias, rope,
-                qk_norm_lib.as_qk_norm(qk_norm), precision, head_axis,
-                batch_axis, widths, source)
+  return Config(
+      dims, fn, scale, t5_bias, rope, qk_norm=qk_norm_lib.as_qk_norm(qk_norm),
+      clip_qkv=check_clip_qkv(clip_qkv),
+      value_norm=qk_norm_lib.as_norm("value_norm", value_norm),
+      output_norm=qk_norm_lib.as_norm("output_norm", output_norm),
+      precision=precision, head_axis=head_axis, batch_axis=batch_axis,
+      widths=widths, source=source)
+
+
+def check_norms(config: Config, params: multi_head_params.Params) -> None:
+  """``config``'s norms find their weights in ``params``
+  (``qk_norm.resolve``; a module whose norm option was reassigned)."""
+  for option in ("qk_norm", "value_norm", "output_norm"):
+    norm = getattr(config, option)
+    if qk_norm_lib.resolve(params, norm, option) != norm:  # None: ignored
+      raise ValueError(
+          f"{option} is None, but the layer's params hold "
+          f"{'/'.join(qk_norm_lib.OPTIONS[option][1])}, which it would "
+          "ignore: give the norm they were built for.")
 
 
 def configure_params(params: multi_head_params.Params, *,
-                     qk_norm: Any = None,
+                     qk_norm: Any = None, value_norm: Any = None,
+                     output_norm: Any = None,
                      t5_bias: score_mods.T5Bias | None = None,
                      score_mod: Any = None, **options) -> Config:
   """``configure`` with the sizes read off ``params`` (``param_dims``) and
-  the options checked against them: ``qk_norm`` against the weights
-  ``q_norm``/``k_norm`` (``qk_norm.resolve``), ``t5_bias`` and
-  ``score_mod`` against a T5 table (``check_t5``)."""
+  the options checked against them: ``qk_norm``, ``value_norm`` and
+  ``output_norm`` against the weights ``q_norm``/``k_norm``, ``v_norm``,
+  ``o_norm`` (``qk_norm.resolve``), ``t5_bias`` and ``score_mod`` against a
+  T5 table (``check_t5``)."""
   dims = multi_head_params.param_dims(params)
   norm = qk_norm_lib.resolve(params, qk_norm)
+  value_norm = qk_norm_lib.resolve(params, value_norm, "value_norm")
+  output_norm = qk_norm_lib.resolve(params, output_norm, "output_norm")
   table = params.get("t5_bias", {}).get("table")
   multi_head_params.check_t5(
       None if table is None else multi_head_params.param_shape(
@@ -194,5 +262,6 @@ def configure_params(params: multi_head_params.Params, *,
             f"params['W_k']['kernel'] has shape {w_k}: [Dkv, K, H] with "
             f"Dkv={dims.kv_features}. Keys of another width need params "
             "built with that kv_features")
-  return configure(dims, qk_norm=norm, t5_bias=t5_bias, widths=widths,
+  return configure(dims, qk_norm=norm, value_norm=value_norm,
+                   output_norm=output_norm, t5_bias=t5_bias, widths=widths,
                    **options)

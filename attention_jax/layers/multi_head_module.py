@@ -7,21 +7,23 @@ relative-position buckets.
 
 The module owns its parameters and its configuration. Parameters are plain
 ``nnx.Param``s (``W_q``, ``W_k``, ``W_v``, ``W_o``, each a ``kernel`` and
-optional ``bias``, with qk-norm ``q_norm``/``k_norm``, each a ``scale``, with
-an output gate ``W_g``, learned ``sinks [N]`` and a T5 ``t5_table [R,
-N]``), laid out per head as ``aj.multi_head_attention``'s params dict
-(``W_q`` kernel ``[D, N, H]``, ``W_o`` kernel ``[N, H, Dout]``, ``sinks``
-logits, ``t5_bias`` table, ...). The configuration is one
+optional ``bias``, with qk-norm ``q_norm``/``k_norm``, a value norm
+``v_norm`` and an output norm ``o_norm``, each a ``scale`` (and a ``bias``
+for a biased norm), with an output gate ``W_g``, learned ``sinks [N]`` and
+a T5 ``t5_table [R, N]``), laid out per head as
+``aj.multi_head_attention``'s params dict (``W_q`` kernel ``[D, N, H]``,
+``W_o`` kernel ``[N, H, Dout]``, ``sinks`` logits, ``t5_bias`` table, ...).
+The configuration is one
 ``multi_head_config.Config``, validated when the module is built; a call
 checks only its own inputs and runs ``layers.multi_head.forward``, the same
 steps for the full call and for cached decoding (the caches:
-``layers/multi_head_module_cache.py``).
+``layers/multi_head_module_cache.py``; the parameter holders and fitting a
+params dict to them: ``layers/multi_head_holders.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-import math
 import operator
 from typing import Any
 
@@ -38,6 +40,11 @@ from attention_jax.layers import multi_head_params
 from attention_jax.layers import qk_norm as qk_norm_lib
 from attention_jax.layers import sharding
 from attention_jax.layers.attention_fn import NO_MASK
+from attention_jax.layers.multi_head_holders import Lone
+from attention_jax.layers.multi_head_holders import NormScale
+from attention_jax.layers.multi_head_holders import Projection
+from attention_jax.layers.multi_head_holders import assign_params
+from attention_jax.layers.multi_head_holders import check_fit
 from attention_jax.layers.multi_head_module_cache import CACHE_ROWS
 from attention_jax.layers.multi_head_module_cache import DecodingCaches
 from attention_jax.masking import mask as mask_lib
@@ -49,158 +56,13 @@ _LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's default
 _ZEROS = nnx.initializers.zeros_init()
 
 
-def _reshaped(value, shape: tuple[int, ...]):
-  """An initialiser's result reshaped, keeping sharding metadata if any."""
-  if isinstance(value, nnx.VariableMetadata):  # from nnx.with_partitioning
-    value.raw_value = jnp.reshape(value.raw_value, shape)
-    return value
-  return jnp.reshape(value, shape)
-
-
-class Projection(nnx.Module):
-  """One projection's parameters: ``kernel [*in, *out]``, ``bias [*out]``.
-
-  Only parameters: ``aj.multi_head_attention`` does the maths. Created as
-  flax's ``nnx.LinearGeneral`` creates them: the initialisers see the flat
-  2-D shape ``[prod(in), prod(out)]`` (so fan-in is ``prod(in)``) and the
-  result is reshaped, kernel first, then bias, each from ``rngs.params()``;
-  the same seed gives the same numbers as a Linear layer of the flat shape.
-  ``kernel_init``/``bias_init`` may carry sharding (``nnx.with_partitioning``)
-  for the final shape.
-  """
-
-  def __init__(self, in_features: tuple[int, ...],
-               out_features: tuple[int, ...], *, use_bias: bool,
-               param_dtype, kernel_init, bias_init, rngs: nnx.Rngs):
-    flat = (math.prod(in_features), math.prod(out_features))
-    self.kernel = nnx.Param(_reshaped(
-        kernel_init(rngs.params(), flat, param_dtype),
-        (*in_features, *out_features)))
-    self.bias = nnx.data(None)
-    if use_bias:
-      self.bias = nnx.Param(_reshaped(
-          bias_init(rngs.params(), flat[1:], param_dtype), out_features))
-
-  def as_dict(self, dtype=None) -> dict[str, jax.Array]:
-    """``{"kernel", "bias"}`` arrays, cast to ``dtype`` if given."""
-    out = {"kernel": self.kernel[...]}
-    if self.bias is not None:
-      out["bias"] = self.bias[...]
-    if dtype is not None:
-      out = {k: v.astype(dtype) for k, v in out.items()}
-    return out
-
-
-class _Lone:
-  """A lone ``nnx.Param`` of the module (``sinks``, ``t5_table``) seen as a
-  holder of one entry, as ``assign_params`` and ``params_dict`` see layers."""
-
-  def __init__(self, entry: str, variable: nnx.Param):
-    self.entry = entry
-    setattr(self, entry, variable)
-
-  def as_dict(self, dtype=None) -> dict[str, jax.Array]:
-    """``{entry: value}`` in the parameter's own dtype: sinks and the T5
-    table join the float32 logits, never the projections' ``dtype``."""
-    del dtype
-    return {self.entry: getattr(self, self.entry)[...]}
-
-
-class NormScale(nnx.Module):
-  """The learned ``scale`` of a norm (qk-norm ``[H]`` or ``[N, H]``), the
-  identity to start (ones; zeros for a ``1 + w`` norm).
-
-  Only the parameter: ``aj.multi_head_attention`` normalises.
-  """
-
-  def __init__(self, head_dim: int, *, param_dtype, heads: int | None = None,
-               zeros: bool = False):
-    shape = (head_dim,) if heads is None else (heads, head_dim)
-    fill = jnp.zeros if zeros else jnp.ones
-    self.scale = nnx.Param(fill(shape, param_dtype))  # [H] or [N, H]
-
-  def as_dict(self, dtype=None) -> dict[str, jax.Array]:
-    """``{"scale"}``, cast to ``dtype`` if given."""
-    scale = self.scale[...]
-    return {"scale": scale if dtype is None else scale.astype(dtype)}
-
-
-def _entries_message(name: str, given: set[str], have: dict[str, Any],
-                     layout: str) -> str:
-  """Why ``params[name]``'s entries do not fit the module's: a bias one
-  has and the other lacks is said with its fix."""
-  if given ^ set(have) == {"bias"}:
-    if "bias" in have:
-      # A missing bias is a zero one (Whisper's k_proj and Qwen2's o_proj
-      # have none): the function runs such params as they are.
-      shape = tuple(have["bias"].shape)
-      return (f"params['{name}'] has no 'bias', but this module's {name} has "
-              f"one (use_bias=True): a projection without a bias is one with "
-              f"a zero bias, so add params['{name}']['bias'] = zeros {shape} "
-              f"(as the checkpoint loaders do), or build the module with "
-              f"use_bias=False if no projection has a bias.")
-    return (f"params['{name}'] has a 'bias', but this module's {name} has "
-            f"none (use_bias=False): build it with use_bias=True, with zero "
-            f"biases for the projections the params give none.")
-  return (f"params['{name}'] has {sorted(given)}, but this module's {name} "
-          f"has {sorted(have)} ({layout}).")
-
-
-def check_fit(layers: Mapping[str, Projection | NormScale],
-              params: Mapping[str, Mapping[str, Any]],
-              layout: Mapping[str, str], *, entries: str,
-              sizes: str) -> None:
-  """The same entries and shapes as the module's, or a ValueError naming
-  the first one that differs, its shape, the module's and the options it
-  comes from (``entries``, ``sizes``): compared with the module first, so
-  that the wrong one is named rather than one the others disagree with."""
-  if not isinstance(params, Mapping):
-    raise TypeError(f"params must be a dict of {sorted(layers)}, got "
-                    f"{type(params).__name__}.")
-  if set(params) != set(layers):
-    raise ValueError(f"params has entries {sorted(params)}, but this module "
-                     f"has {sorted(layers)} ({entries}).")
-  for name, layer in layers.items():
-    have = {entry: getattr(layer, entry)
-            for entry in ("kernel", "bias", "scale", "logits", "table")
-            if getattr(layer, entry, None) is not None}
-    if not isinstance(params[name], Mapping):
-      raise ValueError(f"params['{name}'] must be a dict with "
-                       f"{layout[name]}, got {type(params[name]).__name__}.")
-    if set(params[name]) != set(have):
-      raise ValueError(_entries_message(name, set(params[name]), have,
-                                        layout[name]))
-    for entry, variable in have.items():
-      got, want = checks.shape_of(params[name][entry]), variable.shape
-      if got != tuple(want):
-        raise ValueError(
-            f"params['{name}']['{entry}'] has shape {got}, but this "
-            f"module's is {tuple(want)} ({layout[name]}; {sizes}).")
-
-
-def assign_params(layers: Mapping[str, Projection | NormScale],
-                  params: Mapping[str, Mapping[str, Any]],
-                  layout: Mapping[str, str], *, entries: str,
-                  sizes: str) -> None:
-  """Assigns ``params`` to a module's parameter holders, after every check.
-
-  The same entries (``layers``' names, each's kernel/bias/scale/logits/
-  table) and shapes as the module's (``check_fit``); values are cast to
-  each variable's dtype. Shared by the modules' ``load_params``.
-  """
-  check_fit(layers, params, layout, entries=entries, sizes=sizes)
-  for name, layer in layers.items():
-    for entry, value in params[name].items():
-      variable = getattr(layer, entry)
-      variable[...] = jnp.asarray(value, variable.dtype)
-
-
 class MultiHeadAttention(DecodingCaches):
   """Multi-head attention for self-, cross- and causal (cached) attention.
 
   Options shared with ``aj.multi_head_attention`` (``attention_fn``,
-  ``scale``, ``t5_bias``, ``rope``, ``normalize_qk``, ``precision``,
-  ``head_axis``, ``batch_axis``) are described once, in
+  ``scale``, ``t5_bias``, ``rope``, ``normalize_qk``, ``clip_qkv``,
+  ``value_norm``, ``output_norm``, ``precision``, ``head_axis``,
+  ``batch_axis``) are described once, in
   ``layers.multi_head_config.Config``; the module validates them when built.
 
   Args:
@@ -217,7 +79,9 @@ class MultiHeadAttention(DecodingCaches):
     normalize_qk: True (``aj.QKNorm()``: an RMSNorm of each head before
       ``rope``, learned scales ``q_norm``/``k_norm [H]``) or an
       ``aj.QKNorm`` (flax's ``nnx.MultiHeadAttention``'s is
-      ``aj.QKNorm(kind="layer")``); stored as ``qk_norm``.
+      ``aj.QKNorm(kind="layer")``; Phi-2's ``aj.QKNorm(kind="layer",
+      epsilon=..., bias=True)``, biases zeros to start); stored as
+      ``qk_norm``.
     precision: the projection einsums' ``jax.lax.Precision``.
     dropout_rate: dropout on the attention weights, in ``[0, 1)``.
     deterministic: default for calls; ``True`` disables dropout.
@@ -271,6 +135,17 @@ class MultiHeadAttention(DecodingCaches):
       with a zero bias (if ``use_bias``): a new layer's gate starts around
       0.5, as the paper trains it, not as a pass-through of the ungated
       layer.
+    clip_qkv: ``c``: clip the projected queries, keys and values to
+      ``[-c, c]`` before their norms and rotary (OLMo, DBRX), a positive
+      number; None: no clipping.
+    value_norm: an ``aj.QKNorm`` normalising the values of each key/value
+      head before attention and the cache (Gemma 3n's
+      ``aj.QKNorm(weight=None, epsilon=rms_norm_eps)``); with a weight,
+      ``v_norm`` (``[H]`` or ``[K, H]``, the identity to start).
+    output_norm: an ``aj.QKNorm`` normalising the attention output before
+      the output gate and ``W_o`` (BitNet's
+      ``aj.QKNorm(over="all", weight="per_head", epsilon=...)``, weights
+      ``o_norm [N, H]``, ones to start).
 
   Example:
     >>> mha = MultiHeadAttention(16, 4, rngs=nnx.Rngs(0))
@@ -319,6 +194,9 @@ class MultiHeadAttention(DecodingCaches):
       t5_bias: score_mods.T5Bias | None = None,
       rope: rope_lib.Rope | None = None,
       output_gate: str | None = None,
+      clip_qkv: float | None = None,
+      value_norm: qk_norm_lib.QKNorm | None = None,
+      output_norm: qk_norm_lib.QKNorm | None = None,
   ):
     dims = multi_head_params.check_dims(
         d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -358,6 +236,8 @@ class MultiHeadAttention(DecodingCaches):
     self.score_mod = (nnx.data(score_mod) if isinstance(
         score_mod, score_mods.ScoreMod) else score_mod)
     self.t5_bias, self.output_gate = t5_bias, output_gate
+    self.clip_qkv = clip_qkv
+    self.value_norm, self.output_norm = value_norm, output_norm
     self.rope = rope_lib.as_rope(rope)
     self._config = self._configure()  # before the parameters it sizes
     self._create_params(rngs, use_bias, kernel_init, bias_init,
@@ -398,16 +278,16 @@ class MultiHeadAttention(DecodingCaches):
     if self.output_gate is not None:  # [D, N, H] or [D, N, 1]
       self.W_g = linear("W_g", (self.d_model,), (
           n, multi_head_params.gate_width(self.output_gate, h)))
-    self.q_norm = self.k_norm = nnx.data(None)
-    norm = self.qk_norm
-    if norm is not None and norm.weight is not None:
-      per_head = norm.weight == "per_head"
-      self.q_norm = NormScale(h, param_dtype=self.param_dtype,
-                              heads=n if per_head else None,
-                              zeros=bool(norm.weight_offset))
-      self.k_norm = NormScale(h, param_dtype=self.param_dtype,
-                              heads=k if per_head else None,
-                              zeros=bool(norm.weight_offset))
+    config = self._config
+    for name, norm, heads in (("q_norm", config.qk_norm, n),
+                              ("k_norm", config.qk_norm, k),
+                              ("v_norm", config.value_norm, k),
+                              ("o_norm", config.output_norm, n)):
+      setattr(self, name, nnx.data(None) if norm is None or norm.weight is None
+              else NormScale(h, param_dtype=self.param_dtype,
+                             heads=heads if norm.weight == "per_head"
+                             else None,
+                             zeros=bool(norm.weight_offset), bias=norm.bias))
     self._names = tuple(name for name in self._layers()
                         if name not in ("sinks", "t5_bias"))
     # What a call compares its state with (nnx.update may swap in another).
@@ -417,7 +297,8 @@ class MultiHeadAttention(DecodingCaches):
   def _source(self) -> tuple[Any, ...]:
     """The attributes the layer's ``Config`` is built from."""
     return (self.attention_fn, self.scale, self.t5_bias, self.rope,
-            self.qk_norm, self.precision, self.head_axis, self.batch_axis)
+            self.qk_norm, self.precision, self.head_axis, self.batch_axis,
+            self.clip_qkv, self.value_norm, self.output_norm)
 
   def _configure(self) -> multi_head_config.Config:
     """The layer's ``Config``, every option validated."""
@@ -429,6 +310,8 @@ class MultiHeadAttention(DecodingCaches):
     return multi_head_config.configure(
         dims, attention_fn=self.attention_fn, scale=self.scale,
         t5_bias=self.t5_bias, rope=self.rope, qk_norm=self.qk_norm,
+        clip_qkv=self.clip_qkv, value_norm=self.value_norm,
+        output_norm=self.output_norm,
         precision=self.precision, head_axis=self.head_axis,
         batch_axis=self.batch_axis,
         widths=(f"the module was built with d_model={self.d_model}",
@@ -444,15 +327,15 @@ class MultiHeadAttention(DecodingCaches):
     return cap if self.score_mod is None else score_mods.chain(
         self.score_mod, cap)
 
-  def _layers(self) -> dict[str, Projection | NormScale | _Lone]:
-    names = ("W_q", "W_k", "W_v", "W_o") + (
-        ("q_norm", "k_norm") if self.q_norm is not None else ()) + (
-            ("W_g",) if self.output_gate is not None else ())
-    layers = {name: getattr(self, name) for name in names}
+  def _layers(self) -> dict[str, Projection | NormScale | Lone]:
+    names = ("W_q", "W_k", "W_v", "W_o", "q_norm", "k_norm", "v_norm",
+             "o_norm", "W_g")
+    layers = {name: getattr(self, name) for name in names
+              if getattr(self, name) is not None}
     if self.sinks is not None:
-      layers["sinks"] = _Lone("logits", self.sinks)
+      layers["sinks"] = Lone("logits", self.sinks)
     if self.t5_table is not None:
-      layers["t5_bias"] = _Lone("table", self.t5_table)
+      layers["t5_bias"] = Lone("table", self.t5_table)
     return layers
 
   def params_dict(self) -> multi_head.Params:
@@ -498,7 +381,8 @@ class MultiHeadAttention(DecodingCaches):
       True
     """
     described = dict(
-        entries=(f"normalize_qk={self.qk_norm}, "
+        entries=(f"normalize_qk={self.qk_norm}, value_norm="
+                 f"{self.value_norm}, output_norm={self.output_norm}, "
                  f"output_gate={self.output_gate!r}, attention_sinks="
                  f"{self.sinks is not None}, t5_bias={self.t5_bias!r}"),
         sizes=(f"d_model={self.d_model}, num_heads={self.num_heads}, "
@@ -590,6 +474,8 @@ class MultiHeadAttention(DecodingCaches):
     config = self._config
     if any(map(operator.is_not, self._source(), config.source)):
       config = self._configure()  # an option was reassigned: checked again
+      # (a reassigned norm must find its weights)
+      multi_head_config.check_norms(config, self.params_dict())
     memory = cache = full = None
     if decode:
       memory, cache, full = self.decoding_cache(key, value, cache_rows)

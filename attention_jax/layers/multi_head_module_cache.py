@@ -11,7 +11,9 @@ overflow and pad flags, ``cache_left_padding``), a paged cache
 (``init_paged_cache``: the pools in ``cached_key``/``cached_value [P, K, Z,
 H]``, ``cache_page_table [B, M]``, lengths in ``cache_index``, reference
 counts, scales), or a cross-attention memory projected once
-(``init_cross_cache``: ``memory_key``/``memory_value [B, K, S, H]``).
+(``init_cross_cache``: ``memory_key``/``memory_value [B, K, S, H]``, and
+``memory_options``, the qk-norm, clipping and value norm they were
+projected with, so a layer whose options changed since is refused).
 ``decoding_cache`` reads the one held as the value ``layers.caches``
 writes (a ``KVCache``, a ``PagedKVCache``, a ``Memory``) and
 ``store_cache`` keeps what the write returned.
@@ -44,14 +46,16 @@ CACHE_VARIABLES = (
 class DecodingCaches(nnx.Module):
   """The caches of a multi-head module (see the module docstring); the
   module provides ``num_kv_heads``, ``head_dim``, ``kv_features``,
-  ``head_axis``, ``mask``, ``rope``, ``qk_norm``, ``precision``, ``dtype``,
-  ``param_dtype`` and ``params_dict()``."""
+  ``head_axis``, ``mask``, ``rope``, ``qk_norm``, ``clip_qkv``,
+  ``value_norm``, ``precision``, ``dtype``, ``param_dtype`` and
+  ``params_dict()``."""
 
   def _no_cache(self) -> None:
     """Drops whatever cache is held (a layer holds one at a time)."""
     for name in CACHE_VARIABLES:
       setattr(self, name, nnx.data(None))
     self.cache_window: int | None = None
+    self.memory_options: tuple = ()  # init_cross_cache's (qk_norm, ...)
 
   def decoding_cache(self, key, value, cache_rows):
     """The cache a ``decode=True`` call writes: ``(memory, cache, full)``,
@@ -66,7 +70,7 @@ class DecodingCaches(nnx.Module):
             "decode=True attends to it, so pass no key/value (or call "
             "without decode=True to attend to other keys).")
       return multi_head.Memory(self.memory_key[...], self.memory_value[...],
-                               self.qk_norm), None, None
+                               *self.memory_options), None, None
     if self.cache_index is None:
       raise ValueError("decode=True needs a cache: call "
                        "init_cache(batch_size, max_length) first (causal "
@@ -295,9 +299,12 @@ class DecodingCaches(nnx.Module):
     self._no_cache()  # one cache at a time
     if self.dtype is not None:
       memory = jnp.asarray(memory, self.dtype)
-    projected = multi_head.project_memory(self.params_dict(), memory,
-                                          precision=self.precision,
-                                          qk_norm=self.qk_norm)
+    projected = multi_head.project_memory(
+        self.params_dict(), memory, precision=self.precision,
+        qk_norm=self.qk_norm, clip_qkv=self.clip_qkv,
+        value_norm=self.value_norm)
+    self.memory_options = (projected.qk_norm, projected.clip_qkv,
+                           projected.value_norm)
     self.memory_key = nnx.Cache(projected.key.astype(dtype))  # [B, K, S, H]
     self.memory_value = nnx.Cache(projected.value.astype(dtype))
 

@@ -17,10 +17,15 @@ lays them out:
   softmax cancels unless rope, qk-norm or a nonlinear score modifier
   makes it vary by key; lse and max logits keep it)
 - optional ``q_norm``, ``k_norm``: ``{"scale": [H]}`` shared by the heads,
-  or one per head: ``[N, H]`` (``q_norm``) and ``[K, H]`` (``k_norm``); how
-  they normalise is an ``aj.QKNorm`` (RMS or layer norm, per head or over
-  the whole width, epsilon, ``1 + w``, before or after rotary), which the
-  call gives (``qk_norm=``)
+  or one per head: ``[N, H]`` (``q_norm``) and ``[K, H]`` (``k_norm``), with
+  a ``"bias"`` of the scale's shape for a biased norm; how they normalise
+  is an ``aj.QKNorm`` (RMS or layer norm, per head or over the whole width,
+  epsilon, ``1 + w``, a bias, before or after rotary), which the call gives
+  (``qk_norm=``)
+- optional ``v_norm``: ``{"scale": [H] or [K, H]}`` (and ``"bias"``), the
+  weight of the value norm (``value_norm=``, an ``aj.QKNorm``); optional
+  ``o_norm``: ``{"scale": [H] or [N, H]}`` (and ``"bias"``), of the norm on
+  the attention output before the gate and ``W_o`` (``output_norm=``)
 - optional ``W_g``: ``{"kernel": [D, N, G], "bias": [N, G]}``, the output
   gate (``G = H``: one gate per feature, "elementwise"; ``G = 1``: one per
   head, "headwise"): ``sigmoid(query @ W_g)`` multiplies each head's
@@ -33,7 +38,7 @@ lays them out:
   call gives (``t5_bias=``), as it gives ``rope``
 
 The head structure lives in the parameters, so everything (N, K, H, D, Dkv,
-Dout, qk-norm, the gate) is read from their shapes (``param_dims``); ``multi_head``
+Dout, the norms, the gate) is read from their shapes (``param_dims``); ``multi_head``
 computes with them. Everything a layer learns is in its params, so
 ``aj.multi_head_attention(mha.params_dict(), ...)`` is ``mha(...)``.
 """
@@ -59,8 +64,10 @@ LAYOUT = {
     "W_k": "kernel [Dkv, K, H], bias [K, H]",
     "W_v": "kernel [Dkv, K, H], bias [K, H]",
     "W_o": "kernel [N, H, Dout], bias [Dout]",
-    "q_norm": "scale [H] (shared) or [N, H] (per head)",
-    "k_norm": "scale [H] (shared) or [K, H] (per head)",
+    "q_norm": "scale [H] (shared) or [N, H] (per head), bias as scale",
+    "k_norm": "scale [H] (shared) or [K, H] (per head), bias as scale",
+    "v_norm": "scale [H] (shared) or [K, H] (per head), bias as scale",
+    "o_norm": "scale [H] (shared) or [N, H] (per head), bias as scale",
     "W_g": "kernel [D, N, G], bias [N, G] with G = H (elementwise) or 1 "
            "(headwise)",
     "sinks": "logits [N]",
@@ -68,8 +75,9 @@ LAYOUT = {
 }
 # The entries of each parameter: (required, allowed); the rest are a
 # kernel and an optional bias.
-_ENTRIES = {"q_norm": ("scale", {"scale"}), "k_norm": ("scale", {"scale"}),
-            "sinks": ("logits", {"logits"}), "t5_bias": ("table", {"table"})}
+_ENTRIES = {"sinks": ("logits", {"logits"}), "t5_bias": ("table", {"table"}),
+            **{name: ("scale", {"scale", "bias"})
+               for name in ("q_norm", "k_norm", "v_norm", "o_norm")}}
 
 # The output gate's kinds: the gate's width G per head.
 OUTPUT_GATES = ("elementwise", "headwise")
@@ -136,6 +144,8 @@ def init_multi_head_params(
     attention_sinks: bool = False,
     t5_bias: score_mods.T5Bias | None = None,
     dtype: jnp.dtype = jnp.float32,
+    value_norm: qk_norm_lib.QKNorm | None = None,
+    output_norm: qk_norm_lib.QKNorm | None = None,
 ) -> Params:
   """Initialises ``W_q``, ``W_k``, ``W_v``, ``W_o`` for ``multi_head_attention``.
 
@@ -155,7 +165,8 @@ def init_multi_head_params(
     normalize_qk: True (``aj.QKNorm()``) or an ``aj.QKNorm``: add its
       weights ``q_norm`` and ``k_norm`` (``{"scale": [H]}`` shared, or
       ``[N, H]`` / ``[K, H]`` per head; none for a weightless norm), the
-      identity to start (ones, or zeros under ``weight_offset=1``).
+      identity to start (ones, or zeros under ``weight_offset=1``; a
+      ``bias=True`` norm's biases zeros).
     output_gate: add ``W_g``, a sigmoid gate on each head's output computed
       from the query input: ``"elementwise"`` (``[D, N, H]``, one gate per
       feature, Qwen3-Next) or ``"headwise"`` (``[D, N, 1]``, one per
@@ -166,13 +177,19 @@ def init_multi_head_params(
       N]}``, drawn normal with std ``d_model ** -0.5`` (as the module draws
       it); pass the same ``t5_bias=`` to the call.
     dtype: parameter dtype.
+    value_norm: an ``aj.QKNorm`` normalising the values: add its weight
+      ``v_norm`` (``{"scale": [H]}`` or ``[K, H]``, ``"bias"`` with
+      ``bias=True``; none for a weightless norm), the identity to start.
+    output_norm: an ``aj.QKNorm`` normalising the attention output before
+      ``W_o``: add ``o_norm`` (``[H]`` or ``[N, H]``), as ``v_norm``.
 
   Returns:
     ``{"W_q": {"kernel": [D, N, H], "bias": [N, H]}, "W_k": {"kernel":
     [Dkv, K, H], "bias": [K, H]}, "W_v": (as W_k), "W_o": {"kernel":
     [N, H, Dout], "bias": [Dout]}}`` (no ``"bias"`` entries when
     ``use_bias=False``), plus ``"q_norm"``/``"k_norm"``: ``{"scale": [H]}``
-    with ``normalize_qk``, ``"W_g"`` with ``output_gate``, ``"sinks"``:
+    with ``normalize_qk``, ``"v_norm"``/``"o_norm"`` with ``value_norm``/
+    ``output_norm``, ``"W_g"`` with ``output_gate``, ``"sinks"``:
     ``{"logits": [N]}`` with ``attention_sinks``, ``"t5_bias"``:
     ``{"table": [num_buckets, N]}`` with ``t5_bias``.
 
@@ -209,10 +226,16 @@ def init_multi_head_params(
     params[name] = {"kernel": init(rng_i, flat, dtype).reshape(shape)}
     if use_bias:
       params[name]["bias"] = jnp.zeros(bias_shape, dtype)
-  norm = qk_norm_lib.as_qk_norm(normalize_qk)
-  if norm is not None and norm.weight is not None:
-    for name, heads in (("q_norm", n), ("k_norm", k)):
+  norms = (("qk_norm", "q_norm", n, normalize_qk),
+           ("qk_norm", "k_norm", k, normalize_qk),
+           ("value_norm", "v_norm", k, value_norm),
+           ("output_norm", "o_norm", n, output_norm))
+  for option, name, heads, value in norms:
+    norm = qk_norm_lib.as_norm(option, value)
+    if norm is not None and norm.weight is not None:
       params[name] = {"scale": norm.init_scale(heads, h, dtype)}
+      if norm.bias:
+        params[name]["bias"] = norm.init_bias(heads, h, dtype)
   if attention_sinks:
     params["sinks"] = {"logits": jnp.zeros((n,), dtype)}
   if t5_bias is not None:  # its own key: the projections' draws stay
@@ -434,25 +457,36 @@ def _projection_dims(params) -> tuple[int, ...]:
   return n, k, h, sizes["D"], sizes["Dkv"], sizes["Dout"]
 
 
+def _check_norm(params, name: str, heads: int, h: int) -> int:
+  """``params[name]``'s ``scale`` ``[H]`` or ``[heads, H]`` and its bias
+  (if any) of the same shape; the scale's rank."""
+  _layer(params, name)
+  shape = param_shape(params, name, "scale")
+  if shape not in ((h,), (heads, h)):
+    flat = (f"; a whole-width weight [{heads * h}] reshapes to "
+            f"({heads}, {h})" if shape == (heads * h,) else "")
+    raise _wrong(params, name, "scale",
+                 f"({h},) = [H] (shared) or ({heads}, {h}) (per head)"
+                 f"{flat}")
+  if "bias" in params[name] and param_shape(params, name, "bias") != shape:
+    raise _wrong(params, name, "bias", f"{shape}, the shape of its scale")
+  return len(shape)
+
+
 def _check_norms(params, n: int, k: int, h: int) -> bool:
   """Whether ``q_norm``/``k_norm`` are present: both or neither, each
-  ``[H]`` or per head, the two alike."""
+  ``[H]`` or per head, the two alike (biases too); ``v_norm`` ``[H]`` or
+  ``[K, H]`` and ``o_norm`` ``[H]`` or ``[N, H]``, each alone."""
+  for name, heads in (("v_norm", k), ("o_norm", n)):
+    if name in params:
+      _check_norm(params, name, heads, h)
   norms = [name for name in ("q_norm", "k_norm") if name in params]
   if len(norms) == 1:
     raise ValueError(f"params has {norms[0]} but not "
                      f"{({'q_norm', 'k_norm'} - set(norms)).pop()}: qk-norm "
                      "needs both (each {'scale': [H]}).")
-  ranks = set()
-  for name, heads in zip(norms, (n, k)):
-    _layer(params, name)
-    shape = param_shape(params, name, "scale")
-    if shape not in ((h,), (heads, h)):
-      flat = (f"; a whole-width weight [{heads * h}] reshapes to "
-              f"({heads}, {h})" if shape == (heads * h,) else "")
-      raise _wrong(params, name, "scale",
-                   f"({h},) = [H] (shared) or ({heads}, {h}) (per head)"
-                   f"{flat}")
-    ranks.add(len(shape))
+  ranks = {_check_norm(params, name, heads, h)
+           for name, heads in zip(norms, (n, k))}
   if len(ranks) > 1:
     raise ValueError(
         f"params['q_norm']['scale'] has shape "
@@ -460,6 +494,12 @@ def _check_norms(params, n: int, k: int, h: int) -> bool:
         f"['scale'] {param_shape(params, 'k_norm', 'scale')}: both shared "
         "[H] or both per head ([N, H] and [K, H]), as one aj.QKNorm's "
         "weight says.")
+  biased = [name for name in norms if "bias" in params[name]]
+  if len(biased) == 1:
+    raise ValueError(
+        f"params['{biased[0]}'] has a 'bias' and the other of q_norm/k_norm "
+        "none: one aj.QKNorm(bias=True) adds a bias to both (give both, or "
+        "neither).")
   return bool(norms)
 
 
@@ -505,8 +545,8 @@ def param_dims(params: Mapping[str, Any], *, num_heads: int | None = None,
 
   Args:
     params: ``{"W_q", "W_k", "W_v", "W_o"}`` (and optionally ``"q_norm"``,
-      ``"k_norm"``, ``"W_g"``, ``"sinks"``, ``"t5_bias"``) in the layout of
-      ``init_multi_head_params``.
+      ``"k_norm"``, ``"v_norm"``, ``"o_norm"``, ``"W_g"``, ``"sinks"``,
+      ``"t5_bias"``) in the layout of ``init_multi_head_params``.
     num_heads: when given, must equal the ``N`` of ``W_q``.
     num_kv_heads: when given, must equal the ``K`` of ``W_k``/``W_v``.
 
