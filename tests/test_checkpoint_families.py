@@ -204,6 +204,15 @@ class NewerFamiliesTest(parameterized.TestCase):
     got = np.asarray(module(jnp.asarray(x)))
     self.assertGreater(np.abs(got - want).max(), 100 * REL_TOL * scale)
 
+  def test_module_keeps_the_new_options(self):
+    sd, cfg, _ = _golden("olmo")
+    loaded = checkpoints.load_attention_weights(sd, config=cfg, layer=0)
+    for name, value in (("clip_qkv", 100.0), ("value_norm", aj.QKNorm()),
+                        ("output_norm", aj.QKNorm())):
+      with self.subTest(name), self.assertRaisesRegex(
+          ValueError, rf"\['{name}'\] are the checkpoint's"):
+        loaded.module(**{name: value})
+
   def test_option_values(self):
     def options(golden, layer):
       sd, cfg, _ = _golden(golden)

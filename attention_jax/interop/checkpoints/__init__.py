@@ -3,29 +3,36 @@
 Shape glossary: B batch, T length, N query heads, K key/value heads, H head
 dim, D model (hidden) dim, L number of layers.
 
-``load_attention_weights(state_dict, family=..., config=..., layer=i)`` reads
-one layer's attention weights out of a Hugging Face transformers state dict
-and the options the family's modeling code applies to that layer (its
-``config.json``), and returns them as ``aj.MultiHeadAttention``'s options and
-``aj.multi_head_attention``'s params dict (``W_q`` kernel ``[D, N, H]`` ...
-``W_o`` kernel ``[N, H, D]``). One module per kind of layout says what each
-family maps, as HF's ``modeling_<family>.py`` computes it: ``decoders``
-(Llama-style families), ``gpt`` (GPT-2 and its descendants' fused layouts),
-``t5`` (encoder, decoder and cross attention with the relative bias),
-``latent`` (DeepSeek-V3 into ``aj.MultiHeadLatentAttention``); ``registry``
-holds the ``Family`` record each fills in, ``reading`` and ``config_rope``
-what they share.
+``load_attention_weights(state_dict, config=..., layer=i)`` reads one
+layer's attention weights out of a Hugging Face transformers state dict and
+the options the family's modeling code applies to that layer (its
+``config.json``), and returns them as ``aj.MultiHeadAttention``'s options
+and ``aj.multi_head_attention``'s params dict (``W_q`` kernel ``[D, N, H]``
+... ``W_o`` kernel ``[N, H, D]``). One module per kind of layout says what
+each family maps, as HF's ``modeling_<family>.py`` computes it:
+``decoders`` (Llama-style families), ``multimodal`` (the Qwen-VL text
+models, M-RoPE), ``others`` (StableLM, OLMo, OLMoE, Phi, BitNet),
+``fused_layouts`` (GPT-BigCode, DBRX, MPT, Persimmon), ``encoders``
+(ModernBERT), ``gpt`` (GPT-2 and its descendants' fused layouts), ``t5``
+(encoder, decoder and cross attention with the relative bias), ``latent``
+(DeepSeek-V2/V3 into ``aj.MultiHeadLatentAttention``); ``registry`` holds
+the ``Family`` record each fills in, ``reading`` and ``config_rope`` what
+they share. docs/families.md lists them.
 
-Nothing is mapped by a guess: a config of another model type is refused (a
-look-alike family can differ where the weights do not show it, e.g.
-Cohere's interleaved rotary pairs), and so is a config without
-``model_type`` that carries another family's keys, a fused q/k/v weight the
-family does not read, weights laid out as another family's (named, as the
-``family=`` to pass), a size whose default differs between config classes,
-rope parameters the layer's type has no entry for, and a scaled rope
-without a pretraining length (nor transformers' fallback for it). ``overrides=``
-replaces what the loader inferred (``OVERRIDABLE``) for a port that knows
-better.
+Nothing is mapped by a guess: the family is ``family=`` or the config's
+``model_type`` (neither: refused, with the families whose weights the state
+dict has); a config of another model type is refused (a look-alike family
+can differ where the weights do not show it, e.g. Cohere's interleaved
+rotary pairs), and so is a config setting a key that changes some family's
+attention and that this family does not read (``registry.SIGNS``), a config
+without ``model_type`` that lacks the keys its family's class always writes
+(``Family.requires``), a rope field its rope type does not read, a fused
+q/k/v weight the family does not read, weights laid out as another
+family's (named, as the ``family=`` to pass), a size whose default differs
+between config classes, rope parameters the layer's type has no entry for,
+and a scaled rope without a pretraining length (nor transformers' fallback
+for it). ``overrides=`` replaces what the loader inferred (``OVERRIDABLE``)
+for a port that knows better.
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ _FIXED = ("d_model", "num_heads", "num_kv_heads", "head_dim", "use_bias",
           "normalize_qk", "mask", "scale", "logits_soft_cap",
           "attention_sinks", "rope", "score_mod", "output_gate", "t5_bias",
           "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-          "qk_rope_head_dim", "v_head_dim", "out_features")
+          "qk_rope_head_dim", "v_head_dim", "out_features", "clip_qkv",
+          "value_norm", "output_norm")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -331,12 +339,10 @@ def load_attention_weights(
       are read; every other entry under its prefix must be one this
       family's attention uses (an unused ``o_proj.bias`` is an error, not
       ignored).
-    family: one of ``FAMILIES`` (``"-"`` reads as ``"_"``): ``"llama"``,
-      ``"mistral"``, ``"mixtral"``, ``"starcoder2"``, ``"qwen2"``,
-      ``"qwen3"``, ``"qwen3_next"``, ``"gemma2"``, ``"gemma3"``,
-      ``"gpt_oss"``, ``"olmo2"``, ``"cohere"``, ``"cohere2"``, ``"phi3"``,
-      ``"llama4"``, ``"gpt2"``, ``"gpt_neox"``, ``"gptj"``, ``"bloom"``,
-      ``"falcon"``, ``"t5"``, ``"umt5"``, ``"deepseek_v3"``.
+    family: one of ``FAMILIES`` (``"-"`` reads as ``"_"``; docs/families.md
+      lists them with what each maps), e.g. ``"llama"``, ``"qwen3"``,
+      ``"gemma3"``, ``"granite"``, ``"deepseek_v3"``; None (the default):
+      the family whose model types include the config's ``model_type``.
     config: the model's config: a dict (``json.load`` of its
       ``config.json``; old ``rope_scaling``/``rope_theta`` or new
       ``rope_parameters`` format) or a transformers config object (read via

@@ -393,7 +393,7 @@ def read_sinks(read: reading.Reader, params: dict[str, Any],
                                         "attention sinks [heads]")}
 
 
-_QWEN = ("sliding_window", "use_sliding_window", "max_window_layers",
+QWEN_WINDOW = ("sliding_window", "use_sliding_window", "max_window_layers",
          "layer_types")
 _GEMMA = ("sliding_window", "layer_types", "query_pre_attn_scalar",
           "attn_logit_softcapping", "use_bidirectional_attention")
@@ -452,10 +452,10 @@ FAMILIES = (
             "no biases; sliding_window on every layer; rope"),
     _family("starcoder2", ("starcoder2",), ("sliding_window", "use_bias"),
             "use_bias (all four); sliding_window on every layer; rope"),
-    _family("qwen2", ("qwen2",), _QWEN,
+    _family("qwen2", ("qwen2",), QWEN_WINDOW,
             "q/k/v biases; window from max_window_layers with "
             "use_sliding_window; rope"),
-    _family("qwen3", ("qwen3",), _QWEN,
+    _family("qwen3", ("qwen3",), QWEN_WINDOW,
             "qk-norm RMSNorm [H] (rms_norm_eps); attention_bias; Qwen's "
             "window; rope"),
     _family("qwen3_next", ("qwen3_next",),
@@ -524,13 +524,13 @@ FAMILIES = (
     _family("ministral", ("ministral",),
             ("sliding_window", "layer_types"),
             "no biases; layer_types (sliding_window); rope"),
-    _family("qwen2_moe", ("qwen2_moe",), _QWEN,
+    _family("qwen2_moe", ("qwen2_moe",), QWEN_WINDOW,
             "q/k/v biases; layer_types or Qwen2-MoE's alternating window "
             "(use_sliding_window, max_window_layers); rope"),
-    _family("qwen3_moe", ("qwen3_moe",), _QWEN,
+    _family("qwen3_moe", ("qwen3_moe",), QWEN_WINDOW,
             "qk-norm RMSNorm [H]; attention_bias; sliding_window on every "
             "layer with use_sliding_window; rope"),
-    _family("dots1", ("dots1",), _QWEN,
+    _family("dots1", ("dots1",), QWEN_WINDOW,
             "qk-norm RMSNorm [H]; attention_bias; layer_types (window from "
             "max_window_layers); rope"),
     _family("olmo3", ("olmo3",), ("sliding_window", "layer_types"),

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's multi-head latent attention into ``aj.MultiHeadLatentAttention``.
+"""DeepSeek-V2/V3's multi-head latent attention into ``aj.MultiHeadLatentAttention``.
 
 Shape glossary: D hidden size, N heads, Rq ``q_lora_rank``, R
 ``kv_lora_rank``, Hn ``qk_nope_head_dim``, Hr ``qk_rope_head_dim``, Hv
@@ -6,7 +6,8 @@ Shape glossary: D hidden size, N heads, Rq ``q_lora_rank``, R
 
 What HF's ``modeling_deepseek_v3.py`` (``DeepseekV3Attention``, under
 ``model.layers.{i}.self_attn.``) computes, as the latent module's params
-(``aj.latent_attention``'s layout) and options:
+(``aj.latent_attention``'s layout) and options (``deepseek_v2``: HF's
+``DeepseekV2Attention``, the same but where noted):
 
 - query: ``q_a_proj [Rq, D]`` -> ``W_dq [D, Rq]``, ``q_a_layernorm [Rq]``
   -> ``q_norm``, ``q_b_proj [N * (Hn + Hr), Rq]`` -> ``W_uq [Rq, N, Hn +
@@ -19,13 +20,16 @@ What HF's ``modeling_deepseek_v3.py`` (``DeepseekV3Attention``, under
 - ``o_proj [D, N * Hv]`` -> ``W_o [N, Hv, D]``;
 - biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` iff
   ``attention_bias`` (the module's ``use_bias``: the same three);
-- both norms: ``DeepseekV3RMSNorm`` with its class default epsilon 1e-6
-  (``rms_norm_eps`` is not passed to them), the module's RMSNorm epsilon;
+- both norms: ``DeepseekV3RMSNorm`` (V2: ``DeepseekV2RMSNorm``) with its
+  class default epsilon 1e-6 (``rms_norm_eps`` is not passed to them), the
+  module's RMSNorm epsilon;
 - rope on the Hr rotary features: the config's rope parameters
   (``config_rope.rope``: default, yarn with ``mscale``/``mscale_all_dim``
   or ``attention_factor``, ...), pairs ``(x[2i], x[2i + 1])`` when
   ``rope_interleave`` (HF's default True: its de-interleaved output is the
-  same permutation of q and k, so the same scores), halves otherwise;
+  same permutation of q and k, so the same scores), halves otherwise; V2
+  always rotates pairs (its complex ``freqs_cis`` over ``(x[2i], x[2i +
+  1])``; its config has no ``rope_interleave``, and its code reads none);
 - ``scale = (Hn + Hr) ** -0.5``, times ``(0.1 * mscale_all_dim *
   ln(factor) + 1) ** 2`` for any rope type but "default" whose parameters
   set ``mscale_all_dim`` (HF's ``yarn_apply_mscale``), set explicitly (it
@@ -48,20 +52,27 @@ from attention_jax.interop.checkpoints import reading
 from attention_jax.interop.checkpoints import registry
 from attention_jax.masking.mask import Mask
 
-_FAMILY = "deepseek_v3"
-# DeepseekV3Config's defaults, for keys a config leaves out.
-_DEFAULTS = dict(hidden_size=7168, num_attention_heads=128, kv_lora_rank=512,
-                 q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                 v_head_dim=128)
+# DeepseekV3Config's and DeepseekV2Config's defaults, for keys a config
+# leaves out.
+_DEFAULTS = {
+    "deepseek_v3": dict(hidden_size=7168, num_attention_heads=128,
+                        kv_lora_rank=512, q_lora_rank=1536,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128),
+    "deepseek_v2": dict(hidden_size=4096, num_attention_heads=32,
+                        kv_lora_rank=512, q_lora_rank=1536,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128),
+}
 # The overrides a latent layer can take (MultiHeadLatentAttention has no
 # qk-norm, sinks, soft cap or score_mod).
 _OVERRIDABLE = ("rope", "mask", "scale")
 
 
-def _size(cfg: Mapping[str, Any], name: str) -> int:
+def _size(cfg: Mapping[str, Any], name: str, family: str) -> int:
   if cfg.get(name) is None:
-    return _DEFAULTS[name]
-  return reading.positive_int(cfg, name, _FAMILY)
+    return _DEFAULTS[family][name]
+  return reading.positive_int(cfg, name, family)
 
 
 def _mscale(factor: float, mscale: float) -> float:
@@ -70,9 +81,11 @@ def _mscale(factor: float, mscale: float) -> float:
   return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def softmax_scale(cfg: Mapping[str, Any], layer: int, qk_head_dim: int) -> float:
-  """HF's ``yarn_apply_mscale(config.rope_parameters, qk_head_dim ** -0.5)``."""
-  p = config_rope.rope_parameters(cfg, _FAMILY, layer)
+def softmax_scale(cfg: Mapping[str, Any], layer: int, qk_head_dim: int,
+                  family: str = "deepseek_v3") -> float:
+  """HF's ``yarn_apply_mscale(config.rope_parameters, qk_head_dim ** -0.5)``
+  (V2's and V3's attention both)."""
+  p = config_rope.rope_parameters(cfg, family, layer)
   value = qk_head_dim ** -0.5
   rope_type = p.get("rope_type", p.get("type", "default"))
   if rope_type == "default" or not p.get("mscale_all_dim"):
@@ -81,34 +94,34 @@ def softmax_scale(cfg: Mapping[str, Any], layer: int, qk_head_dim: int) -> float
     raise ValueError(
         f"config's rope parameters have rope_type {rope_type!r} and "
         f"mscale_all_dim={p['mscale_all_dim']} but factor={p.get('factor')!r}"
-        f": HF's DeepseekV3Attention multiplies its softmax scale by "
+        f": HF's DeepSeek attention multiplies its softmax scale by "
         "(0.1 * mscale_all_dim * ln(factor) + 1) ** 2 and reads factor "
         "from rope_parameters; add it.")
   return value * _mscale(float(p["factor"]), float(p["mscale_all_dim"])) ** 2
 
 
-def _sizes(
-    cfg: Mapping[str, Any]) -> tuple[int, int, int | None, int, int, int, int]:
+def _sizes(cfg: Mapping[str, Any],
+           family: str) -> tuple[int, int, int | None, int, int, int, int]:
   """``(D, N, Rq, R, Hn, Hr, Hv)``, refusing what HF's code cannot run."""
-  d = _size(cfg, "hidden_size")
-  n = _size(cfg, "num_attention_heads")
+  d = _size(cfg, "hidden_size", family)
+  n = _size(cfg, "num_attention_heads", family)
   k = cfg.get("num_key_value_heads")
   if k is not None and k != n:
     raise ValueError(
         f"config num_key_value_heads={k}, num_attention_heads={n}: HF's "
-        "DeepseekV3Attention expands the latent to num_attention_heads key "
+        "DeepSeek attention expands the latent to num_attention_heads key "
         "heads and then repeats them num_attention_heads // "
         "num_key_value_heads times, which only runs when the two are "
         "equal; set num_key_value_heads to num_attention_heads (or leave "
         "it out).")
-  # q_lora_rank None (present, or DeepseekV3Config's 1536 when absent) is
+  # q_lora_rank None (present, or the config class's 1536 when absent) is
   # the full-rank q_proj.
   full_rank = "q_lora_rank" in cfg and cfg["q_lora_rank"] is None
-  rq = None if full_rank else _size(cfg, "q_lora_rank")
-  r = _size(cfg, "kv_lora_rank")
-  hn = _size(cfg, "qk_nope_head_dim")
-  hr = _size(cfg, "qk_rope_head_dim")
-  hv = _size(cfg, "v_head_dim")
+  rq = None if full_rank else _size(cfg, "q_lora_rank", family)
+  r = _size(cfg, "kv_lora_rank", family)
+  hn = _size(cfg, "qk_nope_head_dim", family)
+  hr = _size(cfg, "qk_rope_head_dim", family)
+  hv = _size(cfg, "v_head_dim", family)
   if hr % 2:
     raise ValueError(f"config qk_rope_head_dim={hr} is odd: rope rotates "
                      "feature pairs.")
@@ -142,17 +155,24 @@ def _query_params(read: reading.Reader, d: int, n: int, rq: int | None,
 
 
 def _build(cfg: Mapping[str, Any], layer: int, read: reading.Reader,
-           overrides: Mapping[str, Any], attention: str) -> registry.Built:
-  """One DeepSeek-V3 layer's MLA params, ``MultiHeadLatentAttention``
+           overrides: Mapping[str, Any], attention: str,
+           family: str) -> registry.Built:
+  """One DeepSeek-V2/V3 layer's MLA params, ``MultiHeadLatentAttention``
   options and notes."""
   del attention  # self-attention only
   unknown = sorted(set(overrides) - set(_OVERRIDABLE))
   if unknown:
     raise ValueError(
-        f"overrides {unknown} do not apply to {_FAMILY}: its layer is "
+        f"overrides {unknown} do not apply to {family}: its layer is "
         f"aj.MultiHeadLatentAttention, whose inferred options are "
         f"{list(_OVERRIDABLE)} (no qk-norm, sinks, soft cap or score_mod).")
-  d, n, rq, r, hn, hr, hv = _sizes(cfg)
+  if family == "deepseek_v2" and cfg.get("rope_interleave") is not None:
+    raise ValueError(
+        f"config has rope_interleave={cfg['rope_interleave']!r}, which "
+        "DeepseekV2Config does not have and HF's DeepseekV2Attention does "
+        "not read (it always rotates pairs (x[2i], x[2i + 1])): this is a "
+        "DeepSeek-V3 config (pass family='deepseek_v3'), or remove the key.")
+  d, n, rq, r, hn, hr, hv = _sizes(cfg, family)
   bias = bool(cfg.get("attention_bias", False))
   bias_note = f"config attention_bias={bias}"
   dims = (f"hidden_size={d}, heads={n}, q_lora_rank={rq}, kv_lora_rank={r}, "
@@ -180,25 +200,46 @@ def _build(cfg: Mapping[str, Any], layer: int, read: reading.Reader,
       d_model=d, num_heads=n, q_lora_rank=rq, kv_lora_rank=r,
       qk_nope_head_dim=hn, qk_rope_head_dim=hr, v_head_dim=hv, use_bias=bias,
       mask=Mask(causal=True))
-  # HF: `if self.config.rope_interleave` (a None in the config is False).
-  interleaved = bool(cfg.get("rope_interleave", True))
+  # V3: `if self.config.rope_interleave` (a None in the config is False);
+  # V2's complex rotation always pairs (x[2i], x[2i + 1]).
+  interleaved = (family == "deepseek_v2"
+                 or bool(cfg.get("rope_interleave", True)))
   if "rope" not in overrides:
-    options["rope"] = config_rope.rope(cfg, _FAMILY, layer,
+    options["rope"] = config_rope.rope(cfg, family, layer,
                                        interleaved=interleaved)
   if "scale" not in overrides:
-    options["scale"] = softmax_scale(cfg, layer, hqk)
+    options["scale"] = softmax_scale(cfg, layer, hqk, family)
   notes = [bias_note, "q low rank" if rq else "full-rank q_proj",
            f"rope {'pairs' if interleaved else 'halves'}"]
   return params, options, "; ".join(notes)
 
 
+def _build_v3(cfg, layer, read, overrides, attention) -> registry.Built:
+  return _build(cfg, layer, read, overrides, attention, "deepseek_v3")
+
+
+def _build_v2(cfg, layer, read, overrides, attention) -> registry.Built:
+  return _build(cfg, layer, read, overrides, attention, "deepseek_v2")
+
+
 FAMILIES = (
     registry.Family(
-        name=_FAMILY, model_types=(_FAMILY,),
-        reads=("q_lora_rank", "kv_lora_rank", "rope_interleave"), build=_build,
-        prefix="layers.{layer}.self_attn.", anchor="kv_a_proj_with_mqa.weight",
+        name="deepseek_v3", model_types=("deepseek_v3",),
+        reads=("q_lora_rank", "kv_lora_rank", "rope_interleave"),
+        build=_build_v3, prefix="layers.{layer}.self_attn.",
+        anchor="kv_a_proj_with_mqa.weight",
         maps="MLA into aj.MultiHeadLatentAttention: q_lora_rank (or full-"
              "rank q_proj), kv_lora_rank, attention_bias, rope_interleave, "
              "yarn with mscale / mscale_all_dim (rotary and softmax scale)",
+        fused=(), module="latent"),
+    registry.Family(
+        name="deepseek_v2", model_types=("deepseek_v2",),
+        reads=("q_lora_rank", "kv_lora_rank"),
+        build=_build_v2, prefix="layers.{layer}.self_attn.",
+        anchor="kv_a_proj_with_mqa.weight",
+        maps="MLA into aj.MultiHeadLatentAttention: q_lora_rank (or full-"
+             "rank q_proj, V2-Lite), kv_lora_rank, attention_bias, rotary "
+             "pairs (x[2i], x[2i + 1]) always, yarn with mscale / "
+             "mscale_all_dim (rotary and softmax scale)",
         fused=(), module="latent"),
 )

@@ -4,8 +4,9 @@ A family is the modeling code of one Hugging Face model type: where a
 layer's weights live, which config keys its attention reads, and a
 ``build`` function that turns one layer's weights and config into
 ``aj.MultiHeadAttention`` (or ``aj.MultiHeadLatentAttention``) options and
-params. Each family module (``decoders``, ``fused``, ``t5``, ``latent``)
-lists its ``Family`` records; ``families`` gathers them.
+params. Each family module (``decoders``, ``multimodal``, ``others``,
+``fused_layouts``, ``encoders``, ``gpt``, ``t5``, ``latent``) lists its
+``Family`` records; ``families`` gathers them.
 """
 
 from __future__ import annotations
