@@ -121,12 +121,13 @@ def _unsupported(name: str) -> ValueError:
 
 @write.register
 def _write_paged(cache: PagedKVCache, keys: Keys, step: Step,
-                 num_heads: int):
+                 num_heads: int, append: bool = True):
   del num_heads
   if keys.bias is not None:
     raise _unsupported("bias")
-  cache = paged_cache.append(cache, keys.key, keys.value,
-                             new_lengths=step.lengths)
+  if append:  # (a shared layer reads what another appended)
+    cache = paged_cache.append(cache, keys.key, keys.value,
+                               new_lengths=step.lengths)
   m = keys.mask  # the layer's, placed at the sequences' positions there
   placed = Mask(causal=True, window=m.window, q_lengths=m.q_lengths,
                 kv_lengths=m.kv_lengths, q_segment_ids=m.q_segment_ids,
@@ -161,6 +162,56 @@ class PagedKeys(NamedTuple):
         return_lse=options.get("return_lse", False),
         return_max_logits=options.get("return_max_logits", False))
     return attention_fn_lib.results(result, options)
+
+
+class Shared(NamedTuple):
+  """Another layer's cache, already written this step, read as this layer's
+  keys and values (key/value sharing across layers: Gemma 3n's shared
+  layers, cross-layer attention, YOCO): ``place`` finds this call's tokens
+  where that layer wrote them and ``write`` writes nothing, so the queries
+  attend over exactly what that layer's queries did."""
+  cache: KVCache | PagedKVCache
+
+
+def _written(step_index, mask: Mask, b: int, t: int):
+  """Tokens each example held before this step, from the count after it."""
+  lengths = cache_step.new_lengths(mask, b, t)
+  new = t if lengths is None else jnp.asarray(lengths, jnp.int32)
+  return step_index - new
+
+
+@place.register
+def _place_shared(shared: Shared, mask: Mask, b: int, t: int) -> Step:
+  cache = shared.cache
+  if isinstance(cache, KVCache) and cache.window is not None:
+    raise ValueError(
+        "a shared layer reads another layer's linear or paged cache; a ring "
+        "buffer (init_cache(window=)) has already overwritten the slots "
+        "its window forgot, which the sharing layer's own keys may still "
+        "see. Give the layer that owns the keys a linear cache.")
+  step = place(cache, mask, b, t)  # the cache's checks, its sizes
+  index = _written(step.index, mask, b, t)
+  positions = _positions(index, t)
+  rotary = positions - (step.positions - step.rotary)
+  return step._replace(index=index, positions=positions, rotary=rotary)
+
+
+@write.register
+def _write_shared(shared: Shared, keys: Keys, step: Step, num_heads: int):
+  cache = shared.cache
+  if isinstance(cache, PagedKVCache):
+    if keys.bias is not None:
+      raise _unsupported("bias")
+    _, attended = _write_paged(cache, keys._replace(key=None, value=None),
+                               step, num_heads, append=False)
+    return shared, attended
+  # The keys that layer wrote this step, written again where they are: the
+  # same slots, the same mask, nothing changed.
+  slots = jnp.clip(step.positions, 0, cache.key.shape[2] - 1)  # [B, T]
+  take = lambda x: jnp.take_along_axis(x, slots[:, None, :, None], axis=2)
+  again = keys._replace(key=take(cache.key), value=take(cache.value))
+  _, attended = _write_linear(cache, again, step, num_heads)
+  return shared, attended
 
 
 def paged_step(k, v, m: Mask | None, cache: PagedKVCache, lengths, *,

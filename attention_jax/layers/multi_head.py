@@ -146,7 +146,8 @@ def output_projection(heads: jax.Array, layer: Mapping[str, jax.Array], *,
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["key", "value"],
-                   meta_fields=["qk_norm", "clip_qkv", "value_norm"])
+                   meta_fields=["qk_norm", "clip_qkv", "value_norm",
+                                "rotated"])
 @dataclasses.dataclass(frozen=True)
 class Memory:
   """Keys and values of a memory, projected once (``project_memory``).
@@ -155,12 +156,17 @@ class Memory:
   the key's qk-norm, the value norm): what cross-attention reuses at every
   decoding step. ``qk_norm``, ``clip_qkv``, ``value_norm``: what they were
   projected with (None: none), static; a call of other options is refused.
+  ``rotated``: another layer's own keys and values (``shared_kv``: clipped,
+  normalised and rotated at their positions as that layer does), which a
+  layer built with ``kv_shared=True`` attends over with its own queries,
+  qk-norm and rotary (key/value sharing across layers: Gemma 3n, YOCO).
   """
   key: jax.Array
   value: jax.Array
   qk_norm: qk_norm_lib.QKNorm | None = None
   clip_qkv: float | None = None
   value_norm: qk_norm_lib.QKNorm | None = None
+  rotated: bool = False
 
 
 def clip(x: jax.Array, clip_qkv: float | None) -> jax.Array:
@@ -313,6 +319,8 @@ def _check_memory(config: Config, call: Call, b: int) -> int:
   if memory.key.shape != memory.value.shape:
     raise ValueError(f"memory.key {memory.key.shape} and memory.value "
                      f"{memory.value.shape} differ.")
+  if memory.rotated:  # another layer's keys: its norms, its positions
+    return memory.key.shape[2]
   for name, what in (("qk_norm", "keys were normalised"),
                      ("clip_qkv", "keys and values were clipped"),
                      ("value_norm", "values were normalised")):
@@ -325,7 +333,8 @@ def _check_memory(config: Config, call: Call, b: int) -> int:
     raise ValueError(
         "rope with a projected memory is not supported: the memory's keys "
         "are projected once, without positions. Rotate them yourself or "
-        "attend with key/value.")
+        "attend with key/value (a layer's own rotated keys, shared with "
+        "another layer, come from shared_kv).")
   return memory.key.shape[2]
 
 
@@ -403,6 +412,10 @@ def project_inputs(config: Config, params: Params, call: Call):
   precision, dense = config.precision, call.mask.dense
   q = clip(project_heads(call.query, params["W_q"], precision=precision),
            config.clip_qkv)
+  if isinstance(call.cache, caches.Shared):  # another layer's cache:
+    k = v = jnp.zeros(q.shape[:1] + (config.dims.num_kv_heads,) + q.shape[2:],
+                      q.dtype)  # placeholders, never read (caches.Shared)
+    return q, k, v
   if call.memory is not None:
     k, v = call.memory.key, call.memory.value  # clipped and normed already
     if dense is not None:
@@ -437,6 +450,21 @@ def finish(config: Config, params: Params, query: jax.Array,
     gate = project_heads(query, params["W_g"], precision=config.precision)
     out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
   return output_projection(out, params["W_o"], precision=config.precision)
+
+
+def shared_kv(config: Config, params: Params, call: Call) -> Memory:
+  """The keys and values ``forward`` would attend over for ``call`` (no
+  cache), as a ``Memory(rotated=True)`` another layer attends over:
+  projected, clipped, normalised and rotated at the call's positions."""
+  if call.memory is not None or call.cache is not None:
+    raise ValueError("shared_kv gives a layer's own keys and values: call "
+                     "it with the layer's input, no memory or cache.")
+  call, step = check_call(config, call)
+  q, k, v = project_inputs(config, params, call)
+  if config.qk_norm is not None or config.rope is not None:
+    _, k = positions_lib.normalize_and_rotate(config, params, q, k, call,
+                                              step)
+  return Memory(k, v, rotated=True)
 
 
 def forward(config: Config, params: Params, call: Call) -> Any:

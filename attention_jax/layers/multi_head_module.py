@@ -34,6 +34,7 @@ from jax.typing import ArrayLike
 
 from attention_jax.core import checks
 from attention_jax.layers import _rngs
+from attention_jax.layers import caches
 from attention_jax.layers import multi_head
 from attention_jax.layers import multi_head_config
 from attention_jax.layers import multi_head_params
@@ -197,6 +198,7 @@ class MultiHeadAttention(DecodingCaches):
       clip_qkv: float | None = None,
       value_norm: qk_norm_lib.QKNorm | None = None,
       output_norm: qk_norm_lib.QKNorm | None = None,
+      kv_shared: bool = False,
   ):
     dims = multi_head_params.check_dims(
         d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -239,6 +241,8 @@ class MultiHeadAttention(DecodingCaches):
     self.clip_qkv = clip_qkv
     self.value_norm, self.output_norm = value_norm, output_norm
     self.rope = rope_lib.as_rope(rope)
+    checks.check_static_bool("kv_shared", kv_shared)
+    self.kv_shared = kv_shared
     self._config = self._configure()  # before the parameters it sizes
     self._create_params(rngs, use_bias, kernel_init, bias_init,
                         attention_sinks)
@@ -271,8 +275,10 @@ class MultiHeadAttention(DecodingCaches):
     if attention_sinks:
       self.sinks = nnx.Param(jnp.zeros((n,), self.param_dtype))  # [N]
     self.W_q = linear("W_q", (self.d_model,), (n, h))  # [D, N, H]
-    self.W_k = linear("W_k", (self.kv_features,), (k, h))  # [Dkv, K, H]
-    self.W_v = linear("W_v", (self.kv_features,), (k, h))  # [Dkv, K, H]
+    self.W_k = self.W_v = nnx.data(None)  # kv_shared: another layer's
+    if not self.kv_shared:
+      self.W_k = linear("W_k", (self.kv_features,), (k, h))  # [Dkv, K, H]
+      self.W_v = linear("W_v", (self.kv_features,), (k, h))  # [Dkv, K, H]
     self.W_o = linear("W_o", (n, h), (self.out_features,))  # [N, H, Dout]
     self.W_g = nnx.data(None)
     if self.output_gate is not None:  # [D, N, H] or [D, N, 1]
@@ -283,6 +289,8 @@ class MultiHeadAttention(DecodingCaches):
                               ("k_norm", config.qk_norm, k),
                               ("v_norm", config.value_norm, k),
                               ("o_norm", config.output_norm, n)):
+      if self.kv_shared and name in ("k_norm", "v_norm"):
+        norm = None  # the keys' and values' norms are the other layer's
       setattr(self, name, nnx.data(None) if norm is None or norm.weight is None
               else NormScale(h, param_dtype=self.param_dtype,
                              heads=heads if norm.weight == "per_head"
@@ -291,8 +299,13 @@ class MultiHeadAttention(DecodingCaches):
     self._names = tuple(name for name in self._layers()
                         if name not in ("sinks", "t5_bias"))
     # What a call compares its state with (nnx.update may swap in another).
-    self._shapes = (self.W_q.kernel.shape, self.W_k.kernel.shape,
-                    self.W_o.kernel.shape)
+    self._shapes = self._kernel_shapes(self._layers())
+
+  @staticmethod
+  def _kernel_shapes(layers) -> tuple[Any, ...]:
+    return tuple(layers[n].kernel.shape if hasattr(layers[n], "kernel")
+                 else layers[n]["kernel"].shape
+                 for n in ("W_q", "W_k", "W_o") if n in layers)
 
   def _source(self) -> tuple[Any, ...]:
     """The attributes the layer's ``Config`` is built from."""
@@ -392,7 +405,8 @@ class MultiHeadAttention(DecodingCaches):
     # The module's own shapes first: they say which entry is wrong, where
     # the params alone (param_dims) can only say which ones disagree.
     check_fit(self._layers(), params, multi_head_params.LAYOUT, **described)
-    multi_head_params.param_dims(params)  # dtypes, with its own messages
+    if not self.kv_shared:  # (a shared layer has no W_k to read sizes from)
+      multi_head_params.param_dims(params)  # dtypes, with its own messages
     assign_params(self._layers(), params, multi_head_params.LAYOUT,
                   **described)
 
@@ -414,6 +428,7 @@ class MultiHeadAttention(DecodingCaches):
       kv_positions: ArrayLike | None = None,
       decode: bool = False,
       cache_rows: ArrayLike | None = None,
+      shared_kv: Any = None,
   ) -> jax.Array | tuple[jax.Array, ...]:
     """Attends ``query`` to ``key``/``value``.
 
@@ -465,6 +480,12 @@ class MultiHeadAttention(DecodingCaches):
         (distinct; ``aj.paged_cache.take_rows``); the others neither write
         nor are computed (a call that prefills the new requests' prompts
         while the rest wait). Masks and lengths are over the ``B'``.
+      shared_kv: a layer built with ``kv_shared=True`` attends over another
+        layer's keys and values with its own queries, qk-norm and rotary:
+        ``other.shared_kv(x)`` (what that layer attends over for the same
+        tokens ``x``), or, with ``decode``, the other layer itself, whose
+        cache this step already wrote (a linear or paged cache; it is read,
+        never written).
 
     Returns:
       ``output [B, T, Dout]``, or a tuple of it followed by what was asked
@@ -477,7 +498,9 @@ class MultiHeadAttention(DecodingCaches):
       # (a reassigned norm must find its weights)
       multi_head_config.check_norms(config, self.params_dict())
     memory = cache = full = None
-    if decode:
+    if self.kv_shared or shared_kv is not None:
+      memory, cache = self._shared(shared_kv, key, value, decode, cache_rows)
+    elif decode:
       memory, cache, full = self.decoding_cache(key, value, cache_rows)
     elif cache_rows is not None:
       raise ValueError(CACHE_ROWS)
@@ -503,8 +526,7 @@ class MultiHeadAttention(DecodingCaches):
     if self.mask is not None:
       call_mask = self.mask if call_mask is None else self.mask & call_mask
     params = self.params_dict()
-    if (params["W_q"]["kernel"].shape, params["W_k"]["kernel"].shape,
-        params["W_o"]["kernel"].shape) != self._shapes:
+    if self._kernel_shapes(params) != self._shapes:
       self._refuse_state(params)
     score_mod = self._score_mod() if self.logits_soft_cap else self.score_mod
     result = multi_head.forward(config, params, multi_head.Call(
@@ -514,8 +536,60 @@ class MultiHeadAttention(DecodingCaches):
     if cache is None:
       return result
     result, cache = result
-    self.store_cache(cache, full, cache_rows)
+    if not isinstance(cache, caches.Shared):  # (another layer's: unwritten)
+      self.store_cache(cache, full, cache_rows)
     return result
+
+  def _shared(self, shared_kv, key, value, decode, cache_rows):
+    """``(memory, cache)`` of a ``kv_shared`` layer's call (one None)."""
+    if not self.kv_shared:
+      raise ValueError(
+          "shared_kv is for a layer built with kv_shared=True (no W_k/W_v "
+          "of its own); this layer projects its own keys and values.")
+    if key is not None or value is not None:
+      raise ValueError("a kv_shared layer attends over another layer's "
+                       "keys and values: pass shared_kv=, not key/value.")
+    if decode:
+      if not isinstance(shared_kv, MultiHeadAttention):
+        raise TypeError(
+            f"with decode=True, shared_kv is the layer whose cache this "
+            f"step wrote (a MultiHeadAttention), got "
+            f"{type(shared_kv).__name__}.")
+      memory, cache, _ = shared_kv.decoding_cache(None, None, cache_rows)
+      if cache is None:
+        raise ValueError("shared_kv's layer holds a cross-attention memory, "
+                         "not a self-attention cache: nothing to share.")
+      return None, caches.Shared(cache)
+    if not (isinstance(shared_kv, multi_head.Memory) and shared_kv.rotated):
+      raise TypeError(
+          "a kv_shared layer needs shared_kv=other.shared_kv(x) (the other "
+          "layer's keys and values for the same tokens) or, while decoding, "
+          f"shared_kv=other; got {type(shared_kv).__name__}.")
+    if cache_rows is not None:
+      raise ValueError(CACHE_ROWS)
+    return shared_kv, None
+
+  def shared_kv(self, query: ArrayLike, mask: Mask | ArrayLike | None = None,
+                *, is_causal: bool = False,
+                positions: ArrayLike | None = None) -> multi_head.Memory:
+    """This layer's keys and values for the tokens ``query [B, T, D]``
+    (clipped, normalised, rotated at ``positions``), for a
+    ``kv_shared=True`` layer to attend over: ``shared(x,
+    shared_kv=this.shared_kv(x))``. ``mask`` (a dense one zeroes keys no
+    query sees) as this layer's call would take it."""
+    if self.kv_shared:
+      raise ValueError("this layer shares another's keys and values; ask "
+                       "that layer for them.")
+    if self.dtype is not None:
+      query = jnp.asarray(query, self.dtype)
+    call_mask = mask_lib.as_mask(mask, is_causal=is_causal)
+    if self.mask is not None:
+      call_mask = self.mask if call_mask is None else self.mask & call_mask
+    return multi_head.shared_kv(self._config, self.params_dict(),
+                                multi_head.Call(
+                                    query, query, query,
+                                    NO_MASK if call_mask is None
+                                    else call_mask, positions=positions))
 
   def _refuse_state(self, params) -> None:
     """Refuses a state of other shapes than the module's (``nnx.update``

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import checks
+from attention_jax.layers import caches
 from attention_jax.layers import qk_norm as qk_norm_lib
 from attention_jax.masking.mask import Mask
 from attention_jax.scores import rope as rope_lib
@@ -33,7 +34,9 @@ def normalize_and_rotate(config, params, q: jax.Array, k: jax.Array, call,
   ``config`` (a ``multi_head_config.Config``) says; ``call`` is the
   ``multi_head.Call``, ``step`` the cache's ``caches.Step`` or None."""
   norm, rope = config.qk_norm, config.rope
-  keys_too = call.memory is None  # a memory's keys are normalised already
+  # A memory's keys are normalised already (and, another layer's, rotated);
+  # a shared cache's keys are that layer's, normalised and rotated there.
+  keys_too = call.memory is None and not isinstance(call.cache, caches.Shared)
   if norm is not None and not norm.after_rope:  # Gemma's order
     q, k = _normalize(params, q, k, norm, keys_too)
   if rope is not None:
@@ -43,7 +46,8 @@ def normalize_and_rotate(config, params, q: jax.Array, k: jax.Array, call,
       # their frequencies
       seq_len = jnp.maximum(jnp.max(q_rot), jnp.max(k_rot)) + 1
     q = rope_lib.apply_rope(q, q_rot, rope=rope, seq_len=seq_len)
-    k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
+    if keys_too:
+      k = rope_lib.apply_rope(k, k_rot, rope=rope, seq_len=seq_len)
   if norm is not None and norm.after_rope:  # Llama 4's order
     q, k = _normalize(params, q, k, norm, keys_too)
   return q, k
@@ -114,6 +118,9 @@ def rotary_positions(call, step, t: int, s: int):
     q_rot = as_positions("positions", positions, b, t, "T")
   if kv_positions is not None:
     k_rot = as_positions("kv_positions", kv_positions, b, s, "S")
+  elif positions is not None and call.memory is not None:
+    k_rot = q_rot  # a memory's keys are not rotated here (rotary_positions'
+    # caller rotates only the queries then)
   elif positions is not None:
     if not (call.key is call.query and call.value is call.query):
       raise ValueError(
