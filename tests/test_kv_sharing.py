@@ -8,6 +8,9 @@ token and chunked, through the other layer's linear and paged caches, it
 equals the whole-sequence call. Then the refusals.
 """
 
+import json
+import pathlib
+
 from absl.testing import absltest
 from absl.testing import parameterized
 from flax import nnx
@@ -16,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from attention_jax.interop import checkpoints
 
 D, N, K, H, T, B = 16, 4, 2, 4, 7, 2
 # float32 layers against float64: projections of 16 terms, softmax over <= 7
@@ -136,3 +140,38 @@ class KVSharingTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class Gemma3nTest(absltest.TestCase):
+  """Gemma 3n's shared layers, loaded, against transformers' outputs."""
+
+  def test_shared_layers_match_transformers(self):
+    z = np.load(pathlib.Path(__file__).parent / "golden" / "gemma3n.npz")
+    sd = {k[3:]: z[k] for k in z.files if k.startswith("sd/")}
+    cfg = json.loads(str(z["config_json"]))
+    load = lambda i: checkpoints.load_attention_weights(sd, config=cfg,
+                                                        layer=i)
+    for layer, source in ((2, 0), (3, 1)):
+      with self.subTest(layer=layer):
+        loaded = load(layer)
+        self.assertEqual(loaded.kv_source, source)
+        self.assertTrue(loaded.options["kv_shared"])
+        self.assertNotIn("W_k", loaded.params)
+        owner = load(source)
+        self.assertIsNone(owner.kv_source)
+        kv = owner.module().shared_kv(jnp.asarray(z[f"in/{source}"]))
+        got = loaded.module()(jnp.asarray(z[f"in_shared/{layer}"]),
+                              shared_kv=kv)
+        want = z[f"out_shared/{layer}"]
+        # float32 both sides, as tests/test_checkpoints.py's REL_TOL.
+        self.assertLess(np.abs(got - want).max(), 1e-5 * np.abs(want).max())
+    # The value norm and scale 1 are seen: dropping either moves layer 0.
+    loaded = load(0)
+    x, want = jnp.asarray(z["in/0"]), z["out/0"]
+    for change in (dict(value_norm=None), dict(scale=None)):
+      with self.subTest(**change):
+        module = aj.MultiHeadAttention(**{**loaded.options, **change},
+                                       rngs=nnx.Rngs(0))
+        module.load_params(loaded.params)
+        self.assertGreater(np.abs(module(x) - want).max(),
+                           1e-3 * np.abs(want).max())

@@ -339,6 +339,17 @@ def more_configs() -> dict:
           base, num_experts=4, moe_topk=2, rope_parameters=dict(
               rope_type="dynamic", rope_theta=10000.0, alpha=4.0,
               factor=1.0))),
+      # Four layers (sliding, full, sliding, full); the last two reuse the
+      # keys and values of layers 0 and 1 (recorded as in_shared/<layer>).
+      "gemma3n": ("Gemma3nTextConfig", dict(
+          base, num_hidden_layers=4, vocab_size_per_layer_input=128,
+          hidden_size_per_layer_input=8, laurel_rank=4,
+          num_kv_shared_layers=2, layer_types=two * 2, sliding_window=4,
+          activation_sparsity_pattern=[0.0] * 4, rope_parameters={
+              "sliding_attention": dict(rope_type="default",
+                                        rope_theta=10000.0),
+              "full_attention": dict(rope_type="default",
+                                     rope_theta=1e6)})),
       "vaultgemma": ("VaultGemmaConfig", dict(
           base, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
           sliding_window=4, layer_types=two)),
@@ -480,6 +491,10 @@ def main(argv: list[str]) -> None:
   families = argv[1:] or list(configs())
   for family in families:
     arrays = make(family, torch, transformers)
+    if family == "gemma3n":  # layers 2, 3 attend over layers 0, 1's keys
+      for layer in ("2", "3"):  # (the generic golden test runs each alone)
+        for kind in ("in", "out"):
+          arrays[f"{kind}_shared/{layer}"] = arrays.pop(f"{kind}/{layer}")
     path = os.path.join(OUT_DIR, f"{family}.npz")
     np.savez(path, **arrays)
     outs = [k for k in arrays if k.startswith(("out/", "out_short/"))]

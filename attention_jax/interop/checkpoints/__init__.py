@@ -67,7 +67,7 @@ _FIXED = ("d_model", "num_heads", "num_kv_heads", "head_dim", "use_bias",
           "attention_sinks", "rope", "score_mod", "output_gate", "t5_bias",
           "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
           "qk_rope_head_dim", "v_head_dim", "out_features", "clip_qkv",
-          "value_norm", "output_norm")
+          "value_norm", "output_norm", "kv_shared")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -92,6 +92,10 @@ class LoadedAttention:
       layer (``d_model``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
       ``use_bias``, ``normalize_qk``, ``mask``, ``scale``,
       ``logits_soft_cap``, ``attention_sinks``, ``rope``, ``param_dtype``).
+    kv_source: the layer whose keys and values this one attends over (a
+      ``kv_shared=True`` layer: Gemma 3n's last layers), else None: call
+      its module with ``shared_kv=`` that layer's ``shared_kv(x)`` (or,
+      decoding, that layer's module).
   """
 
   family: str
@@ -100,6 +104,7 @@ class LoadedAttention:
   params: multi_head.Params
   options: Mapping[str, Any]
   attention: str = "self"
+  kv_source: int | None = None
 
   @property
   def sinks(self) -> jax.Array | None:
@@ -452,6 +457,7 @@ def load_attention_weights(
   read = reading.Reader(state_dict, prefix, spec, layer, FAMILIES, cfg)
   arrays, options, notes = spec.build(cfg, layer, read, overrides, attention)
   read.check_all_taken(notes)
+  kv_source = options.pop("kv_source", None)
   options.update(overrides)
   options = {k: v for k, v in options.items() if v is not None
              or k in ("rope", "scale", "mask")}
@@ -462,4 +468,4 @@ def load_attention_weights(
   options["param_dtype"] = param_dtype
   return LoadedAttention(
       family=family, layer=layer, prefix=prefix, params=params,
-      options=options, attention=attention)
+      options=options, attention=attention, kv_source=kv_source)

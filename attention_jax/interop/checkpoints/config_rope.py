@@ -17,6 +17,7 @@ from attention_jax.scores import rope as rope_lib
 # HF's default rotary base per family when a config gives none
 # (``default_theta`` of the config class; Gemma 3: global, local).
 DEFAULT_THETA = {"gpt_oss": 150000.0, "gemma3": (1e6, 10000.0),
+                 "gemma3n": (1e6, 10000.0),
                  "mixtral": 1e6, "cohere": 500000.0, "cohere2": 500000.0,
                  "llama4": 500000.0, "olmo3": 500000.0, "smollm3": 2e6,
                  "ernie4_5_moe": 500000.0}
@@ -25,7 +26,7 @@ DEFAULT_WINDOW = {"gemma2": 4096, "gemma3": 4096, "mistral": 4096,
                    "qwen2": 4096, "qwen3": 4096, "gpt_oss": 128,
                    "cohere2": 4096, "ministral": 4096, "qwen2_moe": 4096,
                    "qwen3_moe": 4096, "dots1": 4096, "olmo3": 4096,
-                   "exaone4": 4096, "vaultgemma": 4096}
+                   "exaone4": 4096, "vaultgemma": 4096, "gemma3n": 512}
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                  "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -61,7 +62,7 @@ _ANY_TYPE = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 _WINDOWED = ("mistral", "mixtral", "starcoder2", "phi3", "qwen2", "qwen3",
              "gemma2", "gemma3", "gpt_oss", "cohere2", "ministral",
              "qwen2_moe", "qwen3_moe", "dots1", "olmo3", "exaone4",
-             "smollm3", "vaultgemma")
+             "smollm3", "vaultgemma", "gemma3n")
 EVERY_LAYER = ("mistral", "mixtral", "starcoder2", "phi3", "qwen3_moe")
 # Windows only with use_sliding_window (HF drops sliding_window without it).
 _SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
@@ -70,6 +71,7 @@ _SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
 _DERIVED_TYPES = {
     "olmo3": lambda cfg, i: bool((i + 1) % 4),
     "vaultgemma": lambda cfg, i: bool((i + 1) % 2),
+    "gemma3n": lambda cfg, i: bool((i + 1) % 5),
     "ministral": lambda cfg, i: cfg.get("sliding_window", 4096) is not None,
     "qwen2_moe": lambda cfg, i: bool(
         (i + 1) % 2 and i < cfg.get("max_window_layers", 28)
@@ -165,7 +167,7 @@ def rope_parameters(cfg: Mapping[str, Any], family: str,
   theta = DEFAULT_THETA.get(family, 10000.0)
   scaling = cfg.get("rope_scaling")  # old format; HF prefers it
   params = cfg.get("rope_parameters")
-  if family == "gemma3":
+  if family in ("gemma3", "gemma3n"):  # (Gemma 3n's config class: the same)
     global_theta, local_theta = theta
     if isinstance(params, Mapping):  # Gemma 3's are nested by layer type
       if not isinstance(params.get(kind), Mapping):

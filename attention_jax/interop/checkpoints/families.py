@@ -5,6 +5,7 @@ from __future__ import annotations
 from attention_jax.interop.checkpoints import decoders
 from attention_jax.interop.checkpoints import encoders
 from attention_jax.interop.checkpoints import fused_layouts
+from attention_jax.interop.checkpoints import gemma3n
 from attention_jax.interop.checkpoints import gpt
 from attention_jax.interop.checkpoints import latent
 from attention_jax.interop.checkpoints import multimodal
@@ -17,4 +18,4 @@ FAMILIES = registry.by_name((*decoders.FAMILIES, *gpt.FAMILIES,
                              *t5.FAMILIES, *latent.FAMILIES,
                              *encoders.FAMILIES, *others.FAMILIES,
                              *fused_layouts.FAMILIES,
-                             *multimodal.FAMILIES))
+                             *multimodal.FAMILIES, *gemma3n.FAMILIES))
