@@ -86,6 +86,23 @@ class NeverGuessTest(parameterized.TestCase):
                         f"{golden}'s config read as {other} computes "
                         "something else")
 
+  def test_multimodal_rotary_configs_are_refused_by_every_other_family(self):
+    # The Qwen-VL goldens' layers need their [3, B, T] positions, so they
+    # are not run here: no other family may read their configs at all.
+    for path in sorted(GOLDEN.glob("qwen*_vl.npz")):
+      sd, cfg, _ = _golden(path.stem)
+      text = cfg.get("text_config", cfg)
+      for config in (cfg, {k: v for k, v in text.items()
+                           if k != "model_type"}):
+        for other in FAMILIES:
+          if other == path.stem or FAMILIES[other].attentions != ("self",):
+            continue
+          with self.subTest(golden=path.stem, other=other,
+                            typed="model_type" in config), self.assertRaises(
+                                ValueError):
+            checkpoints.load_attention_weights(sd, family=other,
+                                               config=config, layer=0)
+
   def test_the_family_comes_from_model_type(self):
     sd, cfg, calls = _golden("granite")
     loaded = checkpoints.load_attention_weights(sd, config=cfg, layer=0)
