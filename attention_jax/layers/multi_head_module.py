@@ -540,35 +540,6 @@ class MultiHeadAttention(DecodingCaches):
       self.store_cache(cache, full, cache_rows)
     return result
 
-  def _shared(self, shared_kv, key, value, decode, cache_rows):
-    """``(memory, cache)`` of a ``kv_shared`` layer's call (one None)."""
-    if not self.kv_shared:
-      raise ValueError(
-          "shared_kv is for a layer built with kv_shared=True (no W_k/W_v "
-          "of its own); this layer projects its own keys and values.")
-    if key is not None or value is not None:
-      raise ValueError("a kv_shared layer attends over another layer's "
-                       "keys and values: pass shared_kv=, not key/value.")
-    if decode:
-      if not isinstance(shared_kv, MultiHeadAttention):
-        raise TypeError(
-            f"with decode=True, shared_kv is the layer whose cache this "
-            f"step wrote (a MultiHeadAttention), got "
-            f"{type(shared_kv).__name__}.")
-      memory, cache, _ = shared_kv.decoding_cache(None, None, cache_rows)
-      if cache is None:
-        raise ValueError("shared_kv's layer holds a cross-attention memory, "
-                         "not a self-attention cache: nothing to share.")
-      return None, caches.Shared(cache)
-    if not (isinstance(shared_kv, multi_head.Memory) and shared_kv.rotated):
-      raise TypeError(
-          "a kv_shared layer needs shared_kv=other.shared_kv(x) (the other "
-          "layer's keys and values for the same tokens) or, while decoding, "
-          f"shared_kv=other; got {type(shared_kv).__name__}.")
-    if cache_rows is not None:
-      raise ValueError(CACHE_ROWS)
-    return shared_kv, None
-
   def shared_kv(self, query: ArrayLike, mask: Mask | ArrayLike | None = None,
                 *, is_causal: bool = False,
                 positions: ArrayLike | None = None) -> multi_head.Memory:
