@@ -202,6 +202,9 @@ class NewerFamiliesTest(parameterized.TestCase):
        dict(logits_soft_cap=None)),
       ("hunyuan_ntk_alpha", "hunyuan_v1_dense", 0,
        dict(rope=aj.Rope())),
+      ("ministral3_query_scale", "ministral3", 0, dict(score_mod=None)),
+      ("ministral3_from_zero", "ministral3", 1, dict(
+          score_mod=aj.query_temperature(floor_scale=4.0, attn_scale=0.5))),
   )
   def test_dropping_the_option_is_seen(self, golden, layer, change):
     sd, cfg, calls = _golden(golden)

@@ -146,3 +146,18 @@ class ChainTest(absltest.TestCase):
           implementation="dense")
       np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6,
                                  err_msg=impl)
+
+
+class QueryTemperatureTest(absltest.TestCase):
+
+  def test_positions_from_one_or_zero(self):
+    # 1 + s * log1p(floor((i + offset) / F)), F = 4, s = 0.5, i = 0..8.
+    i = np.arange(9.0)
+    for offset in (1, 0):
+      mod = aj.query_temperature(floor_scale=4.0, attn_scale=0.5,
+                                 offset=offset)
+      got = mod(jnp.ones((9, 1)), 0, 0, jnp.arange(9)[:, None], 0).ravel()
+      want = 1 + 0.5 * np.log1p(np.floor((i + offset) / 4.0))
+      np.testing.assert_allclose(got, want, rtol=1e-6)  # float32 log1p
+    with self.assertRaisesRegex(ValueError, "offset must be 1"):
+      aj.query_temperature(floor_scale=4.0, attn_scale=0.5, offset=2)

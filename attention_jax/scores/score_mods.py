@@ -355,28 +355,34 @@ def soft_cap(cap: float) -> ScoreMod:
 class _QueryTemperature:
   floor_scale: float
   attn_scale: float
+  offset: float = 1.0
 
   def __call__(self, score, b, h, q_idx, kv_idx, params):
     del b, h, kv_idx, params
     position = q_idx.astype(jnp.float32)
-    temperature = (jnp.log1p(jnp.floor((position + 1.0) / self.floor_scale))
+    temperature = (jnp.log1p(jnp.floor((position + self.offset)
+                                       / self.floor_scale))
                    * self.attn_scale + 1.0)
     return score * temperature.astype(score.dtype)
 
 
-def query_temperature(*, floor_scale: float, attn_scale: float) -> ScoreMod:
+def query_temperature(*, floor_scale: float, attn_scale: float,
+                      offset: int = 1) -> ScoreMod:
   """Llama 4's attention temperature tuning on its NoPE layers.
 
   The query at position ``i`` is multiplied by ``1 + attn_scale *
-  log1p(floor((i + 1) / floor_scale))`` (Llama 4's modeling code, from
+  log1p(floor((i + offset) / floor_scale))`` (Llama 4's modeling code, from
   "Scalable-Softmax Is Superior for Attention", arXiv 2501.19399), so its
   scores are: flatter attention grows sharper with the context length. It
-  is 1 for ``i + 1 < floor_scale``. Positions are the query indices
+  is 1 for ``i + offset < floor_scale``. Positions are the query indices
   (absolute positions while decoding, as for every modifier).
 
   Args:
-    floor_scale: a positive Python number (Llama 4: 8192).
-    attn_scale: a Python number (Llama 4: 0.1).
+    floor_scale: a positive Python number (Llama 4: 8192; Ministral 3: the
+      rope's original_max_position_embeddings).
+    attn_scale: a Python number (Llama 4: 0.1; Ministral 3: its
+      llama_4_scaling_beta).
+    offset: 1 (Llama 4 counts positions from 1) or 0 (Ministral 3 from 0).
 
   Example:
     >>> mod = query_temperature(floor_scale=2.0, attn_scale=1.0)
@@ -393,5 +399,9 @@ def query_temperature(*, floor_scale: float, attn_scale: float) -> ScoreMod:
   if floor_scale <= 0:
     raise ValueError(f"query_temperature's floor_scale must be positive, "
                      f"got {floor_scale}.")
-  return ScoreMod(_QueryTemperature(float(floor_scale), float(attn_scale)),
-                  blocks=False)
+  if isinstance(offset, bool) or offset not in (0, 1):
+    raise ValueError(f"query_temperature's offset must be 1 (Llama 4's "
+                     f"positions from 1) or 0 (Ministral 3's), got "
+                     f"{offset!r}.")
+  return ScoreMod(_QueryTemperature(float(floor_scale), float(attn_scale),
+                                    float(offset)), blocks=False)

@@ -330,6 +330,14 @@ def more_configs() -> dict:
           base, no_rope_layers=[1, 0], use_sliding_window=True,
           sliding_window=4)),
       "gemma": ("GemmaConfig", base),
+      # Its real yarn rope and query scale, stepping every 4 positions.
+      "ministral3": ("Ministral3Config", dict(
+          base, sliding_window=None, max_position_embeddings=64,
+          rope_parameters=dict(
+              type="yarn", rope_theta=1e6, factor=16.0,
+              original_max_position_embeddings=4, max_position_embeddings=64,
+              beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0,
+              llama_4_scaling_beta=0.5))),
       # A fixed NTK base (dynamic with alpha 4); qk-norm after rotary.
       "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(
           base, attention_bias=True, rope_parameters=dict(

@@ -60,10 +60,12 @@ _ANY_TYPE = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 # Families whose attention may slide (the rest never read a window), and
 # those that window every layer when they do.
 _WINDOWED = ("mistral", "mixtral", "starcoder2", "phi3", "qwen2", "qwen3",
+             "ministral3",
              "gemma2", "gemma3", "gpt_oss", "cohere2", "ministral",
              "qwen2_moe", "qwen3_moe", "dots1", "olmo3", "exaone4",
              "smollm3", "vaultgemma", "gemma3n")
-EVERY_LAYER = ("mistral", "mixtral", "starcoder2", "phi3", "qwen3_moe")
+EVERY_LAYER = ("mistral", "mixtral", "starcoder2", "phi3", "qwen3_moe",
+               "ministral3")
 # Windows only with use_sliding_window (HF drops sliding_window without it).
 _SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
 # Layer types the config class derives when a config gives none: {family:

@@ -134,6 +134,9 @@ _TRAITS = {
     "smollm3": _Traits(rope_layers="no_rope_layers"),
     "gemma": _Traits(),
     "vaultgemma": _Traits(gemma_scale=True),
+    "ministral3": _Traits(biases="none",
+                          rope_fields=("llama_4_scaling_beta",
+                                       "max_position_embeddings")),
     "hunyuan_v1_dense": _Traits(qk_norm="rms_after", derives_head_dim=True,
                                 norm_names=("query_layernorm",
                                             "key_layernorm"),
@@ -294,6 +297,8 @@ def build(cfg: Mapping[str, Any], family: str, layer: int,
   options["rope"] = _rope(cfg, family, layer, traits, overrides)
   if family == "llama4":
     _llama4_temperature(cfg, layer, options, notes)
+  if family == "ministral3" and "score_mod" not in overrides:
+    _ministral3_temperature(cfg, layer, options, notes)
   norm = overrides.get("normalize_qk", _qk_norm(cfg, family, layer, traits))
   read_norms(read, params, options, notes, norm, n=n, k=k, h=h,
              whole_width=traits.qk_norm in ("olmo",),  # OLMo 2: [N * H]
@@ -358,6 +363,26 @@ def _llama4_temperature(cfg: Mapping[str, Any], layer: int,
                f"attn_scale={attn_scale})")
 
 
+def _ministral3_temperature(cfg: Mapping[str, Any], layer: int,
+                            options: dict[str, Any], notes: list[str]) -> None:
+  """Ministral 3's query scale ``1 + beta * log(1 + floor(i / original))``
+  (``llama_4_scaling_beta``, the rope's pretraining length), on every
+  layer: Llama 4's temperature with positions counted from 0."""
+  p = config_rope.rope_parameters(cfg, "ministral3", layer)
+  beta = p.get("llama_4_scaling_beta")
+  if not beta:
+    return
+  original = p.get("original_max_position_embeddings")
+  if original is None:
+    raise ValueError(
+        "config's rope parameters have llama_4_scaling_beta but no "
+        "original_max_position_embeddings, the length its query scale "
+        "steps at: add it.")
+  options["score_mod"] = score_mods.query_temperature(
+      floor_scale=float(original), attn_scale=float(beta), offset=0)
+  notes.append(f"query scale (beta={beta}, every {original} positions)")
+
+
 def read_norms(read: reading.Reader, params: dict[str, Any],
                options: dict[str, Any], notes: list[str], norm, *, n: int,
                k: int, h: int, whole_width: bool = False,
@@ -419,6 +444,7 @@ _REQUIRES = {
     "qwen3_moe": ("use_sliding_window",), "dots1": ("max_window_layers",),
     "smollm3": ("no_rope_layers",),
     "helium": ("model_type",), "glm": ("model_type",),
+    "ministral3": ("model_type",),
     "glm4": ("model_type",),
 }
 
@@ -546,6 +572,9 @@ FAMILIES = (
             "no_rope_layers (NoPE layers); attention_bias; window on NoPE "
             "layers with use_sliding_window; rope"),
     _family("gemma", ("gemma",), (), "attention_bias; rope (Gemma 1)"),
+    _family("ministral3", ("ministral3",), ("sliding_window",),
+            "no biases; sliding_window on every layer; yarn rope; the "
+            "llama_4_scaling_beta query scale by position"),
     _family("hunyuan_v1_dense", ("hunyuan_v1_dense",), (),
             "attention_bias; qk-norm RMSNorm [H] after rotary "
             "(query_layernorm, key_layernorm); rope, or NTK-alpha (a "
