@@ -255,7 +255,8 @@ def family_table() -> str:
           "a config without model_type needs |", "|---|---|---|---|---|"]
   for name, family in FAMILIES.items():
     cell = lambda keys: ", ".join(f"`{k}`" for k in keys) or "-"
-    rows.append(f"| `{name}` | {cell(family.model_types)} | {family.maps} | "
+    maps = family.maps.replace("|", "\\|")  # a cell of the table
+    rows.append(f"| `{name}` | {cell(family.model_types)} | {maps} | "
                 f"{cell(family.reads)} | {cell(family.requires)} |")
   return "\n".join(rows)
 
