@@ -388,10 +388,14 @@ def load_attention_weights(
     ``.module(rngs=...)``, the layer built.
 
   Raises:
-    ValueError: an unknown family (the known ones listed); a config of
-      another model type (or without one, with another family's keys), a
-      fused q/k/v weight, an unknown ``overrides`` name (the valid ones
-      listed), a missing config key, an option we cannot
+    ValueError: an unknown family or model type (the nearest supported
+      one named); neither ``family=`` nor a ``model_type`` (the families
+      whose weights the state dict has named); a config of another model
+      type, or setting a key this family does not read (``registry.SIGNS``),
+      or without ``model_type`` and lacking the keys its family's configs
+      always have (``Family.requires``); a rope field its rope type does not
+      read; a fused q/k/v weight, an unknown ``overrides`` name (the valid
+      ones listed), a missing config key, an option we cannot
       reproduce (a rope type without an ``aj.Rope`` scaling, bidirectional
       Gemma, a Qwen3-Next linear-attention layer); a missing or
       unused state-dict key (named with the prefix); a wrong shape (named,
