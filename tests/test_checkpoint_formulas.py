@@ -46,6 +46,7 @@ class Formula:
   windows: tuple[int | None, ...] = (None, None)  # per layer: q - k < W
   rotates: tuple[bool, ...] = (True, True)  # per layer
   soft_cap: float | None = None
+  value_rms: bool = False  # Gemma 3n: a weightless RMSNorm on the values
 
 
 FORMULAS = {
@@ -72,6 +73,8 @@ FORMULAS = {
     "gemma": Formula(),
     "vaultgemma": Formula(scale=24 ** -0.5, windows=(4, None),
                           soft_cap=5.0),
+    "gemma3n": Formula(scale=1.0, qk_norm="rms", value_rms=True,
+                       windows=(4, None)),
     "hunyuan_v1_dense": Formula(biases="all", qk_norm="rms",
                                 norm_after_rope=True, ntk_alpha=4.0,
                                 norm_names=("query_layernorm",
@@ -107,17 +110,23 @@ def _rotate(x, base, fraction, pairs, alpha):
   return np.concatenate([out, rest], -1)
 
 
-def formula_attention(f: Formula, sd, cfg, layer: int, x):
-  """The layer's output ``[B, T, D]`` in float64, from the formula."""
+def formula_attention(f: Formula, sd, cfg, layer: int, x, shared=None):
+  """The layer's output ``[B, T, D]`` in float64, from the formula;
+  ``shared``: ``(layer, its input)`` whose keys and values it reuses
+  (Gemma 3n's shared layers)."""
   p = f"model.layers.{layer}.self_attn."
-  w = lambda name: np.asarray(sd[p + name], np.float64)
+  w = lambda name: np.asarray(sd[(kv_p if name[0] in "kv" else p) + name],
+                              np.float64)
+  kv_p = p if shared is None else f"model.layers.{shared[0]}.self_attn."
   n, k = cfg["num_attention_heads"], cfg["num_key_value_heads"]
   h = cfg.get("head_dim") or cfg["hidden_size"] // n
   x = np.asarray(x, np.float64)
   b, t, _ = x.shape
 
+  kv_x = x if shared is None else np.asarray(shared[1], np.float64)
+
   def proj(name, heads, bias):
-    y = x @ w(f"{name}_proj.weight").T
+    y = (x if name == "q" else kv_x) @ w(f"{name}_proj.weight").T
     if bias:
       y = y + w(f"{name}_proj.bias")
     return y.reshape(b, t, heads, h).transpose(0, 2, 1, 3)  # [B, h, T, H]
@@ -139,6 +148,8 @@ def formula_attention(f: Formula, sd, cfg, layer: int, x):
     return (_rms(q, w(f.norm_names[0] + ".weight"), eps, offset),
             _rms(key, w(f.norm_names[1] + ".weight"), eps, offset))
 
+  if f.value_rms:
+    v = _rms(v, 1.0, eps)
   if f.qk_norm and not f.norm_after_rope:
     q, key = norm(q, key)
   if f.rotates[layer]:
@@ -192,6 +203,26 @@ class FormulaTest(parameterized.TestCase):
     self.assertLess(np.abs(got - want).max(), REL_TOL * scale)
     # The formula is transformers' too (its recorded output, float32).
     self.assertLess(np.abs(z[f"out/{layer}"] - want).max(), REL_TOL * scale)
+
+  def test_gemma3n_shared_layers_equal_the_formula(self):
+    z, sd, cfg = _golden("gemma3n")
+    for layer, source in ((2, 0), (3, 1)):
+      with self.subTest(layer=layer):
+        x, x_source = z[f"in_shared/{layer}"], z[f"in/{source}"]
+        f = dataclasses.replace(FORMULAS["gemma3n"],
+                                windows=(4, None, 4, None),
+                                rotates=(True,) * 4)
+        want = formula_attention(f, sd, cfg, layer, x,
+                                 shared=(source, x_source))
+        owner = checkpoints.load_attention_weights(sd, config=cfg,
+                                                   layer=source).module()
+        got = checkpoints.load_attention_weights(
+            sd, config=cfg, layer=layer).module()(
+                jnp.asarray(x), shared_kv=owner.shared_kv(
+                    jnp.asarray(x_source)))
+        scale = np.abs(want).max()
+        self.assertLess(np.abs(np.asarray(got) - want).max(),
+                        REL_TOL * scale)
 
   def test_the_formulas_tell_the_options_apart(self):
     # The reference is not blind to what it checks: a changed row moves
