@@ -47,6 +47,9 @@ class Formula:
   rotates: tuple[bool, ...] = (True, True)  # per layer
   soft_cap: float | None = None
   value_rms: bool = False  # Gemma 3n: a weightless RMSNorm on the values
+  yarn: bool = False  # the rope parameters' YaRN frequencies (Ministral 3)
+  # Ministral 3: queries times 1 + beta * log(1 + floor(i / original)).
+  query_scale: tuple[float, int] | None = None
 
 
 FORMULAS = {
@@ -73,6 +76,7 @@ FORMULAS = {
     "gemma": Formula(),
     "vaultgemma": Formula(scale=24 ** -0.5, windows=(4, None),
                           soft_cap=5.0),
+    "ministral3": Formula(yarn=True, query_scale=(0.5, 4)),
     "gemma3n": Formula(scale=1.0, qk_norm="rms", value_rms=True,
                        windows=(4, None)),
     "hunyuan_v1_dense": Formula(biases="all", qk_norm="rms",
@@ -90,13 +94,30 @@ def _rms(x, w, eps, offset=0.0):
   return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * (offset + w)
 
 
-def _rotate(x, base, fraction, pairs, alpha):
+def _yarn(base, r, rope):
+  """YaRN's inverse frequencies ``[R / 2]`` (HF's _compute_yarn_parameters,
+  truncated correction range; its magnitude is 1 when mscale equals
+  mscale_all_dim, as in the goldens)."""
+  factor, original = rope["factor"], rope["original_max_position_embeddings"]
+  dim_at = lambda rot: (r * np.log(original / (rot * 2 * np.pi))
+                        / (2 * np.log(base)))
+  low = max(np.floor(dim_at(rope.get("beta_fast", 32.0))), 0)
+  high = min(np.ceil(dim_at(rope.get("beta_slow", 1.0))), r - 1)
+  ramp = np.clip((np.arange(r // 2) - low) / max(high - low, 1e-3), 0, 1)
+  extrapolate = 1 - ramp
+  freqs = base ** (np.arange(0, r, 2, dtype=np.float64) / r)
+  return (1 / (factor * freqs)) * (1 - extrapolate) + (1 / freqs) * extrapolate
+
+
+def _rotate(x, base, fraction, pairs, alpha, yarn=None):
   """Rotary embedding of ``x [B, heads, T, H]`` at positions ``0..T-1``."""
   h = x.shape[-1]
   r = int(h * fraction)
   if alpha is not None:  # Hunyuan's fixed NTK base
     base = base * alpha ** (h / (h - 2))
   inv = base ** (-np.arange(0, r, 2, dtype=np.float64) / r)  # [R / 2]
+  if yarn is not None:
+    inv = _yarn(base, r, yarn)
   angles = np.arange(x.shape[2])[:, None] * inv[None]  # [T, R / 2]
   cos, sin = np.cos(angles), np.sin(angles)
   rot, rest = x[..., :r], x[..., r:]
@@ -158,13 +179,17 @@ def formula_attention(f: Formula, sd, cfg, layer: int, x, shared=None):
     if isinstance(rope.get(kind), dict):  # OLMo 3: nested by layer type
       rope = rope[kind]
     base = rope["rope_theta"]
-    q, key = (_rotate(y, base, f.fraction, f.pairs, f.ntk_alpha)
-              for y in (q, key))
+    q, key = (_rotate(y, base, f.fraction, f.pairs, f.ntk_alpha,
+                      rope if f.yarn else None) for y in (q, key))
   if f.qk_norm and f.norm_after_rope:
     q, key = norm(q, key)
   key, v = (np.repeat(y, n // k, axis=1) for y in (key, v))  # GQA
   scores = np.einsum("bnqh,bnkh->bnqk", q, key) * (
       h ** -0.5 if f.scale is None else f.scale)
+  if f.query_scale is not None:
+    beta, original = f.query_scale
+    scores = scores * (1 + beta * np.log1p(np.floor(np.arange(t) / original))
+                       )[:, None]
   if f.soft_cap is not None:
     scores = f.soft_cap * np.tanh(scores / f.soft_cap)
   i, j = np.arange(t)[:, None], np.arange(t)[None]
