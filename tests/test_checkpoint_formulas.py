@@ -50,6 +50,9 @@ class Formula:
   yarn: bool = False  # the rope parameters' YaRN frequencies (Ministral 3)
   # Ministral 3: queries times 1 + beta * log(1 + floor(i / original)).
   query_scale: tuple[float, int] | None = None
+  # Qwen-VL: each frequency turns at one of three positions (time, height,
+  # width): "blocked" by mrope_section, or Qwen3-VL's "interleaved".
+  mrope: str | None = None
 
 
 FORMULAS = {
@@ -77,6 +80,9 @@ FORMULAS = {
     "vaultgemma": Formula(scale=24 ** -0.5, windows=(4, None),
                           soft_cap=5.0),
     "ministral3": Formula(yarn=True, query_scale=(0.5, 4)),
+    "qwen2_vl": Formula(biases="qkv", windows=(None, 4), mrope="blocked"),
+    "qwen2_5_vl": Formula(biases="qkv", mrope="blocked"),
+    "qwen3_vl": Formula(biases="all", qk_norm="rms", mrope="interleaved"),
     "gemma3n": Formula(scale=1.0, qk_norm="rms", value_rms=True,
                        windows=(4, None)),
     "hunyuan_v1_dense": Formula(biases="all", qk_norm="rms",
@@ -109,8 +115,19 @@ def _yarn(base, r, rope):
   return (1 / (factor * freqs)) * (1 - extrapolate) + (1 / freqs) * extrapolate
 
 
-def _rotate(x, base, fraction, pairs, alpha, yarn=None):
-  """Rotary embedding of ``x [B, heads, T, H]`` at positions ``0..T-1``."""
+def _mrope_axes(sections, layout):
+  """Which of time, height, width (0, 1, 2) turns each frequency."""
+  if layout == "blocked":  # Qwen2-VL: [T...T H...H W...W]
+    return np.repeat(np.arange(3), sections)
+  axes = np.zeros(sum(sections), int)  # Qwen3-VL: T H W T H W ... T T
+  axes[1:3 * sections[1]:3] = 1
+  axes[2:3 * sections[2]:3] = 2
+  return axes
+
+
+def _rotate(x, base, fraction, pairs, alpha, yarn=None, mrope=None):
+  """Rotary embedding of ``x [B, heads, T, H]`` at positions ``0..T-1``
+  (``mrope``: ``(positions [3, B, T], axis of each frequency)``)."""
   h = x.shape[-1]
   r = int(h * fraction)
   if alpha is not None:  # Hunyuan's fixed NTK base
@@ -119,6 +136,10 @@ def _rotate(x, base, fraction, pairs, alpha, yarn=None):
   if yarn is not None:
     inv = _yarn(base, r, yarn)
   angles = np.arange(x.shape[2])[:, None] * inv[None]  # [T, R / 2]
+  if mrope is not None:
+    positions, axes = mrope  # [3, B, T], [R / 2]
+    angles = (np.asarray(positions, np.float64)[axes].transpose(1, 2, 0)
+              * inv)[:, None]  # [B, 1, T, R / 2]
   cos, sin = np.cos(angles), np.sin(angles)
   rot, rest = x[..., :r], x[..., r:]
   if pairs == "half":  # (x_i, x_{i + R/2}) turn together
@@ -131,11 +152,15 @@ def _rotate(x, base, fraction, pairs, alpha, yarn=None):
   return np.concatenate([out, rest], -1)
 
 
-def formula_attention(f: Formula, sd, cfg, layer: int, x, shared=None):
+def formula_attention(f: Formula, sd, cfg, layer: int, x, shared=None,
+                      positions=None):
   """The layer's output ``[B, T, D]`` in float64, from the formula;
   ``shared``: ``(layer, its input)`` whose keys and values it reuses
-  (Gemma 3n's shared layers)."""
+  (Gemma 3n's shared layers); ``positions [3, B, T]``: M-RoPE's."""
   p = f"model.layers.{layer}.self_attn."
+  if f.mrope is not None:  # a vision-language model's language model
+    p, cfg = f"model.language_model.layers.{layer}.self_attn.", cfg[
+        "text_config"]
   w = lambda name: np.asarray(sd[(kv_p if name[0] in "kv" else p) + name],
                               np.float64)
   kv_p = p if shared is None else f"model.layers.{shared[0]}.self_attn."
@@ -179,8 +204,10 @@ def formula_attention(f: Formula, sd, cfg, layer: int, x, shared=None):
     if isinstance(rope.get(kind), dict):  # OLMo 3: nested by layer type
       rope = rope[kind]
     base = rope["rope_theta"]
+    mrope = None if f.mrope is None else (
+        positions, _mrope_axes(rope["mrope_section"], f.mrope))
     q, key = (_rotate(y, base, f.fraction, f.pairs, f.ntk_alpha,
-                      rope if f.yarn else None) for y in (q, key))
+                      rope if f.yarn else None, mrope) for y in (q, key))
   if f.qk_norm and f.norm_after_rope:
     q, key = norm(q, key)
   key, v = (np.repeat(y, n // k, axis=1) for y in (key, v))  # GQA
@@ -221,9 +248,12 @@ class FormulaTest(parameterized.TestCase):
   def test_loaded_layer_equals_the_formula(self, family, layer):
     z, sd, cfg = _golden(family)
     x = z[f"in/{layer}"]
-    want = formula_attention(FORMULAS[family], sd, cfg, layer, x)
+    positions = z[f"pos/{layer}"] if f"pos/{layer}" in z.files else None
+    want = formula_attention(FORMULAS[family], sd, cfg, layer, x,
+                             positions=positions)
     loaded = checkpoints.load_attention_weights(sd, config=cfg, layer=layer)
-    got = np.asarray(loaded.module()(jnp.asarray(x)))
+    got = np.asarray(loaded.module()(jnp.asarray(x), **(
+        {} if positions is None else {"positions": jnp.asarray(positions)})))
     scale = np.abs(want).max()
     self.assertLess(np.abs(got - want).max(), REL_TOL * scale)
     # The formula is transformers' too (its recorded output, float32).
