@@ -78,6 +78,10 @@ from attention_jax.masking.block_tables import prefix_lm_mask_fn
 from attention_jax.masking.mask import BlockMask
 from attention_jax.masking.mask import Mask
 from attention_jax.masking.mask import MaskRule
+from attention_jax.masking.selection import select_blocks
+from attention_jax.masking.selection import select_tokens
+from attention_jax.masking.selection import top_k_indices
+from attention_jax.masking.selection import top_k_mask
 from attention_jax.scores.rope import Rope
 from attention_jax.scores.rope import apply_rope
 from attention_jax.scores.rope import segment_positions
@@ -117,6 +121,10 @@ __all__ = [
     "apply_rope",
     "attend_heads",
     "block_mask",
+    "select_blocks",
+    "select_tokens",
+    "top_k_indices",
+    "top_k_mask",
     "blockwise_attention",
     "chunked_mask_fn",
     "update_kv_cache",

@@ -132,7 +132,8 @@ SUBSETS = {
         "max_logits_modified_patterned", "positions_causal_window_rule",
         "positions_causal_alibi", "garbage_causal_window_lengths",
         "dropout_causal_gqa_lse",
-        "garbage_mask_bias_sinks", "paged_decode_alibi_rule_mqa"),
+        "garbage_mask_bias_sinks", "paged_decode_alibi_rule_mqa",
+        "selected_blocks_causal_gqa_lengths_sinks"),
     "splash": (
         "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
         "mask_empty_rows", "bias_neg_inf", "bfloat16_causal_lengths",
@@ -142,7 +143,7 @@ SUBSETS = {
         "rule_per_example_prefix_window", "union_prefix_lm_segments",
         "max_logits_modified_patterned", "positions_causal_window_rule",
         "garbage_causal_window_lengths", "paged_decode_alibi_rule_mqa",
-        "dropout_causal_gqa_lse"),
+        "dropout_causal_gqa_lse", "selected_blocks_causal_gqa_lengths_sinks"),
     # It reads paged caches only: the paged cases (the float32 ones are
     # refused) and two refusals.
     "paged_tpu": (
@@ -526,6 +527,17 @@ CASES = {
         t=40, s=40, rule="per_example_prefix", window=(13, 0), lse=True),
     "union_prefix_lm_segments": Case(t=40, s=40, rule="union_prefix_lm",
                                      segments="sorted", lse=True),
+    # Selections from data (trainable sparse attention): key blocks of 7
+    # chosen per query and key/value head (a GQA group shares them) with
+    # causality, key lengths, sinks and ALiBi; and top-k key tokens per
+    # query (every head shares them) with a window, packed documents and a
+    # soft cap.
+    "selected_blocks_causal_gqa_lengths_sinks": Case(
+        t=40, s=40, causal=True, rule="selected_blocks", lengths=(40, 33),
+        sinks=True, alibi=True, lse=True),
+    "selected_tokens_window_segments": Case(
+        t=40, s=40, causal=True, window=(19, 0), rule="selected_tokens",
+        segments="sorted", softcap=2.0, lse=True),
     "everything_combined": Case(
         t=40, s=40, causal=True, window=(11, 0), segments="sorted",
         lengths=(40, 35), q_lengths=(38, 40), softcap=3.0, sinks=True,
@@ -638,7 +650,33 @@ def _rule(case: Case):
     return aj.prefix_lm_mask_fn(PREFIX)
   if case.rule == "per_example_prefix":
     return aj.prefix_lm_mask_fn(jnp.array(PREFIXES, jnp.int32))
+  if case.rule == "selected_blocks":
+    return aj.select_blocks(jnp.asarray(_chosen_blocks(case)), q_len=case.t,
+                            kv_len=case.s, key_block=SELECT_BLOCK,
+                            group=N // case.kv_heads, block_q=5)
+  if case.rule == "selected_tokens":
+    return aj.select_tokens(jnp.asarray(_chosen_tokens(case)),
+                            kv_len=case.s, block_q=5, block_k=7)
   return None
+
+
+SELECT_BLOCK, SELECT_TOKENS = 7, 6  # the selection cases' key block and k
+
+
+def _chosen_blocks(case: Case) -> np.ndarray:
+  """Bool ``[B, K, T, ceil(S / 7)]``: each query's chosen key blocks per
+  key/value head (about 40% of them)."""
+  blocks = -(-case.s // SELECT_BLOCK)
+  return np.asarray(_data.normal(21, (B, case.kv_heads, case.t, blocks))
+                    > 0.25)
+
+
+def _chosen_tokens(case: Case) -> np.ndarray:
+  """Int ``[B, 1, T, 6]``: each query's chosen keys, -1 (none) and repeats
+  among them."""
+  return np.asarray(jax.random.randint(jax.random.key(22),
+                                       (B, 1, case.t, SELECT_TOKENS), -1,
+                                       case.s))
 
 
 B, N, H = 2, 4, 8
@@ -767,6 +805,12 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
     allowed &= (j < prefix) | (j <= i)
   if case.rule == "chunked":
     allowed &= (i // CHUNK) == (j // CHUNK)
+  if case.rule == "selected_blocks":  # query head n reads kv head n // G's
+    chosen = np.repeat(_chosen_blocks(case), N // case.kv_heads, axis=1)
+    allowed &= chosen[..., np.arange(case.s) // SELECT_BLOCK]
+  if case.rule == "selected_tokens":  # [B, 1, T, S]: j among t's indices
+    picks = _chosen_tokens(case)
+    allowed &= (picks[..., None, :] == np.arange(case.s)[:, None]).any(-1)
   if mask is not None:
     allowed &= np.asarray(mask)
   if lengths is not None:
@@ -811,7 +855,8 @@ FORWARD_CASES = ("causal_t_gt_s_empty_rows", "softcap_bias",
                  "everything_combined", "t5_bias_bidirectional_gqa",
                  "mask_empty_rows", "dropout_window_bias_softcap_sinks",
                  "paged_prefill_window_gqa_sinks",
-                 "paged_decode_window_sinks_gqa", "paged_decode_bfloat16_gqa")
+                 "paged_decode_window_sinks_gqa", "paged_decode_bfloat16_gqa",
+                 "selected_blocks_causal_gqa_lengths_sinks")
 # The sequence-parallel harnesses whose kernel has no forward mode.
 FORWARD_MODE_REFUSED = frozenset()
 
