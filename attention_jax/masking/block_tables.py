@@ -152,7 +152,7 @@ def block_mask(mask_fn: MaskFn, q_len: int, kv_len: int, *,
   nq, nk = -(-q_len // bq), -(-kv_len // bk)
   try:
     kinds = _kinds_numpy(mask_fn, batch, q_len, kv_len, bq, nq, nk, bk)
-    kv_indices, kv_full, q_indices, q_full = _compact_all(kinds, np)
+    kv_indices, kv_full, q_indices, q_full = compact_tables(kinds, np)
   except jax.errors.TracerArrayConversionError:  # a traced rule: on device
     if not isinstance(mask_fn, MaskRule) and _closes_over_tracers(
         mask_fn, batch, kv_len):
@@ -163,7 +163,7 @@ def block_mask(mask_fn: MaskFn, q_len: int, kv_len: int, *,
           "params), e.g. aj.prefix_lm_mask_fn(prefix_lengths) for "
           "per-example prefixes.") from None
     kinds = _kinds_on_device(mask_fn, batch, q_len, kv_len, bq, nq, nk, bk)
-    kv_indices, kv_full, q_indices, q_full = _compact_all(kinds, jnp)
+    kv_indices, kv_full, q_indices, q_full = compact_tables(kinds, jnp)
   return BlockMask(mask_fn, q_len, kv_len, bq, bk, kinds, kv_indices,
                    kv_full, q_indices, q_full)
 
@@ -230,7 +230,7 @@ def _kinds_on_device(mask_fn, batch, q_len, kv_len, bq, nq, nk, bk):
   return jnp.moveaxis(kinds, 0, -2)
 
 
-def _compact_all(kinds, xp):
+def compact_tables(kinds, xp):
   """Per query block and per key block lists of ``batch + [nq, nk]`` kinds."""
   if xp is np:
     flat = kinds.reshape((-1,) + kinds.shape[-2:])

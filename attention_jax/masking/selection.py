@@ -126,7 +126,7 @@ def _tables(hits, q_len: int, kv_len: int, block_q: int, block_k: int,
   kinds = kinds.astype(jnp.int8)  # [..., nq, nk]
   if group > 1:  # one table per query head
     kinds = jnp.repeat(kinds, group, axis=-3)
-  kv_indices, kv_full, q_indices, q_full = block_tables._compact_all(
+  kv_indices, kv_full, q_indices, q_full = block_tables.compact_tables(
       kinds, jnp)
   del kv_len, lead
   return kinds, kv_indices, kv_full, q_indices, q_full
