@@ -52,6 +52,12 @@ from attention_jax.layers.additive import init_additive_params
 from attention_jax.layers.additive import precompute_additive_keys
 from attention_jax.layers.decoder_attention_module import BahdanauAttention
 from attention_jax.layers.decoder_attention_module import LuongAttention
+from attention_jax.layers.dsa import dsa_selection
+from attention_jax.layers.dsa import indexer_loss
+from attention_jax.layers.dsa import indexer_scores
+from attention_jax.layers.dsa import indexer_top_k
+from attention_jax.layers.dsa import init_indexer_params
+from attention_jax.layers.dsa_module import LightningIndexer
 from attention_jax.layers.generate import generate
 from attention_jax.layers.latent import init_latent_cache
 from attention_jax.layers.latent import init_latent_params
@@ -62,11 +68,17 @@ from attention_jax.layers.latent_module import MultiHeadLatentAttention
 from attention_jax.layers.luong import init_luong_params
 from attention_jax.layers.luong import luong_attention
 from attention_jax.layers.luong import precompute_luong_keys
+from attention_jax.layers.moba import moba_attention
+from attention_jax.layers.moba import moba_attention_fn
+from attention_jax.layers.moba import moba_selection
 from attention_jax.layers.multi_head import attend_heads
 from attention_jax.layers.multi_head import multi_head_attention
 from attention_jax.layers.multi_head import project_memory
 from attention_jax.layers.multi_head_module import MultiHeadAttention
 from attention_jax.layers.multi_head_params import init_multi_head_params
+from attention_jax.layers.nsa import init_nsa_params
+from attention_jax.layers.nsa import nsa_attention
+from attention_jax.layers.nsa_module import NativeSparseAttention
 from attention_jax.layers.qk_norm import QKNorm
 from attention_jax.masking.arrays import causal_mask
 from attention_jax.masking.arrays import combine_masks
@@ -125,6 +137,18 @@ __all__ = [
     "select_tokens",
     "top_k_indices",
     "top_k_mask",
+    "LightningIndexer",
+    "init_indexer_params",
+    "indexer_scores",
+    "indexer_top_k",
+    "indexer_loss",
+    "dsa_selection",
+    "NativeSparseAttention",
+    "init_nsa_params",
+    "nsa_attention",
+    "moba_attention",
+    "moba_attention_fn",
+    "moba_selection",
     "blockwise_attention",
     "chunked_mask_fn",
     "update_kv_cache",

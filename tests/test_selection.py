@@ -149,6 +149,17 @@ class RefusalTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, r"BlockMask"):
       aj.Mask(rule=sel, q_offset=3)
 
+  def test_a_selection_in_a_cached_step_is_refused(self):
+    # Its rows are the call's rows; a cache step's queries stand at
+    # positions (a prefill at an offset would read the wrong rows).
+    layer = aj.MultiHeadAttention(8, 2, rngs=__import__("flax").nnx.Rngs(0))
+    layer.init_cache(1, 16)
+    x = _data.normal(7, (1, 4, 8))
+    sel = aj.select_blocks(jnp.ones((4, 2), bool), q_len=4, kv_len=16,
+                           key_block=8)
+    with self.assertRaisesRegex(ValueError, r"holds a selection"):
+      layer(x, decode=True, mask=aj.Mask(rule=sel))
+
 
 if __name__ == "__main__":
   absltest.main()

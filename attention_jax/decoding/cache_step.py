@@ -43,6 +43,7 @@ import numpy as np
 from attention_jax.core import checks
 from attention_jax.decoding import kv_cache
 from attention_jax.masking import mask as mask_lib
+from attention_jax.masking import selection
 
 
 class KVCache(NamedTuple):
@@ -172,6 +173,13 @@ def check_unplaced(mask: mask_lib.Mask) -> None:
                      "decoding (cache slots hold other positions than "
                      "its members' arrays): write it as one rule, "
                      "aj.MaskRule(fn, params).")
+  if selection.is_selection(mask.rule):
+    raise ValueError(
+        "the mask holds a selection (aj.select_blocks/select_tokens), whose "
+        "rows are the call's query rows, while a KV-cache step places its "
+        "queries at positions: pass the selection as an aj.MaskRule over "
+        "positions (as aj.moba_attention does while decoding) or attend "
+        "without the cache.")
   if mask.positioned:
     raise ValueError(
         "the mask gives positions (q_offset/kv_offset), but while decoding "

@@ -22,7 +22,7 @@ The selection is data, not a function of the inputs the kernels
 differentiate: gradients flow through the attention over the selected keys
 and never through the choice (an integer or boolean table has no
 gradient). Methods that train their selector do it through a loss of their
-own (``aj.sparse.indexer_loss``) or through a branch that uses the scores
+own (``aj.indexer_loss``) or through a branch that uses the scores
 (NSA's compressed attention).
 
 Memory: a block selection is ``[..., nqs, nks]`` booleans and its tables
@@ -293,3 +293,12 @@ def top_k_indices(scores, k: int):
   k = min(k, scores.shape[-1])
   values, top = jax.lax.top_k(scores, k)
   return jnp.where(values > -jnp.inf, top, -1).astype(jnp.int32)
+
+
+def is_selection(rule) -> bool:
+  """Whether ``rule`` (a Mask's rule) is a selection of ``select_blocks`` or
+  ``select_tokens``: its rows are the call's query rows, not positions,
+  so a KV-cache step, whose queries stand at positions, refuses it."""
+  fn = getattr(rule, "mask_fn", None)
+  return isinstance(getattr(fn, "fn", None), (_SelectedBlocks,
+                                              _SelectedTokens))
