@@ -10,7 +10,9 @@ language model on Python's help topics and generates with the KV cache;
 ``--experiment=dates`` translates dates written out by Babel in 8 locales
 into ISO (and ISO into Vietnamese), with the copy task's models;
 ``--experiment=serve`` serves text requests with the LM by continuous
-batching over a paged KV cache, against static padded batches.
+batching over a paged KV cache, against static padded batches;
+``--experiment=sparse`` trains the LM at a long context with MoBA, NSA and
+DeepSeek's sparse attention against dense attention.
 
 The flags are generated from the experiments' config dataclasses
 (``experiments/config_flags.py``): names, defaults, help and bounds are
@@ -33,6 +35,7 @@ from experiments import logit_scale
 from experiments import parallel
 from experiments import seq2seq
 from experiments import serve
+from experiments import sparse_lm
 
 # --experiment value -> (config dataclass, the function that runs it).
 EXPERIMENTS = {
@@ -41,6 +44,7 @@ EXPERIMENTS = {
     "lm": (lm.LMConfig, lm.run),
     "dates": (dates.DatesConfig, dates.run),
     "serve": (serve.ServeConfig, serve.run),
+    "sparse": (sparse_lm.SparseConfig, sparse_lm.run),
 }
 
 _EXPERIMENT = flags.DEFINE_enum(
@@ -50,7 +54,9 @@ _EXPERIMENT = flags.DEFINE_enum(
     "causal character-level language model on Python's help topics. dates: "
     "dates in 8 languages to ISO and back to Vietnamese (real data, "
     "reordering, field alignment). serve: the LM serving requests by "
-    "continuous batching over a paged KV cache, against static batches.")
+    "continuous batching over a paged KV cache, against static batches. "
+    "sparse: the LM at a long context with trainable sparse attention "
+    "(MoBA, NSA, DSA) against dense.")
 config_flags.define_flags(
     [parallel.DistributedConfig, *(c for c, _ in EXPERIMENTS.values())],
     flags.FLAGS)
