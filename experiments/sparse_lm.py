@@ -161,9 +161,10 @@ class Attention(nnx.Module):
                                  top_k=self.config.top_k_blocks)
     else:  # dsa, sparse stage
       indices, selection = self.indexer(x)
+      # The gathered kernel: each query over its k chosen keys, O(T * k).
       out = aj.scaled_dot_product_attention(
           q, k, v, aj.Mask(causal=True, rule=selection),
-          implementation="flash")
+          implementation="gathered")
       loss = self.indexer.loss(x, q, k, scale=self.head_dim ** -0.5,
                                indices=indices)
       chosen = indices

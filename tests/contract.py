@@ -73,6 +73,8 @@ CONFIGURED = {
     "paged_tpu": aj.kernels.PagedTpu(interpret=True),
     # Two partitions of the pages (split-KV inside the kernel).
     "paged_gpu": aj.kernels.PagedGpu(splits=2, interpret=True),
+    # Chunks of 16 queries: T = 40 leaves a padded last chunk.
+    "gathered": aj.kernels.Gathered(chunk=16),
 }
 
 # The case features each kernel refuses (its ``supports`` must say so).
@@ -101,11 +103,17 @@ REFUSES["paged_tpu"] = frozenset({
 REFUSES["paged_gpu"] = frozenset({
     "float64", "mask", "bias", "q_lengths", "softcap", "segments", "alibi",
     "t5", "rule", "max_logits", "dropout"})
+# Each query over its chosen tokens: a token selection and what can be
+# evaluated at the gathered pairs; a call without one it refuses for its
+# rule (REFUSES_SHAPES).
+REFUSES["gathered"] = frozenset({"mask", "bias", "max_logits", "positions",
+                                 "paged", "dropout"})
 NEEDS_GPU = frozenset({"cudnn"})
-# Cases a kernel refuses for their shapes, not their features: name ->
-# (predicate on the case, what its ValueError says). Zigzag cuts each
-# global length into 2 * RING_DEVICES chunks: T = 20 or S = 28 leaves a
-# device odd lengths (5, 7), which it refuses.
+# Cases a kernel refuses for their shapes (or their kind of rule), not
+# their features: name -> (predicate on the case, what its ValueError
+# says). Zigzag cuts each global length into 2 * RING_DEVICES chunks: T =
+# 20 or S = 28 leaves a device odd lengths (5, 7), which it refuses; the
+# gathered kernel takes no rule but a token selection.
 # Ulysses runs whatever kernel fits each device's whole-sequence call (the
 # dense one takes float64); it reads no pages.
 REFUSES["ulysses"] = frozenset({"paged", "dropout"})
@@ -113,6 +121,8 @@ REFUSES_SHAPES = {
     "ring_zigzag": (lambda case: bool(case.t % (2 * RING_DEVICES)
                                       or case.s % (2 * RING_DEVICES)),
                     r"layout='zigzag' .* lengths must be even"),
+    "gathered": (lambda case: case.rule != "selected_tokens",
+                 r"token selection only"),
 }
 
 
@@ -149,6 +159,12 @@ SUBSETS = {
     "paged_tpu": (
         "paged_prefill_window_gqa_sinks", "paged_decode_alibi_rule_mqa",
         "paged_decode_bfloat16_gqa", "mask_empty_rows", "float64"),
+    # It takes token selections only: that case, and its refusals.
+    "gathered": (
+        "selected_tokens_window_segments", "plain_t_ne_s", "mask_empty_rows",
+        "bias_neg_inf", "max_logits_modified_patterned",
+        "positions_causal_alibi", "paged_decode_bfloat16_gqa",
+        "dropout_causal_gqa_lse"),
     "paged_gpu": (
         "paged_prefill_window_gqa_sinks", "paged_decode_alibi_rule_mqa",
         "paged_decode_bfloat16_gqa", "paged_decode_window_sinks_gqa",
@@ -537,7 +553,7 @@ CASES = {
         sinks=True, alibi=True, lse=True),
     "selected_tokens_window_segments": Case(
         t=40, s=40, causal=True, window=(19, 0), rule="selected_tokens",
-        segments="sorted", softcap=2.0, lse=True),
+        segments="sorted", softcap=2.0, sinks=True, lse=True),
     "everything_combined": Case(
         t=40, s=40, causal=True, window=(11, 0), segments="sorted",
         lengths=(40, 35), q_lengths=(38, 40), softcap=3.0, sinks=True,
@@ -856,7 +872,8 @@ FORWARD_CASES = ("causal_t_gt_s_empty_rows", "softcap_bias",
                  "mask_empty_rows", "dropout_window_bias_softcap_sinks",
                  "paged_prefill_window_gqa_sinks",
                  "paged_decode_window_sinks_gqa", "paged_decode_bfloat16_gqa",
-                 "selected_blocks_causal_gqa_lengths_sinks")
+                 "selected_blocks_causal_gqa_lengths_sinks",
+                 "selected_tokens_window_segments")
 # The sequence-parallel harnesses whose kernel has no forward mode.
 FORWARD_MODE_REFUSED = frozenset()
 

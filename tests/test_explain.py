@@ -216,7 +216,7 @@ class ChoiceTest(parameterized.TestCase):
         [(v.name, v.verdict) for v in why.verdicts],
         [("cudnn", "refuses"), ("splash", "refuses"),
          ("paged_tpu", "refuses"), ("paged_gpu", "refuses"),
-         ("pallas_gpu", "refuses"),
+         ("pallas_gpu", "refuses"), ("gathered", "refuses"),
          ("flash", "runs"),
          ("dense", "not tried")])
     self.assertIn("it needs a GPU, the backend is 'cpu'", why.reason("cudnn"))
@@ -253,7 +253,7 @@ class ChoiceTest(parameterized.TestCase):
       aj.explain(q, q, q, dropout_rate=0.5)
     with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'splash', "
                                 "'paged_tpu', 'paged_gpu', 'pallas_gpu', "
-                                "'flash', "
+                                "'gathered', 'flash', "
                                 "'dense'\\]"):
       aj.explain(q, q, q, implementation="flahs")
 

@@ -313,7 +313,7 @@ CASES = [
                                                  implementation="flashy"),
      ValueError, r"implementation must be None, a kernel, a sequence of them, "
      r"or one of \['cudnn', 'splash', 'paged_tpu', 'paged_gpu', 'pallas_gpu', "
-     r"'flash', "
+     r"'gathered', 'flash', "
      r"'dense'\], "
      r"got 'flashy'"),
     ("sdpa_splash_dropout", lambda: sdpa(

@@ -65,6 +65,7 @@ from attention_jax.kernels.block_cache import FlashBlocks
 from attention_jax.kernels.cudnn import Cudnn
 from attention_jax.kernels.dense import Dense
 from attention_jax.kernels.flash import Flash
+from attention_jax.kernels.gathered import Gathered
 from attention_jax.kernels.paged_gpu import PagedGpu
 from attention_jax.kernels.paged_tpu import PagedTpu
 from attention_jax.kernels.pallas_gpu import PallasGpu
@@ -80,12 +81,14 @@ REGISTRY: tuple[Kernel, ...] = (
     PagedTpu(),  # TPU only: a paged cache's decoding step
     PagedGpu(),  # GPU only: a paged cache's decoding step
     PallasGpu(),  # GPU only
+    Gathered(),  # token selections only: each query's chosen keys
     Flash(),
     Dense(),
 )
 
 __all__ = ["MASK_FIELDS", "MIN_SCORES", "OPTIONS", "REGISTRY", "Cudnn", "Dense",
-           "Flash", "FlashBlocks", "Head", "Kernel", "Operands", "PagedGpu", "PagedTpu",
+           "Flash", "FlashBlocks", "Gathered", "Head", "Kernel", "Operands",
+           "PagedGpu", "PagedTpu",
            "Pages",
            "PallasGpu", "Partition",
            "Problem",

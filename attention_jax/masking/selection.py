@@ -302,3 +302,16 @@ def is_selection(rule) -> bool:
   fn = getattr(rule, "mask_fn", None)
   return isinstance(getattr(fn, "fn", None), (_SelectedBlocks,
                                               _SelectedTokens))
+
+
+def is_token_selection(rule) -> bool:
+  """Whether ``rule`` is a token selection (``select_tokens``)."""
+  fn = getattr(rule, "mask_fn", None)
+  return isinstance(getattr(fn, "fn", None), _SelectedTokens)
+
+
+def head_tokens(rule, b, h):
+  """A token selection's indices for head ``(b, h)``: int32 ``[T, k]``,
+  ``-1`` for none (what the gathered kernel reads)."""
+  fn = rule.mask_fn
+  return fn.params[_head_index(b, h, fn.fn.lead, fn.fn.group)]
