@@ -93,14 +93,14 @@ class SparseConfig:
       16, "sparse: DSA's indexer head dim.", name="sparse_indexer_dim",
       lower_bound=2)
   warmup_steps: int = config_flags.field(
-      60, "sparse: DSA's dense warm-up steps before the sparse stage.",
+      50, "sparse: DSA's dense warm-up steps before the sparse stage.",
       name="sparse_warmup_steps", lower_bound=0)
   eval_rows: int = config_flags.field(
       16, "sparse: validation rows scored.", name="sparse_eval_rows",
       lower_bound=1)
   valid_fraction: float = 0.2  # of the documents, held out by document
   train: training.TrainConfig = config_flags.nested(
-      training.TrainConfig(steps=300, batch_size=4, learning_rate=3e-3,
+      training.TrainConfig(steps=250, batch_size=2, learning_rate=3e-3,
                            log_every=25),
       expose=config_flags.training_flags(
           "sparse", "training steps per variant.", "rows per batch."))
