@@ -26,6 +26,7 @@ TINY = sparse_lm.SparseConfig(
     seq_len=64, d_model=16, num_heads=2, num_layers=1, block=16,
     top_k_blocks=3, nsa_stride=8, nsa_window=16, top_k_tokens=8,
     indexer_heads=2, indexer_dim=4, warmup_steps=1, eval_rows=2,
+    timed_turns=2,
     train=training.TrainConfig(steps=3, batch_size=2, log_every=1))
 
 
@@ -66,6 +67,7 @@ class BlockShareTest(absltest.TestCase):
       for name, result in variants.items():
         self.assertTrue(np.isfinite(result["bits_per_char"]), name)
         self.assertGreater(result["step_seconds"], 0, name)
+        self.assertLen(result["step_seconds_turns"], TINY.timed_turns)
       self.assertEqual(variants["dense"]["block_share"], 1.0)
       for name in ("moba", "nsa"):  # 3 of up to 4 blocks: some unread
         self.assertLess(variants[name]["block_share"], 1.0, name)
