@@ -179,7 +179,7 @@ class FlagsTest(parameterized.TestCase):
       ("task", ["--task=sort"], "value should be one of"),
       ("dims", ["--dims=4,-8"], "--dims must be a comma-separated list"),
       ("old_experiment_name", ["--experiment=scaling"],
-       "value should be one of <seq2seq|logit_scale|lm|dates|serve>"),
+       "value should be one of <seq2seq|logit_scale|lm|dates|serve|sparse>"),
       ("score", ["--luong_score=additive"], "value should be one of"),
   )
   def test_validators(self, argv, message):

@@ -34,7 +34,7 @@ class LMFlagsTest(parameterized.TestCase):
       ("temperature", ["--temperature=-0.5"], "is not a non-negative number"),
       ("top_k", ["--top_k=-1"], "is not a non-negative integer"),
       ("experiment", ["--experiment=gpt"],
-       "value should be one of <seq2seq|logit_scale|lm|dates|serve>"),
+       "value should be one of <seq2seq|logit_scale|lm|dates|serve|sparse>"),
   )
   def test_bad_flags_are_refused_at_parsing(self, argv, message):
     with self.assertRaisesRegex(absl_flags.Error, re.escape(message)):

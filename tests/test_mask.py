@@ -304,7 +304,7 @@ class KernelInterfaceTest(absltest.TestCase):
           "cudnn", "flash"), return_weights=True)
     with self.assertRaisesRegex(ValueError, "one of \\['cudnn', 'splash', "
                                 "'paged_tpu', 'paged_gpu', 'pallas_gpu', "
-                                "'flash', 'dense'\\]"):
+                                "'gathered', 'flash', 'dense'\\]"):
       aj.scaled_dot_product_attention(q, k, v, implementation="flashy")
 
   def test_a_list_runs_the_first_kernel_that_fits(self):
