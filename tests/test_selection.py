@@ -104,6 +104,61 @@ class WalkTest(chex.TestCase):
     self.assertEqual(why.partial, B * N * nq)  # the diagonal blocks
 
 
+class PagedStepTest(chex.TestCase):
+  """A decoding step over a paged cache reads only the selected pages."""
+
+  def test_a_key_selection_over_pages(self):
+    z, m, t = 4, 6, 1  # page size, pages a sequence may hold, new tokens
+    s = z * m
+    lengths = np.array([20, 13])
+    keys, values = (_data.normal(20 + i, (B, K, 20, H)) for i in range(2))
+    cache = aj.paged_cache.append(
+        aj.init_paged_cache(16, z, K, H, batch_size=B, max_pages=m),
+        keys, values, new_lengths=jnp.asarray(lengths))
+    q = _data.normal(22, (B, N, t, H))
+    chosen = np.asarray(_data.normal(23, (B, K, 1, m)) > 0)  # per KV head
+    sel = aj.select_blocks(jnp.asarray(chosen), q_len=t, kv_len=s,
+                           key_block=z, query_block=t, group=N // K,
+                           block_q=t, block_k=z)
+    out = aj.paged_attention(q, cache, aj.Mask(causal=True, rule=sel),
+                             implementation="flash")
+    # float64: the step's query at position length - 1 over the keys it
+    # holds, in the chosen pages of its key/value head.
+    allowed = (np.arange(s) < lengths[:, None])[:, None, None] & np.repeat(
+        chosen, N // K, 1)[..., np.arange(s) // z]  # [B, N, 1, S]
+    pad = lambda x: np.pad(np.repeat(np.asarray(x, np.float64), N // K, 1),  # noqa: E731
+                           ((0, 0), (0, 0), (0, s - 20), (0, 0)))
+    logits = np.einsum("bnth,bnsh->bnts", np.asarray(q, np.float64),
+                       pad(keys)) / np.sqrt(H)
+    logits = np.where(allowed, logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bnts,bnsh->bnth", weights / weights.sum(-1, keepdims=True),
+                     pad(values))
+    np.testing.assert_allclose(out, want, atol=1e-6)  # float32 sums of 24
+    # The walk follows the tables: with every block marked empty it reads
+    # no page at all (output 0), though the rule would allow them.
+    kinds, kv_indices, kv_full, q_indices, q_full = sel.tables
+    none = sel.with_tables((jnp.zeros_like(kinds), jnp.full_like(kv_indices, m),
+                            kv_full & False, jnp.full_like(q_indices, 1),
+                            q_full & False))
+    out = aj.paged_attention(q, cache, aj.Mask(causal=True, rule=none),
+                             implementation="flash")
+    np.testing.assert_array_equal(out, 0.0)
+
+  def test_only_a_key_selection_stands_at_positions(self):
+    key_rows = aj.select_blocks(jnp.ones((1, 3), bool), q_len=4, kv_len=12,
+                                key_block=4, query_block=4)
+    aj.Mask(rule=key_rows, q_offset=3)  # one row for every query: taken
+    with self.assertRaisesRegex(ValueError, r"BlockMask"):
+      aj.Mask(rule=key_rows, q_offset=3, kv_offset=2)  # keys moved
+    with self.assertRaisesRegex(ValueError, r"block_k = 8"):
+      cache = aj.init_paged_cache(8, 8, 1, 4, batch_size=1, max_pages=2)
+      aj.paged_attention(jnp.ones((1, 1, 1, 4)), cache, aj.Mask(
+          rule=aj.select_blocks(jnp.ones((1, 4), bool), q_len=1, kv_len=16,
+                                key_block=4, query_block=1, block_q=1)),
+          implementation="flash")
+
+
 class TopKTest(chex.TestCase):
 
   def test_top_k_mask_and_indices_against_numpy(self):

@@ -161,8 +161,11 @@ def _over_slots(mask: mask_lib.Mask | None, score_mod, visible, q_pos,
   return out, score_mod
 
 
-def check_unplaced(mask: mask_lib.Mask) -> None:
-  """What a cache's slots cannot carry: segment ids, unions, positions."""
+def check_unplaced(mask: mask_lib.Mask, *, key_selection: bool = False
+                   ) -> None:
+  """What a cache's slots cannot carry: segment ids, unions, positions, a
+  selection (but, with ``key_selection``, a paged step's key-only one:
+  its key blocks are the slots')."""
   if mask.q_segment_ids is not None:
     raise ValueError(
         "segment ids are not supported while decoding with a KV cache (the "
@@ -173,13 +176,15 @@ def check_unplaced(mask: mask_lib.Mask) -> None:
                      "decoding (cache slots hold other positions than "
                      "its members' arrays): write it as one rule, "
                      "aj.MaskRule(fn, params).")
-  if selection.is_selection(mask.rule):
+  if selection.is_selection(mask.rule) and not (
+      key_selection and mask_lib.key_only(mask.rule)):
     raise ValueError(
         "the mask holds a selection (aj.select_blocks/select_tokens), whose "
         "rows are the call's query rows, while a KV-cache step places its "
         "queries at positions: pass the selection as an aj.MaskRule over "
         "positions (as aj.moba_attention does while decoding) or attend "
-        "without the cache.")
+        "without the cache; a paged cache's step takes a selection of key "
+        "blocks with one row for all its queries (query_block >= T).")
   if mask.positioned:
     raise ValueError(
         "the mask gives positions (q_offset/kv_offset), but while decoding "

@@ -41,7 +41,11 @@ def placed_mask(mask: mask_lib.Mask | None, lengths, t: int):
   mask's ``q_lengths [B]`` (if any) their real new tokens, else all ``T``.
   """
   mask = mask_lib.Mask() if mask is None else _check_mask(mask)
-  cache_step.check_unplaced(mask)  # the linear cache's refusals
+  # The linear cache's refusals; a selection of key blocks (one row for
+  # every query) passes: its blocks are the slots', which the walk then
+  # reads alone (slot p is position p: no kv_offset).
+  cache_step.check_unplaced(mask, key_selection=True)
+  keys_chosen = mask_lib.key_only(mask.rule)
   if mask.kv_lengths is not None:
     raise ValueError(
         "the mask gives kv_lengths, but a paged cache's lengths say how "
@@ -52,8 +56,9 @@ def placed_mask(mask: mask_lib.Mask | None, lengths, t: int):
   return mask_lib.Mask(
       causal=mask.causal, window=mask.window, q_lengths=mask.q_lengths,
       kv_lengths=lengths, dense=mask.dense,
-      rule=mask_lib.rule_function(mask.rule), q_offset=lengths - new,
-      kv_offset=jnp.zeros_like(lengths))
+      rule=mask.rule if keys_chosen else mask_lib.rule_function(mask.rule),
+      q_offset=lengths - new,
+      kv_offset=None if keys_chosen else jnp.zeros_like(lengths))
 
 
 def _check_mask(mask: Any) -> mask_lib.Mask:

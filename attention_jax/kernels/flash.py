@@ -36,6 +36,7 @@ from attention_jax.kernels import base
 from attention_jax.kernels import block_cache
 from attention_jax.kernels import flash_core
 from attention_jax.masking import block_tables as block_mask_lib
+from attention_jax.masking import mask as mask_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +71,15 @@ class Flash(base.Kernel):
               "or bias over its slots (a [T, M * Z] array): say it with "
               "the mask's fields, a rule or a score modifier")
     if ops.rule is not None and ops.rule.kinds is not None:
-      return ("it reads a paged cache page by page, so a BlockMask's "
-              "tables (built for other blocks) do not apply: pass the rule "
-              "itself, aj.MaskRule(fn)")
+      key_block = (1 if self.block_k is None else self.block_k // z) * z
+      t = ops.query.shape[-2]
+      if not (mask_lib.key_only(ops.rule) and ops.rule.block_k == key_block
+              and ops.rule.block_q >= t):
+        return ("it reads a paged cache page by page, so a BlockMask's "
+                "tables (built for other blocks) do not apply: pass the "
+                "rule itself, aj.MaskRule(fn), or a selection of key blocks "
+                f"(aj.select_blocks with query_block >= T = {t}, block_q >= "
+                f"T and block_k = {key_block}, its pages)")
     if self.block_k is not None and self.block_k % z:
       return (f"over a paged cache its key blocks are whole pages: block_k="
               f"{self.block_k} is not a multiple of the page size {z} "

@@ -52,6 +52,25 @@ _POSITIONED_RULE = (
     "aj.MaskRule(fn, params) (kernels evaluate it at the positions) or "
     "drop the positions.")
 
+def key_only(rule) -> bool:
+  """Whether ``rule`` is a ``BlockMask`` whose rule reads key columns only
+  (a selection of key blocks with one row for every query, marked
+  ``key_only`` by ``select_blocks``): with key positions equal to columns
+  (no ``kv_offset``) its tables hold at any query positions, so a decoding
+  step (a paged cache's) may carry it and the walk reads only the chosen
+  blocks."""
+  fn = getattr(getattr(rule, "mask_fn", None), "fn", None)
+  return isinstance(rule, BlockMask) and bool(getattr(fn, "key_only", False))
+
+
+def _positioned_rule(rule, kv_offset) -> bool:
+  """A union or a block mask at positions (refused), a key-only selection
+  with key columns at their positions excepted."""
+  if key_only(rule) and kv_offset is None:
+    return False
+  return isinstance(rule, (Union, BlockMask))
+
+
 _FIELDS = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
            "dense", "q_offset", "kv_offset")
 # A Mask's array fields, for the code that rebuilds one from its parts (a
@@ -269,7 +288,7 @@ class Mask:
         "q_offset", q_offset)
     self.kv_offset = None if kv_offset is None else _integer_array(
         "kv_offset", kv_offset)
-    if isinstance(rule, (Union, BlockMask)) and self.positioned:
+    if self.positioned and _positioned_rule(rule, self.kv_offset):
       raise ValueError(_POSITIONED_RULE)
 
   @property
@@ -320,9 +339,10 @@ class Mask:
       raise ValueError(
           "both masks give positions (q_offset/kv_offset): a mask holds one "
           "placement of its rows and columns; give the positions once.")
+    kv_offset = _first(self.kv_offset, other.kv_offset)
     if (self.positioned or other.positioned) and (
-        isinstance(self.rule, (Union, BlockMask))
-        or isinstance(other.rule, (Union, BlockMask))):
+        _positioned_rule(self.rule, kv_offset)
+        or _positioned_rule(other.rule, kv_offset)):
       raise ValueError(_POSITIONED_RULE)
     return _replace(
         self,

@@ -68,9 +68,14 @@ class _SelectedBlocks:
   cols: int
   lead: tuple[int, ...]
   group: int
+  # One row for every query (query_block >= T): the rule reads key
+  # columns only, so a decoding step's positioned mask may hold it.
+  key_only: bool = False
 
   def __call__(self, b, h, q_idx, kv_idx, chosen):
     index = _head_index(b, h, self.lead, self.group)
+    if self.key_only:  # the one row, whatever the query's position
+      return chosen[index + (0, kv_idx // self.cols)]
     return chosen[index + (q_idx // self.rows, kv_idx // self.cols)]
 
 
@@ -206,8 +211,8 @@ def select_blocks(chosen, *, q_len: int, kv_len: int, key_block: int,
   cols = jnp.minimum(jnp.arange(nk) * bk // key_block, nks - 1)
   hits = chosen[..., rows, :][..., cols]  # [..., T, nk]
   tables = _tables(hits, q_len, kv_len, bq, bk, lead, group, full_ok=True)
-  rule = MaskRule(_SelectedBlocks(query_block, key_block, lead, group),
-                  chosen)
+  rule = MaskRule(_SelectedBlocks(query_block, key_block, lead, group,
+                                  key_only=nqs == 1), chosen)
   return BlockMask(rule, q_len, kv_len, bq, bk, *tables)
 
 
