@@ -122,7 +122,7 @@ REFUSES_SHAPES = {
                                       or case.s % (2 * RING_DEVICES)),
                     r"layout='zigzag' .* lengths must be even"),
     "gathered": (lambda case: case.rule != "selected_tokens",
-                 r"token selection only"),
+                 r"token selection only|Gathered.requires"),
 }
 
 

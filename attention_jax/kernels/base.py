@@ -966,6 +966,10 @@ class Kernel:
   # blockwise kernels set ``MIN_SCORES``, below which the dense kernel is
   # as fast and also yields the weights (docs/performance.md). 0: never.
   min_scores: ClassVar[int] = 0
+  # The features a call must ask for (a kernel for one kind of call: the
+  # gathered kernel needs a rule); a call without them is refused by that
+  # reason before ``supports`` is asked, so other calls never reach it.
+  requires: ClassVar[frozenset[str]] = frozenset()
   # Whether an eager call runs it under ``jax.jit`` (one program instead of
   # one per operation; ``dot_product.compiled``): for a kernel that is a
   # pure function of the problem's arrays, with no Python side effects
@@ -1068,8 +1072,9 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
 def refusal(kernel: Kernel, problem: Problem) -> str | None:
   """Why ``kernel`` cannot run ``problem``, or None: keys and values in
   pages it does not read, then off its backend, then float64 inputs to a
-  float32 kernel (``Kernel.float64``), then its ``supports``, then any
-  feature it does not declare (``undeclared``)."""
+  float32 kernel (``Kernel.float64``), then a feature it requires that the
+  call does not ask for (``Kernel.requires``), then its ``supports``, then
+  any feature it does not declare (``undeclared``)."""
   # A paged call's keys and values are pages, which only a kernel that
   # declares them may read: the others are not asked.
   if problem.pages is not None and "pages" not in kernel.implements:
@@ -1084,6 +1089,10 @@ def refusal(kernel: Kernel, problem: Problem) -> str | None:
             f"{here!r}{hint}")
   if not kernel.float64 and problem.out_dtype == jnp.float64:
     return float32_only(problem)
+  needed = kernel.requires - problem.features
+  if needed:
+    return (f"it runs only calls that give {', '.join(sorted(needed))} "
+            f"({type(kernel).__name__}.requires)")
   reason = kernel.supports(problem)
   missing = problem.features - kernel.implements
   if reason is None and missing:

@@ -50,6 +50,7 @@ class Gathered(base.Kernel):
   implements = frozenset({
       "causal", "window", "q_lengths", "kv_lengths", "q_segment_ids",
       "kv_segment_ids", "rule", "sinks", "score_mod", "return_lse"})
+  requires = frozenset({"rule"})  # (the other calls never reach supports)
 
   def __post_init__(self):
     checks.check_positive_int("chunk", self.chunk)
