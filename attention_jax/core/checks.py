@@ -93,6 +93,19 @@ def check_module_input(name: str, x, width: int, option: str,
         f"the module was built with {option}={width}.")
 
 
+def layer_input(name: str, x, width: int, source: str) -> jax.Array:
+  """A layer function's float input ``[B, T, D]`` whose ``D`` its params
+  fix (``source`` says which: "MLA params have d_model D = 64 (W_dkv
+  kernel [D, R + Hr])"), as an array."""
+  x = as_array_operand(name, x, "[B, T, D]")
+  check_float_array(name, x)
+  check_rank(name, x, (3,), "[B, T, D]")
+  if shape_of(x)[-1] != width:
+    raise ValueError(f"{name} has {shape_of(x)[-1]} features (shape "
+                     f"{shape_of(x)}), but the {source}.")
+  return jnp.asarray(x)
+
+
 def check_mask_dtype(name: str, mask) -> None:
   """Masks are bool (True = may attend) or integer (0 = blocked)."""
   dtype = jnp.result_type(mask)

@@ -275,15 +275,9 @@ class _Indexer(NamedTuple):
 
 
 def _check_x(x, dims: IndexerDims) -> jax.Array:
-  x = checks.as_array_operand("x", x, "[B, T, D]")
-  checks.check_float_array("x", x)
-  checks.check_rank("x", x, (3,), "[B, T, D]")
-  if checks.shape_of(x)[-1] != dims.d_model:
-    raise ValueError(
-        f"x has {checks.shape_of(x)[-1]} features (shape "
-        f"{checks.shape_of(x)}), but the indexer params have D = "
-        f"{dims.d_model} (W_q [D, J, E]).")
-  return jnp.asarray(x)
+  return checks.layer_input(
+      "x", x, dims.d_model,
+      f"indexer params have D = {dims.d_model} (W_q [D, J, E])")
 
 
 def _positions(positions, vis: _Visibility, b: int, t: int) -> jax.Array:

@@ -131,15 +131,9 @@ def _rotate(x: jax.Array, positions: jax.Array,
 
 
 def _check_x(x, dims: LatentDims) -> jax.Array:
-  x = checks.as_array_operand("x", x, "[B, T, D]")
-  checks.check_float_array("x", x)
-  checks.check_rank("x", x, (3,), "[B, T, D]")
-  if checks.shape_of(x)[-1] != dims.d_model:
-    raise ValueError(
-        f"x has {checks.shape_of(x)[-1]} features (shape "
-        f"{checks.shape_of(x)}), but the MLA params have d_model D = "
-        f"{dims.d_model} (W_dkv kernel [D, R + Hr]).")
-  return jnp.asarray(x)
+  return checks.layer_input(
+      "x", x, dims.d_model, f"MLA params have d_model D = {dims.d_model} "
+      "(W_dkv kernel [D, R + Hr])")
 
 
 def _check_positions(positions, b: int, t: int) -> jax.Array:
