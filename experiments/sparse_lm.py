@@ -105,8 +105,11 @@ class SparseConfig:
   train: training.TrainConfig = config_flags.nested(
       training.TrainConfig(steps=250, batch_size=2, learning_rate=3e-3,
                            log_every=25),
-      expose=config_flags.training_flags(
-          "sparse", "training steps per variant.", "rows per batch."))
+      # No checkpoints and one device: --sparse_checkpoint_every and
+      # --mesh would be read and ignored, so they are not its flags.
+      expose={name: flag for name, flag in config_flags.training_flags(
+          "sparse", "training steps per variant.", "rows per batch."
+      ).items() if name not in ("checkpoint_every", "mesh")})
 
 
 class Attention(nnx.Module):
