@@ -1089,8 +1089,8 @@ def refusal(kernel: Kernel, problem: Problem) -> str | None:
             f"{here!r}{hint}")
   if not kernel.float64 and problem.out_dtype == jnp.float64:
     return float32_only(problem)
-  needed = kernel.requires - problem.features
-  if needed:
+  needed = kernel.requires and kernel.requires - problem.features
+  if needed:  # (features are computed only for a kernel that requires)
     return (f"it runs only calls that give {', '.join(sorted(needed))} "
             f"({type(kernel).__name__}.requires)")
   reason = kernel.supports(problem)

@@ -288,7 +288,8 @@ class Mask:
         "q_offset", q_offset)
     self.kv_offset = None if kv_offset is None else _integer_array(
         "kv_offset", kv_offset)
-    if self.positioned and _positioned_rule(rule, self.kv_offset):
+    if (isinstance(rule, (Union, BlockMask)) and self.positioned
+        and _positioned_rule(rule, self.kv_offset)):
       raise ValueError(_POSITIONED_RULE)
 
   @property
