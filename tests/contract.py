@@ -143,7 +143,7 @@ SUBSETS = {
         "positions_causal_alibi", "garbage_causal_window_lengths",
         "dropout_causal_gqa_lse",
         "garbage_mask_bias_sinks", "paged_decode_alibi_rule_mqa",
-        "selected_blocks_causal_gqa_lengths_sinks"),
+        "selected_blocks_causal_gqa_lengths_sinks", "tree_prefix_gqa_sinks"),
     "splash": (
         "causal_t_gt_s_empty_rows", "zero_length_nan_padding",
         "mask_empty_rows", "bias_neg_inf", "bfloat16_causal_lengths",
@@ -153,7 +153,8 @@ SUBSETS = {
         "rule_per_example_prefix_window", "union_prefix_lm_segments",
         "max_logits_modified_patterned", "positions_causal_window_rule",
         "garbage_causal_window_lengths", "paged_decode_alibi_rule_mqa",
-        "dropout_causal_gqa_lse", "selected_blocks_causal_gqa_lengths_sinks"),
+        "dropout_causal_gqa_lse", "selected_blocks_causal_gqa_lengths_sinks",
+        "tree_prefix_gqa_sinks"),
     # It reads paged caches only: the paged cases (the float32 ones are
     # refused) and two refusals.
     "paged_tpu": (
@@ -461,7 +462,9 @@ class Case:
   # A rule: "prefix_lm" or "chunked" as a BlockMask (tables for the
   # blockwise column's blocks); "prefix_lm_rule" without tables (the kernel
   # builds them); "per_example_prefix" (a MaskRule over [B] prefix lengths);
-  # "union_prefix_lm" (Mask(causal) | Mask(rule: the prefix)).
+  # "union_prefix_lm" (Mask(causal) | Mask(rule: the prefix)); "tree"
+  # (aj.tree_mask: TREE_PARENTS' nodes over each row's prefix, positioned
+  # at the case's positions, which must be (TREE_PREFIXES, 0)).
   rule: str | None = None
   nan_padding: bool = False  # NaN in keys/values past the lengths
   # NaN and inf planted in keys, values and a query (PLANTS) that some rows
@@ -493,6 +496,13 @@ class Case:
       if getattr(self, name):
         used.add(name)
     return used
+
+
+# The tree case's drafts, one per row (parents[i] < i; -1: a root), and
+# each row's prefix before them.
+TREE_PARENTS = ((-1, 0, 0, 1, 1, 2, -1, 6),  # two roots
+                (-1, 0, 1, 2, 0, 4, 3, 3))
+TREE_PREFIXES = (5, 16)
 
 
 CASES = {
@@ -554,6 +564,13 @@ CASES = {
     "selected_tokens_window_segments": Case(
         t=40, s=40, causal=True, window=(19, 0), rule="selected_tokens",
         segments="sorted", softcap=2.0, sinks=True, lse=True),
+    # Speculative decoding's tree verification (aj.tree_mask): each row's
+    # 8 drafted nodes (its own tree) over its prefix (5 or 16 keys) and its
+    # ancestors' keys; row 0's slots past its tree (13..23) never seen;
+    # GQA and sinks.
+    "tree_prefix_gqa_sinks": Case(
+        t=8, s=24, causal=True, rule="tree",
+        positions=(TREE_PREFIXES, (0, 0)), sinks=True, lse=True),
     "everything_combined": Case(
         t=40, s=40, causal=True, window=(11, 0), segments="sorted",
         lengths=(40, 35), q_lengths=(38, 40), softcap=3.0, sinks=True,
@@ -654,6 +671,21 @@ PREFIX, CHUNK = 9, 8  # the rule cases' prefix length and chunk size
 PREFIXES = (6, 23)  # per example, for "per_example_prefix"
 
 
+def _tree_allowed(case: Case) -> np.ndarray:
+  """``[B, 1, T, S]``: node i sees its row's prefix slots and the slots
+  prefix + a of the nodes a on its path up to a root (itself included),
+  followed parent by parent."""
+  seen = np.zeros((B, 1, case.t, case.s), bool)
+  for b, (parents, prefix) in enumerate(zip(TREE_PARENTS, TREE_PREFIXES)):
+    for i in range(case.t):
+      seen[b, 0, i, :prefix] = True
+      node = i
+      while node >= 0:
+        seen[b, 0, i, prefix + node] = True
+        node = parents[node]
+  return seen
+
+
 def _rule(case: Case):
   """The case's rule as the library spells it; ``_allowed`` writes it out."""
   if case.rule == "prefix_lm":
@@ -673,6 +705,8 @@ def _rule(case: Case):
   if case.rule == "selected_tokens":
     return aj.select_tokens(jnp.asarray(_chosen_tokens(case)),
                             kv_len=case.s, block_q=5, block_k=7)
+  if case.rule == "tree":
+    return aj.tree_rule(jnp.array(TREE_PARENTS), jnp.array(TREE_PREFIXES))
   return None
 
 
@@ -827,6 +861,8 @@ def _allowed(case: Case, mask, lengths, q_lengths, bias):
   if case.rule == "selected_tokens":  # [B, 1, T, S]: j among t's indices
     picks = _chosen_tokens(case)
     allowed &= (picks[..., None, :] == np.arange(case.s)[:, None]).any(-1)
+  if case.rule == "tree":
+    allowed &= _tree_allowed(case)
   if mask is not None:
     allowed &= np.asarray(mask)
   if lengths is not None:
@@ -873,7 +909,7 @@ FORWARD_CASES = ("causal_t_gt_s_empty_rows", "softcap_bias",
                  "paged_prefill_window_gqa_sinks",
                  "paged_decode_window_sinks_gqa", "paged_decode_bfloat16_gqa",
                  "selected_blocks_causal_gqa_lengths_sinks",
-                 "selected_tokens_window_segments")
+                 "selected_tokens_window_segments", "tree_prefix_gqa_sinks")
 # The sequence-parallel harnesses whose kernel has no forward mode.
 FORWARD_MODE_REFUSED = frozenset()
 
@@ -1050,6 +1086,10 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
       if case.positions is not None:
         parts["q_offset"], parts["kv_offset"] = (
             jnp.array(x, jnp.int32) for x in case.positions)
+      if case.rule == "tree":  # the mask is aj.tree_mask's, as a user's
+        tree = aj.tree_mask(jnp.array(TREE_PARENTS), jnp.array(TREE_PREFIXES))
+        parts.update(causal=tree.causal, rule=tree.rule,
+                     q_offset=tree.q_offset, kv_offset=tree.kv_offset)
       if case.rule == "union_prefix_lm":  # causal | the prefix, as a union
         union = aj.Mask(causal=True) | aj.Mask(
             rule=lambda b, h, q_idx, kv_idx: kv_idx < PREFIX)

@@ -52,6 +52,22 @@ _POSITIONED_RULE = (
     "aj.MaskRule(fn, params) (kernels evaluate it at the positions) or "
     "drop the positions.")
 
+_TREE_WINDOW = (
+    "the Mask's window counts slots; a tree's drafted siblings take slots "
+    "but not positions: give the window to aj.tree_rule(window=) (or "
+    "aj.tree_mask(window=)), which measures it by the nodes' positions.")
+
+
+def depth_positions(rule) -> bool:
+  """Whether ``rule`` (or a rule of an ``&`` of rules) places queries by
+  tree depth (``aj.tree_rule``, marked ``depth_positions``): a window over
+  slots is then refused beside it."""
+  if isinstance(rule, Both):
+    return depth_positions(rule.a) or depth_positions(rule.b)
+  fn = _rule_fn(rule)
+  return bool(getattr(getattr(fn, "fn", fn), "depth_positions", False))
+
+
 def key_only(rule) -> bool:
   """Whether ``rule`` is a ``BlockMask`` whose rule reads key columns only
   (a selection of key blocks with one row for every query, marked
@@ -198,7 +214,8 @@ class Mask:
       ``local_window_size``): query ``i`` sees keys ``i' - left <= j <= i'
       + right`` with ``i' = i + S - T``; ``causal=True, window=(W - 1, 0)``
       is the causal sliding window of ``W`` tokens. An int ``w`` is
-      ``(w, w)``.
+      ``(w, w)``. It counts slots: beside a tree's rule (whose nodes'
+      positions are depths) it is refused; ``aj.tree_rule(window=)``.
     q_lengths: integer, a scalar or one per example (``[B]``, left-aligned
       to the leading dims; ``[B, N]`` per head): query rows at positions
       ``>=`` the length get output 0, lse ``-inf``. Checked against ``T``
@@ -291,6 +308,10 @@ class Mask:
     if (isinstance(rule, (Union, BlockMask)) and self.positioned
         and _positioned_rule(rule, self.kv_offset)):
       raise ValueError(_POSITIONED_RULE)
+    # (only a mask with both a window and a rule looks at the rule)
+    if self.window is not None and rule is not None and depth_positions(
+        rule):
+      raise ValueError(_TREE_WINDOW)
 
   @property
   def positioned(self) -> bool:
@@ -345,18 +366,22 @@ class Mask:
         _positioned_rule(self.rule, kv_offset)
         or _positioned_rule(other.rule, kv_offset)):
       raise ValueError(_POSITIONED_RULE)
+    window = _intersect_windows(self.window, other.window)
+    rule = _and_rules(self.rule, other.rule)
+    if window is not None and rule is not None and depth_positions(rule):
+      raise ValueError(_TREE_WINDOW)
     return _replace(
         self,
         q_offset=_first(self.q_offset, other.q_offset),
         kv_offset=_first(self.kv_offset, other.kv_offset),
         causal=self.causal or other.causal,
-        window=_intersect_windows(self.window, other.window),
+        window=window,
         q_lengths=_min_lengths(self.q_lengths, other.q_lengths),
         kv_lengths=_min_lengths(self.kv_lengths, other.kv_lengths),
         q_segment_ids=_first(self.q_segment_ids, other.q_segment_ids),
         kv_segment_ids=_first(self.kv_segment_ids, other.kv_segment_ids),
         dense=_and_dense(self.dense, other.dense),
-        rule=_and_rules(self.rule, other.rule))
+        rule=rule)
 
   __rand__ = __and__
 
