@@ -23,6 +23,7 @@ from attention_jax.attention.blockwise import blockwise_attention
 from attention_jax.attention.dot_product import scaled_dot_product_attention
 from attention_jax.attention.explain import Explanation
 from attention_jax.attention.explain import explain
+from attention_jax.attention.importance import key_importance
 from attention_jax.attention.ring import ring_attention
 from attention_jax.attention.sequence_parallel import SequenceParallel
 from attention_jax.attention.ulysses import ulysses_attention
@@ -30,6 +31,11 @@ from attention_jax.core.merge import merge_attentions
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.core.traced_checks import checked
 from attention_jax.decoding import paged_cache as paged_cache  # its updates
+from attention_jax.decoding.eviction import evict
+from attention_jax.decoding.eviction import h2o_keep
+from attention_jax.decoding.eviction import moved_scores
+from attention_jax.decoding.eviction import snapkv_keep
+from attention_jax.decoding.eviction import streaming_keep
 from attention_jax.decoding.kv_cache import cache_overflow
 from attention_jax.decoding.kv_cache import ring_slot_positions
 from attention_jax.decoding.kv_cache import update_kv_cache
@@ -37,6 +43,9 @@ from attention_jax.decoding.kv_cache import update_ring_cache
 from attention_jax.decoding.paged_attention import paged_attention
 from attention_jax.decoding.paged_cache import PagedKVCache
 from attention_jax.decoding.paged_cache import init_paged_cache
+from attention_jax.decoding.paged_edit import move_slots
+from attention_jax.decoding.speculative import greedy_accept
+from attention_jax.decoding.paged_importance import paged_key_importance
 from attention_jax.interop.checkpoints import LoadedAttention
 from attention_jax.interop.checkpoints import load_attention_weights
 from attention_jax.interop.flax_fn import flax_attention_fn
@@ -94,6 +103,11 @@ from attention_jax.masking.selection import select_blocks
 from attention_jax.masking.selection import select_tokens
 from attention_jax.masking.selection import top_k_indices
 from attention_jax.masking.selection import top_k_mask
+from attention_jax.masking.tree import tree_ancestors
+from attention_jax.masking.tree import tree_depths
+from attention_jax.masking.tree import tree_mask
+from attention_jax.masking.tree import tree_positions
+from attention_jax.masking.tree import tree_rule
 from attention_jax.scores.rope import Rope
 from attention_jax.scores.rope import apply_rope
 from attention_jax.scores.rope import segment_positions
@@ -137,6 +151,11 @@ __all__ = [
     "select_tokens",
     "top_k_indices",
     "top_k_mask",
+    "tree_rule",
+    "tree_mask",
+    "tree_positions",
+    "tree_ancestors",
+    "tree_depths",
     "LightningIndexer",
     "init_indexer_params",
     "indexer_scores",
@@ -157,7 +176,16 @@ __all__ = [
     "ring_slot_positions",
     "PagedKVCache",
     "init_paged_cache",
+    "move_slots",
+    "greedy_accept",
     "paged_attention",
+    "streaming_keep",
+    "h2o_keep",
+    "snapkv_keep",
+    "evict",
+    "moved_scores",
+    "paged_key_importance",
+    "key_importance",
     "additive_attention",
     "additive_score",
     "causal_mask",

@@ -744,4 +744,6 @@ def check_overflow(cache: PagedKVCache) -> None:
         f": a write needed more free pages than the pool had, or more than "
         f"max_pages={cache.max_pages} pages of {cache.page_size} tokens; it "
         "was dropped. Release finished sequences, or build the cache with "
-        "more pages (init_paged_cache).")
+        "more pages (init_paged_cache). (A move_slots that would have written "
+        "into a page another sequence holds is dropped the same way: keep "
+        "shared prefixes where they are.)")
