@@ -10,7 +10,10 @@ float64 reference ``tests/reference.masked_attention`` (outputs, lse,
 gradients of q, k, v, bias and the differentiable extras, gradients through
 lse too; the row maxima of the raw logits against a NumPy float64 one,
 with no gradient through them); where it does not, it must refuse with a
-``ValueError`` / ``TypeError``, never return a number.
+``ValueError`` / ``TypeError``, never return a number. On
+``IMPORTANCE_CASES`` ``aj.key_importance`` through the kernel (its
+backward at a value head dim of 1) must equal the reference weights'
+column sums, or be refused naming the kernel (in process only).
 
 ``tests/test_contract.py`` runs the registry's kernels in process;
 ``tests/multidevice/test_contract_ring.py`` runs the sequence-parallel
@@ -266,15 +269,63 @@ def covering_cases(kernel: str) -> tuple[str, ...]:
   return tuple(n for n in names if (kernel, n) in chosen)
 
 
-_CASE_TEST = re.compile(r"^test_(contract|forward_mode)_(.+?)__(.+)$")
+_CASE_TEST = re.compile(
+    r"^test_(contract|forward_mode|key_importance)_(.+?)__(.+)$")
 
 
 def is_exhaustive(test_name: str) -> bool:
   """Whether a contract test (``test_contract_<kernel>__<case>``,
   ``test_forward_mode_<kernel>__<case>``) runs only in the exhaustive run:
-  its case is not among its column's ``covering_cases``."""
+  its case is not among its column's ``covering_cases``; a key importance
+  test (``test_key_importance_<kernel>__<case>``) unless its case is its
+  column's ``importance_default`` (sdpa's refusals are the contract's own,
+  and tests/test_importance.py's carry them through key_importance)."""
   found = _CASE_TEST.match(test_name)
-  return bool(found) and found[3] not in covering_cases(found[2])
+  if not found:
+    return False
+  if found[1] == "key_importance":
+    return found[3] != importance_default(found[2])
+  return found[3] not in covering_cases(found[2])
+
+
+# aj.key_importance through each column's kernel (the vjp of the case's call
+# with a value of ones [..., S, 1]) against the column sums of the
+# reference's weights: case -> last= (None: every row counts). One case a
+# column runs by default (``importance_default``); the rest, refusals
+# included, in the exhaustive run. Every facet is the contract's own: this
+# is key importance reaching each kernel whole.
+IMPORTANCE_CASES = {
+    # MQA (a query head's own mass: the keys repeated to N heads), key and
+    # query lengths, sinks, ALiBi then a soft cap, a window and packed
+    # documents; the last 7 real rows of each example (SnapKV's window).
+    "everything_combined": 7,
+    "softcap_window_query_lengths": None,  # what splash takes: a soft cap
+    "selected_tokens_window_segments": None,  # the gathered kernel's
+    "tree_prefix_gqa_sinks": None,  # positions and a positioned rule
+    # 16-bit inputs (float32 sums); the cudnn column's only case it would
+    # take by its features: it refuses the value head dim of 1.
+    "bfloat16_causal_lengths": None,
+}
+# Columns that refuse every key importance call they would otherwise run,
+# and what their error says (besides ``implementation='<name>'``).
+IMPORTANCE_REFUSES = {
+    "cudnn": r"equal key/value shapes.*key_importance's call: a value of "
+             r"ones",
+}
+
+
+def importance_refused(kernel: str, case: Case) -> frozenset[str]:
+  """Why column ``kernel`` refuses ``case``'s key importance (as
+  ``refused``; key_importance asks for no lse and no max logits)."""
+  return refused(kernel, dataclasses.replace(case, lse=False,
+                                             max_logits=False))
+
+
+def importance_default(kernel: str) -> str | None:
+  """The column's default key importance case: the first of
+  ``IMPORTANCE_CASES`` it runs and takes (None: none)."""
+  return next((n for n in IMPORTANCE_CASES if n in case_names(kernel)
+               and not importance_refused(kernel, CASES[n])), None)
 
 
 def kernel_names() -> list[str]:
@@ -961,6 +1012,11 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
   params = [(f"{name}__{case_name}", name, case_name)
             for name in names
             for case_name in (case_names(name) if cases is None else cases)]
+  importance = [
+      (f"{name}__{case_name}", name, case_name) for name in names
+      if name not in SEQUENCE_PARALLEL  # (their harness takes sdpa's call)
+      for case_name in IMPORTANCE_CASES
+      if case_name in (case_names(name) if cases is None else cases)]
 
   class ContractTest(chex.TestCase):
 
@@ -1045,6 +1101,63 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
         np.testing.assert_allclose(got, want, atol=tol["grad"] * scale,
                                    rtol=tol["grad"], err_msg=what)
 
+    if importance:  # (absl refuses a parameterized test with no cases)
+
+      @parameterized.named_parameters(*importance)
+      def test_key_importance(self, name, case_name):
+        """``aj.key_importance`` through the column's kernel equals the
+        float64 column sums of the reference's weights over the counted
+        rows, or is refused naming the kernel."""
+        case = CASES[case_name]
+        if name in NEEDS_GPU and jax.default_backend() != "gpu":
+          self.skipTest("needs a GPU")
+        c = self._setup(name, case)
+        q, k, _, mask, bias, lengths, q_lengths = c.operands
+        kernel = kernels.get(name) or _kernel(name)
+        last = IMPORTANCE_CASES[case_name]
+        kw = c.keywords(bias, c.diff)
+        run = jax.jit(lambda q, k: aj.key_importance(
+            q, k, _mask(c.parts), implementation=kernel, last=last, **kw))
+        why = (case.features() - {"lse", "max_logits"}) & refuses.get(
+            name, frozenset())
+        shaped = REFUSES_SHAPES.get(name, (lambda case: False,))[0]
+        if why or shaped(case) or name in IMPORTANCE_REFUSES:
+          said = "" if why or shaped(case) else IMPORTANCE_REFUSES[name]
+          with self.assertRaisesRegex(
+              ValueError, rf"implementation='{kernel.name}'.*{said}"):
+            run(q, k)
+          return
+        got = run(q, k)
+        chex.assert_shape(got, (B, N, case.s))
+        self.assertEqual(got.dtype, jnp.promote_types(q.dtype, jnp.float32))
+        # The reference's weights: its output with the identity for a value.
+        allowed = _allowed(case, mask, lengths, q_lengths, bias)
+        rows = None
+        if q_lengths is not None:
+          rows = (np.arange(case.t) < np.asarray(q_lengths)[:, None])[:, None]
+        f64 = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
+        eye = np.broadcast_to(np.eye(case.s), (B, case.kv_heads, case.s,
+                                               case.s))
+        with jax.enable_x64(True):
+          weights, _ = reference_lib.masked_attention(
+              f64(q), f64(k), eye, f64(bias), allowed, case.softcap,
+              rows=rows, t5_max_distance=T5_MAX_DISTANCE,
+              positions=case.positions,
+              **{n: f64(x) for n, x in c.diff.items()})
+        # The counted rows: the last ``last`` of each example's real ones.
+        real = np.full(B, case.t) if q_lengths is None else np.minimum(
+            np.asarray(q_lengths), case.t)
+        i = np.arange(case.t)[None, :]
+        counted = i < real[:, None]
+        if last is not None:
+          counted &= i >= real[:, None] - last
+        want = (np.asarray(weights) * counted[:, None, :, None]).sum(2)
+        # (sums of <= 40 weights, each a gradient's error: its tolerance)
+        tol = TOLERANCES[case.dtype]["grad"]
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), want, rtol=tol,
+            atol=tol * max(1.0, float(np.abs(want).max())))
+
     @parameterized.named_parameters(*params)
     def test_contract(self, name, case_name):
       case = CASES[case_name]
@@ -1096,7 +1209,8 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
         parts["rule"] = union.rule
       diff = _differentiable_extras(case)
 
-      def ours(q, k, v, bias, diff):
+      def keywords(bias, diff):
+        """The call's bias, sinks and score modifier."""
         kw = {} if bias is None else {"bias": bias}
         if "sinks" in diff:
           kw["sinks"] = diff["sinks"]
@@ -1110,6 +1224,10 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
           mods.append(aj.soft_cap(case.softcap))
         if mods:
           kw["score_mod"] = mods[0] if len(mods) == 1 else aj.chain(*mods)
+        return kw
+
+      def ours(q, k, v, bias, diff):
+        kw = keywords(bias, diff)
         kw["return_lse"] = case.lse
         if case.max_logits:
           kw["return_max_logits"] = True
@@ -1139,8 +1257,8 @@ def suite(names, *, kernels=None, refuses=None, cases=None):
 
       return types.SimpleNamespace(
           operands=(q, k, v, mask, bias, lengths, q_lengths), diff=diff,
-          ours=ours, refused=bool(case.features() & refuses.get(
-              name, frozenset())))
+          ours=ours, parts=parts, keywords=keywords,
+          refused=bool(case.features() & refuses.get(name, frozenset())))
 
     def _compare(self, case, c):
       """Outputs, lse, row maxima and gradients against the reference."""

@@ -12,6 +12,7 @@ Shape glossary: B batch, N query heads, K key/value heads, T query length,
 S key length, H head dim; Z page size, M pages per row, P pool pages.
 """
 
+import dataclasses
 import functools
 
 from absl.testing import absltest
@@ -269,6 +270,52 @@ class PagedKeyImportanceTest(chex.TestCase):
     # rows) x (N / K) per KV head, the sinks taking the rest.
     rows = np.minimum(np.asarray(new), last or T)
     self.assertTrue(np.all(paged.sum(-1) < rows[:, None] * (N // K)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOnly(aj.kernels.Kernel):
+  """An outside kernel with a forward and no reverse mode: its product
+  with the values sits in a while loop of traced trip count, which JAX
+  cannot transpose."""
+  name = "forward_only"
+  implements = frozenset({"causal"})
+
+  def __call__(self, problem):
+    ops = problem.ops
+    t, s = ops.query.shape[-2], ops.key.shape[-2]
+
+    def head(q, k, v, h):  # [T, H], [S, H], [S, Hv], aj.kernels.Head
+      weights = aj.kernels.masked_softmax(
+          q @ k.T * problem.scale, aj.kernels.allowed(ops, h, t, s))
+      _, out = jax.lax.while_loop(  # one pass
+          lambda c: c[0] < 1, lambda c: (c[0] + 1, weights @ v),
+          (0, jnp.zeros((t, v.shape[-1]), v.dtype)))
+      return out, None, None
+
+    return aj.kernels.lift_heads(head, ops)
+
+
+class KernelRefusalTest(chex.TestCase):
+  """A kernel that cannot score keys is refused by its name (the
+  contract's ``test_key_importance`` checks every registry column)."""
+
+  def test_a_kernel_without_reverse_mode(self):
+    q, k = _data.normal(0, (B, N, T, H)), _data.normal(1, (B, K, S, H))
+    run = jax.jit(lambda q, k, **kw: aj.key_importance(
+        q, k, is_causal=True, implementation=ForwardOnly(), **kw))
+    # (its forward runs: the call is the kernel's)
+    jax.eval_shape(lambda q, k: aj.scaled_dot_product_attention(
+        q, k, k, is_causal=True, implementation=ForwardOnly()), q, k)
+    with self.assertRaisesRegex(
+        ValueError, r"key_importance differentiates implementation="
+        r"'forward_only' in reverse mode .*while_loop.*"
+        r"implementation='flash'"):
+      run(q, k)
+    # A call the kernel refuses is sdpa's refusal, the value's shape added.
+    with self.assertRaisesRegex(
+        ValueError, r"implementation='forward_only' is not possible: .*"
+        r"sinks.*key_importance's call: a value of ones, \[2, 4, 20, 1\]"):
+      run(q, k, sinks=jnp.zeros(N))
 
 
 if __name__ == "__main__":

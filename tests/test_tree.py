@@ -339,5 +339,89 @@ class RefusalTest(chex.TestCase):
       aj.scaled_dot_product_attention(q, q, q, aj.tree_mask(PARENTS, 0))
 
 
+def _per_head(score, b, h, q_idx, kv_idx):
+  """A modifier that reads the head (and b), never the indices."""
+  del b, q_idx, kv_idx
+  return score * (1.0 + 0.25 * h)
+
+
+class ScoreModTest(chex.TestCase):
+  """A tree's nodes stand at slots (prefix + node index), not positions
+  (prefix + depth): a score modifier that reads q_idx/kv_idx is refused
+  beside a tree rule; one that reads the score (and b, h) is exact."""
+
+  def test_a_modifier_reading_positions_is_refused(self):
+    s = int((PREFIX + T).max())
+    q, k, _ = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in _qkv(T, s))
+    mods = {"alibi": aj.alibi(jnp.full((N,), 0.5)),
+            "t5": aj.t5_relative_bias(jnp.ones((8, N))),
+            "temperature": aj.query_temperature(floor_scale=4.0,
+                                                attn_scale=0.1),
+            "after a soft cap": aj.chain(aj.soft_cap(3.0),
+                                         aj.alibi(jnp.full((N,), 0.5))),
+            "one index": lambda s, b, h, q_idx, kv_idx: jnp.where(
+                kv_idx > 2, s, s - 1.0)}
+    tree = aj.tree_mask(jnp.asarray(PARENTS), jnp.asarray(PREFIX))
+    refused = (r"score_mod reads q_idx/kv_idx, and the mask holds a tree "
+               r"\(aj.tree_rule / aj.tree_mask\): a tree is exact for rotary "
+               r"positions; .*sees the nodes' slots .*not their depths")
+    for name, mod in mods.items():
+      with self.assertRaisesRegex(ValueError, refused, msg=name):
+        jax.eval_shape(lambda q, k, mod=mod: aj.scaled_dot_product_attention(
+            q, k, k, tree, score_mod=mod), q, k)
+    # A tree rule inside an & of rules.
+    with self.assertRaisesRegex(ValueError, refused):
+      jax.eval_shape(lambda q, k: aj.scaled_dot_product_attention(
+          q, k, k, tree & aj.Mask(rule=lambda b, h, q, kv: kv >= 0),
+          score_mod=mods["alibi"]), q, k)
+    # A paged step (the rule at the cache's positions), traced only.
+    with self.assertRaisesRegex(ValueError, refused):
+      jax.eval_shape(lambda q: aj.paged_attention(
+          q, aj.init_paged_cache(8, 4, K, H, batch_size=B, max_pages=4),
+          aj.Mask(causal=True, rule=aj.tree_rule(PARENTS, PREFIX)),
+          score_mod=mods["alibi"]), q)
+    # A layer's modifier reaches the same check.
+    layer = aj.MultiHeadAttention(d_model=16, num_heads=N, num_kv_heads=K,
+                                  score_mod=mods["alibi"], rngs=nnx.Rngs(0))
+    with self.assertRaisesRegex(ValueError, refused):
+      layer(jnp.ones((B, T, 16)), mask=aj.tree_mask(PARENTS, 0))
+    # Without a tree, the same modifiers are an ordinary call's.
+    jax.eval_shape(lambda q, k: aj.scaled_dot_product_attention(
+        q, k, k, is_causal=True, score_mod=mods["alibi"]), q, k)
+
+  def test_a_soft_cap_is_each_nodes_chain(self):
+    # Gemma 2's soft cap (and a per-head scale: b, h are no positions)
+    # reads only the score: each node's answer is its chain's, decoded
+    # alone with the same modifier.
+    s = int((PREFIX + T).max())
+    q, k, v = _qkv(T, s, seed=30)
+    mod = aj.chain(_per_head, aj.soft_cap(0.5))  # a cap that bites
+    got = aj.scaled_dot_product_attention(
+        q, k, v, aj.tree_mask(jnp.asarray(PARENTS), jnp.asarray(PREFIX)),
+        score_mod=mod, implementation=FLASH)
+    chains = [[*range(PREFIX[b]), *(PREFIX[b] + a for a in _path(PARENTS[b],
+                                                                 i))]
+              for b in range(B) for i in range(T)]
+    longest = max(map(len, chains))
+    rows = np.repeat(np.arange(B), T)
+    index = np.array([c + [0] * (longest - len(c)) for c in chains])
+    take = lambda x: np.asarray(x)[rows[:, None], :, index].transpose(  # noqa: E731
+        0, 2, 1, 3)  # [B * T, K, longest, H]
+    want = aj.scaled_dot_product_attention(
+        jnp.asarray(np.asarray(q).transpose(0, 2, 1, 3).reshape(B * T, N, 1,
+                                                                H)),
+        jnp.asarray(take(k)), jnp.asarray(take(v)),
+        aj.Mask(kv_lengths=jnp.array([len(c) for c in chains])),
+        score_mod=mod, implementation="dense")
+    uncapped = aj.scaled_dot_product_attention(
+        q, k, v, aj.tree_mask(jnp.asarray(PARENTS), jnp.asarray(PREFIX)),
+        implementation=FLASH)
+    self.assertGreater(float(jnp.abs(got - uncapped).max()), 1e-2)
+    # float32, the same keys summed in another order
+    np.testing.assert_allclose(
+        np.asarray(got).transpose(0, 2, 1, 3).reshape(B * T, N, H),
+        np.asarray(want)[:, :, 0], atol=2e-6)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -25,6 +25,12 @@ products dominate: about the cost of a training step's attention), and
 A fully masked row receives no weight (its gradient is zero by the
 contract), so it contributes 0. With learned sinks a row's mass over the
 keys is below 1: the sink's share is given to no key.
+
+Every kernel of the registry that takes the call computes it (the
+contract's ``test_key_importance``), except cuDNN's, which refuses a value
+head dim unlike the keys'; a kernel that runs forward but has no reverse
+mode (an outside one without a backward) is refused by its name, JAX's
+own error added.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numpy as np
 
 from attention_jax.attention import dot_product
 from attention_jax.core import checks
+from attention_jax.kernels import base
 from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import BlockMask
 from attention_jax.masking.mask import Mask
@@ -80,6 +87,36 @@ def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(np.broadcast_shapes(a, b))
   except ValueError:
     return b
+
+
+# The starts of base.choose's refusals: a kernel that takes the call with
+# its own value but not with key_importance's ones [..., S, 1] is named by
+# them, and the value's shape is added (the caller never passed it).
+_REFUSED = ("implementation=", "no implementation takes this call")
+
+
+def _no_reverse_mode(name: str, error: Exception) -> str:
+  """The refusal of a kernel that runs forward but cannot be
+  differentiated in reverse mode (no backward)."""
+  return (f"key_importance differentiates implementation={name!r} in "
+          f"reverse mode (the vjp of its output with respect to a value of "
+          f"ones, [..., S, 1]: the weights' column sums), which it cannot: "
+          f"{type(error).__name__}: {error} Use a kernel with a backward: "
+          "implementation='flash' (blockwise) or 'dense'.")
+
+
+def _differentiated_kernel(attend, ones, query, key, mask, call):
+  """The name of the kernel whose differentiation failed, or None when the
+  call fails without it (its forward alone raises: a check or a refusal,
+  re-raised as it is). Only on the error path: the forward traced
+  abstractly, then the choice made again (nothing is computed)."""
+  try:
+    jax.eval_shape(attend, ones)
+  except (ValueError, TypeError, NotImplementedError):
+    return None
+  problem, candidates, automatic = dot_product.prepare(query, key, ones,
+                                                       mask, **call)
+  return base.choose(candidates, problem, automatic).name
 
 
 def key_importance(
@@ -136,7 +173,10 @@ def key_importance(
     TypeError: ``last`` not an int, a non-bool ``per_kv_head``; and
       everything sdpa raises for the call.
     ValueError: ``last`` not positive, ``per_kv_head`` without 4-D query
-      and key (no heads to group); and sdpa's.
+      and key (no heads to group); a kernel that cannot run it, by name:
+      one that refuses a value head dim of 1 (sdpa's refusal, the ones
+      value's shape added) or runs forward but has no reverse mode (JAX's
+      error added); and sdpa's.
 
   Example:
     >>> q = jnp.ones((2, 4, 6, 8))   # [B, N, T, H]
@@ -177,13 +217,26 @@ def key_importance(
   if as_mask is not None:
     q_lengths = as_mask.q_lengths
 
-  def attend(value):
-    return dot_product.scaled_dot_product_attention(
-        query, key, value, mask, bias=bias, scale=scale, is_causal=is_causal,
-        score_mod=score_mod, sinks=sinks, implementation=implementation)
+  call = dict(bias=bias, scale=scale, is_causal=is_causal,
+              score_mod=score_mod, sinks=sinks, implementation=implementation)
 
-  out, pullback = jax.vjp(attend, ones)
-  rows = counted_rows(q_shape[-2], last, q_lengths, out.ndim - 2)
-  cotangent = jnp.broadcast_to(rows[..., None], out.shape).astype(out.dtype)
-  (d_value,) = pullback(cotangent)
+  def attend(value):
+    return dot_product.scaled_dot_product_attention(query, key, value, mask,
+                                                    **call)
+
+  try:
+    out, pullback = jax.vjp(attend, ones)
+    rows = counted_rows(q_shape[-2], last, q_lengths, out.ndim - 2)
+    cotangent = jnp.broadcast_to(rows[..., None], out.shape).astype(
+        out.dtype)
+    (d_value,) = pullback(cotangent)
+  except (ValueError, TypeError, NotImplementedError) as e:
+    name = _differentiated_kernel(attend, ones, query, key, mask, call)
+    if name is None:  # the call's own error (sdpa's checks, a refusal)
+      if isinstance(e, ValueError) and str(e).startswith(_REFUSED):
+        raise ValueError(f"{str(e).rstrip('.')} (key_importance's call: "
+                         f"a value of ones, {list(ones.shape)}).") from e
+      raise
+    raise ValueError(_no_reverse_mode(name, e)) from e
   return d_value[..., 0]
+

@@ -20,6 +20,10 @@ contraction, a slice, a sort or any primitive not known to be elementwise
 that receives it is reported by name. Reading a table at indices computed
 from the score (a gather whose operand does not depend on it) stays
 elementwise.
+
+``reads`` answers a plainer question with the same tracing: whether the
+output depends on given inputs at all (a tree's mask refuses a modifier
+that reads ``q_idx``/``kv_idx``: ``masking/tree.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ _ELEMENTWISE = frozenset({
 _PLACING = frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "pvary"})
 # Call-like primitives: the dependence is followed into their programs.
 _PROGRAM_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Loops carry values from one iteration to the next: ``reads`` does not
+# follow their programs (every output depends on every input).
+_LOOPS = frozenset({"scan", "while"})
 
 
 def mixing_primitive(closed) -> str | None:
@@ -98,3 +105,37 @@ def _same_elements(eqn) -> bool:
   """A reshape that only adds or removes size-1 axes."""
   drop = lambda shape: tuple(d for d in shape if d != 1)
   return drop(eqn.invars[0].aval.shape) == drop(eqn.params["new_sizes"])
+
+
+def reads(closed, inputs) -> bool:
+  """Whether the output of ``closed`` (``jax.make_jaxpr(fn)(...)``) depends
+  on any of its inputs at the positions ``inputs``: a data-dependence walk
+  (every primitive carries a dependence on; call-like programs and a
+  cond's branches are followed inside, so an input that a called program
+  ignores is not read; a loop passes it to every output)."""
+  flags = [i in inputs for i in range(len(closed.jaxpr.invars))]
+  return any(_depends(closed.jaxpr, flags))
+
+
+def _depends(jaxpr, invar_flags) -> list[bool]:
+  """Which outputs of ``jaxpr`` depend on the flagged inputs."""
+  tracked = {v for v, on in zip(jaxpr.invars, invar_flags) if on}
+  dep = lambda v: not isinstance(v, jax_core.Literal) and v in tracked
+  for eqn in jaxpr.eqns:
+    inputs = [dep(v) for v in eqn.invars]
+    if not any(inputs):
+      continue
+    outputs = [True] * len(eqn.outvars)
+    inner = next((eqn.params[p] for p in _PROGRAM_PARAMS
+                  if p in eqn.params), None)
+    inner = getattr(inner, "jaxpr", inner)
+    if eqn.primitive.name == "cond" and not inputs[0]:
+      branches = [_depends(b.jaxpr, inputs[1:])
+                  for b in eqn.params["branches"]]
+      outputs = [any(flags) for flags in zip(*branches)]
+    elif (inner is not None and eqn.primitive.name not in _LOOPS
+          and len(inner.invars) == len(eqn.invars)
+          and len(inner.outvars) == len(eqn.outvars)):
+      outputs = _depends(inner, inputs)
+    tracked.update(v for v, on in zip(eqn.outvars, outputs) if on)
+  return [dep(v) for v in jaxpr.outvars]

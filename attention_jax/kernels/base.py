@@ -85,6 +85,7 @@ from attention_jax.core import checks
 from attention_jax.kernels import partition as partition_lib
 from attention_jax.masking import intervals
 from attention_jax.masking import mask as mask_lib
+from attention_jax.masking import tree as tree_lib
 
 # (re-exported: the public names live in kernels/__init__.py)
 Partition = partition_lib.Partition
@@ -1042,6 +1043,11 @@ def canonicalize(query, key, value, mask, *, bias=None, scale=None,
   ops = attention_operands(query, key, value, mask,
                                   bias, sinks=sinks, score_mod=score_mod,
                                   head_index=dropout_rng is not None)
+  # A tree's nodes stand at slots, not depths: a modifier that reads the
+  # indices is refused (traced again only beside a tree rule).
+  if score_mod is not None and mask.rule is not None and tree_lib.holds_tree(
+      mask.rule):
+    tree_lib.check_score_mod(score_mod)
   if scale is None:
     scale = 1.0 / math.sqrt(ops.query.shape[-1])
   elif not isinstance(scale, (int, float)):

@@ -39,9 +39,13 @@ table: the flash walk builds none for a positioned rule).
 A sliding window must count positions, not slots (siblings between an
 ancestor and a node would otherwise eat the window): ``tree_rule(...,
 window=w)`` measures it by the nodes' positions ``P + depth``; the
-``Mask``'s own ``window`` (slots) is refused beside a tree rule. A score
-modifier (ALiBi, T5's bias) sees the slots, not the depths: a tree is
-exact for models whose positions enter through rotary embeddings.
+``Mask``'s own ``window`` (slots) is refused beside a tree rule. A tree is
+exact for rotary positions; a score modifier that reads ``q_idx``/``kv_idx``
+sees the nodes' slots, not their depths, so one that does (ALiBi, T5's
+bias, a query temperature) is refused beside a tree rule
+(``check_score_mod``, where a call is canonicalized: its jaxpr's output
+must not depend on them), while one that reads only the score and ``b``,
+``h`` (a soft cap, Gemma 2's) is exact.
 
 Memory: the ancestor table is bool ``[B, T, T]`` (``T`` is a draft's size:
 tens of nodes), never ``[T, S]``.
@@ -57,7 +61,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax.core import checks
+from attention_jax.core import elementwise
 from attention_jax.core import traced_checks
+from attention_jax.masking import mask as mask_lib
 from attention_jax.masking.mask import Mask
 from attention_jax.masking.mask import MaskRule
 
@@ -325,3 +331,38 @@ def tree_mask(parents, prefix_lengths, *, window: int | None = None
   """
   rule = tree_rule(parents, prefix_lengths, window=window)
   return Mask(causal=True, rule=rule, q_offset=prefix_lengths, kv_offset=0)
+
+
+def holds_tree(rule) -> bool:
+  """Whether a Mask's ``rule`` is a tree rule, or holds one: in an ``&`` of
+  rules (``mask.depth_positions``) or a union's member."""
+  if isinstance(rule, mask_lib.Union):
+    return any(holds_tree(m.rule) for m in rule.members())
+  return rule is not None and mask_lib.depth_positions(rule)
+
+
+_SLOTS = (
+    "a tree is exact for rotary positions; a score modifier that reads "
+    "q_idx/kv_idx sees the nodes' slots (prefix + node index), not their "
+    "depths (prefix + depth), so its answer is not the path's decoded alone")
+
+
+def check_score_mod(score_mod) -> None:
+  """Refuses beside a tree rule a score modifier whose output depends on
+  ``q_idx`` or ``kv_idx`` (ALiBi, T5's bias, a query temperature): traced
+  abstractly on a ``[1, 1]`` block (nothing is computed), its jaxpr's
+  output followed back to its inputs. One that reads only the score,
+  ``b`` and ``h`` (a soft cap) is exact and passes. Called by
+  ``kernels.base.canonicalize`` only for a mask that ``holds_tree``."""
+  i32 = jnp.int32
+  closed = jax.make_jaxpr(score_mod)(
+      jax.ShapeDtypeStruct((1, 1), jnp.float32), jax.ShapeDtypeStruct((), i32),
+      jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1, 1), i32),
+      jax.ShapeDtypeStruct((1, 1), i32))
+  if elementwise.reads(closed, (3, 4)):  # (score, b, h, q_idx, kv_idx)
+    raise ValueError(
+        f"score_mod reads q_idx/kv_idx, and the mask holds a tree "
+        f"(aj.tree_rule / aj.tree_mask): {_SLOTS}. Drop the modifier, or "
+        "keep one that reads only the score (aj.soft_cap) and b, h; a "
+        "model whose positions enter through its scores (ALiBi, T5) "
+        "verifies each drafted path as its own sequence.")
