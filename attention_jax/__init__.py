@@ -44,8 +44,8 @@ from attention_jax.decoding.paged_attention import paged_attention
 from attention_jax.decoding.paged_cache import PagedKVCache
 from attention_jax.decoding.paged_cache import init_paged_cache
 from attention_jax.decoding.paged_edit import move_slots
-from attention_jax.decoding.speculative import greedy_accept
 from attention_jax.decoding.paged_importance import paged_key_importance
+from attention_jax.decoding.speculative import greedy_accept
 from attention_jax.interop.checkpoints import LoadedAttention
 from attention_jax.interop.checkpoints import load_attention_weights
 from attention_jax.interop.flax_fn import flax_attention_fn
@@ -89,6 +89,8 @@ from attention_jax.layers.nsa import init_nsa_params
 from attention_jax.layers.nsa import nsa_attention
 from attention_jax.layers.nsa_module import NativeSparseAttention
 from attention_jax.layers.qk_norm import QKNorm
+from attention_jax.layers.speculative_generate import speculative_generate
+from attention_jax.layers.speculative_generate import tree_step_options
 from attention_jax.masking.arrays import causal_mask
 from attention_jax.masking.arrays import combine_masks
 from attention_jax.masking.arrays import make_attention_mask
@@ -195,6 +197,8 @@ __all__ = [
     "Explanation",
     "flax_attention_fn",
     "generate",
+    "speculative_generate",
+    "tree_step_options",
     "from_torch_multihead_attention",
     "init_additive_params",
     "init_latent_cache",

@@ -44,7 +44,9 @@ def _concrete_value(x):
     return None
 
 
-def _check_tokens(prompts, prompt_lengths):
+def check_tokens(prompts, prompt_lengths):
+  """``(prompts [B, P], prompt_lengths [B])`` checked, as int32 (also
+  speculative_generate's)."""
   if isinstance(prompts, (list, tuple)):
     prompts = np.asarray(prompts)
   if isinstance(prompt_lengths, (list, tuple)):
@@ -236,7 +238,7 @@ def generate(
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
   checks.check_static_bool("return_logits", return_logits)
-  prompts, lengths = _check_tokens(prompts, prompt_lengths)
+  prompts, lengths = check_tokens(prompts, prompt_lengths)
   sampling = _check_sampling(temperature, top_k, key, eos_id, pad_id)
   b, p = prompts.shape
   _check_caches(model, b, p, max_new_tokens)
