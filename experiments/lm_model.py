@@ -71,16 +71,20 @@ class Block(nnx.Module):
                                        model_axis=model_axis)
 
   def __call__(self, x, *, segment_ids=None, positions=None, decode=False,
-               lengths=None, rows=None, return_weights=False):
+               lengths=None, rows=None, rule=None, return_weights=False):
     """``x [B, T, D]`` -> ``(x, aux)``: ``aux`` is the attention output
     ``[B, T, D]`` when decoding, else the weights ``[B, N, T, S]`` with
     ``return_weights`` or None. ``positions [B, T]``: the rotary positions
-    (None: restarting at each document of ``segment_ids``)."""
+    (None: restarting at each document of ``segment_ids``; decoding: the
+    cache slots). ``rule``: a decoding step's mask rule at the cache's
+    positions (a drafted tree's ``aj.tree_rule``)."""
     h = self.norm1(x)
     if decode:
-      out = self.attention(
-          h, decode=True, cache_rows=rows,
-          mask=None if lengths is None else aj.Mask(q_lengths=lengths))
+      mask = None
+      if lengths is not None or rule is not None:
+        mask = aj.Mask(q_lengths=lengths, rule=rule)
+      out = self.attention(h, decode=True, cache_rows=rows, mask=mask,
+                           positions=positions)
       weights = out
     else:
       # kv_segment_ids default to the queries' (packed self-attention).
@@ -187,6 +191,13 @@ class DecoderLM(nnx.Module):
     for block in self.blocks:
       block.attention.update_paged_cache(aj.paged_cache.release, done)
 
+  def move_slots(self, start, source, count) -> None:
+    """Keeps ``count[b]`` slots of row ``b`` from ``source [B, A]``, moved to
+    ``start[b]`` on, in every layer (``aj.move_slots``: a verified tree's
+    accepted path; pages past the new length return to the pool)."""
+    for block in self.blocks:
+      block.attention.update_paged_cache(aj.move_slots, start, source, count)
+
   def pages_in_use(self) -> jax.Array:
     """int32 scalar: pages of the pool held by some row (every layer holds
     the same pages of its own pool; the first layer's are counted)."""
@@ -201,8 +212,8 @@ class DecoderLM(nnx.Module):
     for block in self.blocks:
       block.attention.check_cache()
 
-  def decode(self, tokens, lengths=None, *, rows=None,
-             return_attention=False):
+  def decode(self, tokens, lengths=None, *, rows=None, positions=None,
+             parents=None, return_attention=False):
     """Appends ``tokens [B, T]`` to the caches; logits ``[B, T, V]``, and
     with ``return_attention`` each layer's attention output ``[B, T, D]``.
 
@@ -213,11 +224,32 @@ class DecoderLM(nnx.Module):
     (each example then continues from its own position); with a paged
     cache, the tokens each row appends this call (0: idle), so one call can
     prefill new rows while the others decode one token each.
+
+    ``positions [B, T]``: rotary positions of the new tokens (None: their
+    cache slots); a compacted cache (``aj.move_slots`` after eviction)
+    decodes on at the positions the tokens would have had.
+
+    ``parents [B, T]`` (a paged cache, every row): each row's new tokens
+    are a drafted tree (``experiments/speculative.py``): token ``i`` sees
+    the row's cache and its ancestors in the tree (``aj.tree_rule``) at
+    position ``prefix + depth`` (``aj.tree_positions``, offset by
+    ``positions[:, :1]`` minus the prefix when positions are given).
     """
+    rule = None
+    if parents is not None:
+      if rows is not None:
+        raise ValueError("parents (a drafted tree) needs every row of the "
+                         "cache: pass rows=None.")
+      prefix = self.blocks[0].attention.cache_index[...]  # [B] before
+      rule = aj.tree_rule(parents, prefix)
+      tree_positions = aj.tree_positions(parents, prefix)
+      positions = (tree_positions if positions is None else
+                   tree_positions - prefix[:, None] + positions[:, :1])
     x = self.embed(tokens)
     outs = []
     for block in self.blocks:
-      x, out = block(x, decode=True, lengths=lengths, rows=rows)
+      x, out = block(x, decode=True, lengths=lengths, rows=rows,
+                     positions=positions, rule=rule)
       outs.append(out)
     logits = self._logits(x)
     return (logits, outs) if return_attention else logits

@@ -49,13 +49,24 @@ The model is the LM experiment's ``segments`` checkpoint
 training; otherwise one is trained here for ``serve_steps`` steps of the
 LM's batches and loss (checkpointed in the workdir: a rerun restores it).
 
+With ``drafts`` (``--serve_drafts``, default ``ngram,model``), each draft
+is one more system: continuous batching whose decoding step drafts a tree
+per row (``speculative``: prompt lookup, or a small draft model trained
+here for ``draft_steps``) and verifies every row's tree in one call
+(``_verify_step``: tree mask, greedy acceptance, the accepted path kept in
+the cache and the rest dropped), timed in the same rounds as the others;
+its tokens are checked against the alone generation like theirs.
+
 Then the validation text is read through a float32, bfloat16, int8 and
 float8_e4m3fn paged cache (``cache_accuracy``): bits per character, greedy
 agreement with the float32 cache, each layer's attention error and the
-cache bytes per token.
+cache bytes per token; and through a paged cache that evicts down to a
+budget (``eviction_accuracy``: StreamingLLM, H2O, SnapKV at 1/2, 1/4 and
+1/8 of each row) against the full cache.
 
 Writes ``results.json`` (every number, every request), ``report.md`` (also
-printed) and ``pages_in_use.png`` to the workdir (default ``runs/serve``).
+printed), ``pages_in_use.png`` and ``eviction.png`` to the workdir (default
+``runs/serve``).
 Raises ``RuntimeError`` after writing them if a request's tokens differ
 from its alone generation beyond a near tie (``lm_generate.LOGIT_TOL``).
 
@@ -78,15 +89,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import attention_jax as aj
 from experiments import cache_accuracy
 from experiments import checkpoints
 from experiments import config_flags
+from experiments import eviction_accuracy
 from experiments import lm
 from experiments import lm_data
 from experiments import lm_generate
 from experiments import lm_model
 from experiments import report
 from experiments import serve_plots
+from experiments import speculative
 from experiments import training
 
 # Static (and alone) cache lengths are rounded up to a multiple of this, so
@@ -142,6 +156,22 @@ class ServeConfig:
   prefill_chunk: int = config_flags.field(
       256, "serve: most prompt tokens a row prefills in one step (0: its "
       "whole prompt at once).", name="serve_prefill_chunk", lower_bound=0)
+  drafts: str = config_flags.field(
+      "ngram,model", "serve: speculative decoding's drafts, each served as "
+      "one more system (continuous batching that verifies a drafted tree per "
+      "row in one call): ngram (prompt lookup), model (a small DecoderLM "
+      "trained here); empty: none.", name="serve_drafts")
+  draft_width: int = config_flags.field(
+      2, "serve: branches of a drafted tree (the draft's top-k at the "
+      "root, or distinct prompt-lookup continuations).",
+      name="serve_draft_width", lower_bound=1)
+  draft_depth: int = config_flags.field(
+      4, "serve: drafted tokens per branch.", name="serve_draft_depth",
+      lower_bound=1)
+  draft_steps: int = config_flags.field(
+      300, "serve: training steps of the draft model (the LM's batches; "
+      "checkpointed in the workdir).", name="serve_draft_steps",
+      lower_bound=1)
   timed_passes: int = config_flags.field(
       3, "serve: timed passes of the workload per system, paged and static "
       "in turns after one compiling pass each; the median pass (by wall "
@@ -152,6 +182,10 @@ class ServeConfig:
       "a float32, bfloat16, int8 and float8_e4m3fn paged cache for the "
       "accuracy table (0: every row, all the validation text).",
       name="serve_accuracy_rows", lower_bound=0)
+  eviction_rows: int = config_flags.field(
+      64, "serve: full validation rows (of --lm seq_len tokens) read with "
+      "each eviction policy and budget (0: every full row).",
+      name="serve_eviction_rows", lower_bound=0)
   lm_checkpoint: str = config_flags.field(
       os.path.join("runs", "lm", "checkpoints", "segments"),
       "serve: the LM experiment's segments checkpoint, loaded when it was "
@@ -251,13 +285,35 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def pages_needed(request: Request, page_size: int) -> int:
-  return -(-request.cache_tokens() // page_size)
+def pages_needed(request: Request, page_size: int, extra: int = 0) -> int:
+  """Pages a request may hold: its cache tokens, plus ``extra`` slots a
+  drafted tree takes beyond them before verification drops its rejects."""
+  return -(-(request.cache_tokens() + extra) // page_size)
+
+
+DRAFTS = ("ngram", "model")
+
+
+def drafts(config: ServeConfig) -> list[str]:
+  """The drafts named by ``--serve_drafts`` (ValueError for another)."""
+  names = [d.strip() for d in config.drafts.split(",") if d.strip()]
+  for name in names:
+    if name not in DRAFTS:
+      raise ValueError(f"--serve_drafts names {name!r}; the drafts are "
+                       f"{DRAFTS} (comma-separated, or empty for none).")
+  return names
+
+
+def tree_nodes(config: ServeConfig) -> int:
+  """Most nodes a drafted tree has (root included); 0 without drafts."""
+  return 1 + config.draft_width * config.draft_depth if drafts(config) else 0
 
 
 def max_pages(config: ServeConfig) -> int:
-  """``M``: pages of the longest request the config allows."""
-  return -(-(config.max_prompt + config.max_output - 1) // config.page_size)
+  """``M``: pages of the longest request the config allows (and, with
+  drafts, of the tree it verifies beyond its tokens)."""
+  return -(-(config.max_prompt + config.max_output - 1 + tree_nodes(config))
+           // config.page_size)
 
 
 def check_config(config: ServeConfig) -> None:
@@ -276,7 +332,8 @@ def check_config(config: ServeConfig) -> None:
     raise ValueError(
         f"num_pages={config.num_pages} cannot hold the longest request the "
         f"config allows: {config.max_prompt} + {config.max_output} - 1 "
-        f"tokens need {max_pages(config)} pages of {config.page_size}.")
+        f"tokens (+ {tree_nodes(config)} drafted tree nodes) need "
+        f"{max_pages(config)} pages of {config.page_size}.")
 
 
 # ---------------------------------------------------------------------------
@@ -299,6 +356,14 @@ def programs(graphdef) -> tuple:
                for step in (_paged_step, _linear_step))
 
 
+@functools.lru_cache(maxsize=4)
+def verify_program(graphdef, depth: int):
+  """``_verify_step`` jitted for this model and tree depth, both bound (as
+  static arguments they would send every call through jit's slow path)."""
+  return jax.jit(functools.partial(_verify_step, graphdef, depth=depth),
+                 donate_argnums=0)
+
+
 def _paged_step(graphdef, cache, rest, done, tokens, lengths, rows):
   """Releases the rows ``done [B]``, then appends ``tokens [R, T]``
   (``lengths [R]`` real) to the cache rows ``rows [R]`` (None: all ``B``);
@@ -310,6 +375,26 @@ def _paged_step(graphdef, cache, rest, done, tokens, lengths, rows):
   last = logits[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
   table = model.blocks[0].attention.cache_page_table[...]
   return (nnx.state(model, nnx.Cache), jnp.argmax(last, -1).astype(jnp.int32),
+          model.pages_in_use(), table)
+
+
+def _verify_step(graphdef, cache, rest, done, tokens, parents, lengths,
+                 depth):
+  """Releases the rows ``done [B]``, then verifies each row's drafted tree
+  (``tokens``/``parents [B, T]``, ``lengths [B]`` nodes, 0: idle) in one
+  call and keeps its accepted path in the cache (``speculative``'s module
+  doc): the path ``[B, depth + 1]``, its node count ``[B]``, the target's
+  next token after every node ``[B, T]``, the pages in use and the first
+  layer's page table."""
+  model = nnx.merge(graphdef, cache, rest)
+  model.release(done)
+  prefix = model.blocks[0].attention.cache_index[...]  # [B]
+  logits = model.decode(tokens, lengths, parents=parents)  # [B, T, V]
+  nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+  path, count = aj.greedy_accept(tokens, parents, lengths, nxt, depth)
+  model.move_slots(prefix, prefix[:, None] + path, count)
+  table = model.blocks[0].attention.cache_page_table[...]
+  return (nnx.state(model, nnx.Cache), path, count, nxt,
           model.pages_in_use(), table)
 
 
@@ -361,12 +446,18 @@ def _new_records(requests: list[Request]) -> list[dict]:
 
 
 def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
-                config: ServeConfig) -> dict:
+                config: ServeConfig, draft=None) -> dict:
   """Continuous batching over a fresh paged cache (see the module doc).
 
+  With a ``draft`` (``speculative.NgramDraft`` or ``ModelDraft``) each
+  decoding step drafts a tree per decoding row and verifies all of them in
+  one call over all rows (``_verify_step``), emitting each row's accepted
+  tokens and the target's next one.
+
   Returns:
-    ``{"records": per request (steps, times, tokens, row, pages held),
-    "log": per step, "wall_s", "steps", "token_rows", "pages_in_use_at_end",
+    ``{"records": per request (steps, times, tokens, row, pages held; with
+    a draft the tokens each verification emitted), "log": per step,
+    "wall_s", "steps", "token_rows", "pages_in_use_at_end",
     "pages_blocked_steps"}``.
   """
   b, z = config.slots, config.page_size
@@ -374,11 +465,14 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
   model.init_paged_cache(b, config.num_pages, z, max_pages(config))
   graphdef, cache, rest = split(model)
   paged_step, _ = programs(graphdef)
+  verify_step = None if draft is None else verify_program(graphdef,
+                                                          draft.depth)
   records = _new_records(requests)
   queue, rows = collections.deque(), [None] * b
   done = np.zeros(b, bool)
   reserved, finished, step, token_rows, blocked = 0, 0, 0, 0, 0
   log = []
+  extra = 0 if draft is None else draft.max_nodes
   clock = _Clock(requests, records)
   while finished < len(requests):
     clock.arrive(step, queue)
@@ -387,7 +481,7 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
       continue
     for row in range(b):
       if rows[row] is None and queue:
-        need = pages_needed(requests[queue[0]], z)
+        need = pages_needed(requests[queue[0]], z, extra)
         if reserved + need > config.num_pages:
           blocked += 1  # a free row, but the pool is reserved
           break
@@ -434,7 +528,34 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
         active["fed"] += len(feeds[row])
         if active["fed"] >= len(requests[active["request"]].prompt):
           emitted[row] = int(nxt[i])  # the prompt's last token: a token
-    if decoding:
+    if decoding and draft is not None:
+      before = clock.now()
+      trees = [None] * b
+      histories = [np.concatenate([
+          requests[rows[row]["request"]].prompt,
+          records[rows[row]["request"]]["tokens"]]).astype(np.int32)
+                   for row in decoding]
+      for row, tree in zip(decoding, draft.trees(histories)):
+        trees[row] = tree
+      drafted = clock.now() - before
+      tokens, parents, lengths = speculative.pad_trees(trees, draft.max_nodes)
+      cache, path, count, nxt, in_use, table = verify_step(
+          cache, rest, jnp.asarray(done), jnp.asarray(tokens),
+          jnp.asarray(parents), jnp.asarray(lengths))
+      path, count, nxt = np.asarray(path), np.asarray(count), np.asarray(nxt)
+      in_use = int(in_use)
+      calls.append({"rows": b, "T": draft.max_nodes,
+                    "s": clock.now() - before, "draft_s": drafted})
+      token_rows += b * draft.max_nodes
+      done = np.zeros(b, bool)
+      for row in decoding:
+        kept = path[row, :count[row]]
+        record = records[rows[row]["request"]]
+        emitted[row] = [int(tokens[row, i]) for i in kept[1:]] + [
+            int(nxt[row, kept[-1]])]
+        record.setdefault("accepted", []).append(len(kept) - 1)
+        record.setdefault("tree_nodes", []).append(int(lengths[row]))
+    elif decoding:
       tokens = np.full((b, 1), lm_data.PAD, np.int32)
       lengths = np.zeros(b, np.int32)
       for row in decoding:
@@ -450,19 +571,23 @@ def serve_paged(model: lm_model.DecoderLM, requests: list[Request],
       done = np.zeros(b, bool)
       emitted.update({row: int(nxt[row]) for row in decoding})
     now = clock.now()
-    for row, token in emitted.items():
+    for row, new in emitted.items():
       active = rows[row]
       i = active["request"]
       record = records[i]
-      record["tokens"].append(token)
-      if len(record["tokens"]) == 1:
+      # A verified tree emits several tokens: those past the request's
+      # budget are dropped (its row is released next step).
+      room = requests[i].max_tokens - len(record["tokens"])
+      new = [new] if isinstance(new, int) else new
+      record["tokens"].extend(new[:room])
+      if len(record["tokens"]) == len(new[:room]):
         record.update(first_token_step=step, first_token_s=now)
       if len(record["tokens"]) == requests[i].max_tokens:
         held = np.asarray(table)[row]
         record.update(finish_step=step, finish_s=now,
                       pages=held[held < config.num_pages].tolist())
         rows[row], done[row] = None, True
-        reserved -= pages_needed(requests[i], z)
+        reserved -= pages_needed(requests[i], z, extra)
         finished += 1
     log.append({"step": step, "calls": calls, "seconds": now,
                 "call_s": sum(c["s"] for c in calls),
@@ -751,16 +876,62 @@ def build_model(config: ServeConfig, corpus: lm_data.Corpus
                  "valid_bits_per_char": valid["bits_per_char"]}
 
 
+# The draft model: small, trained here on the same text.
+DRAFT_MODEL = lm_model.LMModelConfig(d_model=64, num_heads=2, num_layers=1,
+                                     ffn_dim=256)
+
+
+def build_drafts(config: ServeConfig, corpus: lm_data.Corpus
+                 ) -> tuple[dict, dict]:
+  """``({name: draft}, {name: where it came from})`` for ``--serve_drafts``;
+  the model draft is trained here for ``draft_steps`` (checkpointed in the
+  workdir: a rerun restores it)."""
+  built, sources = {}, {}
+  width, depth = config.draft_width, config.draft_depth
+  for name in drafts(config):
+    if name == "ngram":
+      built[name] = speculative.NgramDraft(width=width, depth=depth)
+      sources[name] = "prompt lookup (no model)"
+      continue
+    lm_config = dataclasses.replace(
+        _lm_config(config), model=DRAFT_MODEL,
+        train=dataclasses.replace(config.train, steps=config.draft_steps))
+    model = lm.build_model("segments", lm_config, corpus.vocab.size)
+    ckpt = checkpoints.Checkpointer(
+        os.path.join(config.workdir, "checkpoints", "draft"),
+        {**fingerprint(config), "draft_model": report.jsonable(
+            dataclasses.asdict(DRAFT_MODEL)),
+         "draft_steps": config.draft_steps})
+    try:
+      stats = training.train(
+          "draft model", model, lm_config.train, ckpt,
+          batches=functools.partial(lm.train_batch, corpus, lm_config,
+                                    "segments"),
+          step_fn=lm.train_step)
+    finally:
+      ckpt.close()
+    valid = lm.evaluate(model, "segments", corpus.valid,
+                        config.train.batch_size, 64)
+    built[name] = speculative.ModelDraft(model, width=width, depth=depth)
+    sources[name] = {
+        "model": report.jsonable(dataclasses.asdict(DRAFT_MODEL)),
+        "train_steps": stats["steps"],
+        "valid_bits_per_char": valid["bits_per_char"]}
+  return built, sources
+
+
 # ---------------------------------------------------------------------------
 # The experiment
 
 
-def _timed_passes(model, requests, config) -> dict:
+def _timed_passes(model, requests, config, drafted=None) -> dict:
   """Each system's compiling pass, then ``config.timed_passes`` rounds of
   one timed pass each in turns (so a slow spell of the machine falls on
-  both): ``{"paged"|"static": (compile pass, median pass by wall time,
-  every timed pass)}``."""
+  every system): ``{"paged"|"static"|"paged+DRAFT": (compile pass, median
+  pass by wall time, every timed pass)}``."""
   fns = {"paged": serve_paged, "static": serve_static}
+  for name, draft in (drafted or {}).items():
+    fns[f"paged+{name}"] = functools.partial(serve_paged, draft=draft)
   warm = {name: fn(model, requests, config) for name, fn in fns.items()}
   passes = {name: [] for name in fns}
   for _ in range(config.timed_passes):
@@ -768,6 +939,26 @@ def _timed_passes(model, requests, config) -> dict:
       passes[name].append(fn(model, requests, config))
   return {name: (warm[name], sorted(runs, key=lambda r: r["wall_s"])[
       (len(runs) - 1) // 2], runs) for name, runs in passes.items()}
+
+
+def _speculation(run: dict) -> dict:
+  """How far drafting went in a speculative pass: drafted tokens accepted
+  per verified tree, tokens emitted per verification (accepted + the
+  target's own), tree nodes, and the draft's and the verification calls'
+  mean wall times."""
+  accepted = [a for r in run["records"] for a in r.get("accepted", [])]
+  nodes = [n for r in run["records"] for n in r.get("tree_nodes", [])]
+  calls = [c for s in run["log"] for c in s["calls"] if "draft_s" in c]
+  return {"verified_trees": len(accepted),
+          "mean_accepted": float(np.mean(accepted)) if accepted else 0.0,
+          "mean_tokens_per_verify": float(np.mean(accepted)) + 1
+          if accepted else 0.0,
+          "mean_tree_nodes": float(np.mean(nodes)) if nodes else 0.0,
+          "verify_calls": len(calls),
+          "draft_ms": 1000 * float(np.mean([c["draft_s"] for c in calls]))
+          if calls else 0.0,
+          "verify_call_ms": 1000 * float(np.mean(
+              [c["s"] - c["draft_s"] for c in calls])) if calls else 0.0}
 
 
 def _reused_pages(run: dict) -> int:
@@ -800,9 +991,10 @@ def run(config: ServeConfig) -> dict:
   requests = workload(config, corpus)
   model, source = build_model(config, corpus)
   print(f"[serve] model: {source['source']}")
+  drafted, draft_sources = build_drafts(config, corpus)
 
   t0 = time.perf_counter()
-  passes = _timed_passes(model, requests, config)
+  passes = _timed_passes(model, requests, config, drafted)
   paged_warm, paged, paged_runs = passes["paged"]
   static_warm, static, static_runs = passes["static"]
   serving_s = time.perf_counter() - t0
@@ -816,6 +1008,11 @@ def run(config: ServeConfig) -> dict:
                                rows.lengths[:config.accuracy_rows])
   accuracy = cache_accuracy.cache_accuracy(model, rows)
   accuracy_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  eviction = eviction_accuracy.evaluate(
+      model, cache_accuracy.validation_rows(corpus.valid, config.seq_len),
+      max_rows=config.eviction_rows or None)
+  eviction_s = time.perf_counter() - t0
 
   per_token = cache_bytes_per_token(model)
   z = config.page_size
@@ -840,8 +1037,14 @@ def run(config: ServeConfig) -> dict:
       batches=len(static["batches"]),
       compile_pass_wall_s=static_warm["wall_s"],
       check=compare(static["records"], alone))
-  for name, warm, runs in (("paged", paged_warm, paged_runs),
-                           ("static", static_warm, static_runs)):
+  for name in drafted:
+    warm, median, runs = passes[f"paged+{name}"]
+    systems[f"paged+{name}"] = dict(
+        metrics(median, requests), **_speculation(median),
+        compile_pass_wall_s=warm["wall_s"],
+        pages_in_use_at_end=median["pages_in_use_at_end"],
+        check=compare(median["records"], alone))
+  for name, (warm, _, runs) in passes.items():
     systems[name]["passes_equal"] = all(
         a["tokens"] == b["tokens"] for timed in runs
         for a, b in zip(warm["records"], timed["records"]))
@@ -858,9 +1061,17 @@ def run(config: ServeConfig) -> dict:
       "cache_bytes_ratio": paged_m["cache_bytes"] / static_m["cache_bytes"],
       "peak_in_use_bytes_ratio": (paged_m["peak_in_use_bytes"]
                                   / static_m["cache_bytes"])}
+  for name in drafted:
+    spec = f"paged+{name}"
+    comparison[f"{spec}_tokens_per_s_ratio"] = (
+        systems[spec]["tokens_per_s"] / paged_m["tokens_per_s"])
+    comparison[f"{spec}_tokens_per_s_ratio_by_round"] = [
+        p["wall_s"] / d["wall_s"] for p, d in zip(paged_runs,
+                                                  passes[spec][2])]
   payload = {
       "config": report.jsonable(dataclasses.asdict(config)),
-      "model": source, "bytes_per_token": per_token,
+      "model": source, "drafts": draft_sources,
+      "bytes_per_token": per_token,
       "workload": {
           "requests": len(requests),
           "prompt_tokens": [len(r.prompt) for r in requests],
@@ -869,17 +1080,23 @@ def run(config: ServeConfig) -> dict:
           "documents": [r.document for r in requests]},
       "systems": report.jsonable(systems), "comparison": comparison,
       "cache_accuracy": report.jsonable(accuracy),
+      "eviction": report.jsonable(eviction),
       "seconds": {"serving_both_passes": serving_s, "alone": alone_s,
-                  "cache_accuracy": accuracy_s,
+                  "cache_accuracy": accuracy_s, "eviction": eviction_s,
                   "total": time.perf_counter() - t_start},
       "static_batches": report.jsonable(static["batches"]),
       "requests": {"paged": report.jsonable(paged["records"]),
-                   "static": report.jsonable(static["records"])},
+                   "static": report.jsonable(static["records"]),
+                   **{f"paged+{name}": report.jsonable(
+                       passes[f"paged+{name}"][1]["records"])
+                      for name in drafted}},
       "paged_log": paged["log"], "static_log": static["log"]}
   if jax.process_index() == 0:
     serve_plots.pages_in_use(
         os.path.join(config.workdir, "pages_in_use.png"), paged["log"],
         static["log"], config.num_pages, z)
+    eviction_accuracy.plot(eviction,
+                           os.path.join(config.workdir, "eviction.png"))
     report.write_json(os.path.join(config.workdir, "results.json"), payload)
     text = _report(config, corpus, requests, payload)
     report.write_text(os.path.join(config.workdir, "report.md"), text)
@@ -972,7 +1189,9 @@ def _report(config: ServeConfig, corpus: lm_data.Corpus,
       "(tokens - 1); useful token share: prompt and generated tokens "
       "over the token rows the model computed (rows x T per call, "
       "padding included).\n"]
+  parts += _speculative_section(config, payload)
   parts += _accuracy_section(config, payload["cache_accuracy"])
+  parts += eviction_accuracy.section(payload["eviction"])
   parts.append("## Samples (paged)\n")
   records = payload["requests"]["paged"]
   for r in requests[:3]:
@@ -1006,3 +1225,55 @@ def _accuracy_section(config: ServeConfig, accuracy: dict) -> list[str]:
           ["cache", "bits/char", "greedy agreement",
            "attention max abs error per layer", "bytes per token",
            f"bytes vs {formats[0]}"], rows) + "\n"]
+
+
+def _speculative_section(config: ServeConfig, payload: dict) -> list[str]:
+  systems, c = payload["systems"], payload["comparison"]
+  names = [n for n in systems if n.startswith("paged+")]
+  if not names:
+    return []
+  rows = []
+  for name in ["paged"] + names:
+    s = systems[name]
+    check = s["check"]
+    spread = ""
+    if name != "paged":
+      rounds = c[f"{name}_tokens_per_s_ratio_by_round"]
+      spread = (f"{c[f'{name}_tokens_per_s_ratio']:.2f}x ("
+                f"{min(rounds):.2f}-{max(rounds):.2f})")
+    rows.append([
+        name, s["tokens_per_s"], spread or "1",
+        f"{s['mean_accepted']:.2f}" if name != "paged" else "-",
+        f"{s['mean_tree_nodes']:.1f}" if name != "paged" else "1",
+        s.get("verify_calls", s["model_calls"]),
+        f"{s['verify_call_ms']:.1f} + {s['draft_ms']:.1f}"
+        if name != "paged" else "-",
+        f"{check['matching']}/{check['requests']}"
+        + (f" ({len(check['near_ties'])} near ties)" if check["near_ties"]
+           else "")])
+  drafts_text = "; ".join(
+      f"{k}: {v if isinstance(v, str) else _draft_text(v)}"
+      for k, v in payload["drafts"].items())
+  return [
+      "## Speculative decoding\n",
+      f"Each decoding step drafts a tree per row ({config.draft_width} "
+      f"branches of {config.draft_depth} tokens under the row's last token, "
+      "merged as a trie) and the target verifies every row's tree in one "
+      "call (tree mask, positions prefix + depth), keeping the longest "
+      "path it agrees with and its own next token; the rejected nodes' "
+      f"slots are dropped from the paged cache. Drafts: {drafts_text}.\n",
+      report.markdown_table(
+          ["system", "generated tokens/s", "vs paged (rounds)",
+           "drafted tokens accepted per tree", "tree nodes (mean)",
+           "decode calls", "verify + draft ms per call",
+           "same tokens as alone"], rows) + "\n",
+      "Tokens/s of each system's median timed pass; the ratio against "
+      "plain continuous batching round by round in brackets (each round "
+      "runs every system once, in turns).\n"]
+
+
+def _draft_text(source: dict) -> str:
+  m = source["model"]
+  return (f"a DecoderLM of {m['num_layers']} layer, D={m['d_model']}, "
+          f"{m['num_heads']} heads, trained {source['train_steps']} steps "
+          f"here (validation {source['valid_bits_per_char']:.3f} bits/char)")

@@ -15,13 +15,14 @@ model appends all ``T`` nodes to the row's cache in one call with
 itself) at positions ``prefix + depth`` (``aj.tree_positions``), and
 returns its greedy next token after every node.
 
-Greedy acceptance (``accept``): from the root, follow the child whose
-token equals the target's next token after the current node, as long as
-there is one. Every token on that path is what plain greedy decoding would
-have produced, so the step emits the path's drafted tokens and the
-target's next token after the path's last node (the bonus token, the next
-step's root). The cache keeps only the path's nodes, moved to the slots
-right after the prefix in path order (``aj.move_slots``); the other
+Greedy acceptance (``aj.greedy_accept`` inside the jitted verification;
+``accept`` here is its host-side reference): from the root, follow the
+child whose token equals the target's next token after the current node,
+as long as there is one. Every token on that path is what plain greedy
+decoding would have produced, so the step emits the path's drafted tokens
+and the target's next token after the path's last node (the bonus token,
+the next step's root). The cache keeps only the path's nodes, moved to the
+slots right after the prefix in path order (``aj.move_slots``); the other
 nodes' slots are dropped and pages past the new length return to the pool.
 The output equals plain greedy decoding token for token (up to float32
 near ties, as any change of kernel shapes).
@@ -35,7 +36,8 @@ Two drafts:
 - ``ModelDraft``: a small ``DecoderLM`` trained on the same text. It reads
   the last ``W`` tokens of the row (no cache: a window recomputed each
   step), branches into its ``width`` most likely next tokens and extends
-  each greedily to ``depth`` tokens (``depth`` calls of ``R * width`` rows).
+  each greedily to ``depth`` tokens: one jitted call of ``depth`` forward
+  passes (``R`` rows, then ``R * width``).
 """
 
 from __future__ import annotations

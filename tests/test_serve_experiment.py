@@ -26,13 +26,15 @@ import run
 
 def _tiny(workdir, **changes):
   # 6 requests of 4-24 prompt tokens and 2-10 outputs over 2 rows: rows
-  # are freed and reused; a pool of 10 pages of 4 tokens (longest request
-  # 33 tokens, 9 pages) makes admission wait for pages too; prompts in
-  # chunks of 4 (three compiled paged shapes, T = 1, 2, 4).
+  # are freed and reused; a pool of 12 pages of 4 tokens (longest request
+  # 33 tokens and a drafted tree of 9 nodes: 11 pages) makes admission wait
+  # for pages too; prompts in chunks of 4 (three compiled paged shapes, T =
+  # 1, 2, 4); both drafts, the draft model trained 3 steps.
   config = serve.ServeConfig(
       workdir=workdir, requests=6, min_prompt=4, max_prompt=24,
       min_output=2, max_output=10, arrival_rate=0.5, slots=2, page_size=4,
-      num_pages=10, prefill_chunk=4, lm_checkpoint="", accuracy_rows=3,
+      num_pages=12, prefill_chunk=4, lm_checkpoint="", accuracy_rows=3,
+      draft_steps=3, eviction_rows=2,
       model=lm_model.LMModelConfig(d_model=16, num_heads=2, num_layers=1,
                                    ffn_dim=32),
       train=training.TrainConfig(steps=3, batch_size=4, learning_rate=1e-2,
@@ -54,6 +56,7 @@ class ServeRunTest(absltest.TestCase):
                   self._a_new_row_prefills_while_another_decodes,
                   self._requests_follow_the_workload,
                   self._metrics_are_consistent,
+                  self._speculative_decoding_gives_the_same_tokens,
                   self._reports_the_quantised_caches):
       with self.subTest(check.__name__):
         check()
@@ -168,10 +171,38 @@ class ServeRunTest(absltest.TestCase):
     per_token = 2 * 8 * 2 * 4
     self.assertEqual(self.payload["bytes_per_token"], per_token)
     self.assertEqual(self.payload["systems"]["paged"]["cache_bytes"],
-                     10 * 4 * per_token)
+                     12 * 4 * per_token)
     longest = max(b["length"] for b in self.payload["static_batches"])
     self.assertEqual(self.payload["systems"]["static"]["cache_bytes"],
                      2 * longest * per_token)
+
+  def _speculative_decoding_gives_the_same_tokens(self):
+    plain = [r["tokens"] for r in self.payload["requests"]["paged"]]
+    for name in ("paged+ngram", "paged+model"):
+      s = self.payload["systems"][name]
+      self.assertEqual(s["check"]["matching"], 6, s["check"])
+      self.assertTrue(s["passes_equal"])
+      self.assertEqual(s["pages_in_use_at_end"], 0)  # no leaked page
+      self.assertEqual(s["generated_tokens"],
+                       sum(self.payload["workload"]["max_tokens"]))
+      # Each verification emits its accepted drafted tokens and one more.
+      self.assertAlmostEqual(s["mean_tokens_per_verify"],
+                             s["mean_accepted"] + 1)
+      self.assertGreater(s["verified_trees"], 0)
+      self.assertLen(self.payload["comparison"][
+          f"{name}_tokens_per_s_ratio_by_round"], 3)
+      self.assertEqual(plain, [r["tokens"] for r in self.payload[
+          "requests"][name]])
+    with open(os.path.join(self.workdir, "report.md")) as f:
+      text = f.read()
+    self.assertIn("## Speculative decoding", text)
+    self.assertIn("eviction.png", os.listdir(self.workdir))
+    eviction = self.payload["eviction"]
+    self.assertEqual(eviction["protocol"]["rows"], 2)
+    self.assertContainsSubset({"full", "streaming", "h2o", "snapkv"},
+                              set(eviction))
+    self.assertIn("## Evicting keys", text)
+    self.assertIn("| paged+ngram |", text)
 
   def _reports_the_quantised_caches(self):
     accuracy = self.payload["cache_accuracy"]

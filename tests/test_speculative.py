@@ -3,6 +3,7 @@ paged cache after verification against plain greedy decoding's."""
 
 from absl.testing import absltest
 import chex
+from flax import nnx
 import hypothesis
 from hypothesis import strategies as st
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 
 import attention_jax as aj
 from attention_jax.decoding import paged_cache as pc
+from experiments import lm_model
 from experiments import speculative
 
 V = 5  # a small vocabulary: drafted tokens often agree with the target
@@ -56,6 +58,33 @@ class TreeTest(absltest.TestCase):
     # No earlier occurrence of any suffix: nothing drafted, the root alone.
     tree = draft.trees([np.array([1, 2, 3])])[0]
     self.assertEqual(tree.size, 1)
+
+
+class ModelDraftTest(absltest.TestCase):
+
+  def test_branches_are_the_models_top_k_extended_greedily(self):
+    model = lm_model.DecoderLM(
+        lm_model.LMModelConfig(d_model=16, num_heads=2, num_layers=1,
+                               ffn_dim=32), vocab_size=11,
+        rngs=nnx.Rngs(0))
+    draft = speculative.ModelDraft(model, width=2, depth=3, window=6)
+    histories = [np.array([1, 4, 5, 6, 7, 8, 9, 3], np.int32),
+                 np.array([1, 2], np.int32)]
+    trees = draft.trees(histories)
+    for history, tree in zip(histories, trees):
+      # Each branch by hand: the window's last logits, top-2 at the root,
+      # then the argmax, the window sliding.
+      for rank in range(2):
+        window, chain = list(history[-6:]), []
+        for d in range(3):
+          logits = np.asarray(model(jnp.asarray([window])))[0, -1]
+          token = (int(np.argsort(-logits, kind="stable")[rank]) if d == 0
+                   else int(np.argmax(logits)))
+          chain.append(token)
+          window = (window + [token])[-6:]
+        self.assertIn(chain, [_path_tokens(tree, i)[1:]
+                              for i in range(tree.size)])
+      self.assertEqual(tree.tokens[0], history[-1])
 
 
 class AcceptTest(chex.TestCase):
