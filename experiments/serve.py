@@ -169,7 +169,7 @@ class ServeConfig:
       4, "serve: drafted tokens per branch.", name="serve_draft_depth",
       lower_bound=1)
   draft_steps: int = config_flags.field(
-      300, "serve: training steps of the draft model (the LM's batches; "
+      1000, "serve: training steps of the draft model (the LM's batches; "
       "checkpointed in the workdir).", name="serve_draft_steps",
       lower_bound=1)
   timed_passes: int = config_flags.field(
