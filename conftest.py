@@ -243,6 +243,27 @@ EXHAUSTIVE = {
         "GreedyTest::test_eos_stops_a_row_which_then_emits_pad0",
         "SamplingTest::test_the_same_key_gives_the_same_tokens_within_the_"
         "top_k0"),
+    # Speculative decoding and its cache edits: the default run keeps each
+    # property once (move_slots against its NumPy model, the verified
+    # cache against plain decoding's, speculative_generate's tokens against
+    # aj.generate's with prompt lookup); these repeat them through another
+    # door (reuse of freed pages, one row's page table, a draft that is
+    # always right or always wrong, the JAX lookup against the host one)
+    # or test the serve experiment's draft model (the serve run uses it).
+    "tests/test_paged_edit.py": ("MoveSlotsTest::test_freed_pages_are_reused",),
+    "tests/test_speculative.py": (
+        "ModelDraftTest::",
+        "VerifiedCacheTest::test_one_row_keeps_the_same_page_table"),
+    "tests/test_speculative_generate.py": (
+        "SpeculativeGenerateTest::test_a_draft_of_the_greedy_tokens",
+        "SpeculativeGenerateTest::test_a_wrong_draft",
+        "PromptLookupTest::"),
+    # The paged route with int8 pages and a window (float pages run by
+    # default); the eviction model's importance against the full forward
+    # (the measurement's H2O reads it in the exhaustive serve run).
+    "tests/test_importance.py": (
+        "PagedKeyImportanceTest::test_equals_key_importance_over_the_linear_"
+        "keys_int8",),
     # Multi-device (tests/test_multidevice.py runs these files' default
     # and exhaustive tests in a process each). The ring contract's columns
     # (ring and ring_zigzag sharing their cases, contract.COVERED_TOGETHER)

@@ -17,9 +17,12 @@ _POOL = 1 << 16
 
 @functools.cache
 def _pools() -> tuple[np.ndarray, np.ndarray]:
-  k_normal, k_uniform = jax.random.split(jax.random.key(0))
-  return (np.asarray(jax.random.normal(k_normal, (_POOL,))),
-          np.asarray(jax.random.uniform(k_uniform, (_POOL,))))
+  # Concrete even when first asked for inside a jit trace (a test's
+  # jitted helper drawing its inputs).
+  with jax.ensure_compile_time_eval():
+    k_normal, k_uniform = jax.random.split(jax.random.key(0))
+    return (np.asarray(jax.random.normal(k_normal, (_POOL,))),
+            np.asarray(jax.random.uniform(k_uniform, (_POOL,))))
 
 
 def _take(pool: np.ndarray, seed: int, shape) -> np.ndarray:

@@ -31,10 +31,11 @@ def is_exhaustive(test_name: str) -> bool:
   full budget equals the full cache); the importance through
   ``aj.paged_key_importance`` (the gathered keys' by default) repeats the
   default check's numbers through the other route; the model's per-layer
-  eviction (each layer its own slots) runs in the measurement's H2O and
-  SnapKV too."""
+  eviction (each layer its own slots) and its importance against the
+  full forward's weights run in the measurement's H2O and SnapKV too."""
   return test_name.startswith(("test_every_policy_runs",
-                               "test_paged_importance", "test_evicted_layers"))
+                               "test_paged_importance", "test_evicted_layers",
+                               "test_importance_is_the_full"))
 
 
 # --- NumPy references, one row (and KV head) at a time, from the papers.
