@@ -258,6 +258,14 @@ EXHAUSTIVE = {
         "SpeculativeGenerateTest::test_a_draft_of_the_greedy_tokens",
         "SpeculativeGenerateTest::test_a_wrong_draft",
         "PromptLookupTest::"),
+    # Docstring examples that run a paged cache eagerly (op by op, 5-11
+    # CPU-s each): the same calls are tested jitted by default
+    # (test_paged_edit, test_importance, test_eviction,
+    # test_speculative_generate).
+    "attention_jax/decoding/paged_edit.py": ("",),
+    "attention_jax/decoding/paged_importance.py": ("",),
+    "attention_jax/decoding/eviction.py": ("",),
+    "attention_jax/layers/speculative_generate.py": ("",),
     # The paged route with int8 pages and a window (float pages run by
     # default); the eviction model's importance against the full forward
     # (the measurement's H2O reads it in the exhaustive serve run).

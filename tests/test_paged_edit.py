@@ -41,7 +41,7 @@ def _move(cache, start, source, count):
 
 class MoveSlotsTest(chex.TestCase):
 
-  @hypothesis.settings(max_examples=15, deadline=None)
+  @hypothesis.settings(max_examples=8, deadline=None)
   @hypothesis.given(st.data())
   def test_equals_numpy_model(self, data):
     lengths = np.array([data.draw(st.integers(0, M * Z)) for _ in range(B)])
