@@ -848,21 +848,10 @@ def build_model(config: ServeConfig, corpus: lm_data.Corpus
   loaded, why = load_lm_checkpoint(model, config)
   if loaded:
     return model, {"source": why, "trained_here": False}
-  model = lm.build_model("segments", lm_config, corpus.vocab.size)
   train_config = dataclasses.replace(lm_config, train=config.train)
-  ckpt = checkpoints.Checkpointer(
-      os.path.join(config.workdir, "checkpoints", "model"),
+  model, stats, valid = _train_here(
+      "serve model", train_config, corpus, config, "model",
       fingerprint(config))
-  try:
-    stats = training.train(
-        "serve model", model, config.train, ckpt,
-        batches=functools.partial(lm.train_batch, corpus, train_config,
-                                  "segments"),
-        step_fn=lm.train_step)
-  finally:
-    ckpt.close()
-  valid = lm.evaluate(model, "segments", corpus.valid,
-                      config.train.batch_size, 64)
   # A rerun restores the whole model from the workdir: say so, rather than
   # "trained here" by a run that trained no step.
   where = ("trained here" if stats["trained_steps"] else
@@ -874,6 +863,27 @@ def build_model(config: ServeConfig, corpus: lm_data.Corpus
                  "train_timing": stats["timing"],
                  "final_loss_bits": stats["final_loss"] / math.log(2),
                  "valid_bits_per_char": valid["bits_per_char"]}
+
+
+def _train_here(name: str, lm_config: lm.LMConfig, corpus: lm_data.Corpus,
+                config: ServeConfig, directory: str, fingerprint_: dict):
+  """A fresh ``lm_config`` model trained on the LM's batches for its
+  ``train`` steps, checkpointed under the workdir's ``checkpoints/
+  directory`` (a rerun restores it); ``(model, stats, validation)``."""
+  model = lm.build_model("segments", lm_config, corpus.vocab.size)
+  ckpt = checkpoints.Checkpointer(
+      os.path.join(config.workdir, "checkpoints", directory), fingerprint_)
+  try:
+    stats = training.train(
+        name, model, lm_config.train, ckpt,
+        batches=functools.partial(lm.train_batch, corpus, lm_config,
+                                  "segments"),
+        step_fn=lm.train_step)
+  finally:
+    ckpt.close()
+  valid = lm.evaluate(model, "segments", corpus.valid,
+                      config.train.batch_size, 64)
+  return model, stats, valid
 
 
 # The draft model: small, trained here on the same text.
@@ -896,22 +906,11 @@ def build_drafts(config: ServeConfig, corpus: lm_data.Corpus
     lm_config = dataclasses.replace(
         _lm_config(config), model=DRAFT_MODEL,
         train=dataclasses.replace(config.train, steps=config.draft_steps))
-    model = lm.build_model("segments", lm_config, corpus.vocab.size)
-    ckpt = checkpoints.Checkpointer(
-        os.path.join(config.workdir, "checkpoints", "draft"),
+    model, stats, valid = _train_here(
+        "draft model", lm_config, corpus, config, "draft",
         {**fingerprint(config), "draft_model": report.jsonable(
             dataclasses.asdict(DRAFT_MODEL)),
          "draft_steps": config.draft_steps})
-    try:
-      stats = training.train(
-          "draft model", model, lm_config.train, ckpt,
-          batches=functools.partial(lm.train_batch, corpus, lm_config,
-                                    "segments"),
-          step_fn=lm.train_step)
-    finally:
-      ckpt.close()
-    valid = lm.evaluate(model, "segments", corpus.valid,
-                        config.train.batch_size, 64)
     built[name] = speculative.ModelDraft(model, width=width, depth=depth)
     sources[name] = {
         "model": report.jsonable(dataclasses.asdict(DRAFT_MODEL)),
