@@ -11,7 +11,9 @@ float64 over the reference's choice: the choice is not differentiated);
 GQA, a chunk of queries over a longer prefix (T != S), kv_lengths (per
 example and per head), top_k covering every block (= causal attention),
 the layer (MultiHeadAttention with moba_attention_fn, decoding from a KV
-cache equal to the whole call) and the refusals.
+cache equal to the whole call) and the refusals. The query-block variant
+(rows of ``query_block`` queries choosing by their mean query, not in the
+paper) has the same reference with a row's mean in place of a query.
 """
 
 import functools
@@ -48,6 +50,8 @@ def is_exhaustive(test_name: str) -> bool:
       "test_matches_reference_exhaustive_dense",
       "test_matches_reference_exhaustive_flash",
       "test_key_padding_dense_equals_kv_lengths",
+      "test_query_blocks_match_reference_dense",
+      "test_query_blocks_over_a_longer_prefix",
       "test_decoding_equals_the_whole_call",
       "test_a_left_padded_example_decodes_as_its_tokens_alone",
       "test_module_gradients",
@@ -55,11 +59,14 @@ def is_exhaustive(test_name: str) -> bool:
   )
 
 
-def _reference(q, k, v, *, block, top_k, scale=None, kv_lengths=None):
+def _reference(q, k, v, *, block, top_k, scale=None, kv_lengths=None,
+               query_block=1):
   """MoBA in float64 from the paper: ``(out, lse, chosen, allowed,
-  margin)``; ``chosen`` ``[B, N, T, nks]``, ``allowed`` ``[B, N, T, S]``,
-  ``margin`` the smallest gap between a chosen past block's score and the
-  best unchosen one's (how safely float32 ranks the same)."""
+  margin)``; ``chosen`` ``[B, N, nqs, nks]`` (a row per query, or per
+  ``query_block`` queries scored by their mean query), ``allowed``
+  ``[B, N, T, S]``, ``margin`` the smallest gap between a chosen past
+  block's score and the best unchosen one's (how safely float32 ranks the
+  same)."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b_, n_, t_, h_ = q.shape
   kh, s_ = k.shape[1], k.shape[2]
@@ -70,7 +77,8 @@ def _reference(q, k, v, *, block, top_k, scale=None, kv_lengths=None):
       np.reshape(s_ if kv_lengths is None else np.asarray(kv_lengths),
                  (-1, 1) if np.ndim(kv_lengths) < 2 else np.shape(kv_lengths)),
       (b_, n_))
-  chosen = np.zeros((b_, n_, t_, nks), bool)
+  nqs = -(-t_ // query_block)
+  chosen = np.zeros((b_, n_, nqs, nks), bool)
   allowed = np.zeros((b_, n_, t_, s_), bool)
   out = np.zeros(q.shape[:3] + v.shape[3:])
   lse = np.full((b_, n_, t_), -np.inf)
@@ -80,19 +88,24 @@ def _reference(q, k, v, *, block, top_k, scale=None, kv_lengths=None):
       keys, values = k[b, n // g], v[b, n // g]
       real = [[j for j in range(m * block, min((m + 1) * block, s_))
                if j < lengths[b, n]] for m in range(nks)]
-      for t in range(t_):
-        p = t + s_ - t_  # bottom-right: the last query meets the last key
-        own = p // block
+      for r in range(nqs):
+        rows = range(r * query_block, min((r + 1) * query_block, t_))
+        # Bottom-right: the last query meets the last key; a row lies in
+        # the block of its first query.
+        own = (rows[0] + s_ - t_) // block
         past = [m for m in range(own) if real[m]]
-        score = {m: q[b, n, t] @ keys[real[m]].mean(0) for m in past}
+        query = q[b, n, list(rows)].mean(0)
+        score = {m: query @ keys[real[m]].mean(0) for m in past}
         ranked = sorted(past, key=lambda m: (-score[m], m))
         picked = ranked[:top_k - 1]
         if picked and len(ranked) > len(picked):
           margin = min(margin, score[picked[-1]] - score[ranked[len(picked)]])
         for m in [own] + picked:
-          chosen[b, n, t, m] = True
+          chosen[b, n, r, m] = True
+      for t in range(t_):
+        p = t + s_ - t_
         cols = [j for j in range(s_) if j <= p and j < lengths[b, n]
-                and chosen[b, n, t, j // block]]
+                and chosen[b, n, t // query_block, j // block]]
         allowed[b, n, t, cols] = True
         if cols:
           logits = scale * keys[cols] @ q[b, n, t]
@@ -123,18 +136,21 @@ def _reference_grads(q, k, v, allowed, cot, scale=None):
 
 
 @functools.partial(jax.jit, static_argnames=("block", "top_k",
-                                             "implementation"))
-def _run(q, k, v, cot, kv_lengths, *, block, top_k, implementation):
+                                             "implementation", "query_block"))
+def _run(q, k, v, cot, kv_lengths, *, block, top_k, implementation,
+         query_block=1):
   """Outputs, lse, the gradient of ``sum(out * cot)`` and the chosen
   blocks, one compile."""
   mask = aj.Mask(causal=True, kv_lengths=kv_lengths)
 
   def attend(q, k, v):
     return aj.moba_attention(q, k, v, mask, block=block, top_k=top_k,
-                             implementation=implementation, return_lse=True)
+                             implementation=implementation, return_lse=True,
+                             query_block=query_block)
 
   (out, lse), pull = jax.vjp(attend, q, k, v)
-  chosen = moba.moba_selection(q, k, mask, block=block, top_k=top_k)
+  chosen = moba.moba_selection(q, k, mask, block=block, top_k=top_k,
+                               query_block=query_block)
   return out, lse, pull((cot, jnp.zeros_like(lse))), chosen
 
 
@@ -149,16 +165,17 @@ def _inputs(seed, b, n, kh, t, s, h):
 class MobaAttentionTest(parameterized.TestCase):
 
   def _check(self, implementation, *, b, n, kh, t, s, h, block, top_k,
-             kv_lengths, seed=0):
+             kv_lengths, seed=0, query_block=1):
     q, k, v, cot = _inputs(seed, b, n, kh, t, s, h)
     want, want_lse, chosen, allowed, margin = _reference(
-        q, k, v, block=block, top_k=top_k, kv_lengths=kv_lengths)
+        q, k, v, block=block, top_k=top_k, kv_lengths=kv_lengths,
+        query_block=query_block)
     self.assertGreater(margin, MARGIN)  # the data ranks blocks clearly
     # The choice leaves blocks out (else this is plain causal attention).
     self.assertLess(chosen.sum(-1).max(), -(-s // block))
     out, lse, grads, got_chosen = _run(
         q, k, v, cot, jnp.asarray(kv_lengths), block=block, top_k=top_k,
-        implementation=implementation)
+        implementation=implementation, query_block=query_block)
     np.testing.assert_array_equal(got_chosen, chosen)
     chex.assert_trees_all_close(out, want, **TOL)
     seen = allowed.any(-1)  # rows that see no key: lse -inf
@@ -181,6 +198,57 @@ class MobaAttentionTest(parameterized.TestCase):
     # A chunk of 6 queries over 19 keys (T != S), per-head lengths, top 3.
     self._check(implementation, b=2, n=2, kh=1, t=6, s=19, h=4, block=3,
                 top_k=3, kv_lengths=np.array([[19, 12], [17, 19]]), seed=7)
+
+  @parameterized.named_parameters(("_flash", "flash"), ("_dense", "dense"))
+  def test_query_blocks_match_reference(self, implementation):
+    # Rows of 4 queries choose together by their mean query: GQA, T=S=26
+    # (a last row of 2, a partial last block), blocks of 8, top 2, example
+    # 1 padded to 19 keys.
+    self._check(implementation, b=2, n=4, kh=2, t=26, s=26, h=8, block=8,
+                top_k=2, kv_lengths=np.array([26, 19]), query_block=4,
+                seed=30)
+
+  def test_query_blocks_over_a_longer_prefix(self):
+    # A chunk of 8 queries over 24 keys: rows start at S - T = 16 + 4r.
+    self._check("flash", b=1, n=2, kh=1, t=8, s=24, h=4, block=8, top_k=2,
+                kv_lengths=np.array([24]), query_block=4, seed=31)
+
+  def test_query_blocks_leave_padded_queries_out_of_the_gate(self):
+    # q_lengths = 10 of 16: the row of queries 8..11 scores by the mean of
+    # 8 and 9 alone, whatever the padding holds (NaN, or large values that
+    # would move its mean); the last row, all padding, reads its own block.
+    q, k, v, _ = _inputs(33, 1, 2, 1, 16, 16, 4)
+    mask = aj.Mask(causal=True, q_lengths=jnp.array([10]))
+    run = jax.jit(lambda q: (
+        aj.moba_attention(q, k, v, mask, block=4, top_k=2, query_block=4,
+                          implementation="dense"),
+        moba.moba_selection(q, k, mask, block=4, top_k=2, query_block=4)))
+    out_nan, chosen_nan = run(q.at[:, :, 10:].set(jnp.nan))
+    out_big, chosen_big = run(q.at[:, :, 10:].set(100 * q[:, :, :6]))
+    np.testing.assert_array_equal(chosen_nan, chosen_big)
+    np.testing.assert_array_equal(out_nan[:, :, :10], out_big[:, :, :10])
+    want = _reference(q[:, :, :10], k[:, :, :10], v[:, :, :10], block=4,
+                      top_k=2, query_block=4)[2]
+    np.testing.assert_array_equal(chosen_nan[:, :, :3, :3], want)
+    np.testing.assert_array_equal(chosen_nan[0, :, 3], [[0, 0, 0, 1]] * 2)
+
+  def test_query_blocks_walk_only_the_chosen_blocks(self):
+    # Rows of a kernel block's size choose whole kernel blocks: the flash
+    # walk's tables hold no partly chosen block, and it visits top_k of
+    # them per row (fewer near the start), the diagonal partly.
+    t, block, g, top_k = 64, 16, 8, 2
+    q, k, _, _ = _inputs(32, 1, 2, 2, t, t, 4)
+    chosen = moba.moba_selection(q, k, block=block, top_k=top_k,
+                                 query_block=g)
+    sel = aj.select_blocks(chosen, q_len=t, kv_len=t, key_block=block,
+                           query_block=g, block_q=g, block_k=block)
+    kinds = np.asarray(sel.kinds)
+    self.assertFalse(np.any(kinds == aj.kernels.base.intervals.PARTIAL))
+    np.testing.assert_array_equal(kinds == aj.kernels.base.intervals.FULL,
+                                  np.asarray(chosen))
+    rows = np.minimum(top_k, np.arange(t // g) * g // block + 1)
+    np.testing.assert_array_equal(np.asarray(chosen).sum(-1),
+                                  np.broadcast_to(rows, (1, 2, t // g)))
 
   def test_a_chunk_over_a_longer_prefix_and_a_decoding_step(self):
     # T != S: query i stands at i + S - T (bottom-right); per-head lengths
@@ -344,6 +412,15 @@ class MobaRefusalTest(parameterized.TestCase):
        "block_q=2 sets a block table"),
       ("block_type", dict(block=2.0), TypeError, "block must be a Python int"),
       ("top_k_zero", dict(top_k=0), ValueError, "top_k must be positive"),
+      ("query_block_not_dividing_block", dict(block=3, query_block=2),
+       ValueError, "query_block=2 must divide block=3"),
+      ("query_block_offset", dict(k=jnp.ones((1, 1, 9, 4)),
+                                  v=jnp.ones((1, 1, 9, 4)), block=4,
+                                  query_block=2), ValueError,
+       r"query_block=2 must divide S - T = 9 - 6"),
+      ("query_block_while_decoding", dict(
+          mask=aj.Mask(causal=True, q_offset=0), query_block=2), ValueError,
+       "decode with query_block=1"),
       ("rank", dict(q=jnp.ones((2, 6, 4))), ValueError,
        r"q must be \[B, N, T, H\]"),
       ("heads", dict(q=jnp.ones((1, 3, 6, 4)), k=jnp.ones((1, 2, 6, 4)),
@@ -362,6 +439,14 @@ class MobaRefusalTest(parameterized.TestCase):
       aj.moba_attention_fn(4, 2, block_k=3)
     with self.assertRaisesRegex(TypeError, "top_k must be a Python int"):
       aj.moba_attention_fn(4, None)
+    with self.assertRaisesRegex(ValueError, "query_block=3 must divide"):
+      aj.moba_attention_fn(4, 2, query_block=3)
+
+  def test_a_layer_of_query_blocks_refuses_to_decode(self):
+    mha = _module(aj.moba_attention_fn(4, 2, "dense", query_block=2))
+    mha.init_cache(1, 8)
+    with self.assertRaisesRegex(ValueError, "decode with query_block=1"):
+      mha(jnp.ones((1, 2, 16)), decode=True)
 
   def test_caches_without_positions_in_order_are_refused(self):
     x = jnp.ones((1, 3, 16))

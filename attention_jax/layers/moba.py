@@ -21,6 +21,17 @@ chosen blocks by ``aj.top_k_mask``; ``aj.select_blocks`` turns them into a
 ``BlockMask`` that intersects the causal mask, so the flash kernel walks
 only the chosen blocks and the dense kernel evaluates the choice exactly.
 
+Query blocks (``query_block = g > 1``, not in the paper): rows of ``g``
+consecutive queries share one choice, scored by the row's mean query (the
+mean of its queries' gates: ``mean(q) . mean(K_m)``, over its real
+queries), its own block always, then the best past blocks. A row lies in
+one key block (``g`` divides ``block`` and ``S - T``), so every kernel
+block a row's queries share is read wholly or not at all: the flash walk
+visits exactly the chosen blocks (cost in proportion to ``top_k``), where
+per-query choices make a kernel block of queries visit the union of their
+choices (docs/performance.md). A decoding step, one query, is refused:
+its row's mean needs the row's other queries.
+
 Where keys stand: a key's block is its position ``// c``; positions are the
 key columns ``0..S-1`` unless the mask gives them (``kv_offset``: a
 KV-cache decoding step, where the layer places its queries at
@@ -53,8 +64,11 @@ from attention_jax.masking.mask import MaskRule
 
 # The largest flash blocks the defaults pick: rows of a query block are
 # united (each query chooses its own blocks), so a larger one walks more.
+# Rows of query_block queries choose together: their kernel blocks are
+# read wholly or not at all, and the causal call's key block serves.
 _MAX_BLOCK_Q = 128
 _MAX_BLOCK_K = 128
+_MAX_ROWS_BLOCK_K = 256
 
 
 def _check_operands(q, k, v) -> None:
@@ -72,9 +86,15 @@ def _check_operands(q, k, v) -> None:
   del s
 
 
-def _check_sizes(block, top_k) -> None:
+def _check_sizes(block, top_k, query_block=1) -> None:
   checks.check_positive_int("block", block)
   checks.check_positive_int("top_k", top_k)
+  checks.check_positive_int("query_block", query_block)
+  if block % query_block:
+    raise ValueError(
+        f"query_block={query_block} must divide block={block}: a row of "
+        "queries sharing one choice must lie inside one key block (its own "
+        "block). Pick a divisor of block, or query_block=1.")
 
 
 def _as_causal_mask(mask, is_causal: bool) -> Mask:
@@ -203,23 +223,58 @@ def _query_positions(mask: Mask, b: int, n: int, t: int, s: int):
   return start[..., None] + jnp.arange(t, dtype=jnp.int32)[None, None, :]
 
 
-def gate_scores(q, k, mask: Mask | None = None, *, block: int) -> jax.Array:
-  """MoBA's gate ``[B, N, T, nks]``: ``q_t . mean(K_m)`` over each block's
-  real keys, ``+inf`` at a query's own block, ``-inf`` at future blocks and
-  at blocks with no real key (never chosen). Not differentiated.
+def _real_queries(mask: Mask, b: int, n: int, t: int) -> jax.Array:
+  """bool ``[B|1, N|1, T]``: the queries below ``q_lengths`` (all without)."""
+  if mask.q_lengths is None:
+    return jnp.ones((1, 1, t), bool)
+  lengths = _two_dims("q_lengths", mask.q_lengths, b, n)
+  return jnp.arange(t)[None, None, :] < lengths[..., None]
+
+
+def _row_queries(q, mask: Mask, query_block: int):
+  """``(mean query [B, N, nqs, H], bool [B|1, N|1, nqs]: rows holding a
+  real query)``: each row's mean over its real queries (padding, which
+  may hold anything, is zeroed, not weighted by 0)."""
+  (b, n, t, h), g = q.shape, query_block
+  nqs = -(-t // g)
+  real = _real_queries(mask, b, n, t)  # [B|1, N|1, T]
+  pad = ((0, 0), (0, 0), (0, nqs * g - t))
+  real = jnp.pad(real, pad)
+  q = jnp.where(real[..., None], jnp.pad(q, pad + ((0, 0),)), 0)
+  count = real.reshape(real.shape[:2] + (nqs, g)).sum(-1)  # [B|1, N|1, nqs]
+  sums = q.reshape(b, n, nqs, g, h).sum(-2)  # [B, N, nqs, H]
+  return sums / jnp.maximum(count, 1)[..., None].astype(q.dtype), count > 0
+
+
+def gate_scores(q, k, mask: Mask | None = None, *, block: int,
+                query_block: int = 1) -> jax.Array:
+  """MoBA's gate ``[B, N, nqs, nks]``: ``q_t . mean(K_m)`` over each
+  block's real keys, ``+inf`` at a query's own block, ``-inf`` at future
+  blocks and at blocks with no real key (never chosen). Not
+  differentiated.
 
   Args:
     q: ``[B, N, T, H]`` queries; k: ``[B, K, S, H]`` keys.
     mask: a causal ``aj.Mask`` (None: causal): its positions, ``kv_lengths``
       and key-padding ``dense`` array place and pad the keys.
     block: ``c``, the keys per block.
+    query_block: ``g``, queries per row (``nqs = ceil(T / g)`` rows; 1: a
+      row per query, the paper's gate): a row scores blocks by its mean
+      real query (below ``q_lengths``); a row with none chooses only its
+      own block. ``g`` divides ``block`` and ``S - T``; no positions.
   """
-  _check_sizes(block, 1)
+  _check_sizes(block, 1, query_block)
   mask = _as_causal_mask(mask, False)
   (b, n, t, _), (_, kh, s, _) = q.shape, k.shape
   g, nks = n // kh, -(-s // block)
+  _check_rows(query_block, mask, t, s)
   dtype = checks.compute_dtype(q, k)
   q, k = (jax.lax.stop_gradient(jnp.asarray(x, dtype)) for x in (q, k))
+  positions = _query_positions(mask, b, n, t, s)  # [B|1, N|1, T]
+  if query_block > 1:  # a row's mean query, placed at its first query
+    q, rows_real = _row_queries(q, mask, query_block)  # [B, N, nqs, H]
+    positions = positions[..., ::query_block]
+    t = q.shape[2]
   valid = _key_columns(mask, b, n, s)  # [B, 1|N, S]
   if mask.kv_offset is not None:
     k, valid = _at_positions(k, valid, mask.kv_offset)
@@ -241,14 +296,34 @@ def gate_scores(q, k, mask: Mask | None = None, *, block: int) -> jax.Array:
     sums = jnp.einsum("BKGMC,BKMCH->BKGMH", weights, k)
     means = sums / jnp.maximum(count, 1).reshape(b, kh, g, nks, 1)
     gate = jnp.einsum("BKGTH,BKGMH->BKGTM", qg, means)
-  gate = gate.reshape(b, n, t, nks)  # [B, N, T, nks]
-  own = (_query_positions(mask, b, n, t, s) // block)[..., None]
+  gate = gate.reshape(b, n, t, nks)  # [B, N, T|nqs, nks]
+  own = (positions // block)[..., None]
   blocks = jnp.arange(nks)[None, None, None, :]  # [1, 1, 1, nks]
   empty = (count == 0)[:, :, None, :]  # [B, 1|N, 1, nks]
   # A gate that is not a number (NaN queries on a padded row) chooses
   # nothing rather than poisoning the top-k.
   gate = jnp.where(jnp.isnan(gate) | (blocks > own) | empty, -jnp.inf, gate)
+  if query_block > 1:  # a row of padding alone: its own block only
+    gate = jnp.where(rows_real[..., None], gate, -jnp.inf)
   return jnp.where(blocks == own, jnp.inf, gate)
+
+
+def _check_rows(query_block: int, mask: Mask, t: int, s: int) -> None:
+  """Rows of ``query_block`` queries must each lie in one key block."""
+  if query_block == 1:
+    return
+  if mask.positioned:
+    raise ValueError(
+        f"query_block={query_block} chooses per row of {query_block} "
+        "queries by their mean, but the mask places its queries "
+        "(q_offset/kv_offset: a KV-cache decoding step), whose rows the "
+        "call does not hold whole. Train and prefill with query_block; "
+        "decode with query_block=1.")
+  if (s - t) % query_block:
+    raise ValueError(
+        f"query_block={query_block} must divide S - T = {s} - {t} (queries "
+        "stand bottom-right, at i + S - T): a row of queries must start at "
+        "a multiple of query_block to lie inside one key block.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,27 +345,28 @@ class _ChosenAtPositions:
     return inside & chosen[b, h, row, jnp.clip(col, 0, self.blocks - 1)]
 
 
-def _default_block_k(block: int) -> int:
-  """The largest divisor of ``block`` up to 128 (a flash key block lies in
-  one MoBA block); ``block`` itself when that divisor is below 16."""
-  best = max(d for d in range(1, min(block, _MAX_BLOCK_K) + 1)
-             if block % d == 0)
+def _default_block_k(block: int, most: int = _MAX_BLOCK_K) -> int:
+  """The largest divisor of ``block`` up to ``most`` (a flash key block
+  lies in one MoBA block); ``block`` itself when that divisor is below
+  16."""
+  best = max(d for d in range(1, min(block, most) + 1) if block % d == 0)
   return best if best >= 16 or best == block else block
 
 
 def moba_selection(q, k, mask: Mask | None = None, *, block: int,
-                   top_k: int) -> jax.Array:
-  """bool ``[B, N, T, nks]``: the key blocks each query reads (its own
-  block and the ``top_k - 1`` past blocks of highest gate; see
-  ``gate_scores``)."""
-  _check_sizes(block, top_k)
-  return selection.top_k_mask(gate_scores(q, k, mask, block=block), top_k)
+                   top_k: int, query_block: int = 1) -> jax.Array:
+  """bool ``[B, N, nqs, nks]``: the key blocks each row of queries reads
+  (its own block and the ``top_k - 1`` past blocks of highest gate; see
+  ``gate_scores``; ``nqs = T`` with ``query_block=1``)."""
+  _check_sizes(block, top_k, query_block)
+  return selection.top_k_mask(
+      gate_scores(q, k, mask, block=block, query_block=query_block), top_k)
 
 
 def moba_attention(q, k, v, mask: Mask | None = None, *, block: int,
                    top_k: int, scale: Any = None, implementation: Any = None,
                    block_q: int | None = None, block_k: int | None = None,
-                   **options):
+                   query_block: int = 1, **options):
   """MoBA: causal attention over each query's ``top_k`` gated key blocks.
 
   Args:
@@ -311,7 +387,12 @@ def moba_attention(q, k, v, mask: Mask | None = None, *, block: int,
       ``"flash"``: walks only the chosen blocks; None: automatic).
     block_q, block_k: the blockwise kernels' blocks when no positions are
       given (default ``min(block, 128)`` queries and the largest divisor of
-      ``block`` up to 128 keys); ``block_k`` divides ``block``.
+      ``block`` up to 128 keys; with ``query_block``, ``aj.select_blocks``'
+      rows and up to 256 keys); ``block_k`` divides ``block``.
+    query_block: ``g``, queries that share one choice by their mean query
+      (1: the paper's per-query gate; see the module docstring). ``g``
+      divides ``block`` and ``S - T``; a decoding step (positions) is
+      refused.
     **options: ``scaled_dot_product_attention``'s other options (``bias``,
       ``score_mod``, ``sinks``, dropout, ``return_lse``, ...), passed on:
       they change the scores the attention reads, not the gate.
@@ -326,23 +407,30 @@ def moba_attention(q, k, v, mask: Mask | None = None, *, block: int,
     TypeError: ``block``/``top_k`` not ints, a mask that is not an
       ``aj.Mask``.
   """
-  _check_sizes(block, top_k)
+  _check_sizes(block, top_k, query_block)
   q, k, v = (jnp.asarray(x) for x in (q, k, v))
   _check_operands(q, k, v)
   mask = _as_causal_mask(mask, options.pop("is_causal", False))
   (_, _, t, _), s = q.shape, k.shape[2]
+  _check_rows(query_block, mask, t, s)
   for name, value in (("block_q", block_q), ("block_k", block_k)):
     if value is not None and mask.positioned:
       raise ValueError(
           f"{name}={value} sets a block table's blocks, but a mask with "
           "positions (q_offset/kv_offset) holds the selection as a plain "
           "rule without tables: leave it out while decoding.")
-  chosen = moba_selection(q, k, mask, block=block, top_k=top_k)
+  chosen = moba_selection(q, k, mask, block=block, top_k=top_k,
+                          query_block=query_block)
   if mask.positioned:  # a decoding step: the choice evaluated at positions
     q_offset = _two_dims("q_offset", 0 if mask.q_offset is None
                          else mask.q_offset, *q.shape[:2])
     rule = MaskRule(_ChosenAtPositions(block, chosen.shape[-1]),
                     (chosen, q_offset))
+  elif query_block > 1:  # rows choose together: whole kernel blocks
+    rule = selection.select_blocks(
+        chosen, q_len=t, kv_len=s, key_block=block, query_block=query_block,
+        block_q=block_q, block_k=_default_block_k(
+            block, _MAX_ROWS_BLOCK_K) if block_k is None else block_k)
   else:
     rule = selection.select_blocks(
         chosen, q_len=t, kv_len=s, key_block=block, query_block=1,
@@ -362,6 +450,7 @@ class MobaAttentionFn:
   implementation: Any = None
   block_q: int | None = None
   block_k: int | None = None
+  query_block: int = 1
 
   def __call__(self, q, k, v, mask, **options):
     # A decoding step's mask gives positions: its selection is a rule
@@ -371,12 +460,14 @@ class MobaAttentionFn:
         q, k, v, mask, block=self.block, top_k=self.top_k,
         implementation=self.implementation,
         block_q=self.block_q if whole else None,
-        block_k=self.block_k if whole else None, **options)
+        block_k=self.block_k if whole else None,
+        query_block=self.query_block, **options)
 
 
 def moba_attention_fn(block: int, top_k: int, implementation: Any = None, *,
                       block_q: int | None = None,
-                      block_k: int | None = None) -> MobaAttentionFn:
+                      block_k: int | None = None,
+                      query_block: int = 1) -> MobaAttentionFn:
   """An ``attention_fn`` running MoBA, for the attention layers.
 
   ``aj.MultiHeadAttention(..., attention_fn=aj.moba_attention_fn(64, 3))``
@@ -386,18 +477,21 @@ def moba_attention_fn(block: int, top_k: int, implementation: Any = None, *,
   cache's positions). A paged or ring-buffer cache is refused. Arguments
   as ``moba_attention``'s, checked here, once; ``block_q``/``block_k``
   set the whole calls' flash blocks (a decoding step's selection is a
-  rule without tables, blocked by the kernel).
+  rule without tables, blocked by the kernel). With ``query_block > 1``
+  the layer trains and prefills, and refuses to decode (one query is not
+  a row).
 
   Example:
     >>> fn = moba_attention_fn(64, 3, "flash")
     >>> fn.block, fn.top_k
     (64, 3)
   """
-  _check_sizes(block, top_k)
+  _check_sizes(block, top_k, query_block)
   for name, value in (("block_q", block_q), ("block_k", block_k)):
     if value is not None:
       checks.check_positive_int(name, value)
   if block_k is not None and block % block_k:
     raise ValueError(f"block_k={block_k} must divide block={block}.")
-  return MobaAttentionFn(block, top_k, implementation, block_q, block_k)
+  return MobaAttentionFn(block, top_k, implementation, block_q, block_k,
+                         query_block)
 
