@@ -201,6 +201,10 @@ EXHAUSTIVE = {
     "tests/test_benchmark_decode_smoke.py": (
         "GpuCheckSmokeTest::test_quick_mode",
         "GpuCheckSmokeTest::test_pattern_timings"),
+    # The MoBA benchmark's tiny run (its visited-block count runs by
+    # default; its programs are moba_attention's, tested in test_moba).
+    "tests/test_benchmark_sparse_smoke.py": (
+        "SparseBenchmarkTest::test_a_tiny_run",),
     # LongRoPE past its original context while decoding (within it runs by
     # default; the scaling formula itself in test_rope_variants).
     "tests/test_rope_longrope_mrope.py": (

@@ -1,28 +1,39 @@
-"""Block-sparse attention from data against full causal flash attention.
+"""MoBA's block selection against full causal flash attention, at length.
 
 Shape glossary: B batch, N heads, T = S sequence length, H head dim; bq/bk
-the flash blocks; nq = T / bq query blocks, nk = S / bk key blocks; k the
-key blocks each query block reads.
+the flash blocks; c the keys of a MoBA block, nks = T / c of them; k the
+blocks a query reads.
 
-One process, one call shape (B1 N8 H64 float32, causal, the flash kernel
-at bq x bk blocks): the full causal call against the same call whose
-mask holds a selection computed inside the timed function (a MoBA-style
-gate at query-block granularity: each query block's mean query against
-each key block's mean key, top-k among the past blocks, its own block
-always), so the times include the selection. Forward and forward +
-backward (the gradient of ``sum(out)`` w.r.t. q, k, v), timed in turns
-(full, selected, full, ...), the median of the repeats reported with the
-spread. The compiled programs' temporary memory (XLA's own count,
-``memory_analysis``) at each T shows how memory grows with T.
+One process, one call shape (B1 N8 H64 float32, causal): the full causal
+flash call against ``aj.moba_attention`` reading ``k = nks / 8`` of the
+blocks (its own included), the gate and the selection computed inside the
+timed function, two ways:
+
+- ``rows``: rows of ``c`` queries choose together by their mean query
+  (``query_block=c``), so the flash walk (bq x bk = c x 256) reads the
+  chosen blocks wholly and nothing else: the selection at query-block
+  granularity;
+- ``per query``: the paper's gate, each query choosing for itself, so a
+  kernel block of queries (128 x 128) visits the union of its queries'
+  choices, with the choice evaluated inside each visited block.
+
+Forward and forward + backward (the gradient of ``sum(out)`` w.r.t. q, k,
+v), timed in turns (every program once a turn), the median of the turns
+reported with the spread of the per-turn ratio. "Blocks visited" is the
+kernel blocks the walk visits (non-empty in its tables, averaged over
+heads) against those causality leaves. The compiled programs' temporary
+memory (XLA's own count, ``memory_analysis``) at each T shows how memory
+grows with T.
 
   python -m benchmarks.sparse                       # T = 4096, 16384
-  python -m benchmarks.sparse --lengths=16384 --repeats=3 --write_docs
+  python -m benchmarks.sparse --lengths=4096,16384 --repeats=3 --write_docs
 
 ``--write_docs`` rewrites the table in docs/performance.md.
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
 import statistics
 import time
@@ -31,81 +42,84 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import attention_jax as aj
+from attention_jax.layers import moba
 from benchmarks import decode
 from benchmarks import host
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "performance.md"
 START = "<!-- sparse-benchmark:start -->"
 END = "<!-- sparse-benchmark:end -->"
+# The ways of choosing: name -> (query_block (0: the MoBA block), the
+# flash blocks (None: moba_attention's defaults)).
+WAYS = {"rows": (0, 256), "per query": (1, None)}
 
 
-def block_gate_selection(q, k, *, block_q: int, block_k: int, top_k: int):
-  """``aj.select_blocks`` of each query block's top-``top_k`` key blocks by
-  ``mean(Q_block) . mean(K_block)`` (past blocks only, its own block
-  always): bool ``[B, N, nq, nk]`` tables, no ``[T, S]`` array."""
-  b, n, t, h = q.shape
-  s = k.shape[-2]
-  nq, nk = t // block_q, s // block_k
-  q_mean = q.reshape(b, n, nq, block_q, h).mean(-2)  # [B, N, nq, H]
-  k_mean = k.reshape(b, k.shape[1], nk, block_k, h).mean(-2)  # [B, K, nk, H]
-  k_mean = jnp.repeat(k_mean, n // k.shape[1], axis=1)
-  gate = jnp.einsum("BNQH,BNKH->BNQK", q_mean, k_mean)  # [B, N, nq, nk]
-  # Query block i ends at key (i + 1) * bq - 1 (S = T): key blocks that
-  # start after it are the future; the block holding that key is its own.
-  last = ((jnp.arange(nq) + 1) * block_q - 1) // block_k  # [nq]
-  cols = jnp.arange(nk)
-  gate = jnp.where(cols[None, :] > last[:, None], -jnp.inf, gate)
-  gate = jnp.where(cols[None, :] == last[:, None], jnp.inf, gate)
-  chosen = aj.top_k_mask(gate, top_k)
-  return aj.select_blocks(chosen, q_len=t, kv_len=s, key_block=block_k,
-                          query_block=block_q, block_q=block_q,
-                          block_k=block_k)
+def _options(way: str, block: int):
+  query_block, block_k = WAYS[way]
+  return dict(query_block=query_block or block,
+              block_k=block_k and math.gcd(block_k, block))
 
 
-def programs(t: int, *, heads: int, head_dim: int, block_q: int,
-             block_k: int, top_k: int):
-  """``{name: jitted fn(q, k, v)}`` for the four timed calls."""
-  flash = aj.kernels.Flash(block_q=block_q, block_k=block_k)
+def programs(*, block: int, top_k: int, ways):
+  """``{name: jitted fn(q, k, v)}``: the full call and each way, forward
+  and forward + backward."""
+  flash = aj.kernels.Flash(block_q=block, block_k=math.gcd(256, block))
 
   def full(q, k, v):
     return aj.scaled_dot_product_attention(q, k, v, aj.Mask(causal=True),
                                            implementation=flash)
 
-  def selected(q, k, v):
-    sel = block_gate_selection(q, k, block_q=block_q, block_k=block_k,
-                               top_k=top_k)
-    return aj.scaled_dot_product_attention(
-        q, k, v, aj.Mask(causal=True, rule=sel), implementation=flash)
+  def chosen(way):
+    def fn(q, k, v):
+      return aj.moba_attention(q, k, v, block=block, top_k=top_k,
+                               implementation="flash",
+                               **_options(way, block))
+    return fn
 
   def both(fn):
     return jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))
 
-  del t, heads, head_dim
-  return {"full fwd": jax.jit(full), "selected fwd": jax.jit(selected),
-          "full fwd+bwd": jax.jit(both(full)),
-          "selected fwd+bwd": jax.jit(both(selected))}
+  calls = {"full": full} | {way: chosen(way) for way in ways}
+  fns = {}
+  for name, fn in calls.items():
+    fns[(name, "fwd")] = jax.jit(fn)
+    fns[(name, "fwd+bwd")] = jax.jit(both(fn))
+  return fns
 
 
-def visited_share(t: int, block_q: int, block_k: int, top_k: int) -> float:
-  """The selected blocks' share of the causal ones (per query block)."""
-  nq = t // block_q
-  causal = [((i + 1) * block_q - 1) // block_k + 1 for i in range(nq)]
-  return sum(min(top_k, c) for c in causal) / sum(causal)
+def visited_share(q, k, *, block: int, top_k: int, way: str) -> float:
+  """Kernel blocks the walk visits (its tables' non-empty ones, mean over
+  heads) over those causality leaves."""
+  t = q.shape[2]
+  opts = _options(way, block)
+  chosen = moba.moba_selection(q, k, block=block, top_k=top_k,
+                               query_block=opts["query_block"])
+  bq = opts["query_block"] if way == "rows" else min(block, moba._MAX_BLOCK_Q)
+  bk = opts["block_k"] or moba._default_block_k(block)
+  sel = aj.select_blocks(chosen, q_len=t, kv_len=t, key_block=block,
+                         query_block=opts["query_block"], block_q=bq,
+                         block_k=bk)
+  rows = np.arange(t // bq)
+  causal = ((rows + 1) * bq - 1) // bk + 1  # key blocks up to the diagonal
+  cols = np.arange(t // bk)
+  inside = cols[None, :] < causal[:, None]
+  visited = (np.asarray(sel.kinds) != aj.kernels.base.intervals.EMPTY)
+  return float((visited & inside).sum(axis=(-2, -1)).mean() / inside.sum())
 
 
-def run(lengths, *, heads=8, head_dim=64, block_q=512, block_k=256,
-        fraction=8, repeats=3):
+def run(lengths, *, heads=8, head_dim=64, block=512, fraction=8, repeats=3,
+        ways=tuple(WAYS)):
   rows = []
   for t in lengths:
-    nk = t // block_k
-    top_k = max(1, nk // fraction)
+    nks = t // block
+    top_k = max(1, nks // fraction)
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (1, heads, t, head_dim), jnp.float32)
                for key in keys)
-    fns = programs(t, heads=heads, head_dim=head_dim, block_q=block_q,
-                   block_k=block_k, top_k=top_k)
+    fns = programs(block=block, top_k=top_k, ways=ways)
     temp = {}
     for name, fn in fns.items():
       compiled = fn.lower(q, k, v).compile()
@@ -118,44 +132,47 @@ def run(lengths, *, heads=8, head_dim=64, block_q=512, block_k=256,
         start = time.perf_counter()
         jax.block_until_ready(fn(q, k, v))
         times[name].append(time.perf_counter() - start)
-    med = {n: statistics.median(x) for n, x in times.items()}
-    rows.append(dict(
-        t=t, top_k=top_k, nk=nk, share=visited_share(t, block_q, block_k,
-                                                     top_k),
-        times=times, median=med, temp=temp,
-        fwd_ratio=med["selected fwd"] / med["full fwd"],
-        both_ratio=med["selected fwd+bwd"] / med["full fwd+bwd"],
-        ratios=[s / f for s, f in zip(times["selected fwd+bwd"],
-                                      times["full fwd+bwd"])]))
+    for way in ways:
+      row = dict(t=t, way=way, top_k=top_k, nks=nks, temp=temp,
+                 share=visited_share(q, k, block=block, top_k=top_k,
+                                     way=way))
+      for part in ("fwd", "fwd+bwd"):
+        full, mine = times[("full", part)], times[(way, part)]
+        ratios = [m / f for m, f in zip(mine, full)]
+        row[part] = (statistics.median(full), statistics.median(mine),
+                     statistics.median(mine) / statistics.median(full),
+                     min(ratios), max(ratios))
+      rows.append(row)
   return rows
 
 
-def table(rows, *, heads, head_dim, block_q, block_k, repeats) -> str:
+def table(rows, *, heads, head_dim, block, repeats) -> str:
   lines = [
-      f"B1 N{heads} H{head_dim} float32, causal, flash blocks {block_q} x "
-      f"{block_k}; selected: 1/8 of the key blocks per query block (its "
-      f"own included), the selection computed in the timed call; median of "
-      f"{repeats} turns (min-max of the per-turn ratio in brackets). "
-      f"Machine: {decode.machine()}; load average "
-      f"{host.format_load([host.load_average()])}.",
+      f"B1 N{heads} H{head_dim} float32, causal; `aj.moba_attention` with "
+      f"blocks of {block} keys, 1/8 of them read per query (its own "
+      f"included), the gate and the selection computed in the timed call; "
+      f"rows: {block} queries choose together (`query_block={block}`, flash "
+      f"blocks {block} x 256, as the full call's); per query: the paper's "
+      f"gate (flash blocks 128 x 128). Median of {repeats} turns (min-max "
+      f"of the per-turn ratio in brackets). Machine: {decode.machine()}; "
+      f"load average {host.format_load([host.load_average()])}.",
       "",
-      "| T | blocks read / causal | full fwd s | selected fwd s | ratio | "
-      "full fwd+bwd s | selected fwd+bwd s | ratio | temp MiB full / "
-      "selected (fwd+bwd) |",
-      "|---|---|---|---|---|---|---|---|---|"]
+      "| T | MoBA choice | kernel blocks visited / causal | full fwd s | "
+      "MoBA fwd s | ratio | full fwd+bwd s | MoBA fwd+bwd s | ratio | temp "
+      "MiB full / MoBA (fwd+bwd) |",
+      "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    m = r["median"]
     mib = lambda x: "n/a" if x is None else f"{x / 2**20:.0f}"  # noqa: E731
-    fwd = [s / f for s, f in zip(r["times"]["selected fwd"],
-                                 r["times"]["full fwd"])]
+    cells = []
+    for part in ("fwd", "fwd+bwd"):
+      full, mine, ratio, low, high = r[part]
+      cells.append(f"{full:.2f} | {mine:.2f} | {ratio:.2f} ({low:.2f}-"
+                   f"{high:.2f})")
     lines.append(
-        f"| {r['t']} | {r['top_k']}/{r['nk']} blocks, {r['share']:.2f} of "
-        f"causal | {m['full fwd']:.2f} | {m['selected fwd']:.2f} | "
-        f"{r['fwd_ratio']:.2f} ({min(fwd):.2f}-{max(fwd):.2f}) | "
-        f"{m['full fwd+bwd']:.2f} | {m['selected fwd+bwd']:.2f} | "
-        f"{r['both_ratio']:.2f} ({min(r['ratios']):.2f}-"
-        f"{max(r['ratios']):.2f}) | {mib(r['temp']['full fwd+bwd'])} / "
-        f"{mib(r['temp']['selected fwd+bwd'])} |")
+        f"| {r['t']} | {r['way']}: top {r['top_k']} of {r['nks']} | "
+        f"{r['share']:.2f} | {cells[0]} | {cells[1]} | "
+        f"{mib(r['temp'][('full', 'fwd+bwd')])} / "
+        f"{mib(r['temp'][(r['way'], 'fwd+bwd')])} |")
   return "\n".join(lines) + "\n"
 
 
@@ -163,17 +180,18 @@ _LENGTHS = flags.DEFINE_list("lengths", ["4096", "16384"], "T values.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed turns.", lower_bound=1)
 _HEADS = flags.DEFINE_integer("heads", 8, "N.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "H.")
-_BLOCK_Q = flags.DEFINE_integer("block_q", 512, "Flash query block.")
-_BLOCK_K = flags.DEFINE_integer("block_k", 256, "Flash key block.")
+_BLOCK = flags.DEFINE_integer("block", 512, "MoBA's block of keys.")
+_WAYS = flags.DEFINE_multi_enum("ways", list(WAYS), list(WAYS),
+                                "The ways of choosing to time.")
 _WRITE_DOCS = flags.DEFINE_bool("write_docs", False,
                                 "Rewrite the table in docs/performance.md.")
 
 
 def main(argv):
   del argv
-  kw = dict(heads=_HEADS.value, head_dim=_HEAD_DIM.value,
-            block_q=_BLOCK_Q.value, block_k=_BLOCK_K.value)
-  rows = run([int(x) for x in _LENGTHS.value], repeats=_REPEATS.value, **kw)
+  kw = dict(heads=_HEADS.value, head_dim=_HEAD_DIM.value, block=_BLOCK.value)
+  rows = run([int(x) for x in _LENGTHS.value], repeats=_REPEATS.value,
+             ways=tuple(_WAYS.value), **kw)
   text = table(rows, repeats=_REPEATS.value, **kw)
   print(text)
   if _WRITE_DOCS.value:

@@ -14,6 +14,9 @@ same steps with each attention:
 * ``dense``: causal attention (the flash kernel);
 * ``moba``: ``aj.moba_attention``: each query reads its ``top_k`` key
   blocks of ``c`` by a mean-pooled gate, its own block included;
+* ``moba_rows``: the same with rows of ``c`` queries choosing together by
+  their mean query (``query_block=c``), so the flash walk reads exactly
+  the chosen blocks;
 * ``nsa``: ``aj.NativeSparseAttention``: compressed, selected (top-n blocks
   of ``c`` per key/value head) and sliding-window branches, gated;
 * ``dsa``: DeepSeek's lightning indexer (``aj.LightningIndexer``) picks each
@@ -50,7 +53,7 @@ from experiments import report
 from experiments import training
 from experiments import transformer
 
-VARIANTS = ("dense", "moba", "nsa", "dsa")
+VARIANTS = ("dense", "moba", "moba_rows", "nsa", "dsa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,12 +162,16 @@ class Attention(nnx.Module):
                                             implementation="flash")
       if self.variant == "dsa":  # the warm-up: the KL over every key
         loss = self.indexer.loss(x, q, k, scale=self.head_dim ** -0.5)
-    elif self.variant == "moba":
-      out = aj.moba_attention(q, k, v, causal, block=self.config.block,
+    elif self.variant in ("moba", "moba_rows"):
+      c = self.config.block
+      rows = c if self.variant == "moba_rows" else 1
+      out = aj.moba_attention(q, k, v, causal, block=c,
                               top_k=self.config.top_k_blocks,
-                              implementation="flash")
-      chosen = aj.moba_selection(q, k, causal, block=self.config.block,
-                                 top_k=self.config.top_k_blocks)
+                              implementation="flash", query_block=rows)
+      chosen = aj.moba_selection(q, k, causal, block=c,
+                                 top_k=self.config.top_k_blocks,
+                                 query_block=rows)
+      chosen = jnp.repeat(chosen, rows, axis=2)[:, :, :t]  # [B, N, T, nk]
     else:  # dsa, sparse stage
       indices, selection = self.indexer(x)
       # The gathered kernel: each query over its k chosen keys, O(T * k).

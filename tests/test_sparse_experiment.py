@@ -69,7 +69,7 @@ class BlockShareTest(absltest.TestCase):
         self.assertGreater(result["step_seconds"], 0, name)
         self.assertLen(result["step_seconds_turns"], TINY.timed_turns)
       self.assertEqual(variants["dense"]["block_share"], 1.0)
-      for name in ("moba", "nsa"):  # 3 of up to 4 blocks: some unread
+      for name in ("moba", "moba_rows", "nsa"):  # 3 of up to 4: some unread
         self.assertLess(variants[name]["block_share"], 1.0, name)
       # DSA's indexer learns by its KL loss (reported every step).
       kl = [h["indexer_loss"] for h in variants["dsa"]["history"]]
