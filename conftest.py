@@ -200,11 +200,32 @@ EXHAUSTIVE = {
     # by default: the paged level, a dropped mask caught).
     "tests/test_benchmark_decode_smoke.py": (
         "GpuCheckSmokeTest::test_quick_mode",
-        "GpuCheckSmokeTest::test_pattern_timings"),
+        "GpuCheckSmokeTest::test_pattern_timings",
+        "DecodeSmokeTest::test_tiny_run_checks_times_and_writes_docs"),
     # The MoBA benchmark's tiny run (its visited-block count runs by
     # default; its programs are moba_attention's, tested in test_moba).
     "tests/test_benchmark_sparse_smoke.py": (
         "SparseBenchmarkTest::test_a_tiny_run",),
+    # The benchmarks' tiny presets end to end (5-15 CPU-s each): what they
+    # time is the library's calls, tested by default; their report
+    # helpers run by default in the smoke files' other tests.
+    "tests/test_benchmark_structured_smoke.py": (
+        "StructuredBenchmarkSmokeTest::test_tiny_preset_writes_its_tables",),
+    "tests/test_benchmark_smoke.py": (
+        "BenchmarkSmokeTest::test_tiny_preset_writes_its_table",
+        "BenchmarkSmokeTest::test_ring_memory_writes_its_table"),
+    "tests/test_benchmark_serving_smoke.py": (
+        "ServingBenchmarkSmokeTest::test_paged_rows",),
+    # An int8 paged cache through the layer (the int8 pages against what
+    # was stored, and their error against float pages, run by default in
+    # test_quantized_pages).
+    "tests/test_modules_paged.py": (
+        "PagedModuleTest::test_an_int8_cache_decodes_close_to_the_float_one",),
+    # The latent layer's paged-cache example, eager (the same calls run
+    # jitted by default in test_latent).
+    "attention_jax/layers/latent_module.py": (
+        "attention_jax.layers.latent_module.MultiHeadLatentAttention."
+        "init_paged_cache",),
     # LongRoPE past its original context while decoding (within it runs by
     # default; the scaling formula itself in test_rope_variants).
     "tests/test_rope_longrope_mrope.py": (
