@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_jax as aj
+from attention_jax.masking import selection
 from tests import _data
 
 B, N, K, H = 2, 4, 2, 8
@@ -102,6 +103,55 @@ class WalkTest(chex.TestCase):
     visited = why.full + why.partial
     self.assertEqual(visited, B * N * (2 * nq - 1))
     self.assertEqual(why.partial, B * N * nq)  # the diagonal blocks
+
+
+class ExactTablesTest(chex.TestCase):
+  """Rows of a kernel block's size choosing whole kernel blocks: the flash
+  walk follows the tables alone (no rule evaluated, no per-block branch)
+  and must still equal the dense kernel, which evaluates the rule."""
+
+  def test_whole_blocks_equal_dense_in_every_mode(self):
+    t = s = 40
+    bq, c, bk = 8, 8, 4  # a selected block is two kernel key blocks
+    q, k, v = _qkv(t, s, seed=9)
+    nqs = nks = t // bq
+    # Per key/value head: the own block and random past ones; a window of
+    # 17 cuts blocks at both ends of each row's range (masked, full and
+    # masked again), key lengths and sinks too.
+    past = np.tril(np.ones((nqs, nks), bool))
+    chosen = (np.asarray(_data.normal(10, (B, K, nqs, nks))) > 0) & past
+    chosen |= np.eye(nqs, nks, dtype=bool)
+    sel = aj.select_blocks(jnp.asarray(chosen), q_len=t, kv_len=s,
+                           key_block=c, query_block=bq, group=N // K,
+                           block_q=bq, block_k=bk)
+    self.assertTrue(selection.exact_tables(sel))
+    mask = aj.Mask(causal=True, window=(17, 0),
+                   kv_lengths=jnp.array([40, 29]), rule=sel)
+    sinks = _data.normal(11, (N,))
+    cot = _data.normal(12, (B, N, t, H))
+    tangents = tuple(_data.normal(13 + i, x.shape)
+                     for i, x in enumerate((q, k, v)))
+
+    def run(kernel):
+      def attend(q, k, v):
+        return aj.scaled_dot_product_attention(
+            q, k, v, mask, sinks=sinks, implementation=kernel,
+            return_lse=True)
+      (out, lse), pull = jax.vjp(attend, q, k, v)
+      grads = pull((cot, jnp.zeros_like(lse)))
+      _, (d_out, d_lse) = jax.jvp(attend, (q, k, v), tangents)
+      return out, lse, grads, d_out, d_lse
+
+    got = jax.jit(lambda: run(aj.kernels.Flash(block_q=bq, block_k=bk)))()
+    want = jax.jit(lambda: run("dense"))()
+    # float32 both ways, sums of at most 40 terms in another order.
+    chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+
+  def test_rows_finer_than_a_kernel_block_are_not_exact(self):
+    chosen = jnp.ones((4, 2), bool)
+    sel = aj.select_blocks(chosen, q_len=16, kv_len=16, key_block=8,
+                           query_block=4, block_q=8)
+    self.assertFalse(selection.exact_tables(sel))
 
 
 class PagedStepTest(chex.TestCase):

@@ -99,6 +99,7 @@ from attention_jax.core import dropout
 from attention_jax.core import linear_map
 from attention_jax.kernels import base
 from attention_jax.masking import intervals
+from attention_jax.masking import selection
 from attention_jax.scores import score_mods
 
 
@@ -406,7 +407,7 @@ def _block_logits(st: Static, qi, kj, i0, j0, ex: base.Head, place: Place,
                               kv_segment_ids))
   if ex.dense is not None:
     ok = both(_tile(ex.dense, i0, j0, st.bq, st.bk))
-  if ex.rule is not None:
+  if ex.rule is not None and not selection.exact_tables(ex.rule):
     ok = both(jnp.broadcast_to(ex.rule.mask_fn(
         *ex.index, rows + place.q_start, cols + place.kv_start),
                                (st.bq, st.bk)))
@@ -470,7 +471,10 @@ def _walk(st: Static, ex: base.Head, ranges, listed, count: int, body, carry):
 
   ``ranges`` are ``key_ranges``' nested intervals; ``listed`` is a block mask's row
   ``(indices, full flags)`` or None. Empty blocks are never visited; full
-  ones run the body without mask passes (``full=True``, static).
+  ones run the body without mask passes (``full=True``, static). A
+  selection whose tables are exact (``selection.exact_tables``: every
+  listed block wholly selected) is walked as the pattern alone would be:
+  the ranges split its list into masked, full and masked runs.
   """
   if not patterned(st, ex):
     return jax.lax.fori_loop(0, count, lambda j, c: body(j, True, c), carry)
@@ -480,6 +484,17 @@ def _walk(st: Static, ex: base.Head, ranges, listed, count: int, body, carry):
     indices, flags = listed
     first = jnp.searchsorted(indices, lo)
     last = jnp.searchsorted(indices, hi)
+    if ex.dense is None and selection.exact_tables(ex.rule):
+      # Every listed block is wholly selected: the pattern's ranges alone
+      # say which need a mask pass, so no per-block choice (under the
+      # heads' vmap a cond would run both bodies).
+      at = lambda f: lambda n, c: f(indices[n], c)  # noqa: E731
+      mid_lo = jnp.searchsorted(indices, full_lo)
+      mid_hi = jnp.searchsorted(indices, full_hi)
+      carry = jax.lax.fori_loop(first, mid_lo, at(masked), carry)
+      carry = jax.lax.fori_loop(
+          mid_lo, mid_hi, at(lambda j, c: body(j, True, c)), carry)
+      return jax.lax.fori_loop(mid_hi, last, at(masked), carry)
 
     def step(n, c):
       j = indices[n]

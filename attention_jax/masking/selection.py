@@ -309,6 +309,19 @@ def is_selection(rule) -> bool:
                                               _SelectedTokens))
 
 
+def exact_tables(rule) -> bool:
+  """Whether ``rule`` (a kernel's per-head ``BlockMask``) is a block
+  selection whose tables say everything: each kernel block lies inside one
+  selection row and one selected key block, so its kind is ``FULL`` or
+  ``EMPTY``, and a walk that follows the tables need not evaluate the rule
+  (static: read off the selection's settings and the blocks)."""
+  fn = getattr(getattr(rule, "mask_fn", None), "fn", None)
+  if not isinstance(fn, _SelectedBlocks) or rule.kinds is None:
+    return False
+  rows_whole = fn.key_only or fn.rows % rule.block_q == 0
+  return rows_whole and fn.cols % rule.block_k == 0
+
+
 def is_token_selection(rule) -> bool:
   """Whether ``rule`` is a token selection (``select_tokens``)."""
   fn = getattr(rule, "mask_fn", None)
