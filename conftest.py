@@ -218,9 +218,21 @@ EXHAUSTIVE = {
         "ServingBenchmarkSmokeTest::test_paged_rows",),
     # An int8 paged cache through the layer (the int8 pages against what
     # was stored, and their error against float pages, run by default in
-    # test_quantized_pages).
+    # test_quantized_pages); and:
+    # A shared prompt through the layer (read by both holders in
+    # test_paged_attention by default).
     "tests/test_modules_paged.py": (
-        "PagedModuleTest::test_an_int8_cache_decodes_close_to_the_float_one",),
+        "PagedModuleTest::test_an_int8_cache_decodes_close_to_the_float_one",
+        "PagedModuleTest::test_a_shared_prompt_is_stored_once_and_read_by_"
+        "both"),
+    # Merging partial results: the gradients against the union's (the
+    # forward, one part and empty parts run by default).
+    "tests/test_merge.py": ("MergeTest::test_gradients_equal_the_unions",),
+    # The latent functions' scale as concrete and traced arrays (the
+    # module's concrete scalar and the refusals run by default).
+    "tests/test_latent_refusals.py": (
+        "ScaleTest::test_the_functions_take_concrete_and_traced_scalar_"
+        "arrays",),
     # The latent layer's paged-cache example, eager (the same calls run
     # jitted by default in test_latent).
     "attention_jax/layers/latent_module.py": (
