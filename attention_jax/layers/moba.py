@@ -426,16 +426,16 @@ def moba_attention(q, k, v, mask: Mask | None = None, *, block: int,
                          else mask.q_offset, *q.shape[:2])
     rule = MaskRule(_ChosenAtPositions(block, chosen.shape[-1]),
                     (chosen, q_offset))
-  elif query_block > 1:  # rows choose together: whole kernel blocks
+  else:  # rows of query_block queries (1: each query) choose blocks
+    rows = query_block > 1  # whole kernel blocks: select_blocks' rows
+    if block_q is None and not rows:
+      block_q = min(block, _MAX_BLOCK_Q)
+    if block_k is None:
+      block_k = _default_block_k(
+          block, _MAX_ROWS_BLOCK_K if rows else _MAX_BLOCK_K)
     rule = selection.select_blocks(
         chosen, q_len=t, kv_len=s, key_block=block, query_block=query_block,
-        block_q=block_q, block_k=_default_block_k(
-            block, _MAX_ROWS_BLOCK_K) if block_k is None else block_k)
-  else:
-    rule = selection.select_blocks(
-        chosen, q_len=t, kv_len=s, key_block=block, query_block=1,
-        block_q=min(block, _MAX_BLOCK_Q) if block_q is None else block_q,
-        block_k=_default_block_k(block) if block_k is None else block_k)
+        block_q=block_q, block_k=block_k)
   return dot_product.scaled_dot_product_attention(
       q, k, v, mask & Mask(rule=rule), scale=scale,
       implementation=implementation, **options)
